@@ -1,0 +1,67 @@
+"""Matplotlib figures shared by analyze.py reports and the W&B callbacks (headless, Agg backend).
+
+    fig = mean_vectors_figure(mean, outliers={layer: [dims]}, title="MiniLM")   # the paper's Figures 1-2
+    save_figure(fig, "runs/x/mean_vectors.png")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = None, title: str = "",
+                        layers: Sequence[int] | None = None):
+    """The average hidden vector of each layer as bars over dimensions, outlier dimensions marked and labelled.
+
+    mean: [layers, hidden] array or tensor.
+    """
+    mean = np.asarray(mean.detach().cpu() if hasattr(mean, "detach") else mean, dtype=float)
+    layers = list(layers) if layers is not None else list(range(mean.shape[0]))
+    outliers = outliers or {}
+    fig, axes = plt.subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 0.8), sharex=True, squeeze=False)
+    dims = np.arange(mean.shape[1])
+    for ax, layer in zip(axes[:, 0], layers):
+        values = mean[layer]
+        ax.bar(dims, values, width=1.0, color="#4c72b0", linewidth=0)
+        marked = [d for d in outliers.get(layer, []) if 0 <= d < len(values)]
+        if marked:
+            ax.scatter(marked, values[marked], color="#c44e52", s=14, zorder=3)
+            for d in marked[:4]:
+                ax.annotate(str(d), (d, values[d]), textcoords="offset points", xytext=(3, 0), fontsize=7,
+                            color="#c44e52", va="center")
+        ax.axhline(0, color="black", linewidth=0.4)
+        ax.set_ylabel(f"layer {layer}", rotation=0, ha="right", va="center", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("dimension (0-indexed)")
+    axes[-1, 0].set_xlim(-1, mean.shape[1])
+    fig.suptitle(title or "average vector per layer (outlier dimensions in red)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str = "viridis"):
+    """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]."""
+    matrix = np.asarray(matrix.detach().cpu() if hasattr(matrix, "detach") else matrix, dtype=float)
+    fig, ax = plt.subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.5))))
+    image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
+    fig.colorbar(image, ax=ax, fraction=0.025)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -1,0 +1,95 @@
+"""Outlier-dimension detection from NeuronStatistics, by one documented rule.
+
+    layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2, sigma=10.0))
+
+The rule. In layer l, dimension d is an outlier when either
+  (a) d holds the maximum or the minimum value of at least `min_share` of the counted token vectors
+      (the paper's "persistent outlier neurons"), or
+  (b) d's mean lies more than `sigma` robust standard deviations from the median of the layer's mean vector,
+      the robust standard deviation being 1.4826 × the median absolute deviation (so the outliers themselves
+      cannot inflate it; "|mean| above k standard deviations" of Kovaleva et al. 2021, made robust).
+A dimension is *persistent* when it is an outlier in at least half of the hidden-state layers.
+Nothing here knows any model's dimensions: everything is read off the statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from metrics.neuron_stats import NeuronStatisticsResult
+
+
+@dataclass(frozen=True)
+class OutlierRule:
+    min_share: float = 0.2
+    sigma: float = 10.0
+
+    def describe(self) -> str:
+        return (
+            f"argmax or argmin share >= {self.min_share}, or |mean - median(mean)| > {self.sigma} x 1.4826 MAD "
+            "of the layer's mean vector"
+        )
+
+
+@dataclass
+class LayerOutliers:
+    layer: int
+    argmax_dim: int
+    argmax_share: float
+    argmin_dim: int
+    argmin_share: float
+    outlier_dims: list[int]  # ordered by |mean|, largest first
+    outlier_means: list[float] = field(default_factory=list)
+    robust_z: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def robust_z(mean: Tensor) -> Tensor:
+    """|mean - median| in units of 1.4826 MAD (falling back to the std when the MAD is zero). mean: [..., hidden]."""
+    deviation = (mean - mean.median(-1, keepdim=True).values).abs()
+    scale = 1.4826 * deviation.median(-1, keepdim=True).values
+    scale = torch.where(scale > 0, scale, mean.std(-1, keepdim=True))
+    return torch.where(scale > 0, deviation / scale.clamp_min(1e-30), torch.zeros_like(deviation))
+
+
+def detect_outliers(result: NeuronStatisticsResult, rule: OutlierRule = OutlierRule()) -> list[LayerOutliers]:
+    """Per layer: the dominant argmax/argmin dimensions with their shares, and the outlier dimensions."""
+    max_share, min_share = result.argmax_share, result.argmin_share  # [layers, hidden]
+    z = robust_z(result.mean.double())
+    flagged = (max_share >= rule.min_share) | (min_share >= rule.min_share) | (z > rule.sigma)
+    layers = []
+    for layer in range(result.mean.shape[0]):
+        dims = flagged[layer].nonzero().flatten().tolist()
+        dims.sort(key=lambda d: -abs(result.mean[layer, d].item()))
+        layers.append(
+            LayerOutliers(
+                layer=layer,
+                argmax_dim=int(max_share[layer].argmax()),
+                argmax_share=round(float(max_share[layer].max()), 6),
+                argmin_dim=int(min_share[layer].argmax()),
+                argmin_share=round(float(min_share[layer].max()), 6),
+                outlier_dims=dims,
+                outlier_means=[round(float(result.mean[layer, d]), 6) for d in dims],
+                robust_z=[round(float(z[layer, d]), 3) for d in dims],
+            )
+        )
+    return layers
+
+
+def persistent_dims(layers: list[LayerOutliers]) -> list[int]:
+    """Dimensions that are outliers in at least half of the layers, most frequent first."""
+    counts: dict[int, int] = {}
+    for layer in layers:
+        for dim in layer.outlier_dims:
+            counts[dim] = counts.get(dim, 0) + 1
+    needed = (len(layers) + 1) // 2
+    return sorted((d for d, c in counts.items() if c >= needed), key=lambda d: (-counts[d], d))
+
+
+def all_outlier_dims(layers: list[LayerOutliers]) -> list[int]:
+    return sorted({dim for layer in layers for dim in layer.outlier_dims})

@@ -1,0 +1,83 @@
+"""Tiny random BERT / RoBERTa / DistilBERT / ALBERT encoders and tokenizers for unit tests (CPU, seconds).
+
+    tokenizer = bert_tokenizer(tmp_path)                      # WordPiece trained on the bundled corpus
+    path = save_tiny_encoder(tmp_path / "bert", "bert", tokenizer, plant=lambda model: ...)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from datamodules.io import DEFAULT_CORPUS
+
+HIDDEN = 32
+LAYERS = 3
+MAX_POSITIONS = 64
+
+
+def corpus_sentences(n: int = 400, start: int = 0) -> list[str]:
+    with open(DEFAULT_CORPUS, encoding="utf-8") as handle:
+        return [line.strip() for line in itertools.islice(handle, start, start + n)]
+
+
+def bert_tokenizer(directory: Path, vocab_size: int = 600):
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    trainer = BertWordPieceTokenizer(lowercase=True)
+    trainer.train_from_iterator(corpus_sentences(2000), vocab_size=vocab_size, min_frequency=1)
+    trainer.save_model(str(directory))
+    return BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), model_max_length=MAX_POSITIONS)
+
+
+def roberta_tokenizer(directory: Path, vocab_size: int = 600):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import RobertaTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(corpus_sentences(2000), vocab_size=vocab_size, min_frequency=1,
+                                special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    trainer.save_model(str(directory))
+    return RobertaTokenizerFast(vocab_file=str(directory / "vocab.json"), merges_file=str(directory / "merges.txt"),
+                                model_max_length=MAX_POSITIONS - 2)
+
+
+def tiny_config(kind: str, vocab_size: int, **overrides):
+    from transformers import AlbertConfig, BertConfig, DistilBertConfig, RobertaConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=MAX_POSITIONS, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    if kind == "bert":
+        return BertConfig(**{**common, **overrides})
+    if kind == "roberta":
+        return RobertaConfig(**{**common, "max_position_embeddings": MAX_POSITIONS + 2, "pad_token_id": 1,
+                                "bos_token_id": 0, "eos_token_id": 2, "type_vocab_size": 1, **overrides})
+    if kind == "distilbert":
+        return DistilBertConfig(vocab_size=vocab_size, dim=HIDDEN, n_layers=LAYERS, n_heads=4, hidden_dim=64,
+                                max_position_embeddings=MAX_POSITIONS, dropout=0.0, attention_dropout=0.0, **overrides)
+    if kind == "albert":
+        return AlbertConfig(**{**common, "embedding_size": 16, **overrides})
+    raise ValueError(kind)
+
+
+def save_tiny_encoder(directory: Path, kind: str, tokenizer, plant: Callable | None = None, seed: int = 0,
+                      masked_lm: bool = False, **overrides) -> Path:
+    """A random tiny encoder of `kind` saved with its tokenizer; `plant(model)` edits weights before saving."""
+    from transformers import AutoModel, AutoModelForMaskedLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind, len(tokenizer), **overrides)
+    model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
+    if plant is not None:
+        with torch.no_grad():
+            plant(model)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
