@@ -32,7 +32,7 @@ def bert_tokenizer(directory: Path, vocab_size: int = 600):
     trainer = BertWordPieceTokenizer(lowercase=True)
     trainer.train_from_iterator(corpus_sentences(2000), vocab_size=vocab_size, min_frequency=1)
     trainer.save_model(str(directory))
-    return BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), model_max_length=MAX_POSITIONS)
+    return BertTokenizerFast(vocab=str(directory / "vocab.txt"), model_max_length=MAX_POSITIONS)
 
 
 def roberta_tokenizer(directory: Path, vocab_size: int = 600):
@@ -44,7 +44,7 @@ def roberta_tokenizer(directory: Path, vocab_size: int = 600):
     trainer.train_from_iterator(corpus_sentences(2000), vocab_size=vocab_size, min_frequency=1,
                                 special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
     trainer.save_model(str(directory))
-    return RobertaTokenizerFast(vocab_file=str(directory / "vocab.json"), merges_file=str(directory / "merges.txt"),
+    return RobertaTokenizerFast(vocab=str(directory / "vocab.json"), merges=str(directory / "merges.txt"),
                                 model_max_length=MAX_POSITIONS - 2)
 
 
