@@ -50,9 +50,9 @@ class LayerOutliers:
 
 
 def robust_z(mean: Tensor) -> Tensor:
-    """|mean - median| in units of 1.4826 MAD (falling back to the std when the MAD is zero). mean: [..., hidden]."""
-    deviation = (mean - mean.median(-1, keepdim=True).values).abs()
-    scale = 1.4826 * deviation.median(-1, keepdim=True).values
+    """|mean - median| in units of 1.4826 MAD (medians of even counts average the middle two) (falling back to the std when the MAD is zero). mean: [..., hidden]."""
+    deviation = (mean - mean.quantile(0.5, dim=-1, keepdim=True)).abs()
+    scale = 1.4826 * deviation.quantile(0.5, dim=-1, keepdim=True)
     scale = torch.where(scale > 0, scale, mean.std(-1, keepdim=True))
     return torch.where(scale > 0, deviation / scale.clamp_min(1e-30), torch.zeros_like(deviation))
 

@@ -1,0 +1,125 @@
+"""Planted outliers in tiny random BERT and RoBERTa: found in the right layers, traced to the right origin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import analyze
+from metrics.neuron_stats import NeuronStatisticsResult
+from metrics.origins import rank_by_magnitude
+from metrics.outliers import OutlierRule, detect_outliers, persistent_dims, robust_z
+from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
+
+PE_DIM, LATE_DIM, LATE_LAYER = 5, 17, 2  # LATE_DIM is planted in the LayerNorm that writes hidden state 2
+
+
+def plant(model, offset: int) -> None:
+    """PE_DIM: large in every usable position row and in the embedding LayerNorm bias; LATE_DIM: very negative in
+    the output LayerNorm bias of transformer block LATE_LAYER - 1, so it appears from hidden state LATE_LAYER on."""
+    for module in model.modules():  # trained-looking LayerNorms, so ranks are not all ties at 1.0 / 0.0
+        if isinstance(module, torch.nn.LayerNorm):
+            module.weight.normal_(1.0, 0.1)
+            module.bias.normal_(0.0, 0.1)
+    embeddings = model.embeddings
+    embeddings.position_embeddings.weight[offset:, PE_DIM] += 6.0
+    embeddings.LayerNorm.bias[PE_DIM] = 4.0
+    model.encoder.layer[LATE_LAYER - 1].output.LayerNorm.bias[LATE_DIM] = -8.0
+
+
+@pytest.fixture(params=["bert", "roberta"])
+def planted(request, tmp_path, bert_tok, roberta_tok):
+    kind = request.param
+    tokenizer, offset = (bert_tok, 0) if kind == "bert" else (roberta_tok, 2)
+    return kind, save_tiny_encoder(tmp_path / kind, kind, tokenizer, plant=lambda m: plant(m, offset))
+
+
+def run(encoder, data, out, *extra) -> dict:
+    code = analyze.main(["outliers", "--encoder", str(encoder), "--data", str(data), "--output_dir", str(out),
+                         "--max_sentences", "0", "--no_progress", *extra])
+    assert code == 0
+    return json.loads((out / "outliers.json").read_text())
+
+
+def test_planted_outliers_found_in_right_layers_and_traced(planted, sentences_file, tmp_path):
+    kind, path = planted
+    report = run(path, sentences_file, tmp_path / "out")
+    layers = report["layers"]
+    assert [layer["layer"] for layer in layers] == list(range(LAYERS + 1))
+    for layer in layers:  # the embedding-level outlier holds the maximum of nearly every token, in every layer
+        assert layer["argmax_dim"] == PE_DIM and layer["argmax_share"] > 0.9
+        assert PE_DIM in layer["outlier_dims"]
+    for layer in layers[:LATE_LAYER]:  # the late outlier is absent before the LayerNorm that plants it
+        assert LATE_DIM not in layer["outlier_dims"]
+    for layer in layers[LATE_LAYER:]:
+        assert layer["argmin_dim"] == LATE_DIM and layer["argmin_share"] > 0.9
+        assert LATE_DIM in layer["outlier_dims"]
+    assert PE_DIM in report["persistent_dims"]
+
+    origins = report["origins"]
+    table = origins["position_embeddings"]["dims"]
+    assert table[str(PE_DIM)]["share_as_max"] == 1.0  # every usable row (RoBERTa: after the padding offset)
+    assert table[str(PE_DIM)]["column_mean_rank"] == 1
+    assert table[str(LATE_DIM)]["share_as_max"] < 0.5
+    norms = {entry["module"]: entry for entry in origins["layer_norms"][str(PE_DIM)]}
+    assert norms["embeddings.LayerNorm"]["bias_rank"] == 1 and norms["embeddings.LayerNorm"]["layer"] == 0
+    late = {entry["module"]: entry for entry in origins["layer_norms"][str(LATE_DIM)]}
+    planted_norm = late[f"encoder.layer.{LATE_LAYER - 1}.output.LayerNorm"]
+    assert planted_norm["bias_rank"] == 1 and planted_norm["layer"] == LATE_LAYER and planted_norm["bias"] == -8.0
+    assert late["embeddings.LayerNorm"]["bias_rank"] > 1
+    assert report["num_tokens"] == direct_token_count(path, sentences_file)
+
+
+def direct_token_count(path, sentences_file) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lines = [line.strip() for line in sentences_file.read_text().splitlines() if line.strip()]
+    return sum(min(len(ids), MAX_POSITIONS) for ids in tokenizer(lines)["input_ids"])  # truncated at 64 tokens
+
+
+def test_exclude_special_counts_fewer_tokens(planted, sentences_file, tmp_path):
+    _, path = planted
+    with_special = run(path, sentences_file, tmp_path / "a")
+    without = run(path, sentences_file, tmp_path / "b", "--exclude_special")
+    assert with_special["num_tokens"] - without["num_tokens"] == 2 * with_special["num_sentences"]
+    assert without["special_tokens"] == "excluded"
+
+
+def test_no_positional_embeddings_has_no_position_origin(tmp_path, roberta_tok, sentences_file):
+    def zero_positions(model):
+        model.embeddings.position_embeddings.weight.zero_()
+        model.embeddings.LayerNorm.bias[PE_DIM] = 6.0
+
+    path = save_tiny_encoder(tmp_path / "nope", "roberta", roberta_tok, plant=zero_positions)
+    report = run(path, sentences_file, tmp_path / "out")
+    assert report["origins"]["position_embeddings"] is None
+    assert "all zeros" in report["origins"]["position_embeddings_note"]
+    assert report["layers"][0]["argmax_dim"] == PE_DIM
+
+
+def test_detection_rule_by_hand():
+    # 4 dims, 10 tokens. dim 0 holds 3 maxima, dim 1 holds 7; dim 2 holds all minima. Means: dim 3 far out.
+    result = NeuronStatisticsResult(
+        num_tokens=10,
+        mean=torch.tensor([[0.1, 0.2, -0.1, 9.0, 0.0, 0.15, -0.05, 0.05]], dtype=torch.float64),
+        var=torch.ones(1, 8, dtype=torch.float64),
+        max_abs=torch.ones(1, 8, dtype=torch.float64),
+        argmax_count=torch.tensor([[3, 7, 0, 0, 0, 0, 0, 0]]),
+        argmin_count=torch.tensor([[0, 0, 10, 0, 0, 0, 0, 0]]),
+    )
+    # median of the mean vector is 0.075; |dev| = [.025,.125,.175,8.925,.075,.075,.125,.025], MAD = 0.1
+    z = robust_z(result.mean)
+    assert z[0, 3].item() == pytest.approx(8.925 / (1.4826 * 0.1))
+    (layer,) = detect_outliers(result, OutlierRule(min_share=0.5, sigma=10.0))
+    assert (layer.argmax_dim, layer.argmax_share, layer.argmin_dim, layer.argmin_share) == (1, 0.7, 2, 1.0)
+    assert layer.outlier_dims == [3, 1, 2]  # by |mean|: 9.0, 0.2, 0.1; dim 0 (share 0.3) is not an outlier
+    (strict,) = detect_outliers(result, OutlierRule(min_share=0.8, sigma=100.0))
+    assert strict.outlier_dims == [2]
+    assert persistent_dims([layer, strict]) == [2, 1, 3]
+
+
+def test_rank_by_magnitude():
+    assert rank_by_magnitude(torch.tensor([0.5, -3.0, 2.0, -0.1])).tolist() == [3, 1, 2, 4]
