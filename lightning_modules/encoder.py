@@ -113,8 +113,13 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
-        self._forward_keys = set(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
+        self._forward_keys = set(parameters)
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        if "output_hidden_states" not in parameters and not takes_kwargs:
+            raise UserError(f"{name} cannot return hidden states (its forward takes no output_hidden_states)")
         self.clip = normalise_clip(clip, self.num_layers + 1, self.hidden_size)
+        self.train(False)
 
     @property
     def num_hidden_states(self) -> int:

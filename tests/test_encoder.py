@@ -1,0 +1,142 @@
+"""The frozen-encoder loader on BERT, RoBERTa, DistilBERT and ALBERT: hidden states, masks, clipping, truncation."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from datamodules.io import UserError
+from lightning_modules.encoder import FrozenEncoder, load_encoder
+from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences, save_tiny_encoder
+
+SENTENCES = corpus_sentences(6, start=100)
+
+
+@pytest.fixture(params=["bert", "roberta", "distilbert", "albert"])
+def encoder_dir(request, tmp_path, bert_tok, roberta_tok):
+    tokenizer = roberta_tok if request.param == "roberta" else bert_tok
+    return save_tiny_encoder(tmp_path / request.param, request.param, tokenizer)
+
+
+def reference_hidden_states(path, texts, max_length):
+    """All hidden states straight from transformers, one sentence at a time (no padding at all)."""
+    model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    accepted = set(inspect.signature(model.forward).parameters)  # DistilBERT takes no token_type_ids
+    out = []
+    for text in texts:
+        inputs = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)
+        inputs = {key: value for key, value in inputs.items() if key in accepted}
+        with torch.no_grad():
+            out.append(torch.stack(model(**inputs, output_hidden_states=True).hidden_states)[:, 0])
+    return out  # list of [layers, seq, hidden]
+
+
+def test_hidden_states_match_transformers(encoder_dir):
+    encoder = load_encoder(encoder_dir)
+    assert (encoder.num_hidden_states, encoder.hidden_size) == (LAYERS + 1, HIDDEN)
+    assert encoder.max_length == MAX_POSITIONS  # RoBERTa: 66 table rows minus the padding offset of 2
+    expected = reference_hidden_states(encoder_dir, SENTENCES, encoder.max_length)
+    inputs, truncated = encoder.tokenize(SENTENCES)
+    batch = encoder(**inputs)
+    assert batch.hidden_states.shape[:2] == (LAYERS + 1, len(SENTENCES))
+    for row, reference in enumerate(expected):
+        length = int(batch.mask[row].sum())
+        assert length == reference.shape[1]
+        torch.testing.assert_close(batch.hidden_states[:, row, :length], reference, atol=1e-5, rtol=1e-4)
+    assert not encoder.training and not any(p.requires_grad for p in encoder.parameters())
+
+
+def test_sizes_are_read_from_the_model(tmp_path, bert_tok):
+    path = save_tiny_encoder(tmp_path / "wide", "bert", bert_tok, hidden_size=48, num_hidden_layers=5,
+                             max_position_embeddings=40)
+    encoder = load_encoder(path)
+    assert (encoder.num_hidden_states, encoder.hidden_size, encoder.max_length) == (6, 48, 40)
+
+
+def test_clipping_global_and_per_layer(tmp_path, bert_tok):
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    plain = load_encoder(path)
+    inputs, _ = plain.tokenize(SENTENCES)
+    reference = plain(**inputs).hidden_states
+    globally = load_encoder(path, clip=[3, 7])(**inputs).hidden_states
+    assert globally[..., [3, 7]].abs().sum() == 0
+    keep = [d for d in range(HIDDEN) if d not in (3, 7)]
+    torch.testing.assert_close(globally[..., keep], reference[..., keep])
+    per_layer = load_encoder(path, clip={2: [11]})(**inputs).hidden_states
+    assert per_layer[2, ..., 11].abs().sum() == 0
+    torch.testing.assert_close(per_layer[1], reference[1])
+    torch.testing.assert_close(per_layer[2, ..., :11], reference[2, ..., :11])
+    with pytest.raises(UserError, match="out of range"):
+        load_encoder(path, clip=[HIDDEN])
+
+
+def test_exclude_special_masks_cls_and_sep(tmp_path, bert_tok):
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    inputs, _ = load_encoder(path).tokenize(SENTENCES)
+    batch = load_encoder(path, exclude_special=True)(**inputs)
+    special = {bert_tok.cls_token_id, bert_tok.sep_token_id, bert_tok.pad_token_id}
+    counted = batch.input_ids[batch.mask]
+    assert not any(int(token) in special for token in counted)
+    assert int(batch.mask.sum()) == int(inputs["attention_mask"].sum()) - 2 * len(SENTENCES)
+
+
+def test_truncation_is_counted_and_warned(tmp_path, bert_tok):
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
+    texts = [*SENTENCES[:3], " ".join(["the"] * 200), "A short one."]
+    expected = sum(len(bert_tok(text)["input_ids"]) > 16 for text in texts)
+    assert 0 < expected < len(texts)
+    with pytest.warns(UserWarning, match=f"^{expected} sentences were longer than 16"):
+        batches = list(encoder.batches(texts, batch_size=2, max_length=16, progress=False))
+    assert sum(b.num_truncated for b in batches) == expected
+    assert max(b.hidden_states.shape[2] for b in batches) == 16
+    with pytest.raises(UserError, match="exceeds the 64 positions"):
+        encoder.check_max_length(65)
+
+
+def test_batches_cover_every_sentence_once(tmp_path, bert_tok):
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
+    texts = corpus_sentences(37, start=500)
+    tokens = sum(int(b.mask.sum()) for b in encoder.batches(texts, batch_size=8, max_length=64, progress=False,
+                                                            sort_buffer=2))
+    assert tokens == sum(min(len(ids), 64) for ids in bert_tok(texts)["input_ids"])
+
+
+def test_model_without_hidden_states_is_rejected(tmp_path, bert_tok):
+    class NoHidden(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, input_ids, attention_mask, **kwargs):
+            return {"last_hidden_state": self.inner(input_ids=input_ids, attention_mask=attention_mask)[0],
+                    "hidden_states": None}
+
+    class NoOption(NoHidden):
+        def forward(self, input_ids, attention_mask):
+            return super().forward(input_ids, attention_mask)
+
+    model = AutoModel.from_pretrained(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
+    encoder = FrozenEncoder(NoHidden(model), bert_tok, name="wrapped")
+    inputs, _ = encoder.tokenize(SENTENCES[:2])
+    with pytest.raises(UserError, match="wrapped returned no hidden states"):
+        encoder(**inputs)
+    with pytest.raises(UserError, match="cannot return hidden states"):
+        FrozenEncoder(NoOption(model), bert_tok, name="plain")
+
+
+def test_loader_errors(tmp_path):
+    from transformers import GPT2Config, GPT2Model
+
+    with pytest.raises(UserError, match="encoder path not found"):
+        load_encoder(tmp_path / "missing")
+    with pytest.raises(UserError, match="cannot load encoder 'no-such-org/no-such-model'"):
+        load_encoder("no-such-org/no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        load_encoder(tmp_path / "empty")
+    GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UserError, match="'gpt2' model, not a BERT-family"):
+        load_encoder(tmp_path / "gpt2")
