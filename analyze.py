@@ -17,8 +17,9 @@ import itertools
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
 from metrics.origins import summarise_origins, trace_origins
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
 
+T = TypeVar("T")
+
 
 @contextlib.contextmanager
 def distributed() -> Iterator[tuple[int, int]]:
@@ -54,6 +57,22 @@ def distributed() -> Iterator[tuple[int, int]]:
         yield dist.get_rank(), dist.get_world_size()
     finally:
         dist.destroy_process_group()
+
+
+def collectively(step: Callable[[], T]) -> T:
+    """Run `step` on every rank; a UserError on any rank is raised on all of them, so no rank waits forever."""
+    error, result = None, None
+    try:
+        result = step()
+    except UserError as raised:
+        error = str(raised)
+    if dist.is_initialized():
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((message for message in errors if message), None)
+    if error:
+        raise UserError(error)
+    return result
 
 
 def read_sentences(args, rank: int = 0, world: int = 1) -> list[str]:
@@ -89,10 +108,14 @@ def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tu
 
 
 def run_outliers(args, rank: int, world: int) -> dict:
-    sentences = read_sentences(args, rank, world)
-    check_writable(args.output_dir)
+    def prepare():
+        sentences = read_sentences(args, rank, world)
+        if rank == 0:
+            check_writable(args.output_dir)
+        return sentences, open_encoder(args)
+
+    sentences, encoder = collectively(prepare)
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
-    encoder = open_encoder(args)
     result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")

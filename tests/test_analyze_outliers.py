@@ -1,0 +1,176 @@
+"""`analyze.py outliers` end to end: the packaged MiniLM against a direct computation, DDP, and every bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import analyze
+from tests.tiny import corpus_sentences, save_tiny_encoder
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*argv: str) -> int:
+    return analyze.main(["outliers", "--no_progress", *map(str, argv)])
+
+
+@pytest.mark.slow
+def test_minilm_end_to_end_matches_direct_computation(minilm_path, tmp_path, capsys):
+    texts = corpus_sentences(40, start=2000)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(texts), encoding="utf-8")
+    out = tmp_path / "report"
+    assert run("--encoder", minilm_path, "--data", data, "--output_dir", out, "--max_length", 48,
+               "--max_sentences", 0, "--batch_size", 7) == 0
+    report = json.loads((out / "outliers.json").read_text())
+
+    tokenizer, model = AutoTokenizer.from_pretrained(minilm_path), AutoModel.from_pretrained(minilm_path).eval()
+    inputs = tokenizer(texts, padding=True, truncation=True, max_length=48, return_tensors="pt")
+    with torch.no_grad():
+        hidden = torch.stack(model(**inputs, output_hidden_states=True).hidden_states)
+    tokens = hidden[:, inputs["attention_mask"].bool()]  # [layers, tokens, hidden]
+    assert report["num_tokens"] == tokens.shape[1] and report["num_sentences"] == 40
+    assert report["num_truncated"] == sum(len(ids) > 48 for ids in tokenizer(texts)["input_ids"])
+    for layer, entry in zip(tokens, report["layers"]):
+        max_share = torch.bincount(layer.argmax(-1), minlength=384).double() / layer.shape[0]
+        min_share = torch.bincount(layer.argmin(-1), minlength=384).double() / layer.shape[0]
+        assert entry["argmax_dim"] == int(max_share.argmax()) and entry["argmin_dim"] == int(min_share.argmax())
+        assert entry["argmax_share"] == pytest.approx(float(max_share.max()), abs=1e-6)
+        assert entry["argmin_share"] == pytest.approx(float(min_share.max()), abs=1e-6)
+        means = layer.double().mean(0)
+        for dim, value in zip(entry["outlier_dims"], entry["outlier_means"]):
+            assert value == pytest.approx(float(means[dim]), abs=1e-4)
+    assert (out / "mean_vectors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    first = report["layers"][1]
+    assert f"{first['argmax_dim']:>10} ({first['argmax_share']:6.1%})" in printed
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_report_equals_single_process(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(45, start=300)), encoding="utf-8")  # odd count: uneven shards
+    # Batch size 1: no padding, so each sentence's hidden states are bit-identical however sentences are sharded.
+    args = ["--encoder", encoder, "--data", data, "--max_sentences", 0, "--batch_size", 1]
+    assert run(*args, "--output_dir", tmp_path / "single") == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(ROOT / "analyze.py"), "outliers", "--no_progress", *map(str, args),
+               "--output_dir", str(tmp_path / "ddp")]
+    finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    single = json.loads((tmp_path / "single" / "outliers.json").read_text())
+    ddp = json.loads((tmp_path / "ddp" / "outliers.json").read_text())
+    for key in ("num_sentences", "num_tokens", "num_truncated", "persistent_dims"):
+        assert ddp[key] == single[key]
+    for a, b in zip(ddp["layers"], single["layers"]):
+        assert (a["argmax_dim"], a["argmin_dim"], a["outlier_dims"]) == (b["argmax_dim"], b["argmin_dim"], b["outlier_dims"])
+        assert (a["argmax_share"], a["argmin_share"]) == (b["argmax_share"], b["argmin_share"])
+        assert a["outlier_means"] == pytest.approx(b["outlier_means"], abs=1e-5)
+
+
+def test_long_sentences_are_truncated_and_counted(tmp_path, bert_tok, capsys):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("Short one here.\n" + " ".join(["word"] * 100) + "\nAnother short one.\n", encoding="utf-8")
+    assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / "out", "--max_sentences", 0) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert report["num_truncated"] == 1 and report["max_length"] == 64
+    assert report["num_tokens"] == 64 + sum(len(bert_tok(t)["input_ids"]) for t in ("Short one here.", "Another short one."))
+    assert "1 sentences truncated to 64 tokens" in capsys.readouterr().out
+
+
+def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
+    from transformers import GPT2Config, GPT2Model
+
+    GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    good = tmp_path / "good.txt"
+    good.write_text("One sentence.\nTwo sentences.\n", encoding="utf-8")
+    files = {"empty.txt": b"", "binary.txt": b"\x00\x01\x02PNG", "latin1.txt": b"na\xefve caf\xe9\n"}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with (tmp_path / "nocol.csv").open("w", newline="") as handle:
+        csv.writer(handle).writerows([["id", "score", "label"], [1, "x", "y"]])
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    return {
+        "unknown hub id": (["--encoder", "no-such-org/no-such-model", "--data", good],
+                           "cannot load encoder 'no-such-org/no-such-model'"),
+        "missing encoder path": (["--encoder", tmp_path / "nowhere", "--data", good], "encoder path not found"),
+        "missing data path": (["--encoder", encoder, "--data", tmp_path / "nowhere.txt"], "data path not found"),
+        "not an encoder": (["--encoder", tmp_path / "gpt2", "--data", good], "not a BERT-family"),
+        "empty file": (["--encoder", encoder, "--data", tmp_path / "empty.txt"], "data file is empty"),
+        "binary file": (["--encoder", encoder, "--data", tmp_path / "binary.txt"], "looks binary"),
+        "not utf-8": (["--encoder", encoder, "--data", tmp_path / "latin1.txt"], "not UTF-8"),
+        "no text column": (["--encoder", encoder, "--data", tmp_path / "nocol.csv"], "no text column"),
+        "max_length too long": (["--encoder", encoder, "--data", good, "--max_length", 1000], "exceeds the 64 positions"),
+        "unwritable output": (["--encoder", encoder, "--data", good, "--output_dir", blocker / "out"],
+                              "cannot write to output directory"),
+        "bad batch size": (["--encoder", encoder, "--data", good, "--batch_size", 0], "--batch_size must be positive"),
+    }
+
+
+def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, capfd):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    for case, (argv, message) in _bad_inputs(tmp_path, encoder).items():
+        out = tmp_path / f"out-{case.replace(' ', '-')}"
+        argv = argv if "--output_dir" in argv else [*argv, "--output_dir", out]
+        assert run(*argv) == 2, case
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0], (case, errors)
+        assert not out.exists(), case
+
+
+def test_console_script_reports_the_error_and_exit_status(tmp_path):
+    finished = subprocess.run([sys.executable, str(ROOT / "analyze.py"), "outliers", "--encoder", str(tmp_path / "x"),
+                               "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=ROOT)
+    assert finished.returncode == 2
+    assert finished.stderr.strip().splitlines()[-1].startswith("analyze.py outliers: error: encoder path not found")
+
+
+def _collective_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from datamodules.io import UserError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        def step():
+            if rank == 1:
+                raise UserError("rank 1 found a bad shard")
+            return "fine"
+
+        try:
+            analyze.collectively(step)
+            outcome = "returned"
+        except UserError as error:
+            outcome = str(error)
+        Path(f"{out}.{rank}").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_error_on_one_rank_stops_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "outcome")
+    mp.start_processes(_collective_worker, args=(_free_port(), out), nprocs=2, start_method="spawn", join=True)
+    assert [Path(f"{out}.{rank}").read_text() for rank in (0, 1)] == ["rank 1 found a bad shard"] * 2

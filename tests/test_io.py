@@ -1,0 +1,106 @@
+"""Data sources (txt, csv, tsv, jsonl, `datasets` directories and names) and staged, all-or-nothing outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import datasets
+import pytest
+
+from datamodules.io import UserError, iter_records, iter_texts, sample_texts, staged_output
+
+TEXTS = ["The first sentence.", "A second, longer sentence here.", "Third."]
+
+
+def test_plain_text_skips_blank_lines(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text(f"{TEXTS[0]}\n\n  \n{TEXTS[1]}\r\n{TEXTS[2]}", encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS
+
+
+@pytest.mark.parametrize("suffix,delimiter", [(".csv", ","), (".tsv", "\t")])
+def test_tabular_detects_or_takes_the_text_column(tmp_path, suffix, delimiter):
+    path = tmp_path / f"a{suffix}"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, delimiter=delimiter)
+        writer.writerow(["id", "sentence", "label"])
+        writer.writerows([[i, text, i % 2] for i, text in enumerate(TEXTS)])
+    assert list(iter_texts(path)) == TEXTS
+    assert list(iter_texts(path, text_column="label")) == ["0", "1", "0"]
+    with pytest.raises(UserError, match="text column 'body' not in"):
+        list(iter_texts(path, text_column="body"))
+
+
+def test_jsonl_and_missing_text_column(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t, "n": i}) for i, t in enumerate(TEXTS)), encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS
+    ambiguous = tmp_path / "b.jsonl"
+    ambiguous.write_text(json.dumps({"question": "q?", "answer": "a."}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"no text column .*\['answer', 'question'\].*--text_column"):
+        list(iter_texts(ambiguous))
+
+
+def test_datasets_directory_and_saved_dataset(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS), encoding="utf-8")
+    (folder / "test.jsonl").write_text(json.dumps({"text": "held out"}), encoding="utf-8")
+    assert list(iter_texts(folder)) == TEXTS  # load_dataset on a local folder, the `datasets` code path
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"sentence": TEXTS}).save_to_disk(str(saved))
+    assert list(iter_texts(saved)) == TEXTS
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "data file is empty"),
+    (b"\n\n  \n", "no non-blank rows"),
+    (b"abc\x00\x01\x02", "looks binary"),
+    (b"caf\xe9 au lait\n", "not UTF-8 text"),
+    (b"{not json}\n", "not a JSON object per line"),
+])
+def test_bad_files(tmp_path, content, message):
+    path = tmp_path / ("bad.jsonl" if b"{" in content else "bad.txt")
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        list(iter_texts(path))
+
+
+def test_missing_paths_and_offline_hub_names(tmp_path):
+    with pytest.raises(UserError, match="data path not found"):
+        list(iter_texts(tmp_path / "missing.txt"))
+    with pytest.raises(UserError, match=r"cannot load dataset 'no-such-org/no-such-data' \(offline"):
+        list(iter_records("no-such-org/no-such-data:default:train"))
+    with pytest.raises(UserError, match="expected a file, a directory or NAME"):
+        list(iter_records("a:b:c:d"))
+
+
+def test_sample_is_uniform_seeded_and_ordered():
+    population = [f"s{i}" for i in range(1000)]
+    first = sample_texts(iter(population), 50, seed=3)
+    assert first == sample_texts(iter(population), 50, seed=3) != sample_texts(iter(population), 50, seed=4)
+    assert first == sorted(first, key=population.index) and len(set(first)) == 50
+    assert sample_texts(iter(population), 0, seed=3) == population
+    # Uniformity: over many seeds every position is drawn about 50/1000 of the time.
+    hits = [0] * 10
+    for seed in range(400):
+        for text in sample_texts(iter(population), 50, seed=seed):
+            hits[int(text[1:]) // 100] += 1
+    assert all(abs(h / (400 * 50) - 0.1) < 0.02 for h in hits)
+
+
+def test_staged_output_is_all_or_nothing(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError), staged_output(target) as stage:
+        (stage / "report.json").write_text("{}")
+        raise RuntimeError("failed half-way")
+    assert not target.exists()  # created by the call, so removed again
+    with staged_output(target) as stage:
+        (stage / "report.json").write_text("{}")
+        (stage / "figure.png").write_bytes(b"png")
+    assert sorted(p.name for p in target.iterdir()) == ["figure.png", "report.json"]
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="cannot write to output directory"), staged_output(blocker / "sub"):
+        pass
