@@ -60,6 +60,24 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     return fig
 
 
+def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequence[float]],
+                             baselines: Mapping[str, float] | None = None, title: str = ""):
+    """Probe accuracy per layer, one line per series (encoder, random encoder, ...), baselines as dashed lines."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, values), marker in zip(series.items(), "osd^v<>"):
+        ax.plot(list(layers), list(values), marker=marker, label=name)
+    for (name, value), color in zip((baselines or {}).items(), ("#888888", "#bbbbbb", "#444444")):
+        ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3f})")
+    ax.set_xlabel("layer (0 = embedding output)")
+    ax.set_ylabel("test accuracy")
+    ax.set_xticks(list(layers))
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "probe accuracy by layer", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     fig.savefig(path, dpi=dpi)
