@@ -1,0 +1,75 @@
+"""Position probes and frozen-encoder sentence classifiers, every layer in one run (LightningCLI).
+
+    python probe.py fit --config configs/probe/position.yaml                      # packaged MiniLM, bundled corpus
+    python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased \
+        --data.source data/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
+    python probe.py fit --config configs/probe/sst2.yaml --model.encoder roberta-base --trainer.default_root_dir runs/sst2
+    python probe.py fit --config configs/probe/classify.yaml --data.source reviews.csv --data.label_column stars
+
+`fit` reads the data, runs the encoder (and a random-init twin, the baseline) once over every sentence, trains the
+probes of all layers together, then tests them and writes the report into --trainer.default_root_dir
+(position_probe.json or classifier.json, arrays and figures; see README "Probes"). Input errors are one line on
+stderr and exit status 2, with no report written. --seed_everything (default 0) seeds splits, baselines and probes.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch.distributed as dist
+from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.cli import LightningCLI
+
+from datamodules.io import UserError, check_writable
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")  # features are cached: workers would not help
+
+
+class ProbeCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.init_args.encoder", "data.init_args.encoder")
+        parser.link_arguments("seed_everything", "model.init_args.seed")
+        parser.link_arguments("seed_everything", "data.init_args.seed")
+
+    def before_fit(self) -> None:
+        check_writable(self.trainer.default_root_dir)
+
+    def after_fit(self) -> None:
+        """Test the trained probes once, then write the report (rank zero) and print a summary."""
+        self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
+        if self.trainer.is_global_zero:
+            report = self.model.write_outputs(self.trainer.default_root_dir)
+            print_summary(report, self.trainer.default_root_dir)
+
+
+def print_summary(report: dict, output_dir) -> None:
+    random = {row["layer"]: row["accuracy"] for row in report["baselines"].get("random_encoder", {}).get("layers", [])}
+    clipped = "accuracy_clipped" in report["layers"][0]
+    print(f"\n{'position probe' if not clipped else 'sentence classifier'}: {report['encoder']} "
+          f"on {report['source']} (test accuracy; dims 0-indexed; special tokens {report['special_tokens']})")
+    print(f"{'layer':>5}  {'accuracy':>8}  {'clipped' if clipped else 'top dims':>10}  {'random enc':>10}")
+    for row in report["layers"]:
+        middle = (f"{row['accuracy_clipped']:>10.3f}" if clipped and row["accuracy_clipped"] is not None
+                  else f"{', '.join(map(str, row.get('top_contribution_dims', [])[:3])):>10}")
+        base = f"{random[row['layer']]:>10.3f}" if row["layer"] in random else f"{'-':>10}"
+        print(f"{row['layer']:>5}  {row['accuracy']:>8.3f}  {middle}  {base}")
+    print(f"majority baseline {report['baselines']['majority']:.3f}, chance {report['baselines']['chance']:.3f}")
+    print(f"wrote the report to {output_dir}")
+
+
+def cli_main(args: list[str] | None = None) -> ProbeCLI:
+    """Run the CLI; a UserError prints one line and exits with status 2."""
+    try:
+        return ProbeCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                        seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args)
+    except UserError as error:
+        print(f"probe.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    cli_main()
