@@ -38,13 +38,18 @@ class EncodedBatch:
 
 
 def resolve_model_dir(source: str | Path) -> str:
-    """A hub id passes through; a local run directory of this project resolves to its `export/`."""
+    """A hub id passes through; a local run directory of this project resolves to its `export/` (or, before the
+    export exists, to `checkpoints/last.ckpt`); a `.ckpt` file of this project's pretraining passes through."""
     path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".ckpt":
+        return str(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return str(path)
         if (path / "export" / "config.json").exists():
             return str(path / "export")
+        if (path / "checkpoints" / "last.ckpt").is_file():
+            return str(path / "checkpoints" / "last.ckpt")
         raise UserError(f"not a model directory (no config.json): {source}")
     if str(source).startswith((".", "/", "~")) or path.exists():
         raise UserError(f"encoder path not found: {source}")
@@ -58,7 +63,7 @@ def load_encoder(
     clip: Clip = None,
     exclude_special: bool = False,
 ) -> FrozenEncoder:
-    """Load any BERT-family encoder (hub id, local directory, or this project's export) as a FrozenEncoder.
+    """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
 
     `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere.
     """
@@ -67,6 +72,12 @@ def load_encoder(
     model_dir = resolve_model_dir(source)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if model_dir.endswith(".ckpt"):  # train.py's checkpoint: model from its hyper-parameters, embedded tokenizer
+        from lightning_modules.mlm import load_checkpoint_model
+
+        masked_lm, tokenizer = load_checkpoint_model(model_dir)
+        return FrozenEncoder(masked_lm.roberta, tokenizer, name=str(source), clip=clip,
+                             exclude_special=exclude_special).to(device=device, dtype=dtype)
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as error:
