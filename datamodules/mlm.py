@@ -1,0 +1,544 @@
+"""MLM pretraining data: corpus → tokenizer → packed full blocks (cached on disk) → dynamic 15% masking per batch.
+
+    python train.py fit --config configs/pretrain/tiny.yaml                                  # data/austen.txt
+    python train.py fit --config configs/pretrain/roberta-base.yaml --data.corpus wikitext:wikitext-103-raw-v1:train
+    python train.py fit --config ... --data.corpus wikipedia:20220301.en --data.streaming true
+
+Blocks: each text is tokenised without special tokens and followed by </s>; the stream is cut into pieces of
+`block_length - 2` tokens and each block is `<s> piece </s>` (every block full, no padding, position 0 is <s>).
+`prepare_data` (local rank 0) trains or loads the tokenizer and writes the blocks with `datasets` under
+`cache_dir/blocks/<corpus>-<block_length>-<key>`, the key hashing corpus + tokenizer + block length + split; `setup`
+loads them on every rank. A held-out split of blocks gives val/loss and val/perplexity.
+
+Masking (BERT's rule, done in the loader's workers): exactly round(0.15 × (block_length - 2)) non-special positions
+of each block are predicted; of those 80% become <mask>, 10% a random non-special token, 10% stay. The randomness of
+a block depends only on (seed, epoch, block index), so masks are the same whatever the device count, batch size,
+worker count or resume point: a batch is `{"input_ids": [batch, seq], "positions": [batch, k], "targets": [batch, k]}`
+with targets -100 where a block had fewer than k maskable tokens.
+
+Every rank walks one seeded permutation of the blocks per epoch; rank r of w takes its items r, r + w, ... so a
+global batch holds the same blocks for any (devices × nodes × per-device batch × accumulation). The data position
+(epoch, batches done) is saved in the checkpoint and restored on `--ckpt_path last`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from datamodules.io import DEFAULT_CORPUS, UserError, iter_texts
+from datamodules.tokenizer import fingerprint, load_tokenizer, tokenizer_files, train_tokenizer, vocab_limit
+
+CACHE_VERSION = 1
+STREAM_KEY_BITS = 36  # streaming block keys: (pass, rank) in the high bits, the block counter in the low bits
+
+
+# ---- tokenise and pack (named module-level functions, so `datasets` can hash them) ----
+
+def corpus_records(source: str, text_column: str | None, max_texts: int | None, skip_texts: int = 0):
+    """Yield {"text": ...} for texts skip_texts .. skip_texts + max_texts of the corpus."""
+    stop = None if max_texts is None else skip_texts + max_texts
+    for text in itertools.islice(iter_texts(source, text_column), skip_texts, stop):
+        yield {"text": text}
+
+
+def tokenize_texts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text without special tokens."""
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def pack_blocks(ids: list[list[int]], block_length: int, bos: int, eos: int,
+                carry: list[int] | None = None) -> tuple[list[list[int]], list[int]]:
+    """Concatenate texts (each followed by eos), cut into <s> piece </s> blocks: (full blocks, leftover tokens)."""
+    stream = list(carry or [])
+    for row in ids:
+        stream.extend(row)
+        stream.append(eos)
+    piece = block_length - 2
+    full = len(stream) // piece
+    blocks = [[bos, *stream[i * piece:(i + 1) * piece], eos] for i in range(full)]
+    return blocks, stream[full * piece:]
+
+
+def tokenize_and_pack(batch: dict, tokenizer, block_length: int) -> dict:
+    """datasets.map function: a batch of texts → the full blocks it makes (the remainder of the batch is dropped)."""
+    blocks, _ = pack_blocks(tokenize_texts(batch["text"], tokenizer), block_length,
+                            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id,
+                            tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id)
+    return {"input_ids": blocks}
+
+
+def build_blocks(output: Path, source: str, text_column: str | None, max_texts: int | None, tokenizer,
+                 block_length: int, val_fraction: float, max_val_blocks: int, num_proc: int | None,
+                 skip_texts: int = 0, only_val: bool = False) -> dict:
+    """Write a DatasetDict {"train", "validation"} of packed blocks to `output` (via a staging dir); its info."""
+    import datasets
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=output.parent))
+    try:
+        dtype = "uint16" if vocab_limit(tokenizer) <= 65536 else "int32"
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype), length=block_length)})
+        texts = datasets.Dataset.from_generator(
+            corpus_records, cache_dir=str(stage / "hf"), num_proc=None,
+            gen_kwargs={"source": source, "text_column": text_column, "max_texts": max_texts, "skip_texts": skip_texts})
+        blocks = texts.map(tokenize_and_pack, batched=True, batch_size=2000, remove_columns=texts.column_names,
+                           fn_kwargs={"tokenizer": tokenizer, "block_length": block_length}, features=features,
+                           num_proc=num_proc, desc=f"tokenising and packing into {block_length}-token blocks")
+        if len(blocks) < 2 and not only_val:
+            raise UserError(f"corpus {source} gives {len(blocks)} full blocks of {block_length} tokens; "
+                            "need at least 2 (a bigger corpus or a shorter --data.block_length)")
+        if len(blocks) == 0:
+            raise UserError(f"corpus {source} gives no full block of {block_length} tokens")
+        if only_val:
+            split = {"validation": blocks}
+        else:
+            num_val = min(max(1, round(val_fraction * len(blocks))), max_val_blocks, len(blocks) - 1)
+            order = np.random.default_rng(0).permutation(len(blocks))
+            split = {"train": blocks.select(np.sort(order[num_val:])), "validation": blocks.select(np.sort(order[:num_val]))}
+        datasets.DatasetDict(split).save_to_disk(str(stage / "data"))
+        info = {name: len(part) for name, part in split.items()}
+        (stage / "data" / "blocks.json").write_text(json.dumps(info) + "\n")
+        if output.exists():  # another node's local rank 0 finished first
+            return info
+        os.replace(stage / "data", output)
+        return info
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# ---- masking ----
+
+class MaskCollator:
+    """Blocks [batch, seq] + their keys [batch] → input_ids, positions [batch, k] and targets [batch, k] (see module doc)."""
+
+    def __init__(self, tokenizer, block_length: int, mlm_probability: float = 0.15, seed: int = 0) -> None:
+        specials = sorted({int(i) for i in tokenizer.all_special_ids})
+        self.special = np.array(specials, dtype=np.int64)
+        self.mask_id = int(tokenizer.mask_token_id)
+        self.random_ids = np.setdiff1d(np.arange(vocab_limit(tokenizer)), self.special)
+        self.k = max(1, round(mlm_probability * (block_length - 2)))
+        self.seed = seed
+
+    def __call__(self, item: dict) -> dict[str, torch.Tensor]:
+        blocks = np.asarray(item["blocks"], dtype=np.int64)  # [batch, seq]
+        keys = np.asarray(item["keys"], dtype=np.int64)
+        batch, length = blocks.shape
+        k = min(self.k, length)
+        input_ids = blocks.copy()
+        positions = np.zeros((batch, k), dtype=np.int64)
+        targets = np.full((batch, k), -100, dtype=np.int64)
+        maskable = ~np.isin(blocks, self.special)
+        for row in range(batch):
+            rng = np.random.Generator(np.random.PCG64([self.seed, int(keys[row])]))
+            scores = rng.random(length)
+            scores[~maskable[row]] = np.inf
+            chosen = np.sort(np.argpartition(scores, k - 1)[:k])
+            chosen = chosen[maskable[row, chosen]]
+            count = len(chosen)
+            positions[row, :count] = chosen
+            targets[row, :count] = blocks[row, chosen]
+            action = rng.random(k)[:count]
+            replace = rng.choice(self.random_ids, size=k)[:count]
+            input_ids[row, chosen] = np.where(action < 0.8, self.mask_id, np.where(action < 0.9, replace, blocks[row, chosen]))
+        return {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
+                "targets": torch.from_numpy(targets)}
+
+
+# ---- sampling and datasets ----
+
+class BlockSampler(Sampler[list[int]]):
+    """This rank's batches of block keys (epoch × n + index) from one seeded permutation per epoch (see module doc).
+
+    Training drops the blocks past the last whole `group` (the global batch) so every rank and every accumulation
+    window is full. `resume(epoch, batches)` skips the batches a checkpoint already consumed, once.
+    """
+
+    def __init__(self, num_blocks: int, batch_size: int, rank: int = 0, world: int = 1, seed: int = 0,
+                 shuffle: bool = True, group: int | None = None) -> None:
+        self.num_blocks, self.batch_size, self.rank, self.world = num_blocks, batch_size, rank, world
+        self.seed, self.shuffle = seed, shuffle
+        self.group = group if shuffle else None
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches: int) -> None:
+        self.epoch, self._resume = epoch, (epoch, batches)
+
+    def _mine(self) -> np.ndarray:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.num_blocks, generator=generator).numpy()
+        else:
+            order = np.arange(self.num_blocks)
+        if self.group:
+            order = order[: self.num_blocks // self.group * self.group]
+        return order[self.rank::self.world]
+
+    def __len__(self) -> int:
+        if self.group:
+            return self.num_blocks // self.group * self.group // (self.world * self.batch_size)
+        mine = len(range(self.rank, self.num_blocks, self.world))
+        return -(-mine // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip = 0
+        if self._resume is not None:
+            epoch, batches = self._resume
+            self._resume = None
+            skip = batches if epoch == self.epoch else 0
+        mine = self._mine()
+        stop = len(self) * self.batch_size
+        for start in range(skip * self.batch_size, stop, self.batch_size):
+            yield (self.epoch * self.num_blocks + mine[start:start + self.batch_size]).tolist()
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Packed blocks on disk (Arrow, memory-mapped); indexed by a list of keys, returns one batch."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks.with_format("numpy")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, keys: list[int]) -> dict:
+        keys = np.asarray(keys, dtype=np.int64)
+        rows = self.blocks[np.sort(keys % len(self.blocks)).tolist()]["input_ids"]
+        order = np.argsort(np.argsort(keys % len(self.blocks), kind="stable"), kind="stable")
+        return {"blocks": np.asarray(rows)[order], "keys": keys}
+
+
+class StreamingBlocks(IterableDataset):
+    """Blocks made on the fly from a corpus too big to cache: this rank's texts (r, r + w, ...), packed, batched."""
+
+    def __init__(self, source: str, text_column: str | None, tokenizer, block_length: int, batch_size: int,
+                 rank: int, world: int, skip_texts: int, skip_batches: int = 0, chunk: int = 1000) -> None:
+        self.source, self.text_column, self.tokenizer = source, text_column, tokenizer
+        self.block_length, self.batch_size, self.rank, self.world = block_length, batch_size, rank, world
+        self.skip_texts, self.skip_batches, self.chunk = skip_texts, skip_batches, chunk
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise UserError("--data.streaming takes --data.num_workers 0 or 1")
+        skip = self.skip_batches * self.batch_size
+        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        for epoch in itertools.count():
+            texts = itertools.islice(iter_texts(self.source, self.text_column), self.skip_texts + self.rank, None,
+                                     self.world)
+            carry: list[int] = []
+            pending: list[list[int]] = []
+            counter = 0
+            base = (epoch * self.world + self.rank) << STREAM_KEY_BITS
+            while chunk := list(itertools.islice(texts, self.chunk)):
+                blocks, carry = pack_blocks(tokenize_texts(chunk, self.tokenizer), self.block_length, bos, eos, carry)
+                for block in blocks:
+                    counter += 1
+                    if skip:
+                        skip -= 1
+                        continue
+                    pending.append(block)
+                    if len(pending) == self.batch_size:
+                        keys = np.arange(base + counter - self.batch_size, base + counter)
+                        yield {"blocks": np.array(pending), "keys": keys}
+                        pending = []
+            if counter == 0:
+                raise UserError(f"corpus {self.source} gives no full block of {self.block_length} tokens on rank "
+                                f"{self.rank}")
+
+
+# ---- the datamodule ----
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("POSART_CACHE", Path.home() / ".cache" / "positional-artefacts"))
+
+
+def corpus_fingerprint(source: str, text_column: str | None, max_texts: int | None) -> dict:
+    """What identifies a corpus: a local file or directory by path, size and mtime; a hub name by itself."""
+    path = Path(source).expanduser()
+    if path.exists():
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        stat = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        ident: object = stat
+    else:
+        ident = source
+    return {"corpus": ident, "text_column": text_column, "max_texts": max_texts}
+
+
+def digest(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def corpus_stem(source: str) -> str:
+    name = Path(source).stem if Path(source).expanduser().exists() else source
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40]
+
+
+class MLMDataModule(pl.LightningDataModule):
+    """Packed, dynamically masked MLM blocks from local text or a `datasets` corpus (see the module docstring).
+
+    Args:
+        corpus: a text/csv/tsv/jsonl file, a `datasets` directory, or a `datasets` NAME[:CONFIG][:SPLIT].
+        text_column: the column holding the text (default: detected).
+        max_texts: use only the first texts of the corpus.
+        tokenizer: "train" (a byte-level BPE on the corpus) or a tokenizer's hub id or directory.
+        vocab_size: the trained tokenizer's vocabulary size (and the model's), ignored for an existing tokenizer.
+        tokenizer_texts: train the tokenizer on the first this-many texts.
+        block_length: tokens per sequence, <s> and </s> included.
+        batch_size: sequences per device and step (micro-batch).
+        global_batch_size: sequences per optimizer step across all devices and nodes; gradient accumulation is
+            derived from it (global / (batch_size × devices × nodes)). None: no accumulation.
+        val_fraction, max_val_blocks: the held-out split (a fraction of the blocks, at most this many).
+        streaming: make training blocks on the fly (no cache of the whole corpus); the first `val_texts` texts are
+            held out and cached for validation.
+        cache_dir: where tokenizers and blocks are cached (default $POSART_CACHE or ~/.cache/positional-artefacts).
+        num_workers: loader worker processes per device (masking runs there).
+        num_proc: processes for tokenising in prepare_data (default: one; the tokenizer itself is multi-threaded).
+        seed: shuffling and masking seed.
+    """
+
+    def __init__(
+        self,
+        corpus: str = str(DEFAULT_CORPUS),
+        text_column: str | None = None,
+        max_texts: int | None = None,
+        tokenizer: str = "train",
+        vocab_size: int = 8192,
+        tokenizer_texts: int = 1_000_000,
+        block_length: int = 128,
+        batch_size: int = 32,
+        global_batch_size: int | None = None,
+        mlm_probability: float = 0.15,
+        val_fraction: float = 0.01,
+        max_val_blocks: int = 1000,
+        val_batch_size: int | None = None,
+        streaming: bool = False,
+        val_texts: int = 2000,
+        cache_dir: str | None = None,
+        num_workers: int = 0,
+        num_proc: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._validate_arguments()
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.corpus_id = corpus_fingerprint(corpus, text_column, max_texts)
+        self.tokenizer = None
+        self._existing_tokenizer = None
+        if tokenizer != "train":
+            self._existing_tokenizer = load_tokenizer(tokenizer)
+        self.train_blocks = self.val_blocks = None
+        self._resume: tuple[int, int] | None = None
+        self._resume_batches = 0
+
+    def _validate_arguments(self) -> None:
+        h = self.hparams
+        for name in ("block_length", "batch_size"):
+            if getattr(h, name) < (4 if name == "block_length" else 1):
+                raise UserError(f"--data.{name} too small: {getattr(h, name)}")
+        if h.global_batch_size is not None and h.global_batch_size < h.batch_size:
+            raise UserError(f"--data.global_batch_size {h.global_batch_size} is below --data.batch_size {h.batch_size}")
+        if not 0 < h.mlm_probability < 1:
+            raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
+        if not 0 < h.val_fraction < 1:
+            raise UserError(f"--data.val_fraction must lie in (0, 1), got {h.val_fraction}")
+        if h.streaming and h.num_workers > 1:
+            raise UserError("--data.streaming takes --data.num_workers 0 or 1 (one reader per device)")
+        path = Path(h.corpus).expanduser()
+        if path.exists() or h.corpus.startswith((".", "/", "~")) or path.suffix:
+            if not path.exists():
+                raise UserError(f"corpus not found: {h.corpus}")
+            if path.is_file():
+                next(iter_texts(path, h.text_column), None)  # empty, binary or not UTF-8: one clear line
+
+    # -- sizes the model needs before any data work --
+
+    @property
+    def model_vocab_size(self) -> int:
+        """Rows the model's embedding needs: the trained tokenizer's target size, or the existing one's ids."""
+        if self._existing_tokenizer is not None:
+            return vocab_limit(self._existing_tokenizer)
+        return self.hparams.vocab_size
+
+    # -- cache locations --
+
+    def tokenizer_dir(self) -> Path:
+        h = self.hparams
+        key = digest({"corpus": self.corpus_id, "vocab": h.vocab_size, "texts": h.tokenizer_texts, "v": CACHE_VERSION})
+        return self.cache_dir / "tokenizers" / f"{corpus_stem(h.corpus)}-{h.vocab_size}-{key}"
+
+    def blocks_dir(self, tokenizer) -> Path:
+        h = self.hparams
+        split = {"streaming_val_texts": h.val_texts} if h.streaming else {"val": h.val_fraction, "max": h.max_val_blocks}
+        key = digest({"corpus": self.corpus_id, "tokenizer": fingerprint(tokenizer), "block": h.block_length,
+                      "split": split, "v": CACHE_VERSION})
+        return self.cache_dir / "blocks" / f"{corpus_stem(h.corpus)}-{h.block_length}-{key}"
+
+    # -- Lightning hooks --
+
+    def prepare_data(self) -> None:
+        h = self.hparams
+        tokenizer = self._prepare_tokenizer()
+        target = self.blocks_dir(tokenizer)
+        if (target / "blocks.json").exists():
+            return
+        if h.streaming:
+            build_blocks(target, h.corpus, h.text_column, h.val_texts, tokenizer, h.block_length, h.val_fraction,
+                         h.max_val_blocks, h.num_proc, only_val=True)
+        else:
+            build_blocks(target, h.corpus, h.text_column, h.max_texts, tokenizer, h.block_length, h.val_fraction,
+                         h.max_val_blocks, h.num_proc)
+
+    def _prepare_tokenizer(self):
+        if self._existing_tokenizer is not None:
+            return self._existing_tokenizer
+        h = self.hparams
+        target = self.tokenizer_dir()
+        if (target / "tokenizer.json").exists():
+            return load_tokenizer(target)
+        texts = iter_texts(h.corpus, h.text_column)
+        tokenizer = train_tokenizer(texts, h.vocab_size, max_texts=min(h.tokenizer_texts, h.max_texts or h.tokenizer_texts))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+        try:
+            tokenizer.save_pretrained(stage)
+            if not target.exists():
+                os.replace(stage, target)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        return tokenizer
+
+    def cached_tokenizer(self):
+        """The tokenizer if it exists already (an existing one, or a trained one in the cache), else None."""
+        if self._existing_tokenizer is not None:
+            return self._existing_tokenizer
+        target = self.tokenizer_dir()
+        return load_tokenizer(target) if (target / "tokenizer.json").exists() else None
+
+    def load_tokenizer(self):
+        """The tokenizer prepare_data made or found (every rank)."""
+        if self._existing_tokenizer is not None:
+            return self._existing_tokenizer
+        target = self.tokenizer_dir()
+        if not (target / "tokenizer.json").exists():
+            raise UserError(f"tokenizer cache missing: {target} (prepare_data did not run on this node?)")
+        return load_tokenizer(target)
+
+    def setup(self, stage: str | None = None) -> None:
+        import datasets
+
+        h = self.hparams
+        self.tokenizer = self.load_tokenizer()
+        self._tokenizer_files = tokenizer_files(self.tokenizer)
+        if self.trainer is not None:
+            self.check_trainer(self.trainer)
+        path = self.blocks_dir(self.tokenizer)
+        if not (path / "blocks.json").exists():
+            raise UserError(f"block cache missing: {path} (prepare_data did not run on this node?)")
+        loaded = datasets.load_from_disk(str(path))
+        self.train_blocks = None if h.streaming else BlockDataset(loaded["train"])
+        self.val_blocks = BlockDataset(loaded["validation"])
+        self.collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed)
+        self.val_collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed + 1)
+
+    def accumulation(self, world_size: int) -> int:
+        """Gradient-accumulation steps that keep the global batch: global / (batch_size × world size)."""
+        h = self.hparams
+        if h.global_batch_size is None:
+            return 1
+        per_step = h.batch_size * world_size
+        if h.global_batch_size % per_step:
+            raise UserError(f"global batch {h.global_batch_size} is not a multiple of batch_size {h.batch_size} × "
+                            f"{world_size} devices; choose --data.batch_size so that it divides")
+        return h.global_batch_size // per_step
+
+    def check_trainer(self, trainer) -> None:
+        """Accumulation from the global batch, and the block length against the model's positions."""
+        accumulate = self.accumulation(trainer.world_size)
+        if trainer.accumulate_grad_batches not in (1, accumulate):
+            raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
+                            f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
+        trainer.accumulate_grad_batches = accumulate
+        module = trainer.lightning_module if trainer.strategy._lightning_module is not None else None
+        limit = getattr(module, "max_length", None)
+        if limit is not None and self.hparams.block_length > limit:
+            raise UserError(f"--data.block_length {self.hparams.block_length} exceeds the model's {limit} positions "
+                            f"(max_position_embeddings - 2)")
+        vocab = getattr(module, "vocab_size", None)
+        if vocab is not None and self.tokenizer is not None and vocab_limit(self.tokenizer) > vocab:
+            raise UserError(f"the tokenizer has ids up to {vocab_limit(self.tokenizer) - 1} but the model only "
+                            f"{vocab} embedding rows")
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        rank, world = self._rank_world()
+        if h.streaming:
+            resume = self._resume[1] if self._resume else 0
+            self._resume = None
+            dataset = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, h.batch_size, rank,
+                                      world, skip_texts=h.val_texts, skip_batches=resume)
+            return self._loader(dataset, None, self.collator)
+        group = h.global_batch_size or h.batch_size * world
+        sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True, group=group)
+        if len(sampler) == 0:
+            raise UserError(f"{len(self.train_blocks)} training blocks make no full global batch of {group}")
+        if self._resume is not None:
+            sampler.resume(*self._resume)
+            self._resume = None
+        return self._loader(self.train_blocks, sampler, self.collator)
+
+    def val_dataloader(self) -> DataLoader:
+        h = self.hparams
+        rank, world = self._rank_world()
+        sampler = BlockSampler(len(self.val_blocks), h.val_batch_size or h.batch_size, rank, world, shuffle=False)
+        return self._loader(self.val_blocks, sampler, self.val_collator)
+
+    def _loader(self, dataset, sampler, collator) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=collator, num_workers=workers,
+                          pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+                          prefetch_factor=4 if workers else None)
+
+    # -- checkpointed state: data position and the tokenizer's identity --
+
+    def state_dict(self) -> dict:
+        state = {"tokenizer_fingerprint": fingerprint(self.tokenizer) if self.tokenizer is not None else None,
+                 "tokenizer_files": getattr(self, "_tokenizer_files", None), "block_length": self.hparams.block_length}
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            state["position"] = {"epoch": trainer.current_epoch, "batches": int(batches)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = state.get("tokenizer_fingerprint")
+        current = fingerprint(self.tokenizer) if self.tokenizer is not None else None
+        if expected is not None and current is not None and expected != current:
+            raise UserError("the tokenizer does not match the checkpoint's (its vocabulary or merges differ); "
+                            "resume with the tokenizer the run was started with")
+        if state.get("block_length", self.hparams.block_length) != self.hparams.block_length:
+            raise UserError(f"--data.block_length {self.hparams.block_length} differs from the checkpoint's "
+                            f"{state['block_length']}")
+        position = state.get("position")
+        if position:
+            self._resume = (int(position["epoch"]), int(position["batches"]))
