@@ -80,10 +80,10 @@ class PretrainCLI(LightningCLI):
     def before_fit(self) -> None:
         """Cheap checks before any process group, cache or file: global batch, block length, resume target."""
         data, model, trainer = self.datamodule, self.model, self.trainer
-        data.accumulation(trainer.world_size)
         if data.hparams.block_length > model.max_length:
             raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
                             "positions (--model.max_position_embeddings - 2)")
+        data.check_trainer(trainer, apply=False)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt_path == "last":
             path = last_checkpoint(trainer.checkpoint_callback.dirpath)

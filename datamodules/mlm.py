@@ -162,7 +162,8 @@ class BlockSampler(Sampler[list[int]]):
     """This rank's batches of block keys (epoch × n + index) from one seeded permutation per epoch (see module doc).
 
     Training drops the blocks past the last whole `group` (the global batch) so every rank and every accumulation
-    window is full. `resume(epoch, batches)` skips the batches a checkpoint already consumed, once.
+    window is full. The sampler counts its own epochs (one per pass), so the data order does not depend on how
+    Lightning numbers epochs after a restart; `resume(epoch, batches)` starts the next pass there.
     """
 
     def __init__(self, num_blocks: int, batch_size: int, rank: int = 0, world: int = 1, seed: int = 0,
@@ -170,18 +171,14 @@ class BlockSampler(Sampler[list[int]]):
         self.num_blocks, self.batch_size, self.rank, self.world = num_blocks, batch_size, rank, world
         self.seed, self.shuffle = seed, shuffle
         self.group = group if shuffle else None
-        self.epoch = 0
-        self._resume: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch, self.skip = 0, 0
 
     def resume(self, epoch: int, batches: int) -> None:
-        self.epoch, self._resume = epoch, (epoch, batches)
+        self.epoch, self.skip = epoch, batches
 
-    def _mine(self) -> np.ndarray:
+    def _mine(self, epoch: int) -> np.ndarray:
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = torch.randperm(self.num_blocks, generator=generator).numpy()
         else:
             order = np.arange(self.num_blocks)
@@ -196,15 +193,12 @@ class BlockSampler(Sampler[list[int]]):
         return -(-mine // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip = 0
-        if self._resume is not None:
-            epoch, batches = self._resume
-            self._resume = None
-            skip = batches if epoch == self.epoch else 0
-        mine = self._mine()
-        stop = len(self) * self.batch_size
-        for start in range(skip * self.batch_size, stop, self.batch_size):
-            yield (self.epoch * self.num_blocks + mine[start:start + self.batch_size]).tolist()
+        epoch, skip = self.epoch, self.skip
+        if self.shuffle:
+            self.epoch, self.skip = epoch + 1, 0
+        mine = self._mine(epoch)
+        for start in range(skip * self.batch_size, len(self) * self.batch_size, self.batch_size):
+            yield (epoch * self.num_blocks + mine[start:start + self.batch_size]).tolist()
 
 
 class BlockDataset(torch.utils.data.Dataset):
@@ -344,8 +338,7 @@ class MLMDataModule(pl.LightningDataModule):
         if tokenizer != "train":
             self._existing_tokenizer = load_tokenizer(tokenizer)
         self.train_blocks = self.val_blocks = None
-        self._resume: tuple[int, int] | None = None
-        self._resume_batches = 0
+        self._resume: tuple[int, int] | None = None  # (micro-batches consumed, batches per epoch) from a checkpoint
 
     def _validate_arguments(self) -> None:
         h = self.hparams
@@ -468,18 +461,20 @@ class MLMDataModule(pl.LightningDataModule):
                             f"{world_size} devices; choose --data.batch_size so that it divides")
         return h.global_batch_size // per_step
 
-    def check_trainer(self, trainer) -> None:
-        """Accumulation from the global batch, and the block length against the model's positions."""
+    def check_trainer(self, trainer, apply: bool = True) -> None:
+        """Accumulation from the global batch (set on the trainer when `apply`), and the block length and vocabulary
+        against the attached model's."""
         accumulate = self.accumulation(trainer.world_size)
         if trainer.accumulate_grad_batches not in (1, accumulate):
             raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
                             f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
-        trainer.accumulate_grad_batches = accumulate
+        if apply:
+            trainer.accumulate_grad_batches = accumulate
         module = trainer.lightning_module if trainer.strategy._lightning_module is not None else None
         limit = getattr(module, "max_length", None)
         if limit is not None and self.hparams.block_length > limit:
             raise UserError(f"--data.block_length {self.hparams.block_length} exceeds the model's {limit} positions "
-                            f"(max_position_embeddings - 2)")
+                            f"(--model.max_position_embeddings - 2)")
         vocab = getattr(module, "vocab_size", None)
         if vocab is not None and self.tokenizer is not None and vocab_limit(self.tokenizer) > vocab:
             raise UserError(f"the tokenizer has ids up to {vocab_limit(self.tokenizer) - 1} but the model only "
@@ -493,7 +488,7 @@ class MLMDataModule(pl.LightningDataModule):
         h = self.hparams
         rank, world = self._rank_world()
         if h.streaming:
-            resume = self._resume[1] if self._resume else 0
+            resume = self._resume[0] if self._resume else 0
             self._resume = None
             dataset = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, h.batch_size, rank,
                                       world, skip_texts=h.val_texts, skip_batches=resume)
@@ -503,7 +498,8 @@ class MLMDataModule(pl.LightningDataModule):
         if len(sampler) == 0:
             raise UserError(f"{len(self.train_blocks)} training blocks make no full global batch of {group}")
         if self._resume is not None:
-            sampler.resume(*self._resume)
+            total, per_epoch = self._resume
+            sampler.resume(total // per_epoch, total % per_epoch)
             self._resume = None
         return self._loader(self.train_blocks, sampler, self.collator)
 
@@ -525,9 +521,10 @@ class MLMDataModule(pl.LightningDataModule):
         state = {"tokenizer_fingerprint": fingerprint(self.tokenizer) if self.tokenizer is not None else None,
                  "tokenizer_files": getattr(self, "_tokenizer_files", None), "block_length": self.hparams.block_length}
         trainer = self.trainer
-        if trainer is not None and trainer.training:
-            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            state["position"] = {"epoch": trainer.current_epoch, "batches": int(batches)}
+        if trainer is not None and trainer.training:  # micro-batches consumed since the start, on every rank
+            total = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+            per_epoch = trainer.num_training_batches
+            state["position"] = {"batches": int(total), "per_epoch": int(per_epoch) if per_epoch != float("inf") else 0}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -541,4 +538,4 @@ class MLMDataModule(pl.LightningDataModule):
                             f"{state['block_length']}")
         position = state.get("position")
         if position:
-            self._resume = (int(position["epoch"]), int(position["batches"]))
+            self._resume = (int(position["batches"]), int(position["per_epoch"]) or 1)

@@ -155,7 +155,7 @@ class MLMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean over every rank's blocks
         self.val_loss.reset()
-        self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True, sync_dist=False)
+        self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True, sync_dist=True)
 
     # -- randomness: dropout depends on (seed, rank, batch), so a resumed run draws what a straight one would --
 

@@ -1,0 +1,174 @@
+"""MLM pretraining pieces, checked against direct computations: tokenizer ids, packing, masking, sampling, the loss,
+no-PE permutation equivariance and the SDPA path.
+
+    .venv/bin/pytest tests/test_mlm.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from datamodules.mlm import BlockSampler, MaskCollator, pack_blocks, tokenize_texts
+from datamodules.tokenizer import SPECIAL_TOKENS, fingerprint, load_tokenizer, train_tokenizer
+from lightning_modules.mlm import MLMModule, PolynomialSchedule, mlm_loss
+from tests.tiny import corpus_sentences
+
+TINY = dict(vocab_size=600, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=66, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return train_tokenizer(iter(corpus_sentences(1500)), vocab_size=600)
+
+
+def test_trained_tokenizer_has_roberta_special_ids_and_survives_save(bpe, tmp_path):
+    assert bpe.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    assert (bpe.bos_token_id, bpe.pad_token_id, bpe.eos_token_id, bpe.unk_token_id, bpe.mask_token_id) == (0, 1, 2, 3, 4)
+    ids = bpe("Emma was rich.")["input_ids"]
+    assert ids[0] == 0 and ids[-1] == 2 and bpe.decode(ids[1:-1]) == "Emma was rich."
+    bpe.save_pretrained(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again("Emma was rich.")["input_ids"] == ids
+    assert fingerprint(again) == fingerprint(bpe)
+
+
+def test_pack_blocks_are_bos_piece_eos_and_keep_the_token_stream(bpe):
+    texts = corpus_sentences(40)
+    ids = tokenize_texts(texts, bpe)
+    blocks, rest = pack_blocks(ids, 16, bos=0, eos=2)
+    stream = [t for row in ids for t in (*row, 2)]  # each text followed by </s>, computed directly
+    assert all(len(b) == 16 and b[0] == 0 and b[-1] == 2 for b in blocks)
+    assert [t for b in blocks for t in b[1:-1]] + rest == stream
+    assert len(rest) < 14
+
+
+def test_masking_picks_k_non_special_positions_with_80_10_10(bpe):
+    length = 64
+    collate = MaskCollator(bpe, length, 0.15, seed=3)
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(5, len(bpe), size=(400, length))
+    blocks[:, 0], blocks[:, -1], blocks[:, 30] = 0, 2, 2  # <s> ... </s> with a separator inside
+    out = collate({"blocks": blocks, "keys": np.arange(400)})
+    k = round(0.15 * (length - 2))
+    assert out["positions"].shape == (400, k) and (out["targets"] != -100).all()
+    positions, targets, inputs = out["positions"].numpy(), out["targets"].numpy(), out["input_ids"].numpy()
+    assert not np.isin(positions, [0, 30, length - 1]).any()
+    assert all(len(set(row)) == k for row in positions)
+    assert (np.take_along_axis(blocks, positions, 1) == targets).all()
+    untouched = np.ones_like(blocks, dtype=bool)
+    np.put_along_axis(untouched, positions, False, 1)
+    assert (inputs[untouched] == blocks[untouched]).all()
+    placed = np.take_along_axis(inputs, positions, 1)
+    masked, kept = (placed == bpe.mask_token_id).mean(), (placed == targets).mean()
+    assert abs(masked - 0.8) < 0.02 and abs(kept - 0.1 - 0.1 / len(bpe)) < 0.015  # a random token can equal the target
+    assert not np.isin(placed[placed != bpe.mask_token_id], [0, 1, 2, 3]).any()
+
+
+def test_mask_of_a_block_depends_only_on_its_key(bpe):
+    collate = MaskCollator(bpe, 32, 0.15, seed=0)
+    blocks = np.random.default_rng(1).integers(5, len(bpe), size=(4, 32))
+    together = collate({"blocks": blocks, "keys": np.array([10, 11, 12, 13])})
+    alone = collate({"blocks": blocks[2:3], "keys": np.array([12])})
+    assert torch.equal(together["input_ids"][2], alone["input_ids"][0])
+    assert torch.equal(together["positions"][2], alone["positions"][0])
+    other = collate({"blocks": blocks[2:3], "keys": np.array([99])})
+    assert not torch.equal(other["positions"][0], alone["positions"][0])
+
+
+def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
+    single = list(BlockSampler(50, 8, rank=0, world=1, seed=5, group=8))
+    ranks = [list(BlockSampler(50, 4, rank=r, world=2, seed=5, group=8)) for r in range(2)]
+    assert len(single) == 6 and all(len(r) == 6 for r in ranks)
+    for step, batch in enumerate(single):
+        assert sorted(batch) == sorted(ranks[0][step] + ranks[1][step])
+    accumulated = list(BlockSampler(50, 4, rank=0, world=1, seed=5, group=8))
+    assert [sorted(accumulated[2 * i] + accumulated[2 * i + 1]) for i in range(6)] == [sorted(b) for b in single]
+    resumed = BlockSampler(50, 8, seed=5, group=8)
+    resumed.resume(epoch=1, batches=4)
+    straight = BlockSampler(50, 8, seed=5, group=8)
+    first, second = list(straight), list(straight)  # the sampler counts its own epochs, one per pass
+    assert list(resumed) == second[4:] and list(resumed) == list(straight)  # then it goes on with epoch 2
+    assert all(key < 50 for batch in first for key in batch) and all(50 <= key < 100 for batch in second for key in batch)
+    assert sorted(k % 50 for b in first for k in b) != [k % 50 for b in first for k in b]  # shuffled
+
+
+def test_polynomial_schedule_by_hand():
+    schedule = PolynomialSchedule(warmup_steps=10, decay_steps=110, end_ratio=0.0, power=1.0)
+    assert schedule(0) == pytest.approx(1 / 11) and schedule(9) == pytest.approx(10 / 11)
+    assert schedule(10) == 1.0 and schedule(60) == pytest.approx(0.5) and schedule(110) == 0.0
+    assert schedule(500) == 0.0
+
+
+def random_batch(vocab=600, batch=3, seq=20, k=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (batch, seq), generator=generator)
+    ids[:, 0], ids[:, -1] = 0, 2
+    positions = torch.stack([torch.randperm(seq - 2, generator=generator)[:k].sort().values + 1 for _ in range(batch)])
+    targets = ids.gather(1, positions)
+    targets[0, -1] = -100
+    return {"input_ids": ids, "positions": positions, "targets": targets}
+
+
+def test_masked_only_loss_equals_transformers_full_logits_loss():
+    torch.manual_seed(0)
+    module = MLMModule(**TINY).eval()
+    batch = random_batch()
+    labels = torch.full_like(batch["input_ids"], -100)
+    keep = batch["targets"] != -100
+    labels.scatter_(1, batch["positions"], torch.where(keep, batch["targets"], -100))
+    with torch.no_grad():
+        ours, count = mlm_loss(module.model, batch)
+        reference = module.model(input_ids=batch["input_ids"], labels=labels).loss
+    assert count == keep.sum()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("position_embeddings", [False, True])
+def test_permuting_tokens_permutes_hidden_states_only_without_pe(position_embeddings):
+    torch.manual_seed(0)
+    module = MLMModule(position_embeddings=position_embeddings, **TINY).eval()
+    ids = torch.randint(5, 600, (2, 24))
+    perm = torch.randperm(24)
+    with torch.no_grad():
+        hidden = module.model.roberta(input_ids=ids, output_hidden_states=True).hidden_states
+        permuted = module.model.roberta(input_ids=ids[:, perm], output_hidden_states=True).hidden_states
+    equal = [torch.allclose(h[:, perm], p, atol=1e-5) for h, p in zip(hidden, permuted)]
+    if position_embeddings:
+        assert not any(equal)
+    else:
+        assert all(equal)
+
+
+@pytest.mark.parametrize("position_embeddings", [False, True])
+def test_both_variants_run_sdpa_and_no_pe_table_is_zero_frozen_and_not_optimised(position_embeddings, monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    torch.manual_seed(0)
+    module = MLMModule(position_embeddings=position_embeddings, **TINY, warmup_steps=0, decay_steps=10)
+    assert module.model.config._attn_implementation == "sdpa"
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa_attention.torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    loss, _ = mlm_loss(module.model, random_batch())
+    assert len(calls) == TINY["num_hidden_layers"]  # every layer's attention went through SDPA
+
+    table = module.model.roberta.embeddings.position_embeddings.weight
+    optimizer = module.configure_optimizers()["optimizer"]
+    decayed, undecayed = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
+    assert (id(table) in decayed | undecayed) is position_embeddings
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    assert all(names[i].endswith("bias") or "LayerNorm" in names[i] or "layer_norm" in names[i] for i in undecayed)
+    assert optimizer.param_groups[0]["weight_decay"] == TINY.get("weight_decay", 0.01)
+
+    loss.backward()
+    before = table.detach().clone()
+    optimizer.step()
+    assert table.requires_grad is position_embeddings
+    if position_embeddings:
+        assert before.abs().sum() > 0 and not torch.equal(before, table)
+    else:
+        assert table.grad is None and table.abs().sum() == 0
