@@ -41,6 +41,7 @@ class ProbeCLI(LightningCLI):
         if self.trainer.is_global_zero:
             report = self.model.write_outputs(self.trainer.default_root_dir)
             print_summary(report, self.trainer.default_root_dir)
+        self.datamodule.close()
 
 
 def print_summary(report: dict, output_dir) -> None:

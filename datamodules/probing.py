@@ -172,6 +172,14 @@ class ProbeDataModule(pl.LightningDataModule):
         self.num_workers, self.seed, self.progress = num_workers, seed, progress
         self.spec: FeatureSpec | None = None
         self.stores: dict[str, FeatureStore] = {}
+        self._cleanups: list[weakref.finalize] = []
+
+    def close(self) -> None:
+        """Drop the cached features and remove any memory-mapped cache files (also done at interpreter exit)."""
+        self.stores, self.spec = {}, None
+        for cleanup in self._cleanups:
+            cleanup()
+        self._cleanups = []
 
     # ---- subclass hooks -------------------------------------------------------------------------------------------
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
@@ -344,7 +352,7 @@ class ProbeDataModule(pl.LightningDataModule):
         root = Path(self.cache_dir or (self.trainer.default_root_dir if self.trainer is not None else tempfile.gettempdir()))
         root.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix=".features-", dir=root))
-        weakref.finalize(self, shutil.rmtree, directory, True)
+        self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
         warnings.warn(f"{split} features need {nbytes / GIB:.2f} GiB, over --data.max_memory_gb "
                       f"{self.max_memory_gb}: streaming them from a memory-mapped file in {directory} (slower)",
                       stacklevel=2)

@@ -1,0 +1,252 @@
+"""Probes on planted signals: position recovered from one dimension, contributions single it out, a separable
+sentence task learned and removed by clipping its dimension, joint = separate training, no-PE at chance, and the
+feature cache (memory-mapped streaming, dropped positions, split and label errors)."""
+
+from __future__ import annotations
+
+import csv
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from transformers import BertConfig
+
+from datamodules.io import UserError
+from datamodules.probing import ClassificationDataModule, PositionDataModule
+from lightning_modules.encoder import FrozenEncoder
+from lightning_modules.probes import PositionProbe, SentenceClassifier, slot_seed
+from metrics.neuron_stats import NeuronStatistics
+from metrics.outliers import all_outlier_dims, detect_outliers
+from tests.tiny import HIDDEN as TINY_HIDDEN
+from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
+
+HIDDEN = 16
+PLANTED = [3, 7, 9]  # the planted dimension of hidden states 0, 1, 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is several times faster than two on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Planted(nn.Module):
+    """A tiny 'encoder' whose hidden state l is one fixed vector for every token (nothing to read there) except
+    dimension PLANTED[l], which holds the token's position ("position") or +1/-1 by token-id parity ("parity")."""
+
+    def __init__(self, vocab_size: int, signal: str) -> None:
+        super().__init__()
+        self.config = BertConfig(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=len(PLANTED) - 1,
+                                 num_attention_heads=1, max_position_embeddings=64)
+        self.constant = nn.Parameter(torch.rand(HIDDEN, generator=torch.Generator().manual_seed(0)) + 0.5)
+        self.signal = signal
+
+    def forward(self, input_ids, attention_mask, output_hidden_states=True, return_dict=True):
+        if self.signal == "position":
+            value = torch.arange(input_ids.shape[1], dtype=torch.float).expand(input_ids.shape)
+        else:
+            value = 1.0 - 2.0 * (input_ids % 2).float()
+        states = []
+        for dim in PLANTED:
+            hidden = self.constant.expand(*input_ids.shape, HIDDEN).clone()
+            hidden[..., dim] = value
+            states.append(hidden)
+        return SimpleNamespace(hidden_states=tuple(states))
+
+
+def fit(model, datamodule, epochs: int) -> pl.Trainer:
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         check_val_every_n_epoch=max(epochs, 1))
+    trainer.fit(model, datamodule=datamodule)
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    return trainer
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_probe_recovers_planted_position_and_contributions_single_out_its_dimension(tmp_path, bert_tok):
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(60))
+    encoder = FrozenEncoder(Planted(len(bert_tok), "position"), bert_tok, name="planted")
+    dm = PositionDataModule(source=str(data), encoder=encoder, max_length=8, max_positions=8, batch_size=8,
+                            random_baseline=False, progress=False)
+    model = PositionProbe(lr=0.1)
+    fit(model, dm, 50)
+
+    assert model.accuracy_of("encoder") == [1.0, 1.0, 1.0]  # every test token's position, exactly
+    features, positions = dm.stores["test"].features(), dm.stores["test"].labels  # [layers, tokens, hidden]
+    weight = model.weight.detach()
+    direct = (weight[:, :, positions].transpose(1, 2) * features).abs()  # c(i) = |w_gold,i v_i| by hand
+    torch.testing.assert_close(model.results["contributions"], direct.mean(1), rtol=1e-5, atol=1e-6)
+    for p in range(8):
+        torch.testing.assert_close(model.results["contributions_by_position"][:, p],
+                                   direct[:, positions == p].mean(1), rtol=1e-5, atol=1e-6)
+    for layer, dim in enumerate(PLANTED):
+        top2 = model.results["contributions"][layer].topk(2)
+        assert top2.indices[0] == dim and top2.values[0] > 3 * top2.values[1]
+
+    report = model.write_outputs(tmp_path / "out")
+    assert set(PLANTED) <= set(report["outlier_dims"])  # detected: the planted dim holds most tokens' maximum
+    for entry, dim in zip(report["layers"], PLANTED):
+        assert entry["top_contribution_dims"][0] == dim
+        assert entry["outlier_dims"][str(dim)]["rank"] == 1
+        assert entry["outlier_dims"][str(dim)]["contribution"] > 3 * entry["mean_contribution"]
+
+
+def test_classifier_learns_separable_task_and_clipping_its_dimension_leaves_the_majority(tmp_path, bert_tok):
+    texts = corpus_sentences(400)
+    ids = bert_tok(texts, truncation=True, max_length=24)["input_ids"]
+    parity = [sum(1 - 2 * (i % 2) for i in row) / len(row) for row in ids]  # the planted dim, mean-pooled
+    rows = [(t, "even" if v > 0 else "odd") for t, v in zip(texts, parity) if abs(v) > 0.1]  # a margin
+    data = tmp_path / "labelled.csv"
+    with data.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("text", "label"), *rows])
+    encoder = FrozenEncoder(Planted(len(bert_tok), "parity"), bert_tok, name="planted")
+    dm = ClassificationDataModule(source=str(data), encoder=encoder, max_length=24, batch_size=16,
+                                  outlier_dims=[PLANTED[-1]], random_baseline=False, progress=False)
+    model = SentenceClassifier(lr=0.05)
+    fit(model, dm, 40)
+
+    assert dm.spec.classes == ["even", "odd"]
+    test_labels = dm.stores["test"].labels
+    train_majority = torch.bincount(dm.stores["train"].labels).argmax()
+    majority = float((test_labels == train_majority).double().mean())
+    assert model.report()["majority_baseline"] == pytest.approx(majority)
+    accuracy, clipped = model.accuracy_of("encoder"), model.accuracy_of("clipped")
+    assert accuracy == [1.0, 1.0, 1.0]
+    # Clipping dim 9 removes the signal from layer 2 only (its planted dim): its features are then one constant
+    # vector, so the clipped classifier gives every test sentence the same answer, scoring that class's share.
+    assert clipped[:2] == [1.0, 1.0]
+    shares = torch.bincount(test_labels, minlength=2).double() / len(test_labels)
+    assert any(clipped[2] == pytest.approx(float(share)) for share in shares) and clipped[2] <= max(shares)
+    pooled = dm.stores["test"].features()[2, :, PLANTED[2]]  # mean over tokens, padding excluded, by hand:
+    assert torch.equal((pooled < 0).long(), test_labels)  # "odd" (class 1) is a negative mean
+
+
+def test_joint_training_equals_separately_trained_single_layer_probes(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=100))
+    common = dict(source=str(data), encoder=str(encoder), max_length=16, max_positions=16, batch_size=8,
+                  random_baseline=True, progress=False, seed=3)
+    joint = PositionProbe(lr=0.01, seed=3)
+    fit(joint, PositionDataModule(**common), 2)
+    assert joint.probe_slots == [(kind, layer) for kind in ("encoder", "random") for layer in range(LAYERS + 1)]
+    for layer in (0, 2):
+        alone = PositionProbe(lr=0.01, seed=3)
+        fit(alone, PositionDataModule(layers=[layer], **common), 2)
+        assert alone.probe_slots == [("encoder", layer), ("random", layer)]
+        for kind in ("encoder", "random"):
+            trained = joint.weight.detach()[joint.probe_slots.index((kind, layer))]
+            bound = TINY_HIDDEN ** -0.5  # nn.Linear's initial range, from the slot's own seeded generator
+            init = torch.empty(TINY_HIDDEN, 16).uniform_(
+                -bound, bound, generator=torch.Generator().manual_seed(slot_seed(3, kind, layer)))
+            assert (trained - init).abs().max() > 1e-3  # it trained
+            torch.testing.assert_close(alone.weight.detach()[alone.probe_slots.index((kind, layer))], trained,
+                                       rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(alone.results["accuracy"], joint.results["accuracy"][[layer, LAYERS + 1 + layer]])
+
+
+def test_no_position_embeddings_leave_position_near_chance(tmp_path, roberta_tok):
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(200))
+
+    def zero_positions(model):  # as this project's no-PE exports are: an all-zero position table
+        model.embeddings.position_embeddings.weight.zero_()
+
+    accuracy = {}
+    for name, plant in (("pe", None), ("nope", zero_positions)):
+        encoder = save_tiny_encoder(tmp_path / name, "roberta", roberta_tok, plant=plant)
+        # special tokens excluded: <s> and </s> would give their positions away by their identity alone
+        dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, max_positions=16,
+                                batch_size=16, exclude_special=True, random_baseline=False, progress=False)
+        model = PositionProbe(lr=0.01)
+        fit(model, dm, 10)
+        accuracy[name], majority = model.accuracy_of("encoder"), dm.spec.majority["majority"]
+    assert min(accuracy["pe"]) > 0.9
+    assert max(accuracy["nope"]) < majority + 0.1  # word identity alone says little about position
+
+
+def test_features_over_the_memory_budget_stream_from_disk_with_the_same_results(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=500))
+    common = dict(source=str(data), encoder=str(encoder), max_length=16, batch_size=4, progress=False)
+    memory = PositionDataModule(**common)
+    model_memory = PositionProbe()
+    fit(model_memory, memory, 1)
+    with pytest.warns(UserWarning, match="streaming them from a memory-mapped file"):
+        disk = PositionDataModule(max_memory_gb=1e-9, cache_dir=str(tmp_path / "cache"), **common)
+        model_disk = PositionProbe()
+        fit(model_disk, disk, 1)
+    assert disk.stores["train"].path is not None and memory.stores["train"].path is None
+    for split in ("train", "val", "test"):
+        assert torch.equal(disk.stores[split].features(), memory.stores[split].features())
+    torch.testing.assert_close(model_disk.weight, model_memory.weight)
+    cache = disk.stores["train"].path.parent
+    assert cache.exists()
+    disk.close()
+    assert not cache.exists()  # the memory-mapped cache goes with close() (probe.py calls it) or at exit
+
+
+def test_positions_beyond_max_positions_are_dropped_and_counted(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = corpus_sentences(30, start=900)
+    data = write_lines(tmp_path / "s.txt", texts)
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=20, max_positions=6,
+                            random_baseline=False, progress=False)
+    with pytest.warns(UserWarning, match="positions >= --data.max_positions 6"):
+        dm.prepare_data()
+    lengths = [min(len(ids), 20) for ids in bert_tok(texts)["input_ids"]]
+    counts = dm.spec.counts
+    assert sum(counts[s]["dropped_positions"] for s in counts) == sum(max(0, n - 6) for n in lengths)
+    assert sum(counts[s]["tokens"] for s in counts) == sum(min(n, 6) for n in lengths)
+    assert all(int(dm.stores[s].labels.max()) == 5 for s in counts)
+
+
+def test_outliers_are_detected_by_neuron_statistics_on_the_cached_training_features(tmp_path, bert_tok):
+    def plant(model):
+        model.embeddings.LayerNorm.bias[11] = 6.0
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=plant)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=1200))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, random_baseline=False,
+                            progress=False)
+    dm.prepare_data()
+    stats = NeuronStatistics(LAYERS + 1, TINY_HIDDEN)
+    stats.update(dm.stores["train"].features())  # [layers, tokens, hidden]
+    expected = detect_outliers(stats.compute())
+    assert dm.spec.outlier_dims == all_outlier_dims(expected) and 11 in dm.spec.outlier_dims
+    assert [layer.outlier_dims for layer in dm.spec.outlier_layers] == [layer.outlier_dims for layer in expected]
+
+
+def test_split_and_label_errors(tmp_path, bert_tok):
+    encoder = str(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
+    few = write_lines(tmp_path / "few.txt", corpus_sentences(3))
+    with pytest.raises(UserError, match="the val split is empty: 3 sentences"):
+        PositionDataModule(source=str(few), encoder=encoder, progress=False).prepare_data()
+
+    labelled = tmp_path / "l.csv"
+    labelled.write_text("text,label\n" + "".join(f"{t.replace(',', ' ')},{'ab'[i % 2]}\n"
+                                                 for i, t in enumerate(corpus_sentences(20))))
+    fixed = ClassificationDataModule(source=str(labelled), encoder=encoder, classes=["a", "c"], progress=False)
+    with pytest.raises(UserError, match=r"unknown label\(s\) \['b'\] in the \w+ split: not among the classes fixed"):
+        fixed.prepare_data()
+    inferred = ClassificationDataModule(source=str(labelled), encoder=encoder)
+    with pytest.raises(UserError, match=r"unknown label\(s\) \['c'\] in the test split: not among the training"):
+        inferred.set_classes({"train": ["a", "b", "a"], "val": ["b"], "test": ["a", "c"]})
+    missing = tmp_path / "m.csv"
+    missing.write_text("text,label\nfine words,1\nno label here,\n")
+    with pytest.raises(UserError, match=r"row 2 has no label"):
+        ClassificationDataModule(source=str(missing), encoder=encoder).prepare_data()
+    with pytest.raises(UserError, match="no label column 'stars'"):
+        ClassificationDataModule(source=str(labelled), encoder=encoder, label_column="stars").prepare_data()
+    ints = ClassificationDataModule(source=str(labelled), encoder=encoder)
+    classes, tensors = ints.set_classes({"train": [10, 2, 2], "val": [10], "test": [2]})
+    assert classes == [2, 10] and tensors["train"].tolist() == [1, 0, 0]  # ints sort as numbers
+
