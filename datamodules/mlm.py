@@ -110,12 +110,19 @@ def build_blocks(output: Path, source: str, text_column: str | None, max_texts: 
         datasets.DatasetDict(split).save_to_disk(str(stage / "data"))
         info = {name: len(part) for name, part in split.items()}
         (stage / "data" / "blocks.json").write_text(json.dumps(info) + "\n")
-        if output.exists():  # another node's local rank 0 finished first
-            return info
-        os.replace(stage / "data", output)
+        publish(stage / "data", output)
         return info
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish(staged: Path, target: Path) -> None:
+    """Move a finished cache entry into place atomically; if another node's local rank 0 won the race, keep theirs."""
+    try:
+        os.replace(staged, target)
+    except OSError:
+        if not target.exists():
+            raise
 
 
 # ---- masking ----
@@ -411,8 +418,7 @@ class MLMDataModule(pl.LightningDataModule):
         stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
         try:
             tokenizer.save_pretrained(stage)
-            if not target.exists():
-                os.replace(stage, target)
+            publish(stage, target)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         return tokenizer
