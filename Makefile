@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 RUNS ?= runs/demo
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo demo-pretrain test lint bench venv clean
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 demo: venv
 	$(OFFLINE) $(PY) analyze.py outliers --output_dir $(RUNS)/minilm-outliers
+
+# Train configs/pretrain/tiny.yaml with and without positional embeddings (CPU, bundled corpus), then the outlier
+# analysis of both exports, side by side. --ckpt_path last makes a re-run resume (or just re-export) a finished run.
+demo-pretrain: venv
+	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --trainer.default_root_dir $(RUNS)/tiny-pe --ckpt_path last
+	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false --trainer.default_root_dir $(RUNS)/tiny-nope --ckpt_path last
+	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-pe --output_dir $(RUNS)/tiny-pe/outliers --no_progress
+	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-nope --output_dir $(RUNS)/tiny-nope/outliers --no_progress
+	$(PY) scripts/compare_outliers.py $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
 
 test: venv
 	$(OFFLINE) $(PY) -m pytest -q
