@@ -172,11 +172,12 @@ class ProbeDataModule(pl.LightningDataModule):
         self.num_workers, self.seed, self.progress = num_workers, seed, progress
         self.spec: FeatureSpec | None = None
         self.stores: dict[str, FeatureStore] = {}
+        self.texts: dict[str, list[str]] = {}  # per split, in the stores' sentence order
         self._cleanups: list[weakref.finalize] = []
 
     def close(self) -> None:
-        """Drop the cached features and remove any memory-mapped cache files (also done at interpreter exit)."""
-        self.stores, self.spec = {}, None
+        """Remove the memory-mapped cache files, if any (also done at interpreter exit); in-memory features stay."""
+        self.stores = {split: store for split, store in self.stores.items() if store.path is None}
         for cleanup in self._cleanups:
             cleanup()
         self._cleanups = []
@@ -242,7 +243,8 @@ class ProbeDataModule(pl.LightningDataModule):
         counts = {}
         for split in SPLITS:
             order = sorted(range(len(texts[split])), key=lambda i: len(texts[split][i]))  # less padding
-            batches = self._tokenize(primary, [texts[split][i] for i in order])
+            self.texts[split] = [texts[split][i] for i in order]
+            batches = self._tokenize(primary, self.texts[split])
             split_labels = labels[split][order] if split in labels else None
             counts[split] = self._encode(encoders, split, batches, layers, split_labels,
                                          stats if split == "train" else None, len(slots))

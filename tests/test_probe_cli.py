@@ -1,0 +1,180 @@
+"""`probe.py fit` end to end on the packaged MiniLM against a direct computation, and every bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import probe
+from metrics.neuron_stats import NeuronStatistics
+from metrics.outliers import all_outlier_dims, detect_outliers
+from tests.tiny import corpus_sentences, save_tiny_encoder
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
+         "--trainer.enable_model_summary", "false", "--data.progress", "false"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_cli(config: str, *argv) -> probe.ProbeCLI:
+    return probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / f"{config}.yaml"), *QUIET,
+                           *map(str, argv)])
+
+
+def direct_hidden(model_path: str, texts: list[str], max_length: int) -> list[torch.Tensor]:
+    """Each sentence's hidden states [layers, tokens, hidden] from transformers itself, one sentence at a time."""
+    tokenizer, model = AutoTokenizer.from_pretrained(model_path), AutoModel.from_pretrained(model_path).eval()
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            inputs = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")
+            out.append(torch.stack(model(**inputs, output_hidden_states=True).hidden_states)[:, 0])
+    return out
+
+
+@pytest.mark.slow
+def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path, capsys):
+    texts = corpus_sentences(40, start=3000)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "run"
+    cli = run_cli("position", "--model.encoder", minilm_path, "--data.source", data, "--data.max_length", 32,
+                  "--data.batch_size", 8, "--trainer.max_epochs", 2, "--trainer.default_root_dir", out)
+    report = json.loads((out / "position_probe.json").read_text())
+    dm, model = cli.datamodule, cli.model
+    assert report["encoder"] == minilm_path and report["max_positions"] == 300 and report["seed"] == 0
+    assert sorted(sum(dm.texts.values(), [])) == sorted(texts)  # the splits partition the sentences
+    assert {s: report["splits"][s]["sentences"] for s in dm.texts} == {s: len(t) for s, t in dm.texts.items()}
+
+    # cached features = transformers' hidden states of the test sentences, token by token
+    direct = torch.cat(direct_hidden(minilm_path, dm.texts["test"], 32), dim=1)  # [7, tokens, 384]
+    cached = dm.stores["test"].features()  # [14 slots: 7 encoder layers then 7 random-init layers, tokens, 384]
+    torch.testing.assert_close(cached[:7], direct, rtol=1e-4, atol=1e-4)
+    positions = dm.stores["test"].labels
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(minilm_path)(
+        dm.texts["test"], truncation=True, max_length=32)["input_ids"]]
+    assert positions.tolist() == [p for n in lengths for p in range(n)]
+
+    weight = model.weight.detach()  # [14, 384, 300]
+    accuracy = (torch.einsum("sth,shp->stp", cached, weight).argmax(-1) == positions).double().mean(1)
+    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:7].tolist())
+    random = report["baselines"]["random_encoder"]["layers"]
+    assert [row["accuracy"] for row in random] == pytest.approx(accuracy[7:].tolist())
+    majority = torch.bincount(dm.stores["train"].labels).argmax()
+    assert report["baselines"]["majority"] == pytest.approx(float((positions == majority).double().mean()))
+
+    contributions = np.load(out / "contributions.npy")
+    by_position = np.load(out / "contributions_by_position.npy")
+    c = (weight[:7][:, :, positions].transpose(1, 2) * cached[:7]).abs()  # [7, tokens, 384]
+    np.testing.assert_allclose(contributions, c.mean(1).numpy(), rtol=1e-4, atol=1e-7)
+    assert by_position.shape == (7, 300, 384)
+    np.testing.assert_allclose(by_position[:, 3], c[:, positions == 3].mean(1).numpy(), rtol=1e-4, atol=1e-7)
+
+    stats = NeuronStatistics(7, 384)
+    stats.update(dm.stores["train"].features()[:7])
+    assert report["outlier_dims"] == all_outlier_dims(detect_outliers(stats.compute()))
+    for row, vector in zip(report["layers"], contributions):
+        assert row["top_contribution_dims"] == np.argsort(-vector, kind="stable")[:10].tolist()
+        for dim, entry in row["outlier_dims"].items():
+            assert entry["rank"] == 1 + int((vector > vector[int(dim)]).sum())
+            assert entry["mean_contribution"] == pytest.approx(float(vector.mean()), rel=1e-5)
+    for name in ("accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position/layer_06.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert f"{report['layers'][6]['accuracy']:>8.3f}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path):
+    texts = corpus_sentences(60, start=4000)
+    median = sorted(map(len, texts))[30]
+    data = tmp_path / "labelled.csv"
+    with data.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("sentence", "kind"), *((t, "long" if len(t) > median else "short")
+                                                               for t in texts)])
+    out = tmp_path / "run"
+    cli = run_cli("classify", "--model.encoder", minilm_path, "--data.source", data, "--data.label_column", "kind",
+                  "--data.max_length", 32, "--data.batch_size", 16, "--trainer.max_epochs", 2,
+                  "--trainer.default_root_dir", out)
+    report = json.loads((out / "classifier.json").read_text())
+    dm, model = cli.datamodule, cli.model
+    assert report["classes"] == ["long", "short"] and report["clipped_dims_source"] == "detected"
+
+    pooled = torch.stack([h.mean(1) for h in direct_hidden(minilm_path, dm.texts["test"], 32)], dim=1)  # [7, n, 384]
+    cached = dm.stores["test"].features()
+    torch.testing.assert_close(cached[:7], pooled, rtol=1e-4, atol=1e-4)
+    labels = dm.stores["test"].labels
+    truth = ["long" if len(t) > median else "short" for t in dm.texts["test"]]
+    assert [report["classes"][i] for i in labels] == truth
+
+    weight, bias = model.weight.detach(), model.bias.detach()  # [21 slots, 384, 2]: encoder, random, clipped
+    keep = torch.ones(384)
+    keep[report["clipped_dims"]] = 0
+    features = torch.cat([cached, cached[:7] * keep])
+    accuracy = ((torch.einsum("snh,shc->snc", features, weight) + bias[:, None]).argmax(-1) == labels).double().mean(1)
+    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:7].tolist())
+    assert [row["accuracy_clipped"] for row in report["layers"]] == pytest.approx(accuracy[14:].tolist())
+    random = report["baselines"]["random_encoder"]["layers"]
+    assert [row["accuracy"] for row in random] == pytest.approx(accuracy[7:14].tolist())
+    majority = torch.bincount(dm.stores["train"].labels, minlength=2).argmax()
+    assert report["majority_baseline"] == pytest.approx(float((labels == majority).double().mean()))
+    assert (out / "accuracy_by_layer.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str]]:
+    good = tmp_path / "good.txt"
+    good.write_text("\n".join(corpus_sentences(20)) + "\n", encoding="utf-8")
+    few = tmp_path / "few.txt"
+    few.write_text("\n".join(corpus_sentences(4)) + "\n", encoding="utf-8")
+    labelled = tmp_path / "labelled.csv"
+    labelled.write_text("text,label\n" + "".join(f"{t.replace(',', ' ')},{i % 3}\n"
+                                                 for i, t in enumerate(corpus_sentences(30))), encoding="utf-8")
+    unlabelled = tmp_path / "unlabelled.csv"
+    unlabelled.write_text("text,label\nsome words,pos\nmore words,\n", encoding="utf-8")
+    return {
+        "missing data": ("position", ["--data.source", tmp_path / "nope.txt"], "data path not found"),
+        "missing encoder": ("position", ["--model.encoder", tmp_path / "no-model", "--data.source", good],
+                            "encoder path not found"),
+        "too long": ("position", ["--data.source", good, "--data.max_length", 999], "exceeds the 64 positions"),
+        "empty split": ("position", ["--data.source", few, "--data.test_fraction", 0.1], "split is empty"),
+        "missing label": ("classify", ["--data.source", unlabelled], "row 2 has no label"),
+        "label outside fixed classes": ("classify", ["--data.source", labelled, "--data.classes", "[0, 1]"],
+                                        "unknown label(s) ['2']"),
+        "no label column": ("classify", ["--data.source", good], "no label column 'label'"),
+    }
+
+
+def test_bad_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, bert_tok, capfd):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    for case, (config, argv, message) in _bad_inputs(tmp_path, encoder).items():
+        out = tmp_path / f"out-{case.replace(' ', '-')}"
+        if "--model.encoder" not in argv:
+            argv = ["--model.encoder", encoder, *argv]
+        with pytest.raises(SystemExit) as exited:
+            run_cli(config, *argv, "--trainer.default_root_dir", out)
+        assert exited.value.code == 2, case
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith("probe.py: error:") and message in errors[0], (case, errors)
+        assert not out.exists() or not any(out.iterdir()), case
+
+
+def test_console_script_exit_status(tmp_path):
+    finished = subprocess.run([sys.executable, str(ROOT / "probe.py"), "fit", "--config",
+                               str(ROOT / "configs" / "probe" / "position.yaml"), "--data.source",
+                               str(tmp_path / "missing.txt")], capture_output=True, text=True, cwd=ROOT)
+    assert finished.returncode == 2
+    assert finished.stderr.strip().splitlines()[-1].startswith("probe.py: error: data path not found")
