@@ -68,20 +68,20 @@ class NeuronStatistics(Metric):
             )
         if tokens.shape[1] == 0:
             return
-        tokens = tokens.float()  # [layers, tokens, hidden]
+        tokens = tokens.float()  # [layers, tokens, hidden]; at most two token-sized temporaries below
         n = tokens.shape[1]
         batch_sum = tokens.sum(1, dtype=torch.float64)  # [layers, hidden]
-        # Squares are summed around the batch mean (accurate in float32 even where the mean dwarfs the spread, as
-        # an outlier's does), then shifted back exactly in float64: sum x² = M2 + (sum x)² / n.
-        centred = tokens - (batch_sum / n).float().unsqueeze(1)
-        batch_m2 = centred.pow(2).sum(1, dtype=torch.float64)
-        self.count += n
-        self.sum += batch_sum
-        self.sum_sq += batch_m2 + batch_sum.pow(2) / n
-        self.max_abs = torch.maximum(self.max_abs, tokens.abs().amax(1).double())
+        self.max_abs = torch.maximum(self.max_abs, torch.maximum(tokens.amax(1), -tokens.amin(1)).double())
         ones = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
         self.argmax_count.scatter_add_(1, tokens.argmax(-1), ones)
         self.argmin_count.scatter_add_(1, tokens.argmin(-1), ones)
+        # Squares are summed around the batch mean (accurate in float32 even where the mean dwarfs the spread, as
+        # an outlier's does), then shifted back exactly in float64: sum x² = M2 + (sum x)² / n.
+        centred = tokens - (batch_sum / n).float().unsqueeze(1)
+        batch_m2 = centred.pow_(2).sum(1, dtype=torch.float64)
+        self.count += n
+        self.sum += batch_sum
+        self.sum_sq += batch_m2 + batch_sum.pow(2) / n
 
     def compute(self) -> NeuronStatisticsResult:
         count = self.count.clamp_min(1)
