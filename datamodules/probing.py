@@ -240,14 +240,8 @@ class ProbeDataModule(pl.LightningDataModule):
         layers = self._layers(primary)
         slots = [(kind, layer) for kind in ("encoder", "random")[:len(encoders)] for layer in layers]
         stats = NeuronStatistics(len(layers), primary.hidden_size).to(primary.device)
-        counts = {}
-        for split in SPLITS:
-            order = sorted(range(len(texts[split])), key=lambda i: len(texts[split][i]))  # less padding
-            self.texts[split] = [texts[split][i] for i in order]
-            batches = self._tokenize(primary, self.texts[split])
-            split_labels = labels[split][order] if split in labels else None
-            counts[split] = self._encode(encoders, split, batches, layers, split_labels,
-                                         stats if split == "train" else None, len(slots))
+        counts, num_truncated = self._encode(encoders, texts, labels, layers, stats, len(slots))
+        self.check_counts(counts)
         outlier_layers = detect_outliers(stats.compute(), self.rule)
         if self.outlier_dims is not None:
             bad = [d for d in self.outlier_dims if not 0 <= d < primary.hidden_size]
@@ -263,7 +257,7 @@ class ProbeDataModule(pl.LightningDataModule):
             classes=classes, slots=slots, outlier_dims=outlier_dims, outlier_source=outlier_source,
             outlier_layers=outlier_layers, counts=counts, majority=self._majority(len(classes)), seed=self.seed,
             data={"source": str(self.source), "test_split": self.test_split if _is_hub_name(str(self.source)) else None,
-                  "max_length": self.max_length or primary.max_length,
+                  "max_length": self.max_length or primary.max_length, "num_truncated": num_truncated,
                   "special_tokens": "excluded" if self.exclude_special else "included", **self.describe()},
         )
         del encoders
@@ -361,37 +355,62 @@ class ProbeDataModule(pl.LightningDataModule):
         return directory / f"{split}.npy"
 
     @torch.no_grad()
-    def _encode(self, encoders: Sequence[FrozenEncoder], split: str, batches: list[dict], layers: list[int],
-                labels: Tensor | None, stats: NeuronStatistics | None, num_slots: int) -> dict:
-        """Run every encoder once over the batches, pool/select items, write the split's FeatureStore."""
+    def _encode(self, encoders: Sequence[FrozenEncoder], texts: dict[str, list[str]], labels: dict[str, Tensor],
+                layers: list[int], stats: NeuronStatistics, num_slots: int) -> tuple[dict, int]:
+        """One pass of every encoder over all sentences of all splits, sorted by length (little padding), each
+        batch's rows routed to their split's FeatureStore; NeuronStatistics sees the training rows.
+        Returns (counts per split, number of truncated sentences)."""
         primary = encoders[0]
+        entries = sorted(((split, i) for split in SPLITS for i in range(len(texts[split]))),
+                         key=lambda entry: len(texts[entry[0]][entry[1]]))
+        batches = self._tokenize(primary, [texts[split][i] for split, i in entries])
+        routes = []  # per batch: {split: row indices in the batch}
+        for start in range(0, len(entries), self.encode_batch_size):
+            chunk = [split for split, _ in entries[start:start + self.encode_batch_size]]
+            routes.append({split: torch.tensor([r for r, s in enumerate(chunk) if s == split], dtype=torch.long)
+                           for split in SPLITS if split in chunk})
         keeps = [self.items_of(batch, self._mask(batch)) for batch in batches]
-        items = sum(int(self._item_counts(keep).sum()) for keep in keeps)
-        sentences = sum(len(batch["input_ids"]) for batch in batches)
-        store = FeatureStore(items, num_slots, primary.hidden_size, sentences,
-                             self._store_path(split, items * num_slots * primary.hidden_size * 4))
-        bar = tqdm(total=sentences, unit="sent", desc=f"encoding {split} ({primary.short_name})",
+        counts = {split: {"sentences": len(texts[split])} for split in SPLITS}
+        for batch, keep, route in zip(batches, keeps, routes):
+            for split, rows in route.items():
+                extra = {"items": int(self._item_counts(keep[rows]).sum()),
+                         **self.split_counts(self._mask(batch)[rows], keep[rows])}
+                for key, value in extra.items():
+                    counts[split][key] = counts[split].get(key, 0) + value
+        for split in SPLITS:
+            order = [i for s, i in entries if s == split]
+            self.texts[split] = [texts[split][i] for i in order]  # the store's sentence order
+            if split in labels:
+                labels[split] = labels[split][order]
+            items = counts[split]["items"]
+            self.stores[split] = FeatureStore(items, num_slots, primary.hidden_size, len(order),
+                                              self._store_path(split, items * num_slots * primary.hidden_size * 4))
+        done = dict.fromkeys(SPLITS, 0)  # sentences written per split
+        bar = tqdm(total=len(entries), unit="sent", desc=f"encoding ({primary.short_name})",
                    disable=not self.progress, dynamic_ncols=True, leave=False)
-        first = 0
         with bar:
-            for batch, keep in zip(batches, keeps):
-                size = len(batch["input_ids"])
+            for batch, keep, route in zip(batches, keeps, routes):
                 inputs = {key: value for key, value in batch.items() if isinstance(value, Tensor)}
-                batch_labels = labels[first:first + size] if labels is not None else None
-                parts = []
-                for index, encoder in enumerate(encoders):
-                    hidden = encoder(**inputs).hidden_states[layers]  # [layers, batch, seq, hidden]
-                    features, item_labels, per_sentence = self.pool(hidden, keep.to(hidden.device), batch_labels)
-                    if index == 0 and stats is not None:
-                        stats.update(hidden, keep.to(hidden.device))
-                    parts.append(features.float().cpu())
-                store.append(torch.cat(parts), item_labels, per_sentence)
-                first += size
-                bar.update(size)
-        self.stores[split] = store
-        counts = {"sentences": sentences, self.item_name: items} if self.item_name else {"sentences": sentences}
-        return {**counts, "truncated": sum(batch["num_truncated"] for batch in batches),
-                **self.split_counts(batches, keeps)}
+                hidden = [encoder(**inputs).hidden_states[layers] for encoder in encoders]  # [layers, batch, seq, h]
+                for split, rows in route.items():
+                    split_keep = keep[rows].to(primary.device)
+                    split_labels = labels[split][done[split]:done[split] + len(rows)] if split in labels else None
+                    parts = []
+                    for states in hidden:
+                        features, item_labels, per_sentence = self.pool(states[:, rows.to(states.device)],
+                                                                        split_keep.to(states.device), split_labels)
+                        parts.append(features.float().cpu())
+                    if split == "train":
+                        stats.update(hidden[0][:, rows.to(primary.device)], split_keep)
+                    self.stores[split].append(torch.cat(parts), item_labels, per_sentence)
+                    done[split] += len(rows)
+                bar.update(len(batch["input_ids"]))
+        item_name = self.item_name
+        for split in SPLITS:
+            items = counts[split].pop("items")
+            if item_name:
+                counts[split] = {"sentences": counts[split]["sentences"], item_name: items, **counts[split]}
+        return counts, sum(batch["num_truncated"] for batch in batches)
 
     def _mask(self, batch: dict) -> Tensor:
         """[batch, seq] bool: tokens that count (not padding; not special tokens when excluded)."""
@@ -403,11 +422,15 @@ class ProbeDataModule(pl.LightningDataModule):
     def _item_counts(self, keep: Tensor) -> Tensor:
         return keep.sum(1)
 
-    def split_counts(self, batches: list[dict], keeps: list[Tensor]) -> dict:
+    def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
+        """Extra counts of some rows: mask [rows, seq] (counted tokens), keep [rows, seq] (the items' tokens)."""
         return {}
 
     def describe(self) -> dict:
         return {}
+
+    def check_counts(self, counts: dict) -> None:
+        """Warn about what the counts reveal (dropped positions, ...)."""
 
     def _majority(self, num_classes: int) -> dict:
         """Chance (uniform over the classes seen in training) and majority (the most frequent training label)."""
@@ -454,12 +477,14 @@ class PositionDataModule(ProbeDataModule):
         positions = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
         return hidden[:, keep], positions[keep], keep.sum(1)
 
-    def split_counts(self, batches: list[dict], keeps: list[Tensor]) -> dict:
-        dropped = sum(int((self._mask(batch) & ~keep).sum()) for batch, keep in zip(batches, keeps))
+    def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
+        return {"dropped_positions": int((mask & ~keep).sum())}
+
+    def check_counts(self, counts: dict) -> None:
+        dropped = sum(split["dropped_positions"] for split in counts.values())
         if dropped:
             warnings.warn(f"{dropped} tokens at positions >= --data.max_positions {self.max_positions} are left out "
                           "of the probe (counted in the report as dropped_positions)", stacklevel=2)
-        return {"dropped_positions": dropped}
 
 
 class ClassificationDataModule(ProbeDataModule):
