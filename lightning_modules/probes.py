@@ -34,6 +34,53 @@ INDEXING = "0-indexed dimensions and positions; layer 0 = embedding output"
 _INIT_KIND = {"encoder": 0, "clipped": 0, "random": 1}  # a clipped probe starts from its unclipped twin's weights
 
 
+def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, multiple: int = 64) -> Tensor:
+    """x [slots, items, hidden] @ weight [slots, hidden, classes] (+ bias [slots, classes]) → [slots, items, width].
+
+    With 64 classes or more the class dim is zero-padded to a multiple of `multiple` (CPU BLAS runs 300 columns
+    slower than 320) and the padding columns are -inf, so a softmax over the padded logits is the true one.
+    """
+    slots, hidden, classes = weight.shape
+    width = -(-classes // multiple) * multiple if classes >= multiple else classes
+    padded = weight
+    if width != classes:
+        padded = weight.new_zeros(slots, hidden, width)
+        padded[:, :, :classes] = weight
+    logits = torch.bmm(x.to(weight.dtype), padded)
+    if bias is not None:
+        logits[:, :, :classes] += bias.unsqueeze(1)
+    logits[:, :, classes:] = float("-inf")
+    return logits
+
+
+class StackedLinearCrossEntropy(torch.autograd.Function):
+    """Sum over slots of each slot's mean cross-entropy of x @ weight (+ bias), with a hand-written backward: the
+    softmax is taken once and turned into the logits' gradient in place (softmax - one-hot), and only the weight
+    (and bias) gradients are formed, never the features'. Equal to F.cross_entropy through autograd, about 20%
+    faster on CPU. The returned loss saturates at -log(smallest float) for a token whose gold probability
+    underflows; the gradient is exact."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
+        slots, items = x.shape[0], max(x.shape[1], 1)
+        probs = torch.softmax(padded_logits(x, weight, bias), -1)  # [slots, items, width]
+        index = target.view(1, -1, 1).expand(slots, -1, 1)
+        loss = -probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum() / items
+        probs.scatter_add_(2, index, torch.full(index.shape, -1.0, dtype=probs.dtype, device=probs.device))
+        probs.div_(items)  # d loss / d logits
+        ctx.save_for_backward(x, probs)
+        ctx.classes, ctx.has_bias, ctx.dtype = weight.shape[2], bias is not None, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, gradient = ctx.saved_tensors
+        classes = ctx.classes
+        grad_weight = torch.bmm(x.to(gradient.dtype).transpose(1, 2), gradient)[:, :, :classes] * grad
+        grad_bias = gradient.sum(1)[:, :classes] * grad if ctx.has_bias else None
+        return None, grad_weight.to(ctx.dtype), grad_bias.to(ctx.dtype) if grad_bias is not None else None, None
+
+
 def slot_seed(seed: int, kind: str, layer: int) -> int:
     """The initial-weight seed of one probe: the same whichever other probes train beside it."""
     return (seed * 1_000_003 + _INIT_KIND[kind] * 10_007 + layer) % (2 ** 63)
@@ -83,26 +130,25 @@ class LinearProbes(pl.LightningModule):
 
     def forward(self, features: Tensor) -> Tensor:
         """features [data slots, items, hidden] → logits [probe slots, items, classes]."""
-        x = self.inputs(features).to(self.weight.dtype)
-        if self.bias is None:
-            return torch.bmm(x, self.weight)
-        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)
+        return padded_logits(self.inputs(features), self.weight, self.bias)[:, :, :self.weight.shape[2]]
 
     # ---- steps ----------------------------------------------------------------------------------------------------
-    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> tuple[Tensor, Tensor]:
+    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
         features, labels = batch  # [slots, items, hidden], [items]
-        logits = self(features)  # [probe slots, items, classes]
-        items, slots = labels.shape[0], logits.shape[0]
-        # sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.repeat(slots), reduction="sum") / max(items, 1)
+        items, slots = labels.shape[0], len(self.probe_slots)
+        # the sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
+        if stage == "train":
+            loss = StackedLinearCrossEntropy.apply(self.inputs(features), self.weight, self.bias, labels)
+        else:
+            logits = self(features)  # [probe slots, items, classes]
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.repeat(slots), reduction="sum") / max(items, 1)
+            getattr(self, f"{stage}_accuracy").update(logits, labels)
         self.log(f"{stage}/loss", loss.detach() / slots, batch_size=max(items, 1), on_step=stage == "train",
                  on_epoch=True, prog_bar=stage == "train")
-        if stage != "train":
-            getattr(self, f"{stage}_accuracy").update(logits.detach(), labels)
-        return loss, logits
+        return loss
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        return self._shared_step(batch, "train")[0]
+        return self._shared_step(batch, "train")
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._shared_step(batch, "val")

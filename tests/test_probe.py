@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig
 
 from datamodules.io import UserError
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder
-from lightning_modules.probes import PositionProbe, SentenceClassifier, slot_seed
+from lightning_modules.probes import PositionProbe, SentenceClassifier, StackedLinearCrossEntropy, slot_seed
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
 from tests.tiny import HIDDEN as TINY_HIDDEN
@@ -71,6 +72,23 @@ def fit(model, datamodule, epochs: int) -> pl.Trainer:
 def write_lines(path, lines):
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+@pytest.mark.parametrize("classes, bias", [(300, False), (3, True)])
+def test_fused_cross_entropy_equals_autograd(classes, bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 37, 24, generator=generator)
+    target = torch.randint(0, classes, (37,), generator=generator)
+    weight = torch.randn(4, 24, classes, generator=generator).requires_grad_()
+    b = torch.randn(4, classes, generator=generator).requires_grad_() if bias else None
+    fused = StackedLinearCrossEntropy.apply(x, weight, b, target)
+    grads = torch.autograd.grad(2 * fused, [weight] + ([b] if bias else []))
+    logits = torch.bmm(x, weight) + (b.unsqueeze(1) if bias else 0)  # per slot mean cross-entropy, summed
+    plain = sum(F.cross_entropy(logits[s], target) for s in range(4))
+    expected = torch.autograd.grad(2 * plain, [weight] + ([b] if bias else []))
+    torch.testing.assert_close(fused, plain)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
 
 
 def test_probe_recovers_planted_position_and_contributions_single_out_its_dimension(tmp_path, bert_tok):
