@@ -263,6 +263,17 @@ class StreamingBlocks(IterableDataset):
                                 f"{self.rank}")
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that tells Lightning it resumes mid-epoch: the position itself is saved and restored by
+    MLMDataModule.state_dict / load_state_dict (micro-batches consumed), which positions the sampler."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 # ---- the datamodule ----
 
 def default_cache_dir() -> Path:
@@ -517,7 +528,7 @@ class MLMDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset, sampler, collator) -> DataLoader:
         workers = self.hparams.num_workers
-        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=collator, num_workers=workers,
+        return ResumableLoader(dataset, sampler=sampler, batch_size=None, collate_fn=collator, num_workers=workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                           prefetch_factor=4 if workers else None)
 

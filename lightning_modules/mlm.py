@@ -15,6 +15,7 @@ The loss projects only the masked positions through the LM head (`mlm_loss`): th
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -248,6 +249,10 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
     with staged_output(directory) as stage:
         module.model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in stage.iterdir():  # readable by the group like any other file (some writers use 0600)
+            path.chmod(0o666 & ~umask)
 
 
 def load_checkpoint_model(path: str | Path):

@@ -17,9 +17,9 @@ def label(report: dict, path: str) -> str:
 
 
 def cell(layer: dict) -> str:
-    dims = ", ".join(map(str, layer["outlier_dims"][:4])) + ("…" if len(layer["outlier_dims"]) > 4 else "")
-    return f"max {layer['argmax_dim']:>4} ({layer['argmax_share']:4.0%}) min {layer['argmin_dim']:>4} " \
-           f"({layer['argmin_share']:4.0%}) | {dims or '-'}"
+    dims = ",".join(map(str, layer["outlier_dims"][:4])) + ("…" if len(layer["outlier_dims"]) > 4 else "")
+    return f"max {layer['argmax_dim']:>4} {layer['argmax_share']:4.0%}  min {layer['argmin_dim']:>4} " \
+           f"{layer['argmin_share']:4.0%}  {dims or '-'}"
 
 
 def main(argv: list[str]) -> int:
@@ -31,10 +31,11 @@ def main(argv: list[str]) -> int:
     except (OSError, json.JSONDecodeError) as error:
         print(f"compare_outliers.py: error: cannot read report: {error}", file=sys.stderr)
         return 2
-    width = 52
+    width = 46
     names = [label(report, path) for report, path in zip(reports, argv)]
-    print(f"\noutlier dimensions per layer (dims 0-indexed; share of {reports[0]['num_tokens']:,} / "
-          f"{reports[1]['num_tokens']:,} tokens holding the max / min)")
+    print(f"\noutlier dimensions per layer (dims 0-indexed; layer 0 = embeddings; {reports[0]['num_tokens']:,} / "
+          f"{reports[1]['num_tokens']:,} tokens)\neach cell: the dim holding most tokens' max and its share, the same "
+          "for the min, then the layer's outlier dims")
     print(f"{'layer':>5}  {names[0]:<{width}}  {names[1]:<{width}}")
     for left, right in zip(reports[0]["layers"], reports[1]["layers"]):
         print(f"{left['layer']:>5}  {cell(left):<{width}}  {cell(right):<{width}}")

@@ -6,11 +6,13 @@ no-PE permutation equivariance and the SDPA path.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
-from datamodules.mlm import BlockSampler, MaskCollator, pack_blocks, tokenize_texts
+from datamodules.mlm import BlockSampler, MaskCollator, StreamingBlocks, pack_blocks, tokenize_texts
 from datamodules.tokenizer import SPECIAL_TOKENS, fingerprint, load_tokenizer, train_tokenizer
 from lightning_modules.mlm import MLMModule, PolynomialSchedule, mlm_loss
 from tests.tiny import corpus_sentences
@@ -93,6 +95,26 @@ def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
     assert list(resumed) == second[4:] and list(resumed) == list(straight)  # then it goes on with epoch 2
     assert all(key < 50 for batch in first for key in batch) and all(50 <= key < 100 for batch in second for key in batch)
     assert sorted(k % 50 for b in first for k in b) != [k % 50 for b in first for k in b]  # shuffled
+
+
+def test_streaming_packs_this_ranks_texts_across_chunks_and_skips_on_resume(bpe, tmp_path):
+    texts = corpus_sentences(120)
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+
+    def stream(skip_batches=0):
+        return StreamingBlocks(str(path), None, bpe, block_length=16, batch_size=2, rank=1, world=2, skip_texts=10,
+                               skip_batches=skip_batches, chunk=7)
+
+    batches = list(itertools.islice(iter(stream()), 5))
+    expected, _ = pack_blocks(tokenize_texts(texts[11::2], bpe), 16, bos=0, eos=2)  # rank 1 of 2, after 10 held out
+    got = [row.tolist() for batch in batches for row in batch["blocks"]]
+    assert got == expected[:10]
+    keys = [int(k) for batch in batches for k in batch["keys"]]
+    assert len(set(keys)) == len(keys)
+    resumed = list(itertools.islice(iter(stream(skip_batches=3)), 2))
+    assert [row.tolist() for batch in resumed for row in batch["blocks"]] == got[6:10]
+    assert [int(k) for batch in resumed for k in batch["keys"]] == keys[6:10]
 
 
 def test_polynomial_schedule_by_hand():

@@ -161,6 +161,19 @@ def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop):
 
 
 @pytest.mark.slow
+def test_streaming_run_resumes_exactly(corpus, cache, tmp_path):
+    streaming = ("--data.streaming", "true", "--data.val_texts", "4", "--trainer.val_check_interval", "3")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert fit(straight, corpus, cache, *streaming, "--trainer.max_steps", "4", "--model.decay_steps", "4") == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "2", "--model.decay_steps", "4") == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "4", "--model.decay_steps", "4",
+               "--ckpt_path", "last") == 0
+    assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4
+    for name, value in checkpoint(straight)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(resumed)["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp_path):
     no_dropout = ("--model.dropout", "0.0", "--trainer.max_steps", "4")
     one, accumulated, ddp = tmp_path / "one", tmp_path / "accumulated", tmp_path / "ddp"

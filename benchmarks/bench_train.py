@@ -1,0 +1,316 @@
+"""Pretraining throughput: train.py's LightningModule + Trainer vs a bare PyTorch loop and vs transformers' Trainer.
+
+    python benchmarks/bench_train.py            # tiny config (configs/pretrain/tiny.yaml) on the bundled corpus
+    python benchmarks/bench_train.py --quick    # small sizes, for the test suite
+    python benchmarks/bench_train.py --gpu_only # only the roberta-base tokens/s and MFU lines (needs CUDA)
+
+All three run side by side in one process, interleaved over --rounds (the median tokens/s of each counts):
+- lightning: train.py's PretrainCLI on the config (same model, data module, optimizer, clipping, logging);
+- bare: a plain loop over the same model, the same DataLoader batches, the same AdamW + schedule + clipping and
+  the same loss function (the framework-overhead limit), target >= 0.95x;
+- hf_trainer: transformers.Trainer + DataCollatorForLanguageModeling on the same packed blocks and model config
+  (the usual baseline), target >= 1.0x.
+With CUDA it also trains roberta-base (Table 4 sizes, bf16-mixed, SDPA, fused AdamW) with and without PE at
+sequence lengths 128 and 512 on synthetic blocks and prints tokens/s and model-FLOPs utilisation: per token
+6 N (N = non-embedding parameters) + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on
+the k masked positions of T), over the device's dense bf16 peak.
+Output: one `RATIO <name> <value> target >=<x>` line per ratio, and `METRIC` lines for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from datamodules.mlm import BlockDataset, BlockSampler, MaskCollator, MLMDataModule  # noqa: E402
+from lightning_modules.mlm import MLMModule, mlm_loss  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
+QUICK = {"model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+                   "max_position_embeddings": 34},
+         "data": {"vocab_size": 600, "block_length": 32, "batch_size": 8, "global_batch_size": 8, "max_texts": 400}}
+
+
+def load_config(path: Path, quick: bool) -> dict:
+    config = yaml.safe_load(path.read_text())
+    if quick:
+        for section, values in QUICK.items():
+            config[section].update(values)
+    return config
+
+
+def overrides(config: dict, root: Path, cache: Path, steps: int) -> list[str]:
+    args = []
+    for section in ("model", "data"):
+        for key, value in config[section].items():
+            args += [f"--{section}.{key}", json.dumps(value) if isinstance(value, list) else str(value)]
+    return args + [
+        "--seed_everything", "0", "--data.cache_dir", str(cache), "--trainer.default_root_dir", str(root),
+        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--checkpoint.every_n_train_steps", "1000000", "--trainer.enable_model_summary", "false",
+        "--trainer.logger", json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger",
+                                        "init_args": {"save_dir": str(root)}}),
+        *[f"--trainer.{k}={v}" for k, v in config["trainer"].items() if k in ("accelerator", "devices", "precision",
+                                                                             "gradient_clip_val", "log_every_n_steps")],
+    ]
+
+
+class StepTimer(pl.Callback):
+    """Wall time from the start of optimizer step `warmup` to the end of the last step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.end = warmup, None, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.start is None and trainer.global_step == self.warmup:
+            _sync()
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync()
+        self.end = time.perf_counter()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_lightning(config_path: Path, config: dict, root: Path, cache: Path, warmup: int, steps: int) -> float:
+    import train
+
+    cli = train.PretrainCLI(MLMModule, MLMDataModule, run=False, seed_everything_default=0,
+                            trainer_defaults=train.TRAINER_DEFAULTS, save_config_kwargs={"overwrite": True},
+                            args=["--config", str(config_path), *overrides(config, root, cache, warmup + steps),
+                                  "--trainer.enable_progress_bar", "false"])
+    timer = StepTimer(warmup)
+    cli.trainer.callbacks.append(timer)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return tokens_per_step(config) * steps / (timer.end - timer.start)
+
+
+def tokens_per_step(config: dict) -> int:
+    data = config["data"]
+    return (data.get("global_batch_size") or data["batch_size"]) * data["block_length"]
+
+
+def datamodule(config: dict, cache: Path) -> MLMDataModule:
+    data = MLMDataModule(**{**config["data"], "cache_dir": str(cache)})
+    data.prepare_data()
+    data.setup("fit")
+    return data
+
+
+def run_bare(config: dict, cache: Path, warmup: int, steps: int) -> float:
+    """The same model, batches, optimizer, schedule, clipping and loss, with nothing around them."""
+    data = datamodule(config, cache)
+    pl.seed_everything(0, verbose=False)
+    module = MLMModule(**{**config["model"], "vocab_size": data.model_vocab_size, "decay_steps": warmup + steps})
+    model = module.model.train()
+    optimizers = module.configure_optimizers()
+    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    clip = config["trainer"].get("gradient_clip_val") or float("inf")
+    accumulate = data.accumulation(1)
+    batches = iter(data.train_dataloader())
+    start = None
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        for _ in range(accumulate):
+            loss, _ = mlm_loss(model, next(batches))
+            (loss / accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return tokens_per_step(config) * steps / (time.perf_counter() - start)
+
+
+def run_hf_trainer(config: dict, cache: Path, root: Path, warmup: int, steps: int) -> float:
+    """transformers.Trainer with DataCollatorForLanguageModeling over the same packed blocks (full-vocab logits)."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+
+    data = datamodule(config, cache)
+    blocks = data.train_blocks.blocks.with_format("torch")
+    model_config = config["model"]
+    pl.seed_everything(0, verbose=False)
+    model = MLMModule(**{**model_config, "vocab_size": data.model_vocab_size}).model  # same RobertaForMaskedLM
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync()
+            times.append(time.perf_counter())
+
+    batch = data.hparams.batch_size
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=(data.hparams.global_batch_size or batch) // batch, max_steps=warmup + steps + 1,
+        learning_rate=model_config.get("lr", 1e-4), warmup_steps=model_config.get("warmup_steps", 0),
+        weight_decay=model_config.get("weight_decay", 0.01), adam_beta1=model_config.get("betas", [0.9, 0.98])[0],
+        adam_beta2=model_config.get("betas", [0.9, 0.98])[1], adam_epsilon=model_config.get("eps", 1e-6),
+        max_grad_norm=config["trainer"].get("gradient_clip_val") or 0.0, lr_scheduler_type="linear",
+        logging_steps=config["trainer"].get("log_every_n_steps", 50), save_strategy="no", report_to=[],
+        dataloader_num_workers=data.hparams.num_workers, disable_tqdm=True, seed=0,
+        bf16=config["trainer"].get("precision") == "bf16-mixed", use_cpu=not torch.cuda.is_available(),
+    )
+    collator = DataCollatorForLanguageModeling(data.tokenizer, mlm_probability=data.hparams.mlm_probability)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=blocks, data_collator=collator, callbacks=[Timer()]).train()
+    return tokens_per_step(config) * steps / (times[warmup + steps - 1] - times[warmup - 1])
+
+
+# ---- GPU: roberta-base tokens/s and MFU ----
+
+class SyntheticTokenizer:
+    """What MaskCollator needs of a tokenizer, for random blocks of a RoBERTa-sized vocabulary."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.all_special_ids, self.mask_token_id, self._vocab = [0, 1, 2, 3, 4], 4, vocab_size
+
+    def get_vocab(self) -> dict:
+        return {"<last>": self._vocab - 1}
+
+
+class SyntheticData(pl.LightningDataModule):
+    def __init__(self, vocab_size: int, block_length: int, batch_size: int, num_blocks: int = 4096) -> None:
+        super().__init__()
+        import datasets
+
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, vocab_size, (num_blocks, block_length), generator=generator)
+        ids[:, 0], ids[:, -1] = 0, 2
+        self.blocks = BlockDataset(datasets.Dataset.from_dict({"input_ids": ids.numpy()}))
+        self.collator = MaskCollator(SyntheticTokenizer(vocab_size), block_length)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        sampler = BlockSampler(len(self.blocks), self.batch_size, group=self.batch_size)
+        return torch.utils.data.DataLoader(self.blocks, sampler=sampler, batch_size=None, collate_fn=self.collator,
+                                           num_workers=4, pin_memory=True, persistent_workers=True)
+
+
+def model_flops_per_token(module: MLMModule, seq: int, k: int) -> float:
+    """6 N (encoder layers) + 12 L d T (attention) + 6 (d^2 + d V) k / T (LM head on the masked positions)."""
+    h = module.hparams
+    body = sum(p.numel() for p in module.model.roberta.encoder.parameters())
+    attention = 12 * h.num_hidden_layers * h.hidden_size * seq
+    lm_head = 6 * (h.hidden_size ** 2 + h.hidden_size * h.vocab_size) * k / seq
+    return 6 * body + attention + lm_head
+
+
+def peak_tflops(name: str, override: float | None) -> float | None:
+    if override:
+        return override
+    return next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def run_gpu(args) -> None:
+    device = torch.cuda.get_device_name(0)
+    peak = peak_tflops(device, args.peak_tflops)
+    for seq, batch in ((128, args.gpu_batch_128), (512, args.gpu_batch_512)):
+        for pe in (True, False):
+            pl.seed_everything(0, verbose=False)
+            module = MLMModule(position_embeddings=pe, vocab_size=50265, max_position_embeddings=514,
+                               warmup_steps=10, decay_steps=1000, compile=args.compile)
+            assert module.model.config._attn_implementation == "sdpa"
+            data = SyntheticData(50265, seq, batch)
+            timer = StepTimer(args.gpu_warmup)
+            with tempfile.TemporaryDirectory() as root:
+                trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", gradient_clip_val=0.5,
+                                     max_steps=args.gpu_warmup + args.gpu_steps, logger=False,
+                                     enable_checkpointing=False, enable_progress_bar=False,
+                                     enable_model_summary=False, default_root_dir=root, callbacks=[timer],
+                                     use_distributed_sampler=False)
+                module.on_fit_end = lambda: None  # no export of a throughput run
+                trainer.fit(module, datamodule=data)
+            tokens = batch * seq * args.gpu_steps / (timer.end - timer.start)
+            flops = model_flops_per_token(module, seq, data.collator.k)
+            name = f"roberta_base_{'pe' if pe else 'nope'}_seq{seq}"
+            print(f"METRIC {name}_tokens_per_s {tokens:.0f}  (batch {batch}, {device})")
+            if peak:
+                print(f"METRIC {name}_mfu {tokens * flops / (peak * 1e12):.3f}  ({flops / 1e6:.0f} MFLOP/token, "
+                      f"peak {peak:.0f} TFLOP/s bf16)")
+            del module, trainer, data
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
+    parser.add_argument("--quick", action="store_true", help="small model and corpus, one round (for tests)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for all three runs (1 keeps timings stable on a shared machine; 0: torch's default)")
+    parser.add_argument("--gpu_only", action="store_true")
+    parser.add_argument("--gpu_warmup", type=int, default=10)
+    parser.add_argument("--gpu_steps", type=int, default=30)
+    parser.add_argument("--gpu_batch_128", type=int, default=128)
+    parser.add_argument("--gpu_batch_512", type=int, default=32)
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the loss in the GPU runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.warmup, args.steps = 1, 2, 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.gpu_only:
+        run_cpu_comparison(args)
+    if torch.cuda.is_available():
+        run_gpu(args)
+    elif args.gpu_only:
+        print("no CUDA device: the roberta-base tokens/s and MFU lines need one")
+
+
+def run_cpu_comparison(args) -> None:
+    config_path = Path(args.config)
+    config = load_config(config_path, args.quick)
+    results: dict[str, list[float]] = {"lightning": [], "bare": [], "hf_trainer": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cache = tmp / "cache"
+        if args.quick:
+            corpus = tmp / "corpus.txt"
+            with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
+                corpus.write_text("".join(handle.readlines()[:400]), encoding="utf-8")
+            config["data"]["corpus"] = str(corpus)
+        datamodule(config, cache)  # prepare the tokenizer and blocks once, outside the timings
+        for round_ in range(args.rounds):
+            for name in results:
+                root = tmp / f"{name}-{round_}"
+                if name == "lightning":
+                    value = run_lightning(config_path, config, root, cache, args.warmup, args.steps)
+                elif name == "bare":
+                    value = run_bare(config, cache, args.warmup, args.steps)
+                else:
+                    value = run_hf_trainer(config, cache, root, args.warmup, args.steps)
+                results[name].append(value)
+                print(f"round {round_}: {name:>10} {value:10.0f} tokens/s", flush=True)
+    median = {name: statistics.median(values) for name, values in results.items()}
+    for name, value in median.items():
+        print(f"METRIC {name}_tokens_per_s {value:.0f}")
+    print(f"RATIO lightning_vs_bare_loop {median['lightning'] / median['bare']:.3f} target >=0.95")
+    print(f"RATIO lightning_vs_hf_trainer {median['lightning'] / median['hf_trainer']:.3f} target >=1.0")
+
+
+if __name__ == "__main__":
+    main()
