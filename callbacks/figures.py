@@ -2,6 +2,7 @@
 
     fig = mean_vectors_figure(mean, outliers={layer: [dims]}, title="MiniLM")   # the paper's Figures 1-2
     save_figure(fig, "runs/x/mean_vectors.png")
+    layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
 """
 
 from __future__ import annotations
@@ -74,6 +75,55 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
     ax.set_title(title or "probe accuracy by layer", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int = 2):
+    """Per-layer curves in side-by-side panels (the paper's Figure 6: before / after clipping).
+
+    Each panel: {"title", "ylabel", "layers": [..], "series": {name: [value per layer, None for missing]},
+    "baselines": {name: value} (optional, dashed)}.
+    """
+    columns = max(1, min(columns, len(panels)))
+    rows = (len(panels) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        layers = list(panel["layers"])
+        for (name, values), marker in zip(panel["series"].items(), "osd^v<>"):
+            ax.plot(layers, [np.nan if v is None else v for v in values], marker=marker, markersize=4, label=name)
+        for (name, value), color in zip((panel.get("baselines") or {}).items(), ("#888888", "#444444", "#bbbbbb")):
+            if value is not None:
+                ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3g})")
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel("layer (0 = embedding output)", fontsize=8)
+        ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
+        ax.set_xticks(layers)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str = ""):
+    """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant."""
+    fig, axes = plt.subplots(1, len(spectra), figsize=(5.2 * len(spectra), 3.6), squeeze=False, sharey=True)
+    for ax, (name, layers) in zip(axes[0], spectra.items()):
+        colors = plt.cm.viridis(np.linspace(0, 1, max(len(layers), 2)))
+        for layer, (values, color) in enumerate(zip(layers, colors)):
+            values = np.clip(np.asarray(values, dtype=float), 1e-12, None)
+            ax.plot(np.arange(1, len(values) + 1), values, color=color, linewidth=1, label=f"layer {layer}")
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("singular value index", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0, 0].set_ylabel("singular value / largest", fontsize=8)
+    axes[0, -1].legend(fontsize=6, ncol=2)
+    fig.suptitle(title or "singular-value spectrum of each layer's token matrix", fontsize=10)
     fig.tight_layout()
     return fig
 
