@@ -109,15 +109,17 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     return fig
 
 
-def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str = ""):
-    """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant."""
+def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str = "", floor: float = 1e-4):
+    """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant;
+    values below `floor` (zeroed dimensions) are drawn at the floor."""
     fig, axes = plt.subplots(1, len(spectra), figsize=(5.2 * len(spectra), 3.6), squeeze=False, sharey=True)
     for ax, (name, layers) in zip(axes[0], spectra.items()):
         colors = plt.cm.viridis(np.linspace(0, 1, max(len(layers), 2)))
         for layer, (values, color) in enumerate(zip(layers, colors)):
-            values = np.clip(np.asarray(values, dtype=float), 1e-12, None)
+            values = np.clip(np.asarray(values, dtype=float), floor, None)
             ax.plot(np.arange(1, len(values) + 1), values, color=color, linewidth=1, label=f"layer {layer}")
         ax.set_yscale("log")
+        ax.set_ylim(floor / 2, 1.5)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("singular value index", fontsize=8)
         ax.tick_params(labelsize=7)
