@@ -1,12 +1,19 @@
-"""Analyses of a frozen encoder: outlier neurons and their origins (more subcommands: see --help).
+"""Analyses of a frozen encoder: outlier neurons, clipping, and the geometry and semantic evaluations.
 
     python analyze.py outliers                                   # packaged MiniLM on the bundled corpus
     python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
-    python analyze.py outliers --encoder runs/pretrain/export --data wikitext:wikitext-103-raw-v1:test
-    torchrun --nproc_per_node 4 analyze.py outliers ...          # sentences sharded over ranks, rank 0 writes
+    python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
+    python analyze.py self-similarity --clip 63,223              # Ethayarajh's self-similarity, given dims clipped
+    python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
+    python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
+    python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
+    python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
+    torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
-Dimensions and layers are 0-indexed; layer 0 is the embedding output. Errors in the input are one line on
-stderr and exit status 2, with nothing written.
+Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, clips the dimensions that
+the outlier analysis detects on the same data; `--clip none`; or `--clip 63,223`) and, with `--normalize whiten`
+or `standardize`, beside a post-hoc normalisation. Dimensions and layers are 0-indexed; layer 0 is the embedding
+output. Errors in the input are one line on stderr and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -16,16 +23,14 @@ import contextlib
 import itertools
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torchmetrics.aggregation import SumMetric
 
-from callbacks.figures import mean_vectors_figure, save_figure
+from callbacks.figures import layer_panels_figure, mean_vectors_figure, save_figure, spectrum_figure
 from datamodules.io import (
     DEFAULT_CORPUS,
     UserError,
@@ -35,12 +40,17 @@ from datamodules.io import (
     staged_output,
     write_json,
 )
-from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder
-from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
+from datamodules.pairs import STS_PRESETS, read_sts, read_wic, word_contexts
+from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, normalise_clip
+from metrics import protocols
+from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.origins import summarise_origins, trace_origins
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
+from metrics.protocols import Reference, Setting
+from metrics.transforms import NORMALIZATIONS
 
 T = TypeVar("T")
+VARIANT_LABELS = {"raw": "raw", "clipped": "clipped", "whitened": "whitened", "standardized": "standardized"}
 
 
 @contextlib.contextmanager
@@ -75,9 +85,10 @@ def collectively(step: Callable[[], T]) -> T:
     return result
 
 
-def read_sentences(args, rank: int = 0, world: int = 1) -> list[str]:
+def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None) -> list[str]:
     """The sampled sentences of --data (the same sample on every rank), then this rank's shard."""
-    texts = sample_texts(iter_texts(args.data, args.text_column), args.max_sentences, args.seed)
+    limit = args.max_sentences if limit is None else limit
+    texts = sample_texts(iter_texts(args.data, args.text_column), limit, args.seed)
     if not texts:
         raise UserError(f"no sentences in {args.data}")
     return list(itertools.islice(texts, rank, None, world))
@@ -89,66 +100,68 @@ def open_encoder(args, clip=None) -> FrozenEncoder:
         device = f"cuda:{torch.cuda.current_device()}"
     encoder = load_encoder(args.encoder, device=device, clip=clip, exclude_special=args.exclude_special)
     encoder.check_max_length(args.max_length)
+    if isinstance(getattr(args, "clip", None), list):  # given dimensions: check them against this model
+        normalise_clip(args.clip, encoder.num_hidden_states, encoder.hidden_size)
     return encoder
 
 
+def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> Setting:
+    return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
+
+
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tuple[NeuronStatisticsResult, int, int]:
-    """Stream the sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
-    stats = NeuronStatistics(encoder.num_hidden_states, encoder.hidden_size).to(encoder.device)
-    counted, truncated = SumMetric().to(encoder.device), SumMetric().to(encoder.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the truncation count goes in the report instead
-        for batch in encoder.batches(sentences, args.batch_size, args.max_length, total=len(sentences),
-                                     progress=not args.no_progress):
-            stats.update(batch.hidden_states, batch.mask)
-            counted.update(batch.hidden_states.shape[1])
-            truncated.update(batch.num_truncated)
-    result = stats.compute()  # syncs across ranks under DDP
-    return result, int(counted.compute()), int(truncated.compute())
+    """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
+    reference = protocols.reference_pass(setting_of(args, encoder), sentences, clip="auto", desc="outlier statistics")
+    return reference.statistics, reference.num_sentences, reference.num_truncated
 
 
-def run_outliers(args, rank: int, world: int) -> dict:
-    def prepare():
-        sentences = read_sentences(args, rank, world)
+def prepare(args, rank: int, read: Callable[[], T]) -> tuple[T, FrozenEncoder]:
+    """Read the data, check the output directory and load the encoder, failing together on every rank."""
+    def step():
+        data = read()
         if rank == 0:
             check_writable(args.output_dir)
-        return sentences, open_encoder(args)
+        return data, open_encoder(args)
 
-    sentences, encoder = collectively(prepare)
-    rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
-    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
+    return collectively(step)
+
+
+def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
+                    num_truncated: int) -> dict:
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
+    rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
     layers = detect_outliers(result, rule)
-    dims = all_outlier_dims(layers)
-    report = {
-        "encoder": str(args.encoder),
-        "data": str(args.data),
+    return {
+        **run_header(args, encoder),
         "num_sentences": num_sentences,
         "num_tokens": result.num_tokens,
         "num_truncated": num_truncated,
-        "max_length": args.max_length or encoder.max_length,
-        "special_tokens": "excluded" if args.exclude_special else "included",
-        "seed": args.seed,
-        "indexing": "0-indexed dimensions; layer 0 = embedding output",
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
         "layers": [layer.to_dict() for layer in layers],
         "persistent_dims": persistent_dims(layers),
-        "origins": trace_origins(encoder.model, dims),
+        "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
     }
+
+
+def mean_vectors_png(report: dict, result: NeuronStatisticsResult, encoder: FrozenEncoder):
+    outliers = {layer["layer"]: layer["outlier_dims"] for layer in report["layers"]}
+    return mean_vectors_figure(result.mean, outliers, title=f"average vector per layer: {encoder.short_name}")
+
+
+def run_outliers(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
+    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
+    report = outliers_report(args, encoder, result, num_sentences, num_truncated)
+    finish(args, rank, {"outliers.json": report}, {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)})
     if rank == 0:
-        with staged_output(args.output_dir) as stage:
-            write_json(stage / "outliers.json", report)
-            figure = mean_vectors_figure(result.mean, {lay.layer: lay.outlier_dims for lay in layers},
-                                         title=f"average vector per layer: {encoder.short_name}")
-            save_figure(figure, stage / "mean_vectors.png")
-        print_outliers(report, args.output_dir)
+        print_outliers(report)
     return report
 
 
-def print_outliers(report: dict, output_dir) -> None:
+def print_outliers(report: dict) -> None:
     print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {report['num_sentences']} sentences, "
           f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
     print(f"{'layer':>5}  {'argmax dim (share)':>19}  {'argmin dim (share)':>19}  outlier dims")
@@ -165,20 +178,351 @@ def print_outliers(report: dict, output_dir) -> None:
             print(f"  origin of {dim}: {line}")
     if report["num_truncated"]:
         print(f"{report['num_truncated']} sentences truncated to {report['max_length']} tokens")
-    print(f"wrote {Path(output_dir) / 'outliers.json'} and {Path(output_dir) / 'mean_vectors.png'}")
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, output: str) -> None:
+# ---------------------------------------------------------------- evaluations
+
+
+def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None) -> dict:
+    header = {
+        "encoder": str(args.encoder),
+        "data": str(args.data),
+        "max_length": args.max_length or encoder.max_length,
+        "special_tokens": "excluded" if args.exclude_special else "included",
+        "seed": args.seed,
+        "indexing": "0-indexed dimensions; layer 0 = embedding output",
+    }
+    if reference is not None:
+        header.update(reference.header())
+    return header
+
+
+def reference_of(args, setting: Setting, sentences: list[str], **needs) -> Reference:
+    """The reference pass over `sentences` for --clip / --normalize (and what `needs` asks for)."""
+    reference = protocols.reference_pass(setting, sentences, args.clip, args.normalize,
+                                         OutlierRule(args.min_share, args.sigma), **needs)
+    if reference.statistics is not None and reference.statistics.num_tokens == 0:
+        raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
+    return reference
+
+
+def run_anisotropy(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, sample=True)
+    report = {**run_header(args, encoder, reference), **protocols.anisotropy(setting, reference)}
+    return publish(args, rank, "anisotropy", report, encoder)
+
+
+def run_isotropy(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, sample=True, covariance=True)
+    report = {**run_header(args, encoder, reference),
+              **protocols.isotropy(setting, reference, args.zeta, args.minibatch)}
+    return publish(args, rank, "isotropy", report, encoder)
+
+
+def read_contexts(args, limit: int):
+    return word_contexts(read_sentences(args, limit=limit), args.num_words, args.min_sentences, args.seed)
+
+
+def run_self_similarity(args, rank: int, world: int) -> dict:
+    contexts, encoder = prepare(args, rank, lambda: read_contexts(args, args.max_sentences))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, contexts.sentences)
+    report = {**run_header(args, encoder, reference),
+              **protocols.self_similarity(setting, contexts, reference.variants)}
+    return publish(args, rank, "self_similarity", report, encoder)
+
+
+def pair_sentences(items) -> list[str]:
+    return list(dict.fromkeys(s for item in items for s in (item.sentence1, item.sentence2)))
+
+
+def run_wic(args, rank: int, world: int) -> dict:
+    (items, skipped), encoder = prepare(args, rank, lambda: read_wic(args.data, args.gold))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, pair_sentences(items))
+    report = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+              **protocols.wic(setting, items, reference.variants)}
+    return publish(args, rank, "wic", report, encoder)
+
+
+def run_sts(args, rank: int, world: int) -> dict:
+    (pairs, unscored), encoder = prepare(args, rank, lambda: read_sts(args.data, args.gold, args.score_range))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, pair_sentences(pairs))
+    report = {**run_header(args, encoder, reference), "unscored": unscored, "score_range": list(args.score_range),
+              **protocols.sts(setting, pairs, reference.variants, args.static)}
+    return publish(args, rank, "sts", report, encoder)
+
+
+def run_all(args, rank: int, world: int) -> dict:
+    """The outlier report and every evaluation for one encoder, and summary.md / summary.json / summary.png."""
+    def read():
+        sentences = read_sentences(args)
+        contexts = read_contexts(args, args.pool_sentences)
+        wic_data = read_wic(args.wic, None) if args.wic else None
+        sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
+        return sentences, contexts, wic_data, sts_data
+
+    (sentences, contexts, wic_data, sts_data), encoder = prepare(args, rank, read)
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, statistics=True, sample=True, covariance=True)
+    header = run_header(args, encoder, reference)
+    reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
+                                           reference.num_truncated),
+               "anisotropy": {**header, **protocols.anisotropy(setting, reference)},
+               "isotropy": {**header, **protocols.isotropy(setting, reference, args.zeta, args.minibatch)},
+               "self_similarity": {**header, **protocols.self_similarity(setting, contexts, reference.variants)}}
+    notes = []
+    if wic_data is None:
+        notes.append("WiC skipped: no --wic file given")
+    else:
+        reports["wic"] = {**header, "data": args.wic, "skipped": wic_data[1].to_dict(),
+                          **protocols.wic(setting, wic_data[0], reference.variants)}
+    if not sts_data:
+        notes.append("STS skipped: no --sts data given")
+    for name, (pairs, unscored) in sts_data.items():
+        reports[f"sts_{dataset_name(name)}"] = {**header, "data": name, "unscored": unscored,
+                                                **protocols.sts(setting, pairs, reference.variants, args.static)}
+    for note in notes:
+        if rank == 0:
+            print(f"note: {note}")
+    summary = summarise(reports, notes)
+    figures = {file: make for name in reports if name != "outliers"
+               for file, make in figures_of(name, reports[name], encoder).items()}
+    figures["mean_vectors.png"] = lambda: mean_vectors_png(reports["outliers"], reference.statistics, encoder)
+    figures["summary.png"] = lambda: summary_figure(summary, encoder)
+    files = {f"{name}.json": report for name, report in reports.items()}
+    files["summary.json"] = summary
+    finish(args, rank, files, figures, {"summary.md": summary_markdown(summary)})
+    if rank == 0:
+        print("\n" + summary_markdown(summary))
+    return summary
+
+
+def dataset_name(source: str) -> str:
+    """A file-name-safe name of an STS source: the preset name, or the file's stem."""
+    if source in STS_PRESETS:
+        return source
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(source).stem or source)
+
+
+def figures_of(name: str, report: dict, encoder: FrozenEncoder) -> dict:
+    """{file name: figure maker} of one report (isotropy has two: the scores and the spectra)."""
+    figures = {f"{name}.png": lambda: figure_of(name, report, encoder)}
+    if name == "isotropy":
+        figures["spectrum.png"] = lambda: figure_of("spectrum", report, encoder)
+    return figures
+
+
+def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) -> dict:
+    finish(args, rank, {f"{name}.json": report}, figures_of(name, report, encoder))
+    if rank == 0:
+        print_report(name, report)
+    return report
+
+
+def finish(args, rank: int, reports: dict, figures: dict, texts: dict | None = None) -> None:
+    """Rank 0 writes every report, figure and text at once (all or nothing) and names them."""
+    if rank != 0:
+        return
+    with staged_output(args.output_dir) as stage:
+        for name, report in reports.items():
+            write_json(stage / name, report)
+        for name, make in figures.items():
+            save_figure(make(), stage / name)
+        for name, text in (texts or {}).items():
+            (stage / name).write_text(text, encoding="utf-8")
+    names = [*reports, *figures, *(texts or {})]
+    print(f"wrote {', '.join(str(Path(args.output_dir) / n) for n in names)}")
+
+
+# ---------------------------------------------------------------- figures, terminal tables and the summary
+
+
+def series(rows: list[dict], *path: str) -> dict[str, list]:
+    """{variant: [value per layer]} from report rows, following `path` inside each variant's entry."""
+    keys = [k for k in VARIANT_LABELS if k in rows[0]] if rows else []
+    out = {}
+    for key in keys:
+        values = []
+        for row in rows:
+            value = row[key]
+            for step in path:
+                value = None if value is None else value.get(step)
+            values.append(value)
+        out[key] = values
+    return out
+
+
+def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None) -> dict:
+    rows = report["layers"]
+    return {"title": title, "ylabel": ylabel, "layers": [row["layer"] for row in rows],
+            "series": series(rows, *path), "baselines": baselines}
+
+
+def panels_of(name: str, report: dict) -> list[dict]:
+    if name == "anisotropy":
+        return [panel(report, "anisotropy: mean cosine of random token pairs", "cosine")]
+    if name == "isotropy":
+        return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
+                panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
+                      "IsoScore*", "isoscore_star")]
+    if name == "self_similarity":
+        return [panel(report, "self-similarity", "mean cosine", "self_similarity"),
+                panel(report, "self-similarity - anisotropy", "adjusted", "adjusted")]
+    if name == "wic":
+        return [panel(report, "WiC: best accuracy per layer", "accuracy", "accuracy",
+                      baselines={"all true": report["baseline"]})]
+    static = (report.get("static_baseline") or {}).get("spearman")
+    return [panel(report, f"STS ({report['data']}): Spearman x 100", "Spearman x 100",
+                  baselines={"static vectors": static} if static is not None else None)]
+
+
+def figure_of(name: str, report: dict, encoder: FrozenEncoder):
+    if name == "spectrum":
+        return spectrum_figure(report["spectra"], title=f"singular values per layer: {encoder.short_name}")
+    return layer_panels_figure(panels_of(name, report), title=f"{name.replace('_', ' ')}: {encoder.short_name} "
+                               f"(clipped dims {report.get('clipped_dims') or 'none'})")
+
+
+def fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(name: str, report: dict) -> None:
+    rows = report["layers"]
+    columns = {"anisotropy": [("", ())],
+               "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
+                            ("top-1 energy", ("energy_top1",))],
+               "self_similarity": [("self-sim", ("self_similarity",)), ("adjusted", ("adjusted",))],
+               "wic": [("accuracy", ("accuracy",))],
+               "sts": [("Spearman", ())]}["sts" if name.startswith("sts") else name]
+    headers, cells = ["layer"], [[str(row["layer"])] for row in rows]
+    for label, path in columns:
+        for key, values in series(rows, *path).items():
+            headers.append(f"{label} {key}".strip())
+            digits = 2 if name.startswith("sts") else 3
+            for cell, value in zip(cells, values):
+                cell.append(fmt(value, digits))
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print(f"\n{name.replace('_', ' ')} of {report['encoder']} on {report['data']} (clipped dims: "
+          f"{report.get('clipped_dims') or 'none'}; {report['clip']} clipping; normalize {report['normalize']})")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for cell in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(cell, widths)))
+    for key in ("best", "best_clipped", "best_whitened", "best_standardized"):
+        if key in report:
+            print(f"{key}: {report[key]}")
+    if name == "wic":
+        print(f"all-true baseline: {report['baseline']}; skipped {report['skipped']['count']} items whose target "
+              "is not at its offsets")
+    if report.get("static_baseline"):
+        print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
+
+
+def summarise(reports: dict, notes: list[str]) -> dict:
+    """summary.json: the paper's Tables 1-2 (WiC, STS) and Figure 6 (per layer, before / after clipping)."""
+    outliers, anisotropy = reports["outliers"], reports["anisotropy"]
+    keys = anisotropy["variants"]
+    summary = {key: anisotropy[key] for key in ("encoder", "data", "clip", "clipped_dims", "normalize", "variants")}
+    summary["persistent_dims"] = outliers["persistent_dims"]
+    summary["outlier_dims_per_layer"] = {layer["layer"]: layer["outlier_dims"] for layer in outliers["layers"]}
+    wic = reports.get("wic")
+    summary["table1_wic"] = None if wic is None else {
+        **{key: wic["best" if key == "raw" else f"best_{key}"] for key in keys}, "baseline": wic["baseline"],
+        "num_pairs": wic["num_scored"], "skipped": wic["skipped"]["count"]}
+    summary["table2_sts"] = [
+        {"dataset": report["data"], "num_pairs": report["num_pairs"],
+         **{key: report["best" if key == "raw" else f"best_{key}"] for key in keys},
+         "static_baseline": (report.get("static_baseline") or {}).get("spearman")}
+        for name, report in reports.items() if name.startswith("sts_")]
+    figure = []
+    for layer in range(len(anisotropy["layers"])):
+        row = {"layer": layer, "anisotropy": {k: anisotropy["layers"][layer][k] for k in keys}}
+        selfsim = reports["self_similarity"]["layers"][layer]
+        row["self_similarity"] = {k: selfsim[k]["self_similarity"] for k in keys}
+        row["self_similarity_adjusted"] = {k: selfsim[k]["adjusted"] for k in keys}
+        row["isoscore"] = {k: reports["isotropy"]["layers"][layer][k]["isoscore"] for k in keys}
+        if wic is not None:
+            row["wic_accuracy"] = {k: wic["layers"][layer][k]["accuracy"] for k in keys}
+        for name, report in reports.items():
+            if name.startswith("sts_"):
+                row[f"{name}_spearman"] = {k: report["layers"][layer][k] for k in keys}
+        figure.append(row)
+    summary["figure6_layers"] = figure
+    summary["notes"] = notes
+    return summary
+
+
+def summary_markdown(summary: dict) -> str:
+    keys = summary["variants"]
+    lines = [f"# Clipping and evaluations: {summary['encoder']}", "",
+             f"Sentences: {summary['data']}. Clipping: {summary['clip']}, dims {summary['clipped_dims'] or 'none'} "
+             f"(0-indexed; persistent outlier dims {summary['persistent_dims'] or 'none'}). "
+             f"Normalisation: {summary['normalize']}. Layer 0 is the embedding output.", ""]
+    lines += ["## Table 1: WiC (best accuracy over layers and thresholds 0.1-0.9)", ""]
+    wic = summary["table1_wic"]
+    if wic is None:
+        lines += ["(skipped: no --wic file)", ""]
+    else:
+        lines += ["| variant | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
+        lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
+                  for key in keys]
+        lines += [f"| all-true baseline | {fmt(wic['baseline'])} | | |", "",
+                  f"{wic['num_pairs']} pairs scored; {wic['skipped']} skipped (target not at its offsets).", ""]
+    lines += ["## Table 2: STS (Spearman x 100 of mean-pooled embeddings, best layer)", ""]
+    if not summary["table2_sts"]:
+        lines += ["(skipped: no --sts data)", ""]
+    else:
+        lines += ["| dataset | pairs | " + " | ".join(keys) + " | static vectors |",
+                  "| --- | --- | " + " | ".join("---" for _ in keys) + " | --- |"]
+        for row in summary["table2_sts"]:
+            cells = [f"{fmt(row[k]['spearman'], 2)} (layer {row[k]['layer']})" for k in keys]
+            lines.append(f"| {row['dataset']} | {row['num_pairs']} | " + " | ".join(cells) +
+                         f" | {fmt(row['static_baseline'], 2)} |")
+        lines.append("")
+    lines += ["## Figure 6: per layer, before / after clipping", "", "![per-layer curves](summary.png)", ""]
+    measures = [m for m in summary["figure6_layers"][0] if m != "layer"]
+    lines.append("| layer | " + " | ".join(f"{m} {k}" for m in measures for k in keys) + " |")
+    lines.append("| --- | " + " | ".join("---" for _ in measures for _ in keys) + " |")
+    for row in summary["figure6_layers"]:
+        lines.append(f"| {row['layer']} | " + " | ".join(fmt(row[m][k]) for m in measures for k in keys) + " |")
+    lines += [""] + [f"Note: {note}" for note in summary["notes"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def summary_figure(summary: dict, encoder: FrozenEncoder):
+    rows = summary["figure6_layers"]
+    layers = [row["layer"] for row in rows]
+    titles = {"anisotropy": "anisotropy (random token pairs)", "self_similarity": "self-similarity",
+              "self_similarity_adjusted": "self-similarity - anisotropy", "isoscore": "IsoScore",
+              "wic_accuracy": "WiC accuracy"}
+    panels = [{"title": titles.get(measure, measure.replace("_", " ")), "ylabel": "", "layers": layers,
+               "series": {key: [row[measure][key] for row in rows] for key in summary["variants"]}}
+              for measure in rows[0] if measure != "layer"]
+    return layer_panels_figure(panels, title=f"{encoder.short_name}: per layer, clipped dims "
+                               f"{summary['clipped_dims'] or 'none'}", columns=3)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
+                         max_sentences: int = 2000) -> None:
     parser.add_argument("--encoder", default=None,
                         help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
-    parser.add_argument("--data", default=str(DEFAULT_CORPUS),
+    parser.add_argument("--data", default=data, required=data is None,
                         help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
                              "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}")
     parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
-    parser.add_argument("--max_sentences", type=int, default=2000,
-                        help="random sample of this many sentences, by --seed (0: all)")
+    parser.add_argument("--max_sentences", type=int, default=max_sentences,
+                        help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
@@ -186,25 +530,106 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str) -> None:
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
 
 
+def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
+                        help="argmax/argmin share that makes a dimension an outlier")
+    parser.add_argument("--sigma", type=float, default=OutlierRule.sigma,
+                        help="robust z-score of a dimension's mean that makes it an outlier")
+
+
+def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clip", default="auto",
+                        help="auto (the outlier dims detected on the same data), none, or dims d1,d2,... (0-indexed)")
+    parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
+                        help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
+                             "vectors, from the token statistics of the same data")
+    add_rule_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="analyze.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    outliers = commands.add_parser("outliers", help="outlier dimensions per layer and their origins")
-    add_common_arguments(outliers, "outliers")
-    outliers.add_argument("--min_share", type=float, default=OutlierRule.min_share,
-                          help="argmax/argmin share that makes a dimension an outlier")
-    outliers.add_argument("--sigma", type=float, default=OutlierRule.sigma,
-                          help="robust z-score of a dimension's mean that makes it an outlier")
-    outliers.set_defaults(run=run_outliers)
+
+    def command(name: str, run, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
+                max_sentences: int = 2000, variants: bool = True) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        add_common_arguments(sub, output, data, max_sentences)
+        add_variant_arguments(sub) if variants else add_rule_arguments(sub)
+        sub.set_defaults(run=run)
+        return sub
+
+    command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers", variants=False)
+    command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 sentences -> 1000 "
+            "pairs), raw and clipped", "anisotropy")
+    isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
+                       "isotropy")
+    for sub in (isotropy,):
+        sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
+        sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
+    selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
+                      "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=5000)
+    wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
+                  "wic", data=None)
+    wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
+    sts = command("sts", run_sts, "STS: Spearman of mean-pooled cosine against gold scores", "sts", data=None)
+    sts.add_argument("--gold", default=None, help="gold file of a SentEval STS.input.*.txt (default: STS.gs.*)")
+    everything = command("all", run_all, "the outlier report and every evaluation, with summary.md/json", "all")
+    everything.add_argument("--wic", default=None, help="WiC data (as for `wic --data`); skipped when not given")
+    everything.add_argument("--sts", nargs="+", default=None,
+                            help=f"STS data sets (files or presets {', '.join(STS_PRESETS)}); skipped when not given")
+    everything.add_argument("--pool_sentences", type=int, default=5000,
+                            help="sentences searched for the self-similarity words (default 5000)")
+    for sub in (sts, everything):
+        sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
+                         "STS-B, STS12-16; SICK-R is 1-5)")
+        sub.add_argument("--static", default=None, help="GloVe-format text file: a static-vector STS baseline")
+    for sub in (selfsim, everything):
+        sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
+        sub.add_argument("--min_sentences", type=int, default=10,
+                         help="sentences a word must occur in; also the contexts used per word")
+    everything.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
+    everything.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
     return parser
 
 
+def parse_clip(text: str) -> str | list[int]:
+    text = text.strip().lower()
+    if text in ("auto", "none"):
+        return text
+    try:
+        dims = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--clip must be auto, none or comma-separated dimensions, got {text!r}") from None
+    if not dims:
+        raise UserError("--clip got no dimensions")
+    return dims
+
+
+def parse_range(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--score_range must be LO,HI, got {text!r}") from None
+    if not low < high:
+        raise UserError(f"--score_range {text}: LO must be below HI")
+    return low, high
+
+
 def validate(args) -> None:
-    for name in ("batch_size", "max_sentences", "max_length"):
+    for name in ("batch_size", "max_sentences", "max_length", "num_words", "min_sentences", "minibatch",
+                 "pool_sentences"):
         value = getattr(args, name, None)
         if value is not None and value < (0 if name == "max_sentences" else 1):
             raise UserError(f"--{name} must be positive, got {value}")
+    if getattr(args, "min_sentences", 2) < 2:
+        raise UserError(f"--min_sentences must be at least 2, got {args.min_sentences}")
+    if not 0 <= getattr(args, "zeta", 0) <= 1:
+        raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
+    if hasattr(args, "clip"):
+        args.clip = parse_clip(args.clip)
+    if hasattr(args, "score_range"):
+        args.score_range = parse_range(args.score_range)
     if args.encoder is None:
         args.encoder = default_encoder()
 

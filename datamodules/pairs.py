@@ -1,0 +1,357 @@
+"""Readers for the semantic evaluations: WiC and STS pairs, word contexts for self-similarity, static vectors.
+
+    items, skipped = read_wic("wic/dev.jsonl")                 # SuperGLUE WiC jsonl (or csv/tsv, `super_glue/wic`)
+    items, skipped = read_wic("WiC/dev/dev.data.txt")          # original WiC release: data + dev.gold.txt beside it
+    pairs = read_sts("sts-test.tsv", score_range=(0, 5))       # columns sentence1, sentence2, score
+    pairs = read_sts("stsb")                                   # presets: stsb, sickr, sts12..sts16 (`datasets`)
+    pairs = read_sts("STS.input.MSRpar.txt")                   # SentEval STS12-16: STS.gs.MSRpar.txt beside it
+    contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
+    vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
+
+Every problem with the input is a UserError naming the file and row. A WiC target that is not where its offsets
+say is not an error: the item is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from datamodules.io import UserError, iter_records
+
+WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
+STS_PRESETS = {
+    "stsb": "mteb/stsbenchmark-sts::test",
+    "sickr": "mteb/sickr-sts::test",
+    **{f"sts{year}": f"mteb/sts{year}-sts::test" for year in range(12, 17)},
+}
+STS_COLUMNS = {
+    "sentence1": ("sentence1", "sentence_a", "sentence_A", "text1", "s1"),
+    "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),
+    "score": ("score", "label", "relatedness_score", "similarity_score", "gold"),
+}
+TRUE_LABELS, FALSE_LABELS = {"true", "t", "1", "yes"}, {"false", "f", "0", "no"}
+MAX_EXAMPLES = 10
+
+
+@dataclass
+class WicItem:
+    index: int  # row in the source (0-based)
+    word: str
+    sentence1: str
+    sentence2: str
+    span1: tuple[int, int]  # character offsets [start, end) of the target in sentence1
+    span2: tuple[int, int]
+    label: bool  # True: same sense
+
+
+@dataclass
+class StsPair:
+    index: int
+    sentence1: str
+    sentence2: str
+    score: float
+
+
+@dataclass
+class Skipped:
+    """Items left out, counted, with a few examples for the report."""
+
+    count: int = 0
+    examples: list[dict] = field(default_factory=list)
+
+    def add(self, **example) -> None:
+        self.count += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(example)
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "examples": self.examples}
+
+
+# ---------------------------------------------------------------- WiC
+
+
+def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipped]:
+    """WiC items with their targets at the given offsets; the others are skipped and counted."""
+    rows = _original_wic(Path(source), gold) if _is_original_wic(source) else _superglue_wic(source)
+    items, skipped = [], Skipped()
+    for index, row in enumerate(rows):
+        item = _wic_item(index, row, source)
+        problems = [f"sentence{n}: {why}" for n, sentence, span in ((1, item.sentence1, item.span1),
+                                                                     (2, item.sentence2, item.span2))
+                    if (why := target_problem(sentence, item.word, span))]
+        if problems:
+            skipped.add(index=index, word=item.word, reason="; ".join(problems))
+        else:
+            items.append(item)
+    if not items:
+        raise UserError(f"no WiC item of {source} has its target word at its offsets ({skipped.count} skipped)")
+    return items, skipped
+
+
+def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | None:
+    """Why `span` does not hold the target `word` (None when it does).
+
+    The span must be one whole word of the sentence (non-empty, in range, not cutting a word, no space inside).
+    WiC gives the lemma ("carry") and the span the inflected form ("carried"), so the span must start with the
+    lemma's first two letters, unless no word of the sentence does (irregular forms: "went" for "go").
+    """
+    start, end = span
+    if not 0 <= start < end <= len(sentence):
+        return f"offsets {start}-{end} outside the sentence ({len(sentence)} characters)"
+    text = sentence[start:end]
+    inside = start > 0 and sentence[start - 1].isalnum() or end < len(sentence) and sentence[end].isalnum()
+    if inside or not text.strip() or any(c.isspace() for c in text.strip()):
+        return f"offsets {start}-{end} ({text!r}) are not one whole word"
+    prefix = word.strip().lower()[:2]
+    if prefix and not text.strip().lower().startswith(prefix):
+        if any(match.group().lower().startswith(prefix) for match in WORD.finditer(sentence)):
+            return f"offsets {start}-{end} hold {text!r}, not {word!r}"
+    return None
+
+
+def _is_original_wic(source: str) -> bool:
+    return Path(source).is_file() and Path(source).suffix.lower() == ".txt"
+
+
+def _original_wic(path: Path, gold: str | None) -> Iterator[dict]:
+    """The original WiC release: `x.data.txt` (word, PoS, i-j token indices, sentence1, sentence2) + `x.gold.txt`."""
+    gold_path = Path(gold) if gold else path.with_name(path.name.replace(".data.", ".gold."))
+    if gold_path == path or not gold_path.is_file():
+        raise UserError(f"no gold file for {path} (expected {gold_path}; pass --gold)")
+    data = _lines(path)
+    labels = [line.strip() for line in _lines(gold_path)]
+    if len(data) != len(labels):
+        raise UserError(f"{path} has {len(data)} pairs but {gold_path} has {len(labels)} labels")
+    for number, (line, label) in enumerate(zip(data, labels), 1):
+        fields = line.rstrip("\r\n").split("\t")
+        if len(fields) != 5:
+            raise UserError(f"{path}:{number}: expected 5 tab-separated fields (word, PoS, i-j, s1, s2), "
+                            f"got {len(fields)}")
+        word, _, indices, sentence1, sentence2 = fields
+        try:
+            token1, token2 = (int(i) for i in indices.split("-"))
+        except ValueError:
+            raise UserError(f"{path}:{number}: token indices {indices!r} are not i-j") from None
+        yield {"word": word, "sentence1": sentence1, "sentence2": sentence2, "label": label,
+               **_token_span(sentence1, token1, "1"), **_token_span(sentence2, token2, "2")}
+
+
+def _token_span(sentence: str, token: int, which: str) -> dict:
+    """Character offsets of the token-th whitespace token ((-1, -1) when there is none: skipped later)."""
+    tokens = list(re.finditer(r"\S+", sentence))
+    if not 0 <= token < len(tokens):
+        return {f"start{which}": -1, f"end{which}": -1}
+    match = tokens[token]
+    text = match.group()
+    core = re.search(r"[\w'-]+", text)  # the word without punctuation stuck to it ("bank," -> "bank")
+    start = match.start() + (core.start() if core else 0)
+    return {f"start{which}": start, f"end{which}": start + (len(core.group()) if core else len(text))}
+
+
+def _superglue_wic(source: str) -> Iterator[dict]:
+    for row in iter_records(source):
+        missing = [key for key in ("word", "sentence1", "sentence2", "start1", "end1", "start2", "end2", "label")
+                   if key not in row]
+        if missing:
+            raise UserError(f"{source} is not in WiC format: missing {missing} (columns: {sorted(row)})")
+        yield row
+
+
+def _wic_item(index: int, row: dict, source: str) -> WicItem:
+    try:
+        spans = [(int(row[f"start{n}"]), int(row[f"end{n}"])) for n in (1, 2)]
+    except (TypeError, ValueError):
+        raise UserError(f"{source} row {index}: offsets are not integers") from None
+    return WicItem(index, str(row["word"]), str(row["sentence1"]), str(row["sentence2"]), spans[0], spans[1],
+                   _label(row["label"], source, index))
+
+
+def _label(value, source: str, index: int) -> bool:
+    text = str(value).strip().lower()
+    if text in TRUE_LABELS:
+        return True
+    if text in FALSE_LABELS:
+        return False
+    if text == "-1":
+        raise UserError(f"{source} row {index} has no label (-1: an unlabelled test split?)")
+    raise UserError(f"{source} row {index}: label {value!r} is not true/false (T/F, 1/0)")
+
+
+# ---------------------------------------------------------------- STS
+
+
+def read_sts(source: str, gold: str | None = None, score_range: tuple[float, float] = (0.0, 5.0)
+             ) -> tuple[list[StsPair], int]:
+    """STS pairs and the number of pairs without a gold score (SentEval's blank gold lines; left out).
+
+    Every score must lie in `score_range` (0-5 for STS-B and STS12-16, 1-5 for SICK-R).
+    """
+    low, high = score_range
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".txt":
+        rows = _senteval_sts(path, gold)
+    else:
+        rows = _column_sts(STS_PRESETS.get(source, source))
+    pairs, unscored = [], 0
+    for index, (sentence1, sentence2, raw) in enumerate(rows):
+        if raw is None or str(raw).strip() == "":
+            unscored += 1
+            continue
+        try:
+            score = float(raw)
+        except (TypeError, ValueError):
+            raise UserError(f"{source} pair {index}: score {raw!r} is not a number") from None
+        if not (math.isfinite(score) and low <= score <= high):
+            raise UserError(f"{source} pair {index}: score {score:g} is outside the declared range "
+                            f"{low:g}-{high:g} (--score_range){' (unlabelled test split?)' if score < 0 else ''}")
+        if not str(sentence1).strip() or not str(sentence2).strip():
+            raise UserError(f"{source} pair {index} has an empty sentence")
+        pairs.append(StsPair(index, str(sentence1), str(sentence2), score))
+    if not pairs:
+        raise UserError(f"no scored pairs in {source}")
+    return pairs, unscored
+
+
+def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str | None]]:
+    gold_path = Path(gold) if gold else path.with_name(path.name.replace("input", "gs"))
+    if gold_path == path or not gold_path.is_file():
+        raise UserError(f"no gold file for {path} (expected {gold_path}; pass --gold)")
+    data, scores = _lines(path), _lines(gold_path)
+    if len(data) != len(scores):
+        raise UserError(f"{path} has {len(data)} pairs but {gold_path} has {len(scores)} scores")
+    for number, (line, score) in enumerate(zip(data, scores), 1):
+        fields = line.rstrip("\r\n").split("\t")
+        if len(fields) < 2:
+            raise UserError(f"{path}:{number}: expected two tab-separated sentences")
+        yield fields[0], fields[1], score.strip() or None
+
+
+def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
+    names = None
+    for row in iter_records(source):
+        if names is None:
+            names = {}
+            for role, candidates in STS_COLUMNS.items():
+                names[role] = next((c for c in candidates if c in row), None)
+            missing = [role for role, name in names.items() if name is None]
+            if missing:
+                raise UserError(f"{source} has no {'/'.join(missing)} column (columns: {sorted(row)}); expected "
+                                "sentence1, sentence2, score")
+        yield row[names["sentence1"]], row[names["sentence2"]], row[names["score"]]
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise UserError(f"data file is empty: {path}")
+    return lines
+
+
+# ---------------------------------------------------------------- word contexts for self-similarity
+
+
+@dataclass
+class WordContexts:
+    words: list[str]  # the sampled words (lowercased)
+    sentences: list[str]  # the sentences to encode
+    spans: list[list[tuple[int, int, int]]]  # per sentence: (word id, start, end) of each sampled word in it
+    num_candidates: int  # words occurring in at least min_sentences of the pool
+    pool: int  # sentences searched
+    contexts_per_word: int
+
+
+def word_contexts(sentences: list[str], num_words: int = 1000, min_sentences: int = 10, seed: int = 0) -> WordContexts:
+    """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
+
+    Words are letter sequences, lowercased; a word's context in a sentence is its first occurrence. Every word gets
+    exactly `min_sentences` contexts (the same count for frequent and rare words). Contexts are drawn rarest word
+    first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
+    1000 words in the bundled corpus, instead of 10000).
+    """
+    occurrences: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for index, sentence in enumerate(sentences):
+        seen = set()
+        for match in WORD.finditer(sentence):
+            word = match.group().lower()
+            if word not in seen:
+                seen.add(word)
+                occurrences[word].append((index, match.start(), match.end()))
+    candidates = sorted(word for word, places in occurrences.items() if len(places) >= min_sentences)
+    if len(candidates) < num_words:
+        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {len(sentences)} "
+                        f"sentences; self-similarity needs {num_words} (more sentences: --max_sentences, or fewer "
+                        "words: --num_words)")
+    rng = random.Random(seed)
+    words = rng.sample(candidates, num_words)
+    chosen: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for word_id in sorted(range(num_words), key=lambda w: (len(occurrences[words[w]]), words[w])):
+        places = occurrences[words[word_id]]
+        drawn = [p for p in places if p[0] in chosen]
+        rng.shuffle(drawn)
+        if len(drawn) < min_sentences:
+            fresh = [p for p in places if p[0] not in chosen]
+            drawn += rng.sample(fresh, min_sentences - len(drawn))
+        for index, start, end in drawn[:min_sentences]:
+            chosen[index].append((word_id, start, end))
+    order = sorted(chosen)
+    return WordContexts(words, [sentences[i] for i in order], [chosen[i] for i in order], len(candidates),
+                        len(sentences), min_sentences)
+
+
+# ---------------------------------------------------------------- static vectors
+
+
+def read_static_vectors(path: str, vocabulary: set[str]) -> tuple[dict[str, Tensor], int]:
+    """Vectors of the `vocabulary` words from a GloVe-format text file (`word v1 ... vd` a line; a word2vec header
+    line `count dim` is skipped), streamed so only those words are kept."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"static vectors file not found: {path}")
+    vectors, dim = {}, None
+    with file.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            fields = line.rstrip().split(" ")
+            if number == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
+                continue
+            if len(fields) < 2:
+                continue
+            if dim is None:
+                dim = len(fields) - 1
+            elif len(fields) - 1 != dim:
+                raise UserError(f"{path}:{number}: {len(fields) - 1} values, expected {dim} as on the first line")
+            word = fields[0].lower()
+            if word in vocabulary and word not in vectors:
+                try:
+                    vectors[word] = torch.tensor([float(v) for v in fields[1:]])
+                except ValueError:
+                    raise UserError(f"{path}:{number}: not a GloVe-format line (word followed by numbers)") from None
+    if dim is None:
+        raise UserError(f"static vectors file has no vectors: {path}")
+    if not vectors:
+        raise UserError(f"none of the {len(vocabulary)} words of the pairs is in {path}")
+    return vectors, dim
+
+
+def static_sentence_vector(sentence: str, vectors: dict[str, Tensor], dim: int) -> Tensor:
+    """Mean of the static vectors of the sentence's words (zero when none is known): [dim]."""
+    known = [vectors[w] for w in (m.group().lower() for m in WORD.finditer(sentence)) if w in vectors]
+    return torch.stack(known).mean(0) if known else torch.zeros(dim)
+
+
+def sentence_words(sentence: str) -> set[str]:
+    return {match.group().lower() for match in WORD.finditer(sentence)}

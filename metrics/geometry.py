@@ -1,0 +1,305 @@
+"""Streaming geometry of hidden-state spaces: anisotropy, self-similarity, covariance, IsoScore(*), spectra.
+
+    anisotropy = MeanCosine(num_layers=13)
+    anisotropy.update(a, b)                         # a, b [layers, pairs, hidden] -> mean cosine per layer
+    selfsim = SelfSimilarity(num_words=1000, num_layers=13, hidden_size=768)
+    selfsim.update(word_ids, vectors)               # word_ids [n], vectors [layers, n, hidden]
+    cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
+    isoscore(cov.compute().cov)                     # [layers]; spectrum(cov.compute().second_moment)
+    sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
+
+Every Metric here has fixed-size tensor states reduced by sum, so memory does not grow with the number of tokens
+and the result is exact under DDP. Two identities keep them streaming:
+- mean pairwise cosine of n vectors with unit versions u_i:  (||sum u||^2 - sum ||u_i||^2) / (n (n - 1)),
+  so self-similarity keeps, per word and layer, the sum of unit vectors (and of their squared norms);
+- covariance from sum x and sum x x^T per layer; IsoScore, IsoScore*, the singular-value spectrum and the
+  whitening of metrics/transforms.py all read it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import Metric
+
+
+def _tokens(hidden_states: Tensor, mask: Tensor | None) -> Tensor:
+    """[layers, batch, seq, hidden] + mask [batch, seq] -> [layers, tokens, hidden]; [layers, n, hidden] passes."""
+    if hidden_states.dim() == 4:
+        return hidden_states[:, mask.bool()] if mask is not None else hidden_states.flatten(1, 2)
+    if hidden_states.dim() == 3:
+        return hidden_states
+    raise ValueError(f"expected [layers, batch, seq, hidden] or [layers, n, hidden], got {tuple(hidden_states.shape)}")
+
+
+class MeanCosine(Metric):
+    """Mean cosine similarity of paired vectors, per layer: the anisotropy of random token pairs (Ethayarajh 2019;
+    Luo et al. 2021, §4.1, 1000 pairs of random tokens from 2000 random sentences). Zero vectors count as cosine 0."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, num_layers: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_layers = num_layers
+        self.add_state("sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, a: Tensor, b: Tensor) -> None:
+        """a, b: [layers, pairs, hidden]."""
+        if a.shape != b.shape or a.dim() != 3 or a.shape[0] != self.num_layers:
+            raise ValueError(f"pairs {tuple(a.shape)} and {tuple(b.shape)} are not both [{self.num_layers}, n, hidden]")
+        self.sum += cosine(a, b).sum(1, dtype=torch.float64)
+        self.count += a.shape[1]
+
+    def compute(self) -> Tensor:  # [layers]
+        return self.sum / self.count.clamp_min(1)
+
+
+def cosine(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine along the last dimension in float32, 0 where either vector is zero. [..., hidden] -> [...]."""
+    a, b = a.float(), b.float()
+    norms = a.norm(dim=-1) * b.norm(dim=-1)
+    return torch.where(norms > 0, (a * b).sum(-1) / norms.clamp_min(1e-30), torch.zeros_like(norms))
+
+
+@dataclass
+class SelfSimilarityResult:
+    per_word: Tensor  # [words, layers] mean pairwise cosine of the word's contexts (nan below 2 contexts)
+    counts: Tensor  # [words] contexts seen per word
+    mean: Tensor  # [layers] average over words with at least 2 contexts
+
+    @property
+    def num_words(self) -> int:
+        return int((self.counts >= 2).sum())
+
+
+class SelfSimilarity(Metric):
+    """Self-similarity (Ethayarajh 2019, eq. 1): per word, the mean cosine between its contextual vectors in the
+    different sentences it occurs in, per layer. State: per word and layer, the sum of unit vectors and the sum of
+    their squared norms (1, or 0 for a zero vector), so mean pairwise cosine = (||sum||^2 - sum||u||^2) / (n(n-1))."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, num_words: int, num_layers: int, hidden_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_words, self.num_layers, self.hidden_size = num_words, num_layers, hidden_size
+        self.add_state("unit_sum", torch.zeros(num_words, num_layers, hidden_size, dtype=torch.float64),
+                       dist_reduce_fx="sum")
+        self.add_state("norm_sum", torch.zeros(num_words, num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(num_words, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, word_ids: Tensor, vectors: Tensor) -> None:
+        """word_ids [n] (0..num_words-1), vectors [layers, n, hidden]: one contextual vector per occurrence."""
+        if vectors.dim() != 3 or vectors.shape[0] != self.num_layers or vectors.shape[2] != self.hidden_size:
+            raise ValueError(f"vectors {tuple(vectors.shape)} are not [{self.num_layers}, n, {self.hidden_size}]")
+        if word_ids.numel() != vectors.shape[1]:
+            raise ValueError(f"{word_ids.numel()} word ids for {vectors.shape[1]} vectors")
+        if word_ids.numel() == 0:
+            return
+        word_ids = word_ids.to(self.count.device).long()
+        unit = F.normalize(vectors.float(), dim=-1).transpose(0, 1).double()  # [n, layers, hidden]
+        self.unit_sum.index_add_(0, word_ids, unit)
+        self.norm_sum.index_add_(0, word_ids, unit.pow(2).sum(-1))
+        self.count.index_add_(0, word_ids, torch.ones_like(word_ids, dtype=torch.float64))
+
+    def compute(self) -> SelfSimilarityResult:
+        n = self.count.unsqueeze(1)  # [words, 1]
+        pairs = n * (n - 1)
+        per_word = (self.unit_sum.pow(2).sum(-1) - self.norm_sum) / pairs.clamp_min(1)
+        per_word = torch.where(pairs > 0, per_word, torch.full_like(per_word, float("nan")))
+        valid = self.count >= 2
+        mean = per_word[valid].mean(0) if bool(valid.any()) else torch.full((self.num_layers,), float("nan"),
+                                                                             dtype=torch.float64)
+        return SelfSimilarityResult(per_word=per_word, counts=self.count.clone(), mean=mean)
+
+
+@dataclass
+class CovarianceResult:
+    num_tokens: int
+    mean: Tensor  # [layers, hidden]
+    cov: Tensor  # [layers, hidden, hidden], population covariance (divided by the token count)
+    second_moment: Tensor  # [layers, hidden, hidden], uncentred: X^T X / N of each layer's token matrix X
+
+
+class Covariance(Metric):
+    """Per-layer mean, covariance and uncentred second moment of token vectors, from sum x and sum x x^T (float64).
+
+    Each batch's outer products are summed around the batch mean in float32 and shifted back exactly in float64
+    (sum x x^T = M2 + n m m^T), so a dimension whose mean dwarfs its spread keeps its variance.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, num_layers: int, hidden_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sum", torch.zeros(num_layers, hidden_size, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sum_outer", torch.zeros(num_layers, hidden_size, hidden_size, dtype=torch.float64),
+                       dist_reduce_fx="sum")
+
+    def update(self, hidden_states: Tensor, mask: Tensor | None = None) -> None:
+        """hidden_states [layers, batch, seq, hidden] with mask [batch, seq], or [layers, n, hidden]."""
+        tokens = _tokens(hidden_states, mask)
+        if tokens.shape[0] != self.num_layers or tokens.shape[2] != self.hidden_size:
+            raise ValueError(f"tokens {tuple(tokens.shape)} are not [{self.num_layers}, n, {self.hidden_size}]")
+        n = tokens.shape[1]
+        if n == 0:
+            return
+        tokens = tokens.float()
+        batch_sum = tokens.sum(1, dtype=torch.float64)  # [layers, hidden]
+        batch_mean = batch_sum / n
+        centred = tokens - batch_mean.float().unsqueeze(1)
+        m2 = torch.bmm(centred.transpose(1, 2), centred).double()  # [layers, hidden, hidden]
+        self.count += n
+        self.sum += batch_sum
+        self.sum_outer += m2 + n * batch_mean.unsqueeze(2) * batch_mean.unsqueeze(1)
+
+    def compute(self) -> CovarianceResult:
+        count = self.count.clamp_min(1)
+        mean = self.sum / count
+        second = self.sum_outer / count
+        cov = second - mean.unsqueeze(2) * mean.unsqueeze(1)
+        return CovarianceResult(int(self.count.item()), mean, (cov + cov.transpose(1, 2)) / 2, second)
+
+
+def isoscore_from_eigenvalues(eigenvalues: Tensor) -> Tensor:
+    """IsoScore from the variances along the principal components (eigenvalues of the covariance), [..., n] -> [...].
+
+    Rudman, Gillman, Rayne & Eickhoff, "IsoScore: Measuring the Uniformity of Embedding Space Utilization",
+    Findings of ACL 2022, Algorithm 1 (reference code: github.com/bcbi-edu/p_eickhoff_isoscore): normalise the
+    variance vector to norm sqrt(n), take its distance delta to the all-ones vector over sqrt(2 (n - sqrt n)), then
+    phi = (n - delta^2 (n - sqrt n))^2 / n^2 is the fraction of dimensions used and IsoScore = (n phi - 1) / (n - 1):
+    1 for an isotropic cloud, 0 when all variance lies on one direction. nan when every variance is zero.
+    Differentiable (plain torch ops).
+    """
+    n = eigenvalues.shape[-1]
+    variances = eigenvalues.clamp_min(0)
+    norm = torch.linalg.vector_norm(variances, dim=-1, keepdim=True)
+    normalised = variances * math.sqrt(n) / norm
+    delta = torch.linalg.vector_norm(normalised - 1, dim=-1) / math.sqrt(2 * (n - math.sqrt(n)))
+    return ((n - delta.pow(2) * (n - math.sqrt(n))).pow(2) - n) / (n * (n - 1))
+
+
+def isoscore(cov: Tensor) -> Tensor:
+    """IsoScore of covariance matrices [..., n, n] -> [...] (see isoscore_from_eigenvalues)."""
+    return isoscore_from_eigenvalues(torch.linalg.eigvalsh(cov.double()))
+
+
+def isoscore_star(points: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = None) -> Tensor:
+    """IsoScore* of a mini-batch of points [..., m, n] -> [...]; differentiable, for regularisers (I-STAR) too.
+
+    Rudman & Eickhoff, "Stable Anisotropic Regularization", ICLR 2024 (reference code: I-STAR/regularizers.py in
+    github.com/bcbi-edu/p_eickhoff_isoscore): the sample covariance C (unbiased) is shrunk towards a covariance C0
+    estimated from many more points, C_zeta = (1 - zeta) C + zeta C0, and IsoScore is taken of its eigenvalues.
+    Stable when m is below n, where the plain sample covariance is rank-deficient. zeta = 0 gives IsoScore; C0
+    defaults to the identity (the reference code's advice when no larger sample is at hand).
+    """
+    points = points.double()
+    centred = points - points.mean(-2, keepdim=True)
+    cov = centred.transpose(-1, -2) @ centred / max(points.shape[-2] - 1, 1)
+    if shrinkage is None:
+        shrinkage = torch.eye(points.shape[-1], dtype=cov.dtype, device=cov.device)
+    shrunk = (1 - zeta) * cov + zeta * shrinkage.to(cov)
+    return isoscore_from_eigenvalues(torch.linalg.eigvalsh(shrunk))
+
+
+class IsoScore(Covariance):
+    """IsoScore per layer of all the token vectors seen (a Covariance whose compute() returns [layers])."""
+
+    higher_is_better = True
+
+    def compute(self) -> Tensor:  # [layers]
+        return isoscore(super().compute().cov)
+
+
+class IsoScoreStar(Metric):
+    """IsoScore* averaged over mini-batches: each update() is one mini-batch of points per layer, scored against the
+    shrinkage covariance C0 ([layers, hidden, hidden] or [hidden, hidden]; identity when None)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = True
+
+    def __init__(self, num_layers: int, hidden_size: int, zeta: float = 0.2, shrinkage: Tensor | None = None,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not 0 <= zeta <= 1:
+            raise ValueError(f"zeta must lie in [0, 1], got {zeta}")
+        self.num_layers, self.hidden_size, self.zeta = num_layers, hidden_size, zeta
+        if shrinkage is None:
+            shrinkage = torch.eye(hidden_size, dtype=torch.float64)
+        self.register_buffer("shrinkage", shrinkage.double().expand(num_layers, hidden_size, hidden_size).clone())
+        self.add_state("score_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("batches", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, points: Tensor) -> None:
+        """points [layers, m, hidden]: one mini-batch (m >= 2)."""
+        if points.dim() != 3 or points.shape[0] != self.num_layers or points.shape[2] != self.hidden_size:
+            raise ValueError(f"points {tuple(points.shape)} are not [{self.num_layers}, m, {self.hidden_size}]")
+        if points.shape[1] < 2:
+            return
+        self.score_sum += isoscore_star(points, self.zeta, self.shrinkage).nan_to_num(0.0)
+        self.batches += 1
+
+    def compute(self) -> Tensor:  # [layers]
+        return self.score_sum / self.batches.clamp_min(1)
+
+
+def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
+    """Singular values of each layer's token matrix X [tokens, hidden] from its second moment X^T X / N [layers, h, h].
+
+    Token uniformity as in tokenUni (Yan, Gui, Li & He, "Addressing Token Uniformity in Transformers via Singular
+    Value Transformation", UAI 2022): the more skewed the singular values, the more alike the tokens. Returns
+    `singular_values` [layers, hidden] (descending, divided by the largest), `energy_top1` and `energy_top10`
+    (share of sum sigma^2 in the top 1 / 10 directions), and `cdf_auc` (area under the empirical CDF of the
+    normalised singular values on [0, 1], i.e. 1 - their mean: near 1 when one direction dominates).
+    """
+    eig = torch.linalg.eigvalsh(second_moment.double()).flip(-1).clamp_min(0)  # [layers, hidden], descending
+    sigma = (eig * num_tokens).sqrt()
+    top = sigma[..., :1].clamp_min(1e-300)
+    normalised = sigma / top
+    energy = eig / eig.sum(-1, keepdim=True).clamp_min(1e-300)
+    return {
+        "singular_values": normalised,
+        "energy_top1": energy[..., 0],
+        "energy_top10": energy[..., :10].sum(-1),
+        "cdf_auc": 1 - normalised.mean(-1),
+    }
+
+
+class TokenSample(Metric):
+    """A fixed-size sample of vectors gathered across ranks: slot i is written by the rank that holds item i, and the
+    sum reduction assembles the full [slots, layers, hidden] sample on every rank (unwritten slots stay zero)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, num_slots: int, num_layers: int, hidden_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_slots, self.num_layers, self.hidden_size = num_slots, num_layers, hidden_size
+        self.add_state("vectors", torch.zeros(num_slots, num_layers, hidden_size), dist_reduce_fx="sum")
+        self.add_state("filled", torch.zeros(num_slots), dist_reduce_fx="sum")
+
+    def update(self, slots: Tensor, vectors: Tensor) -> None:
+        """slots [n] (each written once), vectors [layers, n, hidden]."""
+        if vectors.dim() != 3 or vectors.shape[0] != self.num_layers or vectors.shape[1] != slots.numel():
+            raise ValueError(f"vectors {tuple(vectors.shape)} are not [{self.num_layers}, {slots.numel()}, hidden]")
+        slots = slots.to(self.filled.device).long()
+        self.vectors[slots] = vectors.transpose(0, 1).float()
+        self.filled[slots] = 1.0
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        """([slots, layers, hidden], filled [slots] bool)."""
+        return self.vectors, self.filled > 0

@@ -1,0 +1,106 @@
+"""The variants every evaluation reports side by side: raw, clipped, and a post-hoc normalisation.
+
+    variants = [RAW, Clipping([63, 223], num_layers=7), whitening(cov.compute())]
+    vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
+    mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
+
+- Clipping zeroes the given dimensions in every layer, with lightning_modules.encoder.apply_clip (the encoder's own
+  clipping of returned hidden states), applied after the forward pass.
+- Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
+  2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from token
+  vectors; directions whose variance is below 1e-10 of the largest are dropped (mapped to 0).
+- Standardisation (Timkey & van Schijndel, "All Bark and No Bite: Rogue Dimensions in Transformer Language Models
+  Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension (constant dimensions -> 0).
+Both normalisations are affine per layer, so they commute with averaging sub-word pieces and mean pooling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_modules.encoder import apply_clip
+from metrics.geometry import CovarianceResult
+
+NORMALIZATIONS = ("none", "whiten", "standardize")
+REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}
+
+
+class Variant:
+    """The identity: raw hidden states."""
+
+    key = "raw"
+
+    def apply(self, vectors: Tensor) -> Tensor:
+        return vectors
+
+    def moments(self, mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
+        """mean [layers, hidden], cov [layers, hidden, hidden] of x -> those of the transformed x."""
+        return mean, cov
+
+
+RAW = Variant()
+
+
+class Clipping(Variant):
+    """Zero `dims` in every layer (0-indexed)."""
+
+    key = "clipped"
+
+    def __init__(self, dims: Sequence[int], num_layers: int) -> None:
+        self.dims = sorted({int(d) for d in dims})
+        self.spec = {layer: self.dims for layer in range(num_layers)} if self.dims else {}
+
+    def apply(self, vectors: Tensor) -> Tensor:
+        return apply_clip(vectors.clone(), self.spec)
+
+    def moments(self, mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
+        keep = torch.ones(mean.shape[-1], dtype=mean.dtype, device=mean.device)
+        keep[self.dims] = 0
+        return mean * keep, cov * keep.unsqueeze(1) * keep.unsqueeze(0)
+
+
+class Affine(Variant):
+    """x -> (x - shift) @ matrix per layer; shift [layers, hidden], matrix [layers, hidden, hidden]."""
+
+    def __init__(self, key: str, shift: Tensor, matrix: Tensor) -> None:
+        self.key, self.shift, self.matrix = key, shift.double(), matrix.double()
+
+    def apply(self, vectors: Tensor) -> Tensor:
+        layers, hidden = self.shift.shape
+        flat = vectors.reshape(layers, -1, hidden).double()
+        shift, matrix = self.shift.to(flat.device), self.matrix.to(flat.device)
+        out = torch.bmm(flat - shift.unsqueeze(1), matrix)
+        return out.to(vectors.dtype).reshape(vectors.shape)
+
+    def moments(self, mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
+        matrix = self.matrix.to(cov)
+        new_mean = torch.bmm((mean - self.shift.to(mean)).unsqueeze(1), matrix).squeeze(1)
+        return new_mean, matrix.transpose(1, 2) @ cov @ matrix
+
+
+def whitening(stats: CovarianceResult, tolerance: float = 1e-10) -> Affine:
+    """Su et al. (2021) whitening from per-layer token statistics: transformed tokens have identity covariance
+    (on the directions that carry variance)."""
+    eigenvalues, vectors = torch.linalg.eigh(stats.cov.double())  # ascending, [layers, hidden], [layers, h, h]
+    floor = tolerance * eigenvalues[:, -1:].clamp_min(1e-300)
+    scale = torch.where(eigenvalues > floor, eigenvalues.clamp_min(1e-300).rsqrt(), torch.zeros_like(eigenvalues))
+    return Affine("whitened", stats.mean, vectors * scale.unsqueeze(1))
+
+
+def standardization(stats: CovarianceResult) -> Affine:
+    """Timkey & van Schijndel (2021) per-dimension z-scores from per-layer token statistics."""
+    std = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0).sqrt()
+    scale = torch.where(std > 0, 1 / std.clamp_min(1e-300), torch.zeros_like(std))
+    return Affine("standardized", stats.mean, torch.diag_embed(scale))
+
+
+def normalization(name: str, stats: CovarianceResult | None) -> Variant | None:
+    """The --normalize variant ("none" -> None), built from the token statistics of the reference sentences."""
+    if name == "none":
+        return None
+    if stats is None or stats.num_tokens < 2:
+        raise ValueError(f"--normalize {name} needs token statistics from at least 2 tokens")
+    return whitening(stats) if name == "whiten" else standardization(stats)
