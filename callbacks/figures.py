@@ -130,6 +130,30 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
     return fig
 
 
+def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, ylabel: str, title: str = "",
+                        cmap: str = "viridis", columns: int = 4):
+    """One heatmap panel per matrix (e.g. contributions [positions, hidden] of each layer), each with its own colour
+    scale (its maximum in the panel title), in one figure."""
+    matrices = [np.asarray(m.detach().cpu() if hasattr(m, "detach") else m, dtype=float) for m in matrices]
+    columns = min(columns, len(matrices))
+    rows = -(-len(matrices) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 2.6 * rows + 0.6), squeeze=False)
+    for ax, matrix, name in zip(axes.flat, matrices, titles):
+        ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
+        ax.set_title(f"{name} (max {matrix.max():.3g})", fontsize=8)
+        ax.tick_params(labelsize=6)
+    for ax in axes.flat[len(matrices):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel, fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel, fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     fig.savefig(path, dpi=dpi)
