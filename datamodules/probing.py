@@ -195,9 +195,10 @@ class ProbeDataModule(pl.LightningDataModule):
         """[batch, seq] bool: the tokens that become items (for pooling or as tokens)."""
         return mask
 
-    def pool(self, hidden: Tensor, keep: Tensor, sentence_labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden [layers, batch, seq, hidden], keep [batch, seq] → (features [layers, n, hidden], labels [n],
-        items per sentence [batch])."""
+    def pool(self, hidden: Tensor, keep: Tensor, rows: Tensor, sentence_labels: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [layers, batch, seq, hidden], keep [batch, seq] (False outside `rows`), rows [sentences] of the
+        batch, their labels → (features [layers, n, hidden], labels [n], items per sentence [sentences])."""
         raise NotImplementedError
 
     # ---- Lightning hooks ------------------------------------------------------------------------------------------
@@ -391,18 +392,20 @@ class ProbeDataModule(pl.LightningDataModule):
         with bar:
             for batch, keep, route in zip(batches, keeps, routes):
                 inputs = {key: value for key, value in batch.items() if isinstance(value, Tensor)}
-                hidden = [encoder(**inputs).hidden_states[layers] for encoder in encoders]  # [layers, batch, seq, h]
+                hidden = [self._select(encoder(**inputs).hidden_states, layers) for encoder in encoders]
                 for split, rows in route.items():
-                    split_keep = keep[rows].to(primary.device)
+                    split_keep = torch.zeros_like(keep)  # the items of this split's rows only: no row copies
+                    split_keep[rows] = keep[rows]
+                    split_keep = split_keep.to(primary.device)
                     split_labels = labels[split][done[split]:done[split] + len(rows)] if split in labels else None
                     parts = []
                     for states in hidden:
-                        features, item_labels, per_sentence = self.pool(states[:, rows.to(states.device)],
-                                                                        split_keep.to(states.device), split_labels)
+                        features, item_labels, per_sentence = self.pool(states, split_keep, rows, split_labels)
                         parts.append(features.float().cpu())
                     if split == "train":
-                        stats.update(hidden[0][:, rows.to(primary.device)], split_keep)
-                    self.stores[split].append(torch.cat(parts), item_labels, per_sentence)
+                        stats.update(hidden[0], split_keep)
+                    self.stores[split].append(parts[0] if len(parts) == 1 else torch.cat(parts), item_labels,
+                                              per_sentence)
                     done[split] += len(rows)
                 bar.update(len(batch["input_ids"]))
         item_name = self.item_name
@@ -411,6 +414,13 @@ class ProbeDataModule(pl.LightningDataModule):
             if item_name:
                 counts[split] = {"sentences": counts[split]["sentences"], item_name: items, **counts[split]}
         return counts, sum(batch["num_truncated"] for batch in batches)
+
+    @staticmethod
+    def _select(hidden_states: Tensor, layers: list[int]) -> Tensor:
+        """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""
+        if layers == list(range(hidden_states.shape[0])):
+            return hidden_states
+        return hidden_states[layers]
 
     def _mask(self, batch: dict) -> Tensor:
         """[batch, seq] bool: tokens that count (not padding; not special tokens when excluded)."""
@@ -473,9 +483,10 @@ class PositionDataModule(ProbeDataModule):
         positions = torch.arange(mask.shape[1])
         return mask & (positions < self.max_positions)
 
-    def pool(self, hidden: Tensor, keep: Tensor, sentence_labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def pool(self, hidden: Tensor, keep: Tensor, rows: Tensor, sentence_labels: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor]:
         positions = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
-        return hidden[:, keep], positions[keep], keep.sum(1)
+        return hidden[:, keep], positions[keep], keep.sum(1)[rows.to(keep.device)]
 
     def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
         return {"dropped_positions": int((mask & ~keep).sum())}
@@ -539,10 +550,12 @@ class ClassificationDataModule(ProbeDataModule):
     def _item_counts(self, keep: Tensor) -> Tensor:
         return torch.ones(len(keep), dtype=torch.long)
 
-    def pool(self, hidden: Tensor, keep: Tensor, sentence_labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        weights = keep.to(hidden.dtype)  # [batch, seq]
-        pooled = torch.einsum("lbsh,bs->lbh", hidden, weights) / weights.sum(1).clamp_min(1)[None, :, None]
-        return pooled, sentence_labels, torch.ones(keep.shape[0], dtype=torch.long)
+    def pool(self, hidden: Tensor, keep: Tensor, rows: Tensor, sentence_labels: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor]:
+        rows = rows.to(hidden.device)
+        weights = keep[rows].to(hidden.dtype)  # [sentences, seq]
+        pooled = torch.einsum("lbsh,bs->lbh", hidden[:, rows], weights) / weights.sum(1).clamp_min(1)[None, :, None]
+        return pooled, sentence_labels, torch.ones(len(rows), dtype=torch.long)
 
 
 def normalise_label(value):

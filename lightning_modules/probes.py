@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from callbacks.figures import accuracy_by_layer_figure, heatmap_figure, save_figure
+from callbacks.figures import accuracy_by_layer_figure, heatmap_figure, heatmap_grid_figure, save_figure
 from datamodules.io import staged_output, write_json
 from datamodules.probing import FeatureSpec
+from lightning_modules.encoder import short_name
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
 
 INDEXING = "0-indexed dimensions and positions; layer 0 = embedding output"
@@ -257,24 +258,23 @@ class PositionProbe(LinearProbes):
 
     def write_outputs(self, output_dir) -> dict:
         """position_probe.json, contributions.npy [layers, hidden], contributions_by_position.npy
-        [layers, positions, hidden], accuracy_by_layer.png, contributions_by_layer.png and one
-        contributions_by_position/layer_XX.png per layer; all or nothing."""
+        [layers, positions, hidden], accuracy_by_layer.png, contributions_by_layer.png (layer x dimension) and
+        contributions_by_position.png (position x dimension, a panel per layer); all or nothing."""
         report, spec = self.report(), self.spec
+        name = short_name(spec.encoder)
         seen = int(self.results["position_counts"].nonzero().max()) + 1 if self.results["position_counts"].any() else 1
         with staged_output(output_dir) as stage:
             write_json(stage / "position_probe.json", report)
             np.save(stage / "contributions.npy", self.results["contributions"].numpy())
             np.save(stage / "contributions_by_position.npy", self.results["contributions_by_position"].numpy())
-            save_figure(self.accuracy_figure(f"position probe accuracy: {spec.encoder}"), stage / "accuracy_by_layer.png")
+            save_figure(self.accuracy_figure(f"position probe accuracy: {name}"), stage / "accuracy_by_layer.png")
             save_figure(heatmap_figure(self.results["contributions"], "dimension (0-indexed)", "layer",
-                                       f"mean contribution |w_i v_i| per layer: {spec.encoder}"),
+                                       f"mean contribution |w_i v_i| per layer: {name}"),
                         stage / "contributions_by_layer.png")
-            (stage / "contributions_by_position").mkdir()
-            for i, layer in enumerate(spec.layers):
-                save_figure(heatmap_figure(self.results["contributions_by_position"][i, :seen],
-                                           "dimension (0-indexed)", "position",
-                                           f"contribution by position, layer {layer}: {spec.encoder}"),
-                            stage / "contributions_by_position" / f"layer_{layer:02d}.png")
+            save_figure(heatmap_grid_figure(self.results["contributions_by_position"][:, :seen],
+                                            [f"layer {layer}" for layer in spec.layers], "dimension (0-indexed)",
+                                            "position", f"contribution |w_i v_i| by position: {name}"),
+                        stage / "contributions_by_position.png")
         return report
 
 
@@ -332,6 +332,6 @@ class SentenceClassifier(LinearProbes):
         report = self.report()
         with staged_output(output_dir) as stage:
             write_json(stage / "classifier.json", report)
-            save_figure(self.accuracy_figure(f"sentence classifier accuracy: {self.spec.encoder}"),
+            save_figure(self.accuracy_figure(f"sentence classifier accuracy: {short_name(self.spec.encoder)}"),
                         stage / "accuracy_by_layer.png")
         return report
