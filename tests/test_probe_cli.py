@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 import probe
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
-from tests.tiny import corpus_sentences, save_tiny_encoder
+from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
@@ -135,6 +135,19 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     assert (out / "accuracy_by_layer.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_fast_dev_run_reports_the_one_test_batch(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(40)) + "\n", encoding="utf-8")
+    cli = run_cli("position", "--model.encoder", encoder, "--data.source", data, "--data.batch_size", 3,
+                  "--trainer.fast_dev_run", "true", "--trainer.default_root_dir", tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "position_probe.json").read_text())
+    features, positions = next(iter(cli.datamodule.test_dataloader()))  # fast_dev_run tests one batch
+    predicted = torch.einsum("sth,shp->stp", features, cli.model.weight.detach()).argmax(-1)
+    accuracy = (predicted == positions).double().mean(1)
+    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:LAYERS + 1].tolist())
+
+
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str]]:
     good = tmp_path / "good.txt"
     good.write_text("\n".join(corpus_sentences(20)) + "\n", encoding="utf-8")
@@ -175,6 +188,7 @@ def test_bad_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, bert_tok, c
 def test_console_script_exit_status(tmp_path):
     finished = subprocess.run([sys.executable, str(ROOT / "probe.py"), "fit", "--config",
                                str(ROOT / "configs" / "probe" / "position.yaml"), "--data.source",
-                               str(tmp_path / "missing.txt")], capture_output=True, text=True, cwd=ROOT)
+                               str(tmp_path / "missing.txt"), "--trainer.default_root_dir", str(tmp_path / "out")],
+                              capture_output=True, text=True, cwd=ROOT)
     assert finished.returncode == 2
     assert finished.stderr.strip().splitlines()[-1].startswith("probe.py: error: data path not found")
