@@ -21,13 +21,17 @@ demo: venv
 	$(OFFLINE) $(PY) analyze.py outliers --output_dir $(RUNS)/minilm-outliers
 
 # Train configs/pretrain/tiny.yaml with and without positional embeddings (CPU, bundled corpus), then the outlier
-# analysis of both exports, side by side. --ckpt_path last makes a re-run resume (or just re-export) a finished run.
+# analysis of both exports, side by side, then the position probe of both (special tokens excluded: <s> and </s> give
+# their positions away by identity), where the no-PE model stays near chance. --ckpt_path last makes a re-run resume
+# (or just re-export) a finished run.
 demo-pretrain: venv
 	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --trainer.default_root_dir $(RUNS)/tiny-pe --ckpt_path last
 	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false --trainer.default_root_dir $(RUNS)/tiny-nope --ckpt_path last
 	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-pe --output_dir $(RUNS)/tiny-pe/outliers --no_progress
 	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-nope --output_dir $(RUNS)/tiny-nope/outliers --no_progress
 	$(PY) scripts/compare_outliers.py $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
+	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
+	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
 
 test: venv
 	$(OFFLINE) $(PY) -m pytest -q
