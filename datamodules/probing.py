@@ -581,15 +581,28 @@ def sort_labels(labels) -> list:
 
 
 def random_encoder(encoder: FrozenEncoder, seed: int) -> FrozenEncoder:
-    """A randomly initialised encoder of the same architecture (transformers' init, seeded), same tokenizer."""
+    """A randomly initialised encoder of the same architecture (transformers' init, seeded), same tokenizer.
+
+    A model whose position table is all zeros (this project's no-PE models) gets a zero table in its twin too.
+    """
     from transformers import AutoModel
 
     parameter = next(encoder.model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModel.from_config(encoder.model.config)
+    table = _position_table(encoder.model)
+    if table is not None and not table.weight.any():
+        with torch.no_grad():
+            _position_table(model).weight.zero_()
     return FrozenEncoder(model, encoder.tokenizer, name=f"random init of {encoder.name}",
                          exclude_special=encoder.exclude_special).to(device=parameter.device, dtype=parameter.dtype)
+
+
+def _position_table(model) -> torch.nn.Embedding | None:
+    embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    return table if isinstance(table, torch.nn.Embedding) else None
 
 
 def _is_hub_name(source: str) -> bool:
