@@ -219,7 +219,7 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=True, covariance=True)
     report = {**run_header(args, encoder, reference),
-              **protocols.isotropy(setting, reference, args.zeta, args.minibatch)}
+              **protocols.isotropy(setting, reference, args.zeta, args.minibatch, args.minibatches)}
     return publish(args, rank, "isotropy", report, encoder)
 
 
@@ -274,7 +274,8 @@ def run_all(args, rank: int, world: int) -> dict:
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated),
                "anisotropy": {**header, **protocols.anisotropy(setting, reference)},
-               "isotropy": {**header, **protocols.isotropy(setting, reference, args.zeta, args.minibatch)},
+               "isotropy": {**header, **protocols.isotropy(setting, reference, args.zeta, args.minibatch,
+                                                               args.minibatches)},
                "self_similarity": {**header, **protocols.self_similarity(setting, contexts, reference.variants)}}
     notes = []
     if wic_data is None:
@@ -564,9 +565,6 @@ def build_parser() -> argparse.ArgumentParser:
             "pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
                        "isotropy")
-    for sub in (isotropy,):
-        sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
-        sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
     selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
                       "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=5000)
     wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
@@ -579,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     everything.add_argument("--sts", nargs="+", default=None,
                             help=f"STS data sets (files or presets {', '.join(STS_PRESETS)}); skipped when not given")
     everything.add_argument("--pool_sentences", type=int, default=5000,
-                            help="sentences searched for the self-similarity words (default 5000)")
+                            help="sentences searched for the self-similarity words (0: all; default 5000)")
     for sub in (sts, everything):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
@@ -588,8 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    everything.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
-    everything.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
+    for sub in (isotropy, everything):
+        sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
+        sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
+        sub.add_argument("--minibatches", type=int, default=4, help="IsoScore* mini-batches (averaged)")
     return parser
 
 
@@ -618,9 +618,9 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def validate(args) -> None:
     for name in ("batch_size", "max_sentences", "max_length", "num_words", "min_sentences", "minibatch",
-                 "pool_sentences"):
+                 "minibatches", "pool_sentences"):
         value = getattr(args, name, None)
-        if value is not None and value < (0 if name == "max_sentences" else 1):
+        if value is not None and value < (0 if name in ("max_sentences", "pool_sentences") else 1):
             raise UserError(f"--{name} must be positive, got {value}")
     if getattr(args, "min_sentences", 2) < 2:
         raise UserError(f"--min_sentences must be at least 2, got {args.min_sentences}")

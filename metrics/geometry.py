@@ -173,6 +173,27 @@ class Covariance(Metric):
         return CovarianceResult(int(self.count.item()), mean, (cov + cov.transpose(1, 2)) / 2, second)
 
 
+def eigvalsh(matrices: Tensor) -> Tensor:
+    """torch.linalg.eigvalsh, on CPU in one thread: LAPACK's threaded symmetric eigensolver is several times slower
+    than a single thread for hidden sizes in the hundreds (and worse on a busy machine)."""
+    return _one_thread(torch.linalg.eigvalsh, matrices)
+
+
+def eigh(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    return _one_thread(torch.linalg.eigh, matrices)
+
+
+def _one_thread(function, matrices: Tensor):
+    if matrices.device.type != "cpu":
+        return function(matrices)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return function(matrices)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def isoscore_from_eigenvalues(eigenvalues: Tensor) -> Tensor:
     """IsoScore from the variances along the principal components (eigenvalues of the covariance), [..., n] -> [...].
 
@@ -193,7 +214,7 @@ def isoscore_from_eigenvalues(eigenvalues: Tensor) -> Tensor:
 
 def isoscore(cov: Tensor) -> Tensor:
     """IsoScore of covariance matrices [..., n, n] -> [...] (see isoscore_from_eigenvalues)."""
-    return isoscore_from_eigenvalues(torch.linalg.eigvalsh(cov.double()))
+    return isoscore_from_eigenvalues(eigvalsh(cov.double()))
 
 
 def isoscore_star(points: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = None) -> Tensor:
@@ -207,11 +228,17 @@ def isoscore_star(points: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = 
     """
     points = points.double()
     centred = points - points.mean(-2, keepdim=True)
-    cov = centred.transpose(-1, -2) @ centred / max(points.shape[-2] - 1, 1)
+    m, n = points.shape[-2:]
+    if zeta == 0 and m < n:  # the m x m Gram matrix has the same non-zero eigenvalues, far cheaper
+        gram = centred @ centred.transpose(-1, -2) / max(m - 1, 1)
+        eigenvalues = eigvalsh(gram)
+        return isoscore_from_eigenvalues(torch.cat([eigenvalues, eigenvalues.new_zeros(*eigenvalues.shape[:-1], n - m)],
+                                                   -1))
+    cov = centred.transpose(-1, -2) @ centred / max(m - 1, 1)
     if shrinkage is None:
         shrinkage = torch.eye(points.shape[-1], dtype=cov.dtype, device=cov.device)
     shrunk = (1 - zeta) * cov + zeta * shrinkage.to(cov)
-    return isoscore_from_eigenvalues(torch.linalg.eigvalsh(shrunk))
+    return isoscore_from_eigenvalues(eigvalsh(shrunk))
 
 
 class IsoScore(Covariance):
@@ -265,7 +292,7 @@ def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
     (share of sum sigma^2 in the top 1 / 10 directions), and `cdf_auc` (area under the empirical CDF of the
     normalised singular values on [0, 1], i.e. 1 - their mean: near 1 when one direction dominates).
     """
-    eig = torch.linalg.eigvalsh(second_moment.double()).flip(-1).clamp_min(0)  # [layers, hidden], descending
+    eig = eigvalsh(second_moment.double()).flip(-1).clamp_min(0)  # [layers, hidden], descending
     sigma = (eig * num_tokens).sqrt()
     top = sigma[..., :1].clamp_min(1e-300)
     normalised = sigma / top

@@ -116,7 +116,8 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
     cov = Covariance(layers, hidden).to(device) if covariance or normalize != "none" else None
     tokens = TokenSample(len(sentences), layers, hidden).to(device) if sample else None
     counted, truncated = counter(device), counter(device)
-    if stats is not None or cov is not None or tokens is not None:
+    encode = stats is not None or cov is not None or tokens is not None
+    if encode:
         for rows, batch, _ in setting.batches(sentences, desc=desc):
             if stats is not None:
                 stats.update(batch.hidden_states, batch.mask)
@@ -127,7 +128,8 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
                 tokens.update(torch.tensor([rows[r] for r in kept]), vectors)
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
-    reference = Reference([RAW], "none", None, normalize, int(counted.compute()), int(truncated.compute()))
+    reference = Reference([RAW], "none", None, normalize, *((int(counted.compute()), int(truncated.compute()))
+                                                            if encode else (0, 0)))
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)
@@ -189,14 +191,16 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
             "layers": _per_layer(values, setting.encoder.num_hidden_states)}
 
 
-def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatch: int = 250) -> dict:
-    """IsoScore of all tokens, IsoScore* of token mini-batches shrunk towards the full covariance, and the
-    singular-value spectrum of each layer's token matrix, per variant (moments transformed exactly)."""
+def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatch: int = 250,
+             minibatches: int = 4) -> dict:
+    """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
+    tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; and
+    the singular-value spectrum of each layer's token matrix; per variant (moments transformed exactly)."""
     stats, (vectors, filled) = reference.covariance, reference.sample
     layers, hidden = setting.encoder.num_hidden_states, setting.encoder.hidden_size
     points = vectors[filled.nonzero().flatten()].transpose(0, 1)  # [layers, sampled tokens, hidden]
     order = torch.randperm(points.shape[1], generator=torch.Generator().manual_seed(setting.seed))
-    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)]
+    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
     values, spectra = {}, {}
     for variant in reference.variants:
         mean, cov = variant.moments(stats.mean, stats.cov)

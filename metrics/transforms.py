@@ -8,7 +8,8 @@
   clipping of returned hidden states), applied after the forward pass.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from token
-  vectors; directions whose variance is below 1e-10 of the largest are dropped (mapped to 0).
+  vectors; directions whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is
+  accumulated from float32 hidden states, so smaller variances are rounding noise (e.g. LayerNorm's null direction).
 - Standardisation (Timkey & van Schijndel, "All Bark and No Bite: Rogue Dimensions in Transformer Language Models
   Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension (constant dimensions -> 0).
 Both normalisations are affine per layer, so they commute with averaging sub-word pieces and mean pooling.
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_modules.encoder import apply_clip
-from metrics.geometry import CovarianceResult
+from metrics.geometry import CovarianceResult, eigh
 
 NORMALIZATIONS = ("none", "whiten", "standardize")
 REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}
@@ -81,10 +82,10 @@ class Affine(Variant):
         return new_mean, matrix.transpose(1, 2) @ cov @ matrix
 
 
-def whitening(stats: CovarianceResult, tolerance: float = 1e-10) -> Affine:
+def whitening(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
     """Su et al. (2021) whitening from per-layer token statistics: transformed tokens have identity covariance
     (on the directions that carry variance)."""
-    eigenvalues, vectors = torch.linalg.eigh(stats.cov.double())  # ascending, [layers, hidden], [layers, h, h]
+    eigenvalues, vectors = eigh(stats.cov.double())  # ascending, [layers, hidden], [layers, h, h]
     floor = tolerance * eigenvalues[:, -1:].clamp_min(1e-300)
     scale = torch.where(eigenvalues > floor, eigenvalues.clamp_min(1e-300).rsqrt(), torch.zeros_like(eigenvalues))
     return Affine("whitened", stats.mean, vectors * scale.unsqueeze(1))

@@ -156,6 +156,7 @@ def test_isoscore_star_shrinkage_limits_stability_and_gradient():
     small = population[:40]
     assert isoscore_star(small, 0.0).item() == pytest.approx(isoscore_reference(small.numpy()), abs=1e-9)
     batch = population[:10]  # fewer points than dimensions: the sample covariance is rank-deficient
+    assert isoscore_star(batch, 0.0).item() == pytest.approx(isoscore(torch.cov(batch.T)).item(), abs=1e-9)  # Gram
     truth = isoscore(full).item()
     assert isoscore_star(batch, 1.0, full).item() == pytest.approx(truth, abs=1e-12)
     # Mini-batches of 10 points underestimate the population's IsoScore; shrinking towards the covariance of many

@@ -1,0 +1,311 @@
+"""Every evaluation subcommand end to end on the packaged MiniLM, against a direct transformers computation
+(one sentence at a time, no padding, everything materialised), and `all` against the single subcommands."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+from transformers import AutoModel, AutoTokenizer
+
+import analyze
+from datamodules.pairs import word_contexts
+from metrics.geometry import isoscore_star
+from tests.test_geometry import isoscore_reference
+from tests.tiny import corpus_sentences
+
+MAX_LENGTH = 128
+WIC = [  # word, sentence1, form in 1, sentence2, form in 2, same sense
+    ("bank", "He sat on the bank of the river.", "bank", "She deposited money at the bank.", "bank", False),
+    ("run", "They ran to the station.", "ran", "He runs every morning.", "runs", True),
+    ("play", "The children play in the garden.", "play", "We saw a play at the theatre.", "play", False),
+    ("letter", "She wrote a long letter to her sister.", "letter", "He received a letter from his father.", "letter",
+     True),
+    ("light", "Turn on the light, please.", "light", "The box was light enough to carry.", "light", False),
+    ("break", "We took a break after lunch.", "break", "They had a short break at noon.", "break", True),
+    ("spring", "Flowers bloom in spring.", "spring", "The spring in the mattress broke.", "spring", False),
+    ("cold", "It was a cold morning in winter.", "cold", "The night air was cold and damp.", "cold", True),
+]
+STS = [("A man is playing a guitar.", "A man plays the guitar.", 4.8),
+       ("A woman is slicing an onion.", "A man is riding a horse.", 0.2),
+       ("The cat sits on the mat.", "A cat is sitting on a mat.", 4.5),
+       ("She walked to the shop.", "He drove to the market.", 1.6),
+       ("The sun is shining.", "It is a sunny day.", 3.9),
+       ("Two dogs run in a field.", "The dogs are running through grass.", 4.0),
+       ("A child reads a book.", "The stock market fell today.", 0.0),
+       ("He is cooking dinner.", "A man prepares a meal.", 3.9)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eval_data")
+    sentences = [s for s in corpus_sentences(600, start=5000) if 6 <= len(s.split()) <= 30][:40]
+    (root / "sentences.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    rows = []
+    for word, s1, f1, s2, f2, label in WIC:
+        a, b = s1.index(f1), s2.index(f2)
+        rows.append({"word": word, "sentence1": s1, "sentence2": s2, "start1": a, "end1": a + len(f1),
+                     "start2": b, "end2": b + len(f2), "label": label})
+    rows.append({**rows[3], "start1": rows[3]["start1"] + 1})  # offsets one character off: skipped and counted
+    (root / "wic.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    (root / "sts.tsv").write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in STS),
+                                  encoding="utf-8")
+    generator = torch.Generator().manual_seed(0)
+    words = sorted({w.strip(".,").lower() for a, b, _ in STS for w in (a + " " + b).split()} - {"guitar", "onion"})
+    (root / "glove.txt").write_text("".join(f"{w} " + " ".join(f"{v:.5f}" for v in torch.randn(5, generator=generator)
+                                                               .tolist()) + "\n" for w in words), encoding="utf-8")
+    return {"root": root, "sentences": root / "sentences.txt", "wic": root / "wic.jsonl", "sts": root / "sts.tsv",
+            "glove": root / "glove.txt", "sentence_list": sentences}
+
+
+@pytest.fixture(scope="module")
+def direct(minilm_path):
+    """text -> (hidden states [layers, seq, hidden] float64 of that sentence alone, token character offsets)."""
+    tokenizer, model = AutoTokenizer.from_pretrained(minilm_path), AutoModel.from_pretrained(minilm_path).eval()
+    cache = {}
+
+    def encode(text: str):
+        if text not in cache:
+            inputs = tokenizer(text, return_offsets_mapping=True, return_tensors="pt", truncation=True,
+                               max_length=MAX_LENGTH)
+            offsets = [tuple(o) for o in inputs.pop("offset_mapping")[0].tolist()]
+            with torch.no_grad():
+                hidden = torch.stack(model(**inputs, output_hidden_states=True).hidden_states)[:, 0]
+            cache[text] = (hidden.double(), offsets)
+        return cache[text]
+
+    return encode
+
+
+def span_vector(encode, text: str, span: tuple[int, int]) -> torch.Tensor:
+    hidden, offsets = encode(text)
+    tokens = [j for j, (a, b) in enumerate(offsets) if b > a and a < span[1] and b > span[0]]
+    return hidden[:, tokens].mean(1)  # [layers, hidden]
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+
+def run(command: str, *argv) -> dict:
+    out = Path(argv[argv.index("--output_dir") + 1])
+    assert analyze.main([command, "--no_progress", "--max_length", str(MAX_LENGTH), *map(str, argv)]) == 0
+    name = {"self-similarity": "self_similarity"}.get(command, command)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def random_token_vectors(encode, texts: list[str], seed: int) -> torch.Tensor:
+    """One token per sentence, drawn by random.Random(seed * 1000003 + index), as the protocol says: [n, layers, h]."""
+    vectors = []
+    for index, text in enumerate(texts):
+        hidden, _ = encode(text)
+        vectors.append(hidden[:, random.Random(seed * 1_000_003 + index).randrange(hidden.shape[1])])
+    return torch.stack(vectors)
+
+
+def direct_anisotropy(vectors: torch.Tensor, seed: int, dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = list(range(len(vectors)))
+    random.Random(seed).shuffle(slots)
+    half = len(slots) // 2
+    a, b = vectors[slots[:half]], vectors[slots[half:2 * half]]
+    raw = cos(a, b).mean(0)
+    a, b = a.clone(), b.clone()
+    a[..., dims], b[..., dims] = 0, 0
+    return raw, cos(a, b).mean(0)
+
+
+def values(report: dict, key: str, *path: str) -> list:
+    out = []
+    for row in report["layers"]:
+        value = row[key]
+        for step in path:
+            value = value[step]
+        out.append(value)
+    return out
+
+
+@pytest.mark.slow
+def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computation(data, direct, tmp_path):
+    args = ["--data", data["sentences"], "--max_sentences", 0, "--batch_size", 7, "--seed", 3]
+    report = run("anisotropy", *args, "--output_dir", tmp_path / "a")
+    outliers = run("outliers", *args, "--output_dir", tmp_path / "o")
+    detected = sorted({d for layer in outliers["layers"] for d in layer["outlier_dims"]})
+    assert report["clip"] == "auto" and report["clipped_dims"] == detected and detected
+    assert report["num_sentences"] == 40 and report["num_pairs"] == 20 and report["num_truncated"] == 0
+    raw, clipped = direct_anisotropy(random_token_vectors(direct, data["sentence_list"], 3), 3, detected)
+    np.testing.assert_allclose(values(report, "raw"), raw.numpy(), atol=2e-5)
+    np.testing.assert_allclose(values(report, "clipped"), clipped.numpy(), atol=2e-5)
+    assert (tmp_path / "a" / "anisotropy.png").read_bytes()[:4] == b"\x89PNG"
+    given = run("anisotropy", *args, "--clip", "5,17", "--output_dir", tmp_path / "g")
+    _, clipped_given = direct_anisotropy(random_token_vectors(direct, data["sentence_list"], 3), 3, [5, 17])
+    assert given["clip"] == "given" and given["clipped_dims"] == [5, 17]
+    np.testing.assert_allclose(values(given, "clipped"), clipped_given.numpy(), atol=2e-5)
+
+
+@pytest.mark.slow
+def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(data, direct, tmp_path):
+    report = run("isotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "whiten",
+                 "--minibatch", 8, "--output_dir", tmp_path / "i")
+    tokens = torch.cat([direct(text)[0] for text in data["sentence_list"]], dim=1)  # [layers, N, hidden]
+    assert report["num_tokens"] == tokens.shape[1] and report["variants"] == ["raw", "clipped", "whitened"]
+    dims = report["clipped_dims"]
+    sample = random_token_vectors(direct, data["sentence_list"], 0).transpose(0, 1)  # [layers, 40, hidden]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    for layer, row in enumerate(report["layers"]):
+        points = tokens[layer].numpy()
+        assert row["raw"]["isoscore"] == pytest.approx(isoscore_reference(points), abs=1e-4)
+        clipped = points.copy()
+        clipped[:, dims] = 0
+        assert row["clipped"]["isoscore"] == pytest.approx(isoscore_reference(clipped), abs=1e-4)
+        mean = points.mean(0)
+        eigenvalues, vectors = np.linalg.eigh(np.cov(points.T, bias=True))
+        keep = eigenvalues > 1e-6 * eigenvalues[-1]
+        whitened = (points - mean) @ vectors[:, keep] / np.sqrt(eigenvalues[keep])
+        assert row["whitened"]["isoscore"] == pytest.approx(isoscore_reference(
+            np.pad(whitened, ((0, 0), (0, (~keep).sum())))), abs=1e-3)
+        sigma = torch.linalg.svdvals(tokens[layer])
+        np.testing.assert_allclose(report["spectra"]["raw"][layer][:20], (sigma / sigma[0])[:20].numpy(), atol=1e-5)
+        assert row["raw"]["energy_top1"] == pytest.approx((sigma[0] ** 2 / sigma.pow(2).sum()).item(), abs=1e-5)
+        full = torch.cov(tokens[layer].T, correction=0)
+        star = torch.stack([isoscore_star(sample[layer, order[i:i + 8]], 0.2, full) for i in range(0, 32, 8)])
+        assert row["raw"]["isoscore_star"] == pytest.approx(star.mean().item(), abs=1e-4)
+    for name in ("isotropy.png", "spectrum.png"):
+        assert (tmp_path / "i" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
+    report = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
+                 "--min_sentences", 3, "--clip", "none", "--output_dir", tmp_path / "s")
+    contexts = word_contexts(data["sentence_list"], 6, 3, seed=0)
+    assert report["words"] == contexts.words and report["num_words"] == 6
+    per_word = {w: [] for w in range(6)}
+    for text, spans in zip(contexts.sentences, contexts.spans):
+        for word, start, end in spans:
+            per_word[word].append(span_vector(direct, text, (start, end)))
+    assert all(len(v) == 3 for v in per_word.values())
+    similarity = torch.stack([torch.stack([cos(v[i], v[j]) for i in range(3) for j in range(i + 1, 3)]).mean(0)
+                              for v in per_word.values()]).mean(0)
+    baseline, _ = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, [])
+    np.testing.assert_allclose(values(report, "raw", "self_similarity"), similarity.numpy(), atol=2e-5)
+    np.testing.assert_allclose(values(report, "raw", "anisotropy"), baseline.numpy(), atol=2e-5)
+    np.testing.assert_allclose(values(report, "raw", "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
+
+
+def direct_wic(direct, dims: list[int]) -> tuple[dict, torch.Tensor]:
+    cosines = {"raw": [], "clipped": []}
+    for _, s1, f1, s2, f2, _ in WIC:
+        a = span_vector(direct, s1, (s1.index(f1), s1.index(f1) + len(f1)))
+        b = span_vector(direct, s2, (s2.index(f2), s2.index(f2) + len(f2)))
+        cosines["raw"].append(cos(a, b))
+        a, b = a.clone(), b.clone()
+        a[:, dims], b[:, dims] = 0, 0
+        cosines["clipped"].append(cos(a, b))
+    return {k: torch.stack(v) for k, v in cosines.items()}, torch.tensor([row[-1] for row in WIC])
+
+
+@pytest.mark.slow
+def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path):
+    report = run("wic", "--data", data["wic"], "--output_dir", tmp_path / "w")
+    assert report["num_pairs"] == 8 and report["num_scored"] == 8
+    assert report["skipped"]["count"] == 1 and report["skipped"]["examples"][0]["index"] == 8
+    assert "not one whole word" in report["skipped"]["examples"][0]["reason"]
+    cosines, labels = direct_wic(direct, report["clipped_dims"])
+    assert report["baseline"] == pytest.approx(labels.double().mean().item())
+    for key in ("raw", "clipped"):
+        best = (-1.0, None, None)
+        for layer in range(cosines[key].shape[1]):
+            accuracies = [((cosines[key][:, layer] >= t) == labels).double().mean().item() for t in report["thresholds"]]
+            t = int(np.argmax(accuracies))
+            assert report["layers"][layer][key] == {"accuracy": pytest.approx(accuracies[t]),
+                                                    "threshold": report["thresholds"][t]}
+            if accuracies[t] > best[0]:
+                best = (accuracies[t], layer, report["thresholds"][t])
+        found = report["best" if key == "raw" else "best_clipped"]
+        assert (found["accuracy"], found["layer"], found["threshold"]) == (pytest.approx(best[0]), best[1], best[2])
+
+
+def direct_sts(direct, dims: list[int]) -> dict[str, torch.Tensor]:
+    gold = [score for _, _, score in STS]
+    out = {}
+    for key, clip in (("raw", []), ("clipped", dims)):
+        cosines = []
+        for a, b, _ in STS:
+            u, v = direct(a)[0].mean(1), direct(b)[0].mean(1)  # [layers, hidden], no padding
+            u[:, clip], v[:, clip] = 0, 0
+            cosines.append(cos(u, v))
+        cosines = torch.stack(cosines)
+        out[key] = torch.tensor([100 * spearmanr(cosines[:, layer], gold).statistic for layer in range(cosines.shape[1])])
+    return out
+
+
+@pytest.mark.slow
+def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path):
+    report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3,
+                 "--output_dir", tmp_path / "t")
+    expected = direct_sts(direct, report["clipped_dims"])
+    for key in ("raw", "clipped"):
+        np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=1e-3)
+        layer = int(expected[key].argmax())
+        assert report["best" if key == "raw" else "best_clipped"]["layer"] == layer
+    vectors = {line.split()[0]: torch.tensor([float(v) for v in line.split()[1:]])
+               for line in data["glove"].read_text().splitlines()}
+
+    def bag(sentence):
+        return torch.stack([vectors[w] for w in (t.strip(".,").lower() for t in sentence.split()) if w in vectors]).mean(0)
+
+    static = [cos(bag(a), bag(b)).item() for a, b, _ in STS]
+    baseline = report["static_baseline"]
+    assert baseline["spearman"] == pytest.approx(100 * spearmanr(static, [s for _, _, s in STS]).statistic, abs=1e-4)
+    assert 0 < baseline["word_coverage"] < 1
+
+
+@pytest.mark.slow
+def test_all_writes_the_summary_and_equals_the_single_subcommands(data, tmp_path):
+    common = ["--no_progress", "--max_length", str(MAX_LENGTH), "--data", str(data["sentences"]), "--max_sentences",
+              "0", "--num_words", "6", "--min_sentences", "3"]
+    assert analyze.main(["all", *common[:-4], "--pool_sentences", "0", *common[-4:], "--wic", str(data["wic"]),
+                         "--sts", str(data["sts"]), "--static", str(data["glove"]), "--output_dir",
+                         str(tmp_path / "all")]) == 0
+    out = tmp_path / "all"
+    summary = json.loads((out / "summary.json").read_text())
+    reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    for name in ("anisotropy", "isotropy", "self_similarity", "wic", "sts_sts"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG" and (out / "mean_vectors.png").exists()
+    detected = sorted({d for layer in reports["outliers"]["layers"] for d in layer["outlier_dims"]})
+    assert summary["clipped_dims"] == detected == reports["wic"]["clipped_dims"]
+    single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--output_dir", tmp_path / "a")
+    assert reports["anisotropy"]["layers"] == single["layers"]
+    single = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
+                 "--min_sentences", 3, "--clip", "none", "--output_dir", tmp_path / "s")
+    assert values(reports["self_similarity"], "raw") == values(single, "raw")
+    for layer, row in enumerate(summary["figure6_layers"]):
+        assert row["anisotropy"] == {k: reports["anisotropy"]["layers"][layer][k] for k in ("raw", "clipped")}
+        assert row["isoscore"]["clipped"] == reports["isotropy"]["layers"][layer]["clipped"]["isoscore"]
+        assert row["wic_accuracy"]["raw"] == reports["wic"]["layers"][layer]["raw"]["accuracy"]
+        assert row["sts_sts_spearman"]["clipped"] == reports["sts_sts"]["layers"][layer]["clipped"]
+    wic = reports["wic"]
+    assert summary["table1_wic"]["raw"] == wic["best"] and summary["table1_wic"]["baseline"] == wic["baseline"]
+    assert summary["table2_sts"][0]["clipped"] == reports["sts_sts"]["best_clipped"]
+    markdown = (out / "summary.md").read_text()
+    best = wic["best"]
+    assert f"| raw | {best['accuracy']:.3f} | {best['layer']} | {best['threshold']} |" in markdown
+    assert "## Figure 6" in markdown and f"| {len(summary['figure6_layers']) - 1} |" in markdown
+
+
+@pytest.mark.slow
+def test_all_without_pair_data_skips_wic_and_sts_with_a_note(data, tmp_path, capsys):
+    assert analyze.main(["all", "--no_progress", "--data", str(data["sentences"]), "--max_sentences", "12",
+                         "--pool_sentences", "0", "--num_words", "3", "--min_sentences", "3", "--clip", "none",
+                         "--output_dir", str(tmp_path / "all")]) == 0
+    printed = capsys.readouterr().out
+    assert "note: WiC skipped: no --wic file given" in printed and "note: STS skipped" in printed
+    summary = json.loads((tmp_path / "all" / "summary.json").read_text())
+    assert summary["table1_wic"] is None and summary["table2_sts"] == [] and summary["variants"] == ["raw"]
+    assert not (tmp_path / "all" / "wic.json").exists()
