@@ -1,0 +1,241 @@
+"""Evaluation inputs: a planted outlier clipped away, the WiC/STS/word-context/static-vector readers, every bad input
+(one line, exit 2, nothing written), and `all` under 2-process DDP equal to one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import analyze
+from datamodules.io import UserError
+from datamodules.pairs import (
+    WORD,
+    read_static_vectors,
+    read_sts,
+    read_wic,
+    target_problem,
+    word_contexts,
+)
+from tests.test_analyze_eval import STS, WIC
+from tests.test_analyze_outliers import _free_port
+from tests.tiny import corpus_sentences, save_tiny_encoder
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANTED = 5
+
+
+def plant(model) -> None:
+    """A large constant on one dimension of every hidden state (embedding and block LayerNorm biases)."""
+    model.embeddings.LayerNorm.bias[PLANTED] = 8.0
+    for block in model.encoder.layer:
+        block.output.LayerNorm.bias[PLANTED] = 8.0
+
+
+@pytest.fixture
+def planted(tmp_path, bert_tok) -> Path:
+    return save_tiny_encoder(tmp_path / "planted", "bert", bert_tok, plant=plant)
+
+
+@pytest.fixture
+def sentences(tmp_path) -> Path:
+    path = tmp_path / "sentences.txt"
+    path.write_text("\n".join(corpus_sentences(60, start=200)) + "\n", encoding="utf-8")
+    return path
+
+
+def write_wic(path: Path, rows: list[dict] | None = None) -> Path:
+    if rows is None:
+        rows = []
+        for word, s1, f1, s2, f2, label in WIC:
+            a, b = s1.index(f1), s2.index(f2)
+            rows.append({"word": word, "sentence1": s1, "sentence2": s2, "start1": a, "end1": a + len(f1),
+                         "start2": b, "end2": b + len(f2), "label": label})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def write_sts(path: Path, pairs=STS) -> Path:
+    path.write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in pairs),
+                    encoding="utf-8")
+    return path
+
+
+def test_clipping_a_planted_outlier_lowers_anisotropy(planted, sentences, tmp_path):
+    out = tmp_path / "out"
+    assert analyze.main(["anisotropy", "--no_progress", "--encoder", str(planted), "--data", str(sentences),
+                         "--max_sentences", "0", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "anisotropy.json").read_text())
+    assert PLANTED in report["clipped_dims"] and report["num_pairs"] == 30
+    for layer in report["layers"]:
+        assert layer["raw"] > 0.5  # every token shares the planted direction
+        assert layer["clipped"] < layer["raw"] - 0.15  # what stays: random deep layers make tokens alike
+
+
+def test_word_contexts_are_exact_and_share_sentences():
+    sentences = corpus_sentences(1500, start=100)
+    contexts = word_contexts(sentences, num_words=100, min_sentences=10, seed=1)
+    counts = {word: sum(word in {m.group().lower() for m in WORD.finditer(s)} for s in sentences)
+              for word in contexts.words}
+    assert len(set(contexts.words)) == 100 and min(counts.values()) >= 10
+    seen = {word: 0 for word in range(100)}
+    for sentence, spans in zip(contexts.sentences, contexts.spans):
+        for word, start, end in spans:
+            assert sentence[start:end].lower() == contexts.words[word]
+            assert not re.search(rf"\b{re.escape(contexts.words[word])}\b", sentence[:start], re.IGNORECASE)
+            seen[word] += 1
+    assert set(seen.values()) == {10}
+    assert len(contexts.sentences) < 100 * 10 / 2  # contexts shared between words
+
+
+def test_word_list_too_small_names_the_count_found():
+    sentences = corpus_sentences(50, start=100)
+    found = sum(1 for word in {m.group().lower() for s in sentences for m in WORD.finditer(s)}
+                if sum(word in {m.group().lower() for m in WORD.finditer(s)} for s in sentences) >= 10)
+    with pytest.raises(UserError, match=f"only {found} words occur in at least 10 of the 50 sentences; "
+                                        "self-similarity needs 1000"):
+        word_contexts(sentences, 1000, 10)
+
+
+def test_target_offsets_checks():
+    sentence = "They went to the bank, and the banks were closed."
+    assert target_problem(sentence, "bank", (17, 21)) is None
+    assert target_problem(sentence, "go", (5, 9)) is None  # irregular form: no word starts with "go"
+    assert "not one whole word" in target_problem(sentence, "bank", (18, 22))
+    assert "outside the sentence" in target_problem(sentence, "bank", (40, 60))
+    assert "hold 'closed', not 'bank'" in target_problem(sentence, "bank", (42, 48))
+
+
+def test_original_wic_release_and_datasets_directory(tmp_path):
+    (tmp_path / "dev.data.txt").write_text(
+        "bank\tN\t4-5\tHe sat on the bank, near water.\tShe went to the big bank today.\n"
+        "run\tV\t1-0\tThey ran home.\tRun fast!\n", encoding="utf-8")
+    (tmp_path / "dev.gold.txt").write_text("F\nT\n", encoding="utf-8")
+    items, skipped = read_wic(str(tmp_path / "dev.data.txt"))
+    assert skipped.count == 0 and [i.label for i in items] == [False, True]
+    assert items[0].sentence1[slice(*items[0].span1)] == "bank" and items[0].sentence2[slice(*items[0].span2)] == "bank"
+    assert items[1].sentence1[slice(*items[1].span1)] == "ran" and items[1].sentence2[slice(*items[1].span2)] == "Run"
+    import datasets
+
+    rows = {"word": ["bank"], "sentence1": ["He sat on the bank."], "sentence2": ["The bank is shut."],
+            "start1": [14], "end1": [18], "start2": [4], "end2": [8], "idx": [0], "label": [1]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "wic_ds"))
+    items, _ = read_wic(str(tmp_path / "wic_ds"))
+    assert len(items) == 1 and items[0].label is True and items[0].span2 == (4, 8)
+
+
+def test_senteval_sts_files_and_static_vectors(tmp_path):
+    (tmp_path / "STS.input.news.txt").write_text("A b.\tC d.\nE f.\tG h.\nI j.\tK l.\n", encoding="utf-8")
+    (tmp_path / "STS.gs.news.txt").write_text("4.2\n\n1\n", encoding="utf-8")
+    pairs, unscored = read_sts(str(tmp_path / "STS.input.news.txt"))
+    assert unscored == 1 and [(p.index, p.score) for p in pairs] == [(0, 4.2), (2, 1.0)]
+    pairs, _ = read_sts(str(write_sts(tmp_path / "wide.tsv", [("a", "b", 7.5)])), score_range=(0, 10))
+    assert pairs[0].score == 7.5
+    (tmp_path / "vectors.txt").write_text("3 2\nthe 1 0\ncat 0.5 0.25\nzebra 9 9\n", encoding="utf-8")
+    vectors, dim = read_static_vectors(str(tmp_path / "vectors.txt"), {"the", "cat", "dog"})
+    assert dim == 2 and set(vectors) == {"the", "cat"} and vectors["cat"].tolist() == [0.5, 0.25]
+    with pytest.raises(UserError, match="cannot load dataset 'mteb/stsbenchmark-sts'"):
+        read_sts("stsb")  # the preset is a `datasets` name (offline here)
+
+
+def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
+    wic = write_wic(tmp_path / "wic.jsonl")
+    rows = [json.loads(line) for line in wic.read_text().splitlines()]
+    shifted = write_wic(tmp_path / "shifted.jsonl", [{**r, "start1": r["start1"] + 1} for r in rows[:2]])
+    nolabel = write_wic(tmp_path / "nolabel.jsonl", [{**rows[0], "label": -1}])
+    (tmp_path / "columns.jsonl").write_text(json.dumps({"word": "x", "sentence1": "y"}) + "\n", encoding="utf-8")
+    (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
+    (tmp_path / "a.data.txt").write_text("x\tN\t0-0\tx y\tx z\n" * 3, encoding="utf-8")
+    (tmp_path / "a.gold.txt").write_text("T\nF\n", encoding="utf-8")
+    (tmp_path / "STS.input.x.txt").write_text("a\tb\nc\td\ne\tf\n", encoding="utf-8")
+    (tmp_path / "STS.gs.x.txt").write_text("1\n2\n", encoding="utf-8")
+    high = write_sts(tmp_path / "high.tsv", [*STS[:3], ("x", "y", 7)])
+    negative = write_sts(tmp_path / "negative.tsv", [("x", "y", -1)])
+    text = write_sts(tmp_path / "text.tsv", [("x", "y", "high")])
+    blank = write_sts(tmp_path / "blank.tsv", [(" ", "y", 2)])
+    (tmp_path / "noscore.csv").write_text("sentence1,sentence2,topic\na,b,c\n", encoding="utf-8")
+    (tmp_path / "ragged.txt").write_text("the 1 2\ncat 1\n", encoding="utf-8")
+    (tmp_path / "unrelated.txt").write_text("zyzzyva 1 2\n", encoding="utf-8")
+    sts = write_sts(tmp_path / "sts.tsv")
+    return {
+        "every target misplaced": (["wic", "--data", shifted], "no WiC item of"),
+        "wic columns": (["wic", "--data", tmp_path / "columns.jsonl"], "is not in WiC format: missing"),
+        "wic empty": (["wic", "--data", tmp_path / "empty.jsonl"], "data file is empty"),
+        "wic unlabelled": (["wic", "--data", nolabel], "has no label (-1"),
+        "wic counts": (["wic", "--data", tmp_path / "a.data.txt"], "has 3 pairs but"),
+        "sts counts": (["sts", "--data", tmp_path / "STS.input.x.txt"], "has 3 pairs but"),
+        "sts out of range": (["sts", "--data", high], "pair 3: score 7 is outside the declared range 0-5"),
+        "sts negative": (["sts", "--data", negative], "(unlabelled test split?)"),
+        "sts not a number": (["sts", "--data", text], "score 'high' is not a number"),
+        "sts empty sentence": (["sts", "--data", blank], "has an empty sentence"),
+        "sts columns": (["sts", "--data", tmp_path / "noscore.csv"], "has no score column"),
+        "sts range": (["sts", "--data", sts, "--score_range", "5,1"], "LO must be below HI"),
+        "static ragged": (["sts", "--data", sts, "--static", tmp_path / "ragged.txt"], "1 values, expected 2"),
+        "static unrelated": (["sts", "--data", sts, "--static", tmp_path / "unrelated.txt"], "none of the"),
+        "words too few": (["self-similarity", "--data", sentences], "only "),
+        "empty sentences": (["anisotropy", "--data", tmp_path / "empty.jsonl"], "data file is empty"),
+        "clip text": (["anisotropy", "--data", sentences, "--clip", "big"], "--clip must be auto, none"),
+        "clip range": (["isotropy", "--data", sentences, "--clip", "3,99"], "clip dimensions [99] out of range 0..31"),
+        "zeta": (["isotropy", "--data", sentences, "--zeta", "2"], "--zeta must lie in [0, 1]"),
+        "all bad wic": (["all", "--data", sentences, "--num_words", "5", "--wic", shifted], "no WiC item of"),
+    }
+
+
+def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, sentences, capfd):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    for case, (argv, message) in bad_inputs(tmp_path, sentences).items():
+        out = tmp_path / f"out-{case.replace(' ', '-')}"
+        code = analyze.main([*map(str, argv), "--encoder", str(encoder), "--output_dir", str(out), "--no_progress"])
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert code == 2, case
+        assert len(errors) == 1 and message in errors[0], (case, errors)
+        assert not out.exists(), case
+
+
+@pytest.mark.slow
+def test_all_under_two_process_ddp_equals_one_process(tmp_path, planted, sentences):
+    wic, sts = write_wic(tmp_path / "wic.jsonl"), write_sts(tmp_path / "sts.tsv")
+    args = ["--encoder", planted, "--data", sentences, "--max_sentences", 0, "--pool_sentences", 0, "--num_words", 5,
+            "--min_sentences", 3, "--wic", wic, "--sts", sts, "--batch_size", 4, "--minibatch", 6, "--no_progress"]
+    assert analyze.main(["all", *map(str, args), "--output_dir", str(tmp_path / "single")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(ROOT / "analyze.py"), "all", *map(str, args), "--output_dir",
+               str(tmp_path / "ddp")]
+    finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    for name in ("summary", "anisotropy", "isotropy", "self_similarity", "wic", "sts_sts"):
+        single = json.loads((tmp_path / "single" / f"{name}.json").read_text())
+        ddp = json.loads((tmp_path / "ddp" / f"{name}.json").read_text())
+        assert_close(ddp, single, name)
+
+
+def assert_close(a, b, where: str) -> None:
+    """Equal structure; numbers equal within 1e-4 (padding differs between shardings)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-4), where
+    else:
+        assert a == b, where
+
+
+def test_clip_none_reports_only_raw_and_the_best_is_the_per_layer_maximum(planted, tmp_path):
+    out = tmp_path / "none"
+    assert analyze.main(["wic", "--no_progress", "--encoder", str(planted), "--data", str(write_wic(tmp_path / "w.jsonl")),
+                         "--clip", "none", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "wic.json").read_text())
+    assert report["variants"] == ["raw"] and report["clipped_dims"] == [] and "best_clipped" not in report
+    assert torch.tensor([row["raw"]["accuracy"] for row in report["layers"]]).max().item() == report["best"]["accuracy"]
