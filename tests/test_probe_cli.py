@@ -185,6 +185,7 @@ def test_bad_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, bert_tok, c
         assert not out.exists() or not any(out.iterdir()), case
 
 
+@pytest.mark.slow
 def test_console_script_exit_status(tmp_path):
     finished = subprocess.run([sys.executable, str(ROOT / "probe.py"), "fit", "--config",
                                str(ROOT / "configs" / "probe" / "position.yaml"), "--data.source",

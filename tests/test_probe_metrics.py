@@ -101,6 +101,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one(tmp_path):
     out = str(tmp_path / "synced.pt")
     mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn", join=True)
