@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 import analyze
 from datamodules.pairs import word_contexts
 from metrics.geometry import isoscore_star
-from tests.test_geometry import isoscore_reference
+from tests.test_geometry import isoscore_reference, one_thread
 from tests.tiny import corpus_sentences
 
 MAX_LENGTH = 128
@@ -141,10 +141,6 @@ def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computat
     np.testing.assert_allclose(values(report, "raw"), raw.numpy(), atol=2e-5)
     np.testing.assert_allclose(values(report, "clipped"), clipped.numpy(), atol=2e-5)
     assert (tmp_path / "a" / "anisotropy.png").read_bytes()[:4] == b"\x89PNG"
-    given = run("anisotropy", *args, "--clip", "5,17", "--output_dir", tmp_path / "g")
-    _, clipped_given = direct_anisotropy(random_token_vectors(direct, data["sentence_list"], 3), 3, [5, 17])
-    assert given["clip"] == "given" and given["clipped_dims"] == [5, 17]
-    np.testing.assert_allclose(values(given, "clipped"), clipped_given.numpy(), atol=2e-5)
 
 
 @pytest.mark.slow
@@ -163,12 +159,13 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
         clipped[:, dims] = 0
         assert row["clipped"]["isoscore"] == pytest.approx(isoscore_reference(clipped), abs=1e-4)
         mean = points.mean(0)
-        eigenvalues, vectors = np.linalg.eigh(np.cov(points.T, bias=True))
+        eigenvalues, vectors = (t.numpy() for t in one_thread(torch.linalg.eigh, torch.from_numpy(
+            np.cov(points.T, bias=True))))
         keep = eigenvalues > 1e-6 * eigenvalues[-1]
         whitened = (points - mean) @ vectors[:, keep] / np.sqrt(eigenvalues[keep])
         assert row["whitened"]["isoscore"] == pytest.approx(isoscore_reference(
             np.pad(whitened, ((0, 0), (0, (~keep).sum())))), abs=1e-3)
-        sigma = torch.linalg.svdvals(tokens[layer])
+        sigma = one_thread(torch.linalg.svdvals, tokens[layer])
         np.testing.assert_allclose(report["spectra"]["raw"][layer][:20], (sigma / sigma[0])[:20].numpy(), atol=1e-5)
         assert row["raw"]["energy_top1"] == pytest.approx((sigma[0] ** 2 / sigma.pow(2).sum()).item(), abs=1e-5)
         full = torch.cov(tokens[layer].T, correction=0)
@@ -181,7 +178,8 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
 @pytest.mark.slow
 def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
     report = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
-                 "--min_sentences", 3, "--clip", "none", "--output_dir", tmp_path / "s")
+                 "--min_sentences", 3, "--clip", "5,17", "--output_dir", tmp_path / "s")
+    assert report["clip"] == "given" and report["clipped_dims"] == [5, 17]
     contexts = word_contexts(data["sentence_list"], 6, 3, seed=0)
     assert report["words"] == contexts.words and report["num_words"] == 6
     per_word = {w: [] for w in range(6)}
@@ -189,12 +187,17 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
         for word, start, end in spans:
             per_word[word].append(span_vector(direct, text, (start, end)))
     assert all(len(v) == 3 for v in per_word.values())
-    similarity = torch.stack([torch.stack([cos(v[i], v[j]) for i in range(3) for j in range(i + 1, 3)]).mean(0)
-                              for v in per_word.values()]).mean(0)
-    baseline, _ = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, [])
-    np.testing.assert_allclose(values(report, "raw", "self_similarity"), similarity.numpy(), atol=2e-5)
-    np.testing.assert_allclose(values(report, "raw", "anisotropy"), baseline.numpy(), atol=2e-5)
-    np.testing.assert_allclose(values(report, "raw", "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
+    for key, dims in (("raw", []), ("clipped", [5, 17])):
+        vectors = {w: [v.clone() for v in vs] for w, vs in per_word.items()}
+        for vs in vectors.values():
+            for v in vs:
+                v[:, dims] = 0
+        similarity = torch.stack([torch.stack([cos(v[i], v[j]) for i in range(3) for j in range(i + 1, 3)]).mean(0)
+                                  for v in vectors.values()]).mean(0)
+        _, baseline = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, dims)
+        np.testing.assert_allclose(values(report, key, "self_similarity"), similarity.numpy(), atol=2e-5)
+        np.testing.assert_allclose(values(report, key, "anisotropy"), baseline.numpy(), atol=2e-5)
+        np.testing.assert_allclose(values(report, key, "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
 
 
 def direct_wic(direct, dims: list[int]) -> tuple[dict, torch.Tensor]:
@@ -282,9 +285,6 @@ def test_all_writes_the_summary_and_equals_the_single_subcommands(data, tmp_path
     assert summary["clipped_dims"] == detected == reports["wic"]["clipped_dims"]
     single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--output_dir", tmp_path / "a")
     assert reports["anisotropy"]["layers"] == single["layers"]
-    single = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
-                 "--min_sentences", 3, "--clip", "none", "--output_dir", tmp_path / "s")
-    assert values(reports["self_similarity"], "raw") == values(single, "raw")
     for layer, row in enumerate(summary["figure6_layers"]):
         assert row["anisotropy"] == {k: reports["anisotropy"]["layers"][layer][k] for k in ("raw", "clipped")}
         assert row["isoscore"]["clipped"] == reports["isotropy"]["layers"][layer]["clipped"]["isoscore"]

@@ -1,0 +1,188 @@
+"""Terminal tables, figures and the summary (markdown + JSON) of analyze.py's evaluation reports.
+
+    print_report("anisotropy", report)                  # per-layer table on the terminal
+    figures = figures_of("isotropy", report, "MiniLM")  # {"isotropy.png": maker, "spectrum.png": maker}
+    summary = summarise(reports, notes)                 # the paper's Tables 1-2 and Figure 6 as JSON
+    summary_markdown(summary); summary_figure(summary, "MiniLM")
+
+A report's per-layer rows hold one entry per variant ("raw", "clipped", "whitened", "standardized").
+"""
+
+from __future__ import annotations
+
+from callbacks.figures import layer_panels_figure, spectrum_figure
+
+VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized")
+
+
+def figures_of(name: str, report: dict, model: str) -> dict:
+    """{file name: figure maker} of one report (isotropy has two: the scores and the spectra)."""
+    figures = {f"{name}.png": lambda: figure_of(name, report, model)}
+    if name == "isotropy":
+        figures["spectrum.png"] = lambda: figure_of("spectrum", report, model)
+    return figures
+
+
+def series(rows: list[dict], *path: str) -> dict[str, list]:
+    """{variant: [value per layer]} from report rows, following `path` inside each variant's entry."""
+    keys = [k for k in VARIANT_LABELS if k in rows[0]] if rows else []
+    out = {}
+    for key in keys:
+        values = []
+        for row in rows:
+            value = row[key]
+            for step in path:
+                value = None if value is None else value.get(step)
+            values.append(value)
+        out[key] = values
+    return out
+
+
+def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None) -> dict:
+    rows = report["layers"]
+    return {"title": title, "ylabel": ylabel, "layers": [row["layer"] for row in rows],
+            "series": series(rows, *path), "baselines": baselines}
+
+
+def panels_of(name: str, report: dict) -> list[dict]:
+    if name == "anisotropy":
+        return [panel(report, "anisotropy: mean cosine of random token pairs", "cosine")]
+    if name == "isotropy":
+        return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
+                panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
+                      "IsoScore*", "isoscore_star")]
+    if name == "self_similarity":
+        return [panel(report, "self-similarity", "mean cosine", "self_similarity"),
+                panel(report, "self-similarity - anisotropy", "adjusted", "adjusted")]
+    if name == "wic":
+        return [panel(report, "WiC: best accuracy per layer", "accuracy", "accuracy",
+                      baselines={"all true": report["baseline"]})]
+    static = (report.get("static_baseline") or {}).get("spearman")
+    return [panel(report, f"STS ({report['data']}): Spearman x 100", "Spearman x 100",
+                  baselines={"static vectors": static} if static is not None else None)]
+
+
+def figure_of(name: str, report: dict, model: str):
+    if name == "spectrum":
+        return spectrum_figure(report["spectra"], title=f"singular values per layer: {model}")
+    return layer_panels_figure(panels_of(name, report), title=f"{name.replace('_', ' ')}: {model} "
+                               f"(clipped dims {report.get('clipped_dims') or 'none'})")
+
+
+def fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(name: str, report: dict) -> None:
+    rows = report["layers"]
+    columns = {"anisotropy": [("", ())],
+               "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
+                            ("top-1 energy", ("energy_top1",))],
+               "self_similarity": [("self-sim", ("self_similarity",)), ("adjusted", ("adjusted",))],
+               "wic": [("accuracy", ("accuracy",))],
+               "sts": [("Spearman", ())]}["sts" if name.startswith("sts") else name]
+    headers, cells = ["layer"], [[str(row["layer"])] for row in rows]
+    for label, path in columns:
+        for key, values in series(rows, *path).items():
+            headers.append(f"{label} {key}".strip())
+            digits = 2 if name.startswith("sts") else 3
+            for cell, value in zip(cells, values):
+                cell.append(fmt(value, digits))
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print(f"\n{name.replace('_', ' ')} of {report['encoder']} on {report['data']} (clipped dims: "
+          f"{report.get('clipped_dims') or 'none'}; {report['clip']} clipping; normalize {report['normalize']})")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for cell in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(cell, widths)))
+    for key in ("best", "best_clipped", "best_whitened", "best_standardized"):
+        if key in report:
+            print(f"{key}: {report[key]}")
+    if name == "wic":
+        print(f"all-true baseline: {report['baseline']}; skipped {report['skipped']['count']} items whose target "
+              "is not at its offsets")
+    if report.get("static_baseline"):
+        print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
+
+
+def summarise(reports: dict, notes: list[str]) -> dict:
+    """summary.json: the paper's Tables 1-2 (WiC, STS) and Figure 6 (per layer, before / after clipping)."""
+    outliers, anisotropy = reports["outliers"], reports["anisotropy"]
+    keys = anisotropy["variants"]
+    summary = {key: anisotropy[key] for key in ("encoder", "data", "clip", "clipped_dims", "normalize", "variants")}
+    summary["persistent_dims"] = outliers["persistent_dims"]
+    summary["outlier_dims_per_layer"] = {layer["layer"]: layer["outlier_dims"] for layer in outliers["layers"]}
+    wic = reports.get("wic")
+    summary["table1_wic"] = None if wic is None else {
+        **{key: wic["best" if key == "raw" else f"best_{key}"] for key in keys}, "baseline": wic["baseline"],
+        "num_pairs": wic["num_scored"], "skipped": wic["skipped"]["count"]}
+    summary["table2_sts"] = [
+        {"dataset": report["data"], "num_pairs": report["num_pairs"],
+         **{key: report["best" if key == "raw" else f"best_{key}"] for key in keys},
+         "static_baseline": (report.get("static_baseline") or {}).get("spearman")}
+        for name, report in reports.items() if name.startswith("sts_")]
+    figure = []
+    for layer in range(len(anisotropy["layers"])):
+        row = {"layer": layer, "anisotropy": {k: anisotropy["layers"][layer][k] for k in keys}}
+        selfsim = reports["self_similarity"]["layers"][layer]
+        row["self_similarity"] = {k: selfsim[k]["self_similarity"] for k in keys}
+        row["self_similarity_adjusted"] = {k: selfsim[k]["adjusted"] for k in keys}
+        row["isoscore"] = {k: reports["isotropy"]["layers"][layer][k]["isoscore"] for k in keys}
+        if wic is not None:
+            row["wic_accuracy"] = {k: wic["layers"][layer][k]["accuracy"] for k in keys}
+        for name, report in reports.items():
+            if name.startswith("sts_"):
+                row[f"{name}_spearman"] = {k: report["layers"][layer][k] for k in keys}
+        figure.append(row)
+    summary["figure6_layers"] = figure
+    summary["notes"] = notes
+    return summary
+
+
+def summary_markdown(summary: dict) -> str:
+    keys = summary["variants"]
+    lines = [f"# Clipping and evaluations: {summary['encoder']}", "",
+             f"Sentences: {summary['data']}. Clipping: {summary['clip']}, dims {summary['clipped_dims'] or 'none'} "
+             f"(0-indexed; persistent outlier dims {summary['persistent_dims'] or 'none'}). "
+             f"Normalisation: {summary['normalize']}. Layer 0 is the embedding output.", ""]
+    lines += ["## Table 1: WiC (best accuracy over layers and thresholds 0.1-0.9)", ""]
+    wic = summary["table1_wic"]
+    if wic is None:
+        lines += ["(skipped: no --wic file)", ""]
+    else:
+        lines += ["| variant | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
+        lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
+                  for key in keys]
+        lines += [f"| all-true baseline | {fmt(wic['baseline'])} | | |", "",
+                  f"{wic['num_pairs']} pairs scored; {wic['skipped']} skipped (target not at its offsets).", ""]
+    lines += ["## Table 2: STS (Spearman x 100 of mean-pooled embeddings, best layer)", ""]
+    if not summary["table2_sts"]:
+        lines += ["(skipped: no --sts data)", ""]
+    else:
+        lines += ["| dataset | pairs | " + " | ".join(keys) + " | static vectors |",
+                  "| --- | --- | " + " | ".join("---" for _ in keys) + " | --- |"]
+        for row in summary["table2_sts"]:
+            cells = [f"{fmt(row[k]['spearman'], 2)} (layer {row[k]['layer']})" for k in keys]
+            lines.append(f"| {row['dataset']} | {row['num_pairs']} | " + " | ".join(cells) +
+                         f" | {fmt(row['static_baseline'], 2)} |")
+        lines.append("")
+    lines += ["## Figure 6: per layer, before / after clipping", "", "![per-layer curves](summary.png)", ""]
+    measures = [m for m in summary["figure6_layers"][0] if m != "layer"]
+    lines.append("| layer | " + " | ".join(f"{m} {k}" for m in measures for k in keys) + " |")
+    lines.append("| --- | " + " | ".join("---" for _ in measures for _ in keys) + " |")
+    for row in summary["figure6_layers"]:
+        lines.append(f"| {row['layer']} | " + " | ".join(fmt(row[m][k]) for m in measures for k in keys) + " |")
+    lines += [""] + [f"Note: {note}" for note in summary["notes"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def summary_figure(summary: dict, model: str):
+    rows = summary["figure6_layers"]
+    layers = [row["layer"] for row in rows]
+    titles = {"anisotropy": "anisotropy (random token pairs)", "self_similarity": "self-similarity",
+              "self_similarity_adjusted": "self-similarity - anisotropy", "isoscore": "IsoScore",
+              "wic_accuracy": "WiC accuracy"}
+    panels = [{"title": titles.get(measure, measure.replace("_", " ")), "ylabel": "", "layers": layers,
+               "series": {key: [row[measure][key] for row in rows] for key in summary["variants"]}}
+              for measure in rows[0] if measure != "layer"]
+    return layer_panels_figure(panels, title=f"{model}: per layer, clipped dims "
+                               f"{summary['clipped_dims'] or 'none'}", columns=3)
