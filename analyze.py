@@ -209,7 +209,7 @@ def reference_of(args, setting: Setting, sentences: list[str], **needs) -> Refer
 def run_anisotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, sample=True)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
     report = {**run_header(args, encoder, reference), **protocols.anisotropy(setting, reference)}
     return publish(args, rank, "anisotropy", report, encoder)
 
@@ -217,7 +217,7 @@ def run_anisotropy(args, rank: int, world: int) -> dict:
 def run_isotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, sample=True, covariance=True)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
     report = {**run_header(args, encoder, reference),
               **protocols.isotropy(setting, reference, args.zeta, args.minibatch, args.minibatches)}
     return publish(args, rank, "isotropy", report, encoder)
@@ -273,7 +273,7 @@ def run_all(args, rank: int, world: int) -> dict:
     for note in notes if rank == 0 else []:
         print(f"note: {note}")
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, statistics=True, sample=True, covariance=True)
+    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated),
@@ -386,8 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers", variants=False)
-    command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 sentences -> 1000 "
-            "pairs), raw and clipped", "anisotropy")
+    anisotropy = command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 "
+                         "sentences -> 1000 pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
                        "isotropy")
     selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
+    for sub in (anisotropy, isotropy, everything):
+        sub.add_argument("--num_pairs", type=int, default=1000,
+                         help="token pairs: one random token from each of 2 x this many random sentences")
     for sub in (isotropy, everything):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
@@ -443,7 +446,7 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def validate(args) -> None:
     for name in ("batch_size", "max_sentences", "max_length", "num_words", "min_sentences", "minibatch",
-                 "minibatches", "pool_sentences"):
+                 "minibatches", "pool_sentences", "num_pairs"):
         value = getattr(args, name, None)
         if value is not None and value < (0 if name in ("max_sentences", "pool_sentences") else 1):
             raise UserError(f"--{name} must be positive, got {value}")

@@ -107,14 +107,19 @@ def counter(device) -> SumMetric:
 
 def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int] = "auto", normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
-                   sample: bool = False, desc: str = "reference pass") -> Reference:
-    """Encode `sentences` once for the outlier statistics, the token covariance and a random token per sentence,
-    as far as `clip` ("auto", "none" or dims), `normalize` and `statistics`, `covariance`, `sample` need them."""
+                   sample: int = 0, desc: str = "reference pass") -> Reference:
+    """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
+    `sample` seeded random sentences (all when fewer), as far as `clip` ("auto", "none" or dims), `normalize` and
+    `statistics`, `covariance`, `sample` need them. Memory: fixed-size states plus the [sample, layers, hidden]
+    token sample, whatever the number of sentences."""
     encoder = setting.encoder
     device, layers, hidden = encoder.device, encoder.num_hidden_states, encoder.hidden_size
     stats = NeuronStatistics(layers, hidden).to(device) if clip == "auto" or statistics else None
     cov = Covariance(layers, hidden).to(device) if covariance or normalize != "none" else None
-    tokens = TokenSample(len(sentences), layers, hidden).to(device) if sample else None
+    chosen = range(len(sentences)) if sample >= len(sentences) else sorted(
+        random.Random(setting.seed).sample(range(len(sentences)), sample))
+    slot_of = {index: slot for slot, index in enumerate(chosen)}
+    tokens = TokenSample(len(chosen), layers, hidden).to(device) if sample else None
     counted, truncated = counter(device), counter(device)
     encode = stats is not None or cov is not None or tokens is not None
     if encode:
@@ -125,7 +130,9 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
                 cov.update(batch.hidden_states, batch.mask)
             if tokens is not None:
                 vectors, kept = random_tokens(batch, rows, setting.seed)
-                tokens.update(torch.tensor([rows[r] for r in kept]), vectors)
+                wanted = [k for k, r in enumerate(kept) if rows[r] in slot_of]
+                tokens.update(torch.tensor([slot_of[rows[kept[k]]] for k in wanted], dtype=torch.long),
+                              vectors[:, wanted])
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
     reference = Reference([RAW], "none", None, normalize, *((int(counted.compute()), int(truncated.compute()))
@@ -185,7 +192,8 @@ def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed
 
 
 def anisotropy(setting: Setting, reference: Reference) -> dict:
-    """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences."""
+    """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences
+    (the reference pass's token sample, paired by a seeded permutation)."""
     values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed)
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
             "layers": _per_layer(values, setting.encoder.num_hidden_states)}

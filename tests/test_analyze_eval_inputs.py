@@ -76,6 +76,10 @@ def test_clipping_a_planted_outlier_lowers_anisotropy(planted, sentences, tmp_pa
     for layer in report["layers"]:
         assert layer["raw"] > 0.5  # every token shares the planted direction
         assert layer["clipped"] < layer["raw"] - 0.15  # what stays: random deep layers make tokens alike
+    assert analyze.main(["anisotropy", "--no_progress", "--encoder", str(planted), "--data", str(sentences),
+                         "--max_sentences", "0", "--num_pairs", "7", "--output_dir", str(tmp_path / "few")]) == 0
+    few = json.loads((tmp_path / "few" / "anisotropy.json").read_text())
+    assert few["num_pairs"] == 7 and few["num_sentences"] == 60 and few["clipped_dims"] == report["clipped_dims"]
 
 
 def test_word_contexts_are_exact_and_share_sentences():

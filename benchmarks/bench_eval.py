@@ -1,0 +1,129 @@
+"""Peak memory of every evaluation at 1x and 10x data, side by side in one run (issue 6's streaming target).
+
+    python benchmarks/bench_eval.py            # packaged MiniLM: 200 vs 2000 sentences, 50 vs 500 pairs
+    python benchmarks/bench_eval.py --quick    # smaller, for the test suite
+
+Each evaluation runs as `analyze.py <command>` in a fresh process on 1x and on 10x data, with a fixed glibc mmap
+threshold (as benchmarks/bench_outliers.py) so the peak resident set measures live memory, not heap fragmentation.
+Its memory must not grow with the data beyond what its protocol samples, so the 10x peak must stay within 1.1x:
+- anisotropy, isotropy: every sentence is encoded (--max_sentences 0) for the outlier statistics and the
+  covariance, which stream; the token sample is fixed by the protocol (--num_pairs);
+- self-similarity: the word pool is a fixed-size sample (--max_sentences) of a 10x larger file, and the contexts
+  are fixed by the protocol (--num_words x --min_sentences);
+- wic, sts: every pair is scored; the protocol keeps one cosine per pair and layer (8 bytes each), so those
+  grow by design but stay far below the model's own memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WIC_WORDS = [("bank", "He sat on the {} of the river.", "She deposited money at the {}."),
+             ("play", "The children {} in the garden.", "We saw a {} at the theatre."),
+             ("light", "Turn on the {}, please.", "The box was {} enough to carry."),
+             ("spring", "Flowers bloom in {}.", "The {} in the mattress broke.")]
+
+
+def sentences(count: int) -> list[str]:
+    from datamodules.io import DEFAULT_CORPUS
+
+    lines = [line.strip() for line in DEFAULT_CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [lines[i % len(lines)] for i in range(count)]
+
+
+def write_data(folder: Path, scale: int, base: int, pairs: int, pool: int) -> dict[str, Path]:
+    """Sentence, pool, WiC and STS files holding `scale` times the base amount."""
+    rng = random.Random(scale)
+    paths = {name: folder / f"{name}-{scale}x{suffix}" for name, suffix in
+             (("sentences", ".txt"), ("pool", ".txt"), ("wic", ".jsonl"), ("sts", ".tsv"))}
+    paths["sentences"].write_text("\n".join(sentences(base * scale)) + "\n", encoding="utf-8")
+    paths["pool"].write_text("\n".join(sentences(pool * scale)) + "\n", encoding="utf-8")
+    corpus = sentences(4 * pairs * scale)
+    rows = []
+    for index in range(pairs * scale):
+        word, one, two = WIC_WORDS[index % len(WIC_WORDS)]
+        s1, s2 = f"{corpus[2 * index][:80]} {one.format(word)}", f"{two.format(word)} {corpus[2 * index + 1][:80]}"
+        start1, start2 = s1.rindex(word), s2.index(word)
+        rows.append({"word": word, "sentence1": s1, "sentence2": s2, "start1": start1, "end1": start1 + len(word),
+                     "start2": start2, "end2": start2 + len(word), "label": index % 3 == 0})
+    paths["wic"].write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    sts = [f"{corpus[2 * i][:120]}\t{corpus[2 * i + 1][:120]}\t{rng.uniform(0, 5):.2f}" for i in range(pairs * scale)]
+    paths["sts"].write_text("sentence1\tsentence2\tscore\n" + "\n".join(sts) + "\n", encoding="utf-8")
+    return paths
+
+
+def commands(paths: dict[str, Path], quick: bool) -> dict[str, list[str]]:
+    num_pairs, words = ("20", ["--num_words", "20", "--min_sentences", "3"]) if quick else (
+        "100", ["--num_words", "100", "--min_sentences", "5"])
+    pool = "400" if quick else "2000"
+    return {
+        "anisotropy": ["anisotropy", "--data", str(paths["sentences"]), "--max_sentences", "0",
+                       "--num_pairs", num_pairs],
+        "isotropy": ["isotropy", "--data", str(paths["sentences"]), "--max_sentences", "0", "--num_pairs", num_pairs,
+                     "--normalize", "whiten"],
+        "self_similarity": ["self-similarity", "--data", str(paths["pool"]), "--max_sentences", pool, *words],
+        "wic": ["wic", "--data", str(paths["wic"])],
+        "sts": ["sts", "--data", str(paths["sts"])],
+    }
+
+
+def child(argv: list[str]) -> None:
+    """One evaluation; prints its peak RSS (MiB) as JSON."""
+    import torch
+
+    import analyze
+
+    torch.set_num_threads(1)
+    code = analyze.main(argv)
+    if code:
+        raise SystemExit(code)
+    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def peak(argv: list[str], encoder: str, output: Path) -> float:
+    command = [sys.executable, __file__, "--child", "--", *argv, "--encoder", encoder, "--output_dir", str(output),
+               "--no_progress", "--max_length", "128"]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(argv[:1])} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--encoder", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.child:
+        return child([a for a in rest if a != "--"])
+    from lightning_modules.encoder import default_encoder
+
+    encoder = args.encoder or default_encoder()
+    base, pairs, pool = (40, 20, 400) if args.quick else (200, 50, 2000)
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        data = {scale: write_data(folder, scale, base, pairs, pool) for scale in (1, 10)}
+        runs = {scale: commands(data[scale], args.quick) for scale in (1, 10)}
+        for name in runs[1]:
+            small = peak(runs[1][name], encoder, folder / f"{name}-1x")
+            large = peak(runs[10][name], encoder, folder / f"{name}-10x")
+            print(f"{name}: 1x peak {small:.0f} MiB, 10x peak {large:.0f} MiB")
+            print(f"RATIO eval_{name}_peak_memory_10x {large / small:.3f} target <=1.10", flush=True)
+
+
+if __name__ == "__main__":
+    main()
