@@ -343,7 +343,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
                         help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
     parser.add_argument("--data", default=data, required=data is None,
                         help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
-                             "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)")
+                             "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)" if data else
+                        "the pairs: a file, a datasets directory or NAME[:CONFIG][:SPLIT] (formats: README)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}")
     parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")

@@ -185,7 +185,8 @@ def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed
     a, b = vectors[first].transpose(0, 1), vectors[second].transpose(0, 1)  # [layers, pairs, hidden]
     result = {}
     for variant in variants:
-        metric = MeanCosine(vectors.shape[1], sync_on_compute=False)  # the sample is already the same on every rank
+        # The sample is already the same on every rank: no sync.
+        metric = MeanCosine(vectors.shape[1], sync_on_compute=False).to(vectors.device)
         metric.update(variant.apply(a), variant.apply(b))
         result[variant.key] = metric.compute()
     return result, int(first.numel())
