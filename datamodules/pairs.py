@@ -14,6 +14,7 @@ say is not an error: the item is skipped and counted.
 
 from __future__ import annotations
 
+import csv
 import math
 import random
 import re
@@ -159,7 +160,7 @@ def _token_span(sentence: str, token: int, which: str) -> dict:
 
 
 def _superglue_wic(source: str) -> Iterator[dict]:
-    for row in iter_records(source):
+    for row in _records(source):
         missing = [key for key in ("word", "sentence1", "sentence2", "start1", "end1", "start2", "end2", "label")
                    if key not in row]
         if missing:
@@ -238,7 +239,7 @@ def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str 
 
 def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
     names = None
-    for row in iter_records(source):
+    for row in _records(source):
         if names is None:
             names = {}
             for role, candidates in STS_COLUMNS.items():
@@ -248,6 +249,21 @@ def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
                 raise UserError(f"{source} has no {'/'.join(missing)} column (columns: {sorted(row)}); expected "
                                 "sentence1, sentence2, score")
         yield row[names["sentence1"]], row[names["sentence2"]], row[names["score"]]
+
+
+def _records(source: str) -> Iterator[dict]:
+    """iter_records, except that a local .tsv is read without quote handling (quotes are text in STS-B / WiC tsv
+    files, as in GLUE's own reader); its other checks (empty, binary, not UTF-8) come from iter_records first."""
+    path = Path(source)
+    if not (path.is_file() and path.suffix.lower() == ".tsv"):
+        yield from iter_records(source)
+        return
+    next(iter_records(source), None)
+    try:
+        with path.open(encoding="utf-8", newline="") as handle:
+            yield from csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+    except UnicodeDecodeError as error:
+        raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
 
 
 def _lines(path: Path) -> list[str]:
@@ -316,15 +332,20 @@ def word_contexts(sentences: list[str], num_words: int = 1000, min_sentences: in
 # ---------------------------------------------------------------- static vectors
 
 
-def read_static_vectors(path: str, vocabulary: set[str]) -> tuple[dict[str, Tensor], int]:
+def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False) -> tuple[dict[str, Tensor], int]:
     """Vectors of the `vocabulary` words from a GloVe-format text file (`word v1 ... vd` a line; a word2vec header
     line `count dim` is skipped), streamed so only those words are kept."""
+    from tqdm.auto import tqdm
+
     file = Path(path)
     if not file.is_file():
         raise UserError(f"static vectors file not found: {path}")
     vectors, dim = {}, None
-    with file.open(encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
+    with file.open("rb") as raw, tqdm(total=file.stat().st_size, unit="B", unit_scale=True, disable=not progress,
+                                       desc=f"reading {file.name}", leave=False) as bar:
+        for number, binary in enumerate(raw, 1):
+            bar.update(len(binary))
+            line = binary.decode("utf-8", errors="replace")
             fields = line.rstrip().split(" ")
             if number == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
                 continue
@@ -332,12 +353,12 @@ def read_static_vectors(path: str, vocabulary: set[str]) -> tuple[dict[str, Tens
                 continue
             if dim is None:
                 dim = len(fields) - 1
-            elif len(fields) - 1 != dim:
+            elif len(fields) - 1 < dim:
                 raise UserError(f"{path}:{number}: {len(fields) - 1} values, expected {dim} as on the first line")
-            word = fields[0].lower()
+            word = " ".join(fields[:-dim]).lower()  # a few GloVe 840B words contain spaces
             if word in vocabulary and word not in vectors:
                 try:
-                    vectors[word] = torch.tensor([float(v) for v in fields[1:]])
+                    vectors[word] = torch.tensor([float(v) for v in fields[-dim:]])
                 except ValueError:
                     raise UserError(f"{path}:{number}: not a GloVe-format line (word followed by numbers)") from None
     if dim is None:

@@ -363,14 +363,14 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
         key = "best" if variant.key == "raw" else f"best_{variant.key}"
         report[key] = {"spearman": _number(rho[layer]), "layer": layer}
     report["layers"] = _per_layer(per_variant, setting.encoder.num_hidden_states)
-    report["static_baseline"] = static_baseline(pairs, gold, static) if static else None
+    report["static_baseline"] = static_baseline(pairs, gold, static, setting.progress) if static else None
     return report
 
 
-def static_baseline(pairs: list[StsPair], gold: Tensor, path: str) -> dict:
+def static_baseline(pairs: list[StsPair], gold: Tensor, path: str, progress: bool = False) -> dict:
     """Spearman x 100 of averaged static word vectors (the paper's GloVe row), with the word coverage."""
     vocabulary = set().union(*(sentence_words(p.sentence1) | sentence_words(p.sentence2) for p in pairs))
-    vectors, dim = read_static_vectors(path, vocabulary)
+    vectors, dim = read_static_vectors(path, vocabulary, progress)
     a = torch.stack([static_sentence_vector(p.sentence1, vectors, dim) for p in pairs])
     b = torch.stack([static_sentence_vector(p.sentence2, vectors, dim) for p in pairs])
     rho = 100 * spearman(cosine(a, b), gold)

@@ -139,11 +139,13 @@ def test_senteval_sts_files_and_static_vectors(tmp_path):
     (tmp_path / "STS.gs.news.txt").write_text("4.2\n\n1\n", encoding="utf-8")
     pairs, unscored = read_sts(str(tmp_path / "STS.input.news.txt"))
     assert unscored == 1 and [(p.index, p.score) for p in pairs] == [(0, 4.2), (2, 1.0)]
-    pairs, _ = read_sts(str(write_sts(tmp_path / "wide.tsv", [("a", "b", 7.5)])), score_range=(0, 10))
-    assert pairs[0].score == 7.5
-    (tmp_path / "vectors.txt").write_text("3 2\nthe 1 0\ncat 0.5 0.25\nzebra 9 9\n", encoding="utf-8")
-    vectors, dim = read_static_vectors(str(tmp_path / "vectors.txt"), {"the", "cat", "dog"})
-    assert dim == 2 and set(vectors) == {"the", "cat"} and vectors["cat"].tolist() == [0.5, 0.25]
+    pairs, _ = read_sts(str(write_sts(tmp_path / "wide.tsv", [('"Quoted," he said.', "b", 7.5), ("c", "d", 1)])),
+                        score_range=(0, 10))
+    assert [(p.sentence1, p.score) for p in pairs] == [('"Quoted," he said.', 7.5), ("c", 1.0)]
+    (tmp_path / "vectors.txt").write_text("3 2\nthe 1 0\ncat 0.5 0.25\nzebra 9 9\nat home 2 3\n", encoding="utf-8")
+    vectors, dim = read_static_vectors(str(tmp_path / "vectors.txt"), {"the", "cat", "dog", "at home"})
+    assert dim == 2 and set(vectors) == {"the", "cat", "at home"} and vectors["cat"].tolist() == [0.5, 0.25]
+    assert vectors["at home"].tolist() == [2.0, 3.0]
     with pytest.raises(UserError, match="cannot load dataset 'mteb/stsbenchmark-sts'"):
         read_sts("stsb")  # the preset is a `datasets` name (offline here)
 
