@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
+from datamodules.io import UserError
 from datamodules.pairs import (
     StsPair,
     WicItem,
@@ -94,7 +95,6 @@ class Reference:
     outliers: list[LayerOutliers] | None = None
     covariance: object = None  # CovarianceResult when computed
     sample: tuple[Tensor, Tensor] | None = None  # ([sentences, layers, hidden], filled [sentences])
-    notes: list[str] = field(default_factory=list)
 
     def header(self) -> dict:
         return {"clip": self.clip, "clipped_dims": self.clipped_dims or [], "normalize": self.normalize,
@@ -196,6 +196,8 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
     """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences
     (the reference pass's token sample, paired by a seeded permutation)."""
     values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed)
+    if pairs == 0:
+        raise UserError(f"anisotropy needs at least 2 sentences with a token, got {reference.num_sentences}")
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
             "layers": _per_layer(values, setting.encoder.num_hidden_states)}
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from datamodules.io import UserError
 from lightning_modules.encoder import apply_clip
 from metrics.geometry import CovarianceResult, eigh
 
@@ -103,5 +104,5 @@ def normalization(name: str, stats: CovarianceResult | None) -> Variant | None:
     if name == "none":
         return None
     if stats is None or stats.num_tokens < 2:
-        raise ValueError(f"--normalize {name} needs token statistics from at least 2 tokens")
+        raise UserError(f"--normalize {name} needs token statistics from at least 2 tokens")
     return whitening(stats) if name == "whiten" else standardization(stats)

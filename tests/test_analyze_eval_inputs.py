@@ -169,6 +169,8 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
     (tmp_path / "ragged.txt").write_text("the 1 2\ncat 1\n", encoding="utf-8")
     (tmp_path / "unrelated.txt").write_text("zyzzyva 1 2\n", encoding="utf-8")
     sts = write_sts(tmp_path / "sts.tsv")
+    one = tmp_path / "one.txt"
+    one.write_text("Only one sentence here.\n", encoding="utf-8")
     return {
         "every target misplaced": (["wic", "--data", shifted], "no WiC item of"),
         "wic columns": (["wic", "--data", tmp_path / "columns.jsonl"], "is not in WiC format: missing"),
@@ -186,6 +188,7 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
         "static unrelated": (["sts", "--data", sts, "--static", tmp_path / "unrelated.txt"], "none of the"),
         "words too few": (["self-similarity", "--data", sentences], "only "),
         "empty sentences": (["anisotropy", "--data", tmp_path / "empty.jsonl"], "data file is empty"),
+        "one sentence": (["anisotropy", "--data", one], "anisotropy needs at least 2 sentences with a token, got 1"),
         "clip text": (["anisotropy", "--data", sentences, "--clip", "big"], "--clip must be auto, none"),
         "clip range": (["isotropy", "--data", sentences, "--clip", "3,99"], "clip dimensions [99] out of range 0..31"),
         "zeta": (["isotropy", "--data", sentences, "--zeta", "2"], "--zeta must lie in [0, 1]"),
