@@ -3,7 +3,7 @@
     python analyze.py outliers                                   # packaged MiniLM on the bundled corpus
     python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
-    python analyze.py self-similarity --clip 63,223              # Ethayarajh's self-similarity, given dims clipped
+    python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
     python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
     python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
@@ -11,9 +11,10 @@
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, clips the dimensions that
-the outlier analysis detects on the same data; `--clip none`; or `--clip 63,223`) and, with `--normalize whiten`
-or `standardize`, beside a post-hoc normalisation. Dimensions and layers are 0-indexed; layer 0 is the embedding
-output. Errors in the input are one line on stderr and exit status 2, with nothing written.
+the outlier analysis detects on the same data; `--clip none`; or given dimensions, `--clip 5,17`) and, with
+`--normalize whiten` or `standardize`, beside a post-hoc normalisation. The protocols live in metrics/protocols.py,
+the tables, figures and summary in callbacks/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
+embedding output. Errors in the input are one line on stderr and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
