@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(textwrap.fill(title, width=int(10 * 5.2 * columns)), fontsize=10)
     fig.tight_layout()
     return fig
 
