@@ -170,7 +170,8 @@ def summary_markdown(summary: dict) -> str:
     lines.append("| layer | " + " | ".join(f"{m} {k}" for m in measures for k in keys) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in measures for _ in keys) + " |")
     for row in summary["figure6_layers"]:
-        lines.append(f"| {row['layer']} | " + " | ".join(fmt(row[m][k]) for m in measures for k in keys) + " |")
+        lines.append(f"| {row['layer']} | " + " | ".join(fmt(row[m][k], 2 if m.startswith("sts") else 3)
+                                                          for m in measures for k in keys) + " |")
     lines += [""] + [f"Note: {note}" for note in summary["notes"]]
     return "\n".join(lines).rstrip() + "\n"
 
