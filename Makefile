@@ -17,8 +17,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,demo]'
 	touch $@
 
+# The main job on the embedded defaults: the outlier analysis of the packaged MiniLM on the bundled corpus, then the
+# tiny PE / no-PE pretraining comparison below (about 10 minutes on 2 CPU cores in all).
 demo: venv
 	$(OFFLINE) $(PY) analyze.py outliers --output_dir $(RUNS)/minilm-outliers
+	$(MAKE) --no-print-directory demo-pretrain RUNS=$(RUNS)
 
 # Train configs/pretrain/tiny.yaml with and without positional embeddings (CPU, bundled corpus), then the outlier
 # analysis of both exports, side by side, then the position probe of both (special tokens excluded: <s> and </s> give
