@@ -113,12 +113,29 @@ def measure(encoder, texts: list[str], naive: bool) -> dict:
     print("probe phases: " + ", ".join(f"{name} {seconds:.2f}s ({seconds / encode:.2f}x)"
                                        for name, seconds in phases.items()))
     print(f"test accuracy by layer: {', '.join(f'{a:.3f}' for a in model.accuracy_of('encoder'))}")
+    floor = flop_floor(encoder, model)
+    print(f"FLOP count: probe training+validation {floor['probe']:.2f}x the encoder pass's matmul FLOPs, so "
+          f"extraction + probe cannot fall under {1 + floor['probe']:.2f}x at equal BLAS efficiency")
     result = {"encode": encode, "probe": probe_time}
     if unit is not None:
         result["naive"] = unit * layers * EPOCHS
         print(f"naive unit (1 layer, 1 epoch, encoder re-run per batch) {unit:.2f}s -> naive total "
               f"{result['naive']:.1f}s ({layers} layers x {EPOCHS} epochs)")
     return result
+
+
+def flop_floor(encoder, model: PositionProbe) -> dict[str, float]:
+    """Matmul FLOPs of the probe's epochs (train: logits + weight gradient, 4·L·H·C per token; validation: logits)
+    over those of one encoder forward (2 per non-embedding parameter per token; attention adds a few % at these
+    lengths and is left out, which only lowers the encoder side). The lower limit of the ratio on any hardware."""
+    counts, weight = model.spec.counts, model.weight
+    slots, hidden, classes = weight.shape
+    classes = -(-classes // 64) * 64  # padded_logits' width
+    per_token = slots * hidden * classes
+    probe = EPOCHS * (4 * per_token * counts["train"]["tokens"] + 2 * per_token * counts["val"]["tokens"])
+    params = sum(p.numel() for name, p in encoder.model.named_parameters() if "embeddings" not in name)
+    tokens = sum(counts[split]["tokens"] for split in counts)
+    return {"probe": probe / (2 * params * tokens)}
 
 
 def base_architecture(tokenizer_source) -> FrozenEncoder:
