@@ -14,7 +14,6 @@ say is not an error: the item is skipped and counted.
 
 from __future__ import annotations
 
-import csv
 import math
 import random
 import re
@@ -160,7 +159,7 @@ def _token_span(sentence: str, token: int, which: str) -> dict:
 
 
 def _superglue_wic(source: str) -> Iterator[dict]:
-    for row in _records(source):
+    for row in iter_records(source):
         missing = [key for key in ("word", "sentence1", "sentence2", "start1", "end1", "start2", "end2", "label")
                    if key not in row]
         if missing:
@@ -239,7 +238,7 @@ def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str 
 
 def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
     names = None
-    for row in _records(source):
+    for row in iter_records(source):
         if names is None:
             names = {}
             for role, candidates in STS_COLUMNS.items():
@@ -249,21 +248,6 @@ def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
                 raise UserError(f"{source} has no {'/'.join(missing)} column (columns: {sorted(row)}); expected "
                                 "sentence1, sentence2, score")
         yield row[names["sentence1"]], row[names["sentence2"]], row[names["score"]]
-
-
-def _records(source: str) -> Iterator[dict]:
-    """iter_records, except that a local .tsv is read without quote handling (quotes are text in STS-B / WiC tsv
-    files, as in GLUE's own reader); its other checks (empty, binary, not UTF-8) come from iter_records first."""
-    path = Path(source)
-    if not (path.is_file() and path.suffix.lower() == ".tsv"):
-        yield from iter_records(source)
-        return
-    next(iter_records(source), None)
-    try:
-        with path.open(encoding="utf-8", newline="") as handle:
-            yield from csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-    except UnicodeDecodeError as error:
-        raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
 
 
 def _lines(path: Path) -> list[str]:

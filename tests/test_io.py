@@ -32,6 +32,13 @@ def test_tabular_detects_or_takes_the_text_column(tmp_path, suffix, delimiter):
         list(iter_texts(path, text_column="body"))
 
 
+def test_tsv_quotes_are_text_as_in_glue_files(tmp_path):
+    raw = ['"Quoted," he said.', 'an "inner" quote', "a lone \" mark"]
+    path = tmp_path / "glue.tsv"
+    path.write_text("sentence\tlabel\n" + "".join(f"{text}\t1\n" for text in raw), encoding="utf-8")
+    assert list(iter_texts(path)) == raw  # byte for byte, not csv-unquoted or merged across lines
+
+
 def test_jsonl_and_missing_text_column(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(json.dumps({"text": t, "n": i}) for i, t in enumerate(TEXTS)), encoding="utf-8")
