@@ -1,6 +1,7 @@
 """Outlier-dimension detection from NeuronStatistics, by one documented rule.
 
     layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2, sigma=10.0))
+    dims, means = top_mean_dims(result.mean, k=5); ratio = max_median_ratio(result.mean)   # [layers, k], [layers]
 
 The rule. In layer l, dimension d is an outlier when either
   (a) d holds the maximum or the minimum value of at least `min_share` of the counted token vectors
@@ -93,3 +94,24 @@ def persistent_dims(layers: list[LayerOutliers]) -> list[int]:
 
 def all_outlier_dims(layers: list[LayerOutliers]) -> list[int]:
     return sorted({dim for layer in layers for dim in layer.outlier_dims})
+
+
+def top_mean_dims(mean: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k dimensions of largest |mean| per layer, largest first, and their signed means.
+
+    mean: [layers, hidden] -> (dims [layers, k], means [layers, k]).
+    """
+    k = min(k, mean.shape[-1])
+    dims = mean.abs().topk(k, dim=-1).indices
+    return dims, mean.gather(-1, dims)
+
+
+def max_median_ratio(mean: Tensor) -> Tensor:
+    """How far the largest |mean| of a layer's mean vector stands above a typical one: max |mean| / median |mean|
+    (the median of an even count averages the middle two; inf when only the median is 0, nan for an all-zero vector).
+    mean: [..., hidden] -> [...]."""
+    magnitude = mean.abs().double()
+    median = magnitude.quantile(0.5, dim=-1)
+    peak = magnitude.amax(-1)
+    degenerate = torch.where(peak > 0, float("inf"), float("nan")).to(peak)
+    return torch.where(median > 0, peak / median.clamp_min(1e-300), degenerate)
