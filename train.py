@@ -8,8 +8,10 @@
     python train.py fit --config configs/pretrain/roberta-base.yaml --ckpt_path last         # exact resume
     sbatch scripts/slurm_pretrain.sh configs/pretrain/roberta-base.yaml                      # multi-node
 
-Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.every_n_train_steps and at the end);
-the model is exported to <default_root_dir>/export (AutoModelForMaskedLM.from_pretrained and analyze.py read it).
+Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.every_n_train_steps and at the end),
+written atomically (a kill mid-write keeps the previous one). SIGTERM (SLURM pre-emption, scancel, a time limit) saves
+last.ckpt at the next optimizer step and exits with status 143; rerun with --ckpt_path last to resume exactly.
+The model is exported to <default_root_dir>/export (AutoModelForMaskedLM.from_pretrained and analyze.py read it).
 The global batch (--data.global_batch_size) stays fixed: gradient accumulation is derived from devices × nodes.
 Errors in the input are one line on stderr and exit status 2.
 """
@@ -19,15 +21,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from datamodules.io import UserError
+from datamodules.io import UserError, atomic_file
 from datamodules.mlm import MLMDataModule
 from datamodules.tokenizer import fingerprint
 from lightning_modules.mlm import MLMModule, check_architecture
@@ -35,14 +40,98 @@ from lightning_modules.mlm import MLMModule, check_architecture
 TRAINER_DEFAULTS = {"use_distributed_sampler": False}  # the datamodule shards batches itself (same global batch)
 
 
+PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
+
+
+class Preempted(SystemExit):
+    """Ends the run on every rank after a SIGTERM, once last.ckpt holds a whole optimizer step (exit status 143)."""
+
+    def __init__(self, step: int, path: str, rank: int) -> None:
+        super().__init__(PREEMPTED_EXIT)
+        self.step, self.path, self.rank = step, path, rank
+
+
 class PretrainCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that also saves last.ckpt when training ends between two periodic saves."""
+    """ModelCheckpoint that also saves last.ckpt when training ends between two periodic saves, and on SIGTERM.
+
+    During training SIGTERM only sets a flag (Lightning's own handler is replaced: it would stop after any
+    micro-batch, even inside a gradient-accumulation window that a checkpoint cannot resume exactly, and it runs a
+    collective inside the signal handler). At the next optimizer-step boundary the ranks agree (any rank signalled
+    stops all of them), last.ckpt is saved, and `Preempted` ends the run before the next micro-batch. A SIGTERM
+    during the export at the end is ignored: the run is finished then.
+    """
+
+    _sigterm = False
+    _previous_handler = None
+    _stop: Preempted | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
+        self._stop = None
+        self._step_seen = trainer.global_step
+        self._pid = os.getpid()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked loader worker: the training process decides
+            return
+        if not self._sigterm:
+            os.write(2, b"train.py: SIGTERM received: saving last.ckpt after this optimizer step, then stopping\n")
+        self._sigterm = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == self._step_seen:
+            return  # inside a gradient-accumulation window: only a whole optimizer step resumes exactly
+        self._step_seen = trainer.global_step
+        if trainer.strategy.reduce_boolean_decision(self._sigterm, all=False):  # the same decision on every rank
+            if not self._should_skip_saving_checkpoint(trainer):
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._stop = Preempted(trainer.global_step, self.last_model_path, trainer.global_rank)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
+            raise self._stop
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
         if self.save_last and not self._should_skip_saving_checkpoint(trainer) and \
                 self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_handler()
+        super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._restore_handler()
+        super().teardown(trainer, pl_module, stage)
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into a temporary file beside the checkpoint, fsync, os.replace: a kill or a full disk mid-write
+    leaves the previous checkpoint in place and loadable.
+
+    Lightning's own `_atomic_save` builds the whole file in memory, writes it under the system temp directory and
+    moves it, which is a plain (non-atomic) copy onto the target whenever that directory is another filesystem (a
+    node's /tmp vs the cluster's scratch), and it never fsyncs. Leftovers of a killed write are removed at the next.
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        with atomic_file(path) as handle:
+            torch.save(checkpoint, handle)
 
 
 def checkpoint_dir(root: str | None) -> str:
@@ -84,6 +173,8 @@ class PretrainCLI(LightningCLI):
             raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
                             "positions (--model.max_position_embeddings - 2)")
         data.check_trainer(trainer, apply=False)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt_path == "last":
             path = last_checkpoint(trainer.checkpoint_callback.dirpath)
@@ -99,9 +190,10 @@ class PretrainCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as error:
             launcher = getattr(self.trainer.strategy, "launcher", None)
-            if isinstance(launcher, _SubprocessScriptLauncher):  # workers Lightning started (not torchrun's)
+            # workers Lightning started (not torchrun's); after a SIGTERM they stop by themselves, like this rank
+            if isinstance(launcher, _SubprocessScriptLauncher) and not isinstance(error, Preempted):
                 launcher.kill(getattr(signal, "SIGKILL", signal.SIGTERM))
             raise
 
@@ -115,6 +207,16 @@ def cli_main(args: list[str] | None = None) -> int:
     except UserError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
+    except Preempted as stop:
+        if stop.rank == 0:
+            saved = f"saved {stop.path}" if stop.path else "no checkpoint saved (--checkpoint.save_last false)"
+            print(f"train.py: stopped by SIGTERM after step {stop.step}: {saved}; rerun with --ckpt_path last to "
+                  f"resume (exit status {PREEMPTED_EXIT})", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except SIGTERMException:  # a SIGTERM during the set-up, stopped by Lightning inside an accumulation window
+        print("train.py: stopped by SIGTERM before a whole optimizer step; last.ckpt is unchanged; rerun with "
+              f"--ckpt_path last to resume (exit status {PREEMPTED_EXIT})", file=sys.stderr)
+        return PREEMPTED_EXIT
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,6 +262,12 @@ class StreamingBlocks(IterableDataset):
             if counter == 0:
                 raise UserError(f"corpus {self.source} gives no full block of {self.block_length} tokens on rank "
                                 f"{self.rank}")
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """Loader workers leave SIGTERM to the training process, which saves a checkpoint and then shuts them down (a
+    worker killed by it, or running the trainer's handler in a forked copy, would break the step in flight)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ResumableLoader(DataLoader):
@@ -530,7 +537,7 @@ class MLMDataModule(pl.LightningDataModule):
         workers = self.hparams.num_workers
         return ResumableLoader(dataset, sampler=sampler, batch_size=None, collate_fn=collator, num_workers=workers,
                           pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
-                          prefetch_factor=4 if workers else None)
+                          prefetch_factor=4 if workers else None, worker_init_fn=ignore_sigterm if workers else None)
 
     # -- checkpointed state: data position and the tokenizer's identity --
 

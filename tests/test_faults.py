@@ -1,0 +1,190 @@
+"""Faults a long pretraining run and the analyses must survive: kills, pre-emption, torn or foreign checkpoints,
+a full disk, a failing DDP rank (CPU, tiny configs; see README "Errors and faults").
+
+    .venv/bin/pytest tests/test_faults.py -q
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from datamodules.io import UserError, atomic_file, check_writable, staged_output
+from tests.test_train import STEPS, checkpoint, fit, tiny_args, train_losses
+from tests.tiny import corpus_sentences
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is expected
+
+
+# ---- writing: nothing half-written, no directories left behind ----
+
+def test_a_failed_run_leaves_no_directory_it_created(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "kept.txt").write_text("someone else's")
+    deep = tmp_path / "runs" / "probe" / "bert" / "out"
+    check_writable(deep)  # the early check creates the directories and removes them again
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["kept.txt"]
+    with pytest.raises(RuntimeError), staged_output(deep) as stage:
+        (stage / "report.json").write_text("{}")
+        raise RuntimeError("bad input found half-way")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["kept.txt"]  # runs/ existed: it stays
+    with staged_output(deep) as stage:
+        (stage / "report.json").write_text("{}")
+    assert [p.name for p in deep.iterdir()] == ["report.json"]
+
+
+def test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "runs" / "report"
+    real_write = Path.write_bytes
+
+    def full_disk(self, data):  # writes part of the file, then the disk is full
+        real_write(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    with pytest.raises(UserError) as raised, staged_output(out) as stage:
+        (stage / "a.json").write_text("{}")
+        monkeypatch.setattr(Path, "write_bytes", full_disk)
+        (stage / "b.bin").write_bytes(b"x" * 1000)
+    assert str(raised.value) == f"cannot write report to {out}: No space left on device"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_atomic_file_keeps_the_old_content_when_the_writer_dies(tmp_path):
+    target = tmp_path / "ckpt" / "last.ckpt"
+    with atomic_file(target) as handle:
+        handle.write(b"old checkpoint")
+    with pytest.raises(OSError), atomic_file(target) as handle:
+        handle.write(b"new chec")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert target.read_bytes() == b"old checkpoint"
+    assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]  # the temporary file is gone too
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---- training: kill -9, a kill inside a checkpoint write, SIGTERM, bad checkpoints, a failing DDP rank ----
+
+ACCUMULATE = ("--data.batch_size", "4")  # 2 micro-batches per optimizer step (global batch 8)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus, cache) -> dict[str, Path]:
+    """Uninterrupted runs of STEPS steps: one micro-batch per step ("plain") and two ("accumulated")."""
+    runs = {}
+    for name, extra in (("plain", ()), ("accumulated", ACCUMULATE)):
+        runs[name] = tmp_path_factory.mktemp(f"straight-{name}")
+        assert fit(runs[name], corpus, cache, *extra) == 0
+    return runs
+
+
+def spawn(program: str, args: list[str], *fault: str) -> subprocess.Popen:
+    """`python -m tests.faults PROGRAM [fault] ARGS` with this process's thread count (the same arithmetic)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    return subprocess.Popen([sys.executable, "-m", "tests.faults", program, *fault, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def pause(tmp_path: Path, at: int, where: str) -> tuple[str, Path, Path]:
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    spec = {"class_path": "tests.faults.Pause", "init_args": {"ready": str(ready), "go": str(go), "at": at,
+                                                               "where": where}}
+    return json.dumps(spec), ready, go
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before {path.name} (status {process.returncode}): "
+                        f"{process.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.05)
+
+
+def assert_same_weights(root: Path, reference: Path) -> None:
+    resumed, straight = checkpoint(root), checkpoint(reference)
+    assert resumed["global_step"] == straight["global_step"] == STEPS
+    for name, value in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    assert train_losses(root) == train_losses(reference)  # every step's loss, the interrupted ones included
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run(straight, corpus, cache, tmp_path):
+    root = tmp_path / "run"
+    spec, ready, _ = pause(tmp_path, at=5, where="optimizer_step")  # after backward, before step 5's update
+    process = spawn("train", tiny_args(root, corpus, cache, "--trainer.callbacks+", spec))
+    wait_for(ready, process)
+    assert checkpoint(root)["global_step"] == 4  # the periodic checkpoint (every 2 steps) exists
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert not (root / "export").exists()
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+
+
+@pytest.mark.slow
+def test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one(straight, corpus, cache, tmp_path):
+    root = tmp_path / "run"
+    process = spawn("train", tiny_args(root, corpus, cache), "--die-in-save", "2")  # dies writing step 4's
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == -signal.SIGKILL, err[-3000:]
+    folder = root / "checkpoints"
+    assert checkpoint(root)["global_step"] == 2  # the previous checkpoint, whole
+    torn = list(folder.glob(".last.ckpt.*.tmp"))
+    assert len(torn) == 1 and torn[0].stat().st_size > 0
+    with pytest.raises(RuntimeError, match="zip archive"):  # really torn (and no resume ever looks at it)
+        torch.load(torn[0], map_location="cpu", weights_only=False)
+    assert train.last_checkpoint(folder) == folder / "last.ckpt"
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+    assert [p.name for p in folder.iterdir()] == ["last.ckpt"]  # the torn leftover was cleaned up
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(straight, corpus, cache, tmp_path):
+    root = tmp_path / "run"
+    # Micro-batch 4 opens optimizer step 3's window (2 micro-batches a step): the signal lands mid-window.
+    spec, ready, go = pause(tmp_path, at=4, where="batch_start")
+    process = spawn("train", tiny_args(root, corpus, cache, *ACCUMULATE, "--trainer.callbacks+", spec))
+    wait_for(ready, process)
+    process.send_signal(signal.SIGTERM)
+    go.touch()
+    _, err = process.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert process.returncode == train.PREEMPTED_EXIT, err[-3000:]
+    path = root / "checkpoints" / "last.ckpt"
+    assert lines[-1] == (f"train.py: stopped by SIGTERM after step 3: saved {path}; rerun with --ckpt_path last "
+                         "to resume (exit status 143)")
+    assert checkpoint(root)["global_step"] == 3  # not 2 (the last periodic one): the window was finished first
+    assert not (root / "export").exists()
+    assert fit(root, corpus, cache, *ACCUMULATE, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["accumulated"])
