@@ -1,0 +1,276 @@
+"""Hidden states of the steps a model runs anyway, for the live-statistics callbacks (no extra forward pass).
+
+    python train.py fit --config configs/pretrain/tiny.yaml     # OutlierStatistics and ContributionVectors use this
+
+    with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:
+        model(input_ids)
+    capture.stack()                           # [layers, batch, seq, hidden], detached
+
+Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l.
+`encoder_layers` finds them in a transformers BERT-family encoder (`base_model.embeddings` and the ModuleList
+`encoder.layer` / `transformer.layer`); a model without them is a UserError naming it.
+
+LiveCallback is the schedule both callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
+hooks are on for every micro-batch of that step on every rank (so the step's whole global batch is seen, however it
+is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
+step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs.
+Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end. The
+sanity check is skipped. Hooks hold references to the layer outputs only until the batch ends and are removed at
+batch end, on an exception and at teardown. Training states come from the training forward pass itself: dropout on,
+15% of the tokens masked; validation states from the eval-mode validation pass.
+
+In probe.py runs (a PositionProbe over cached features), the captured states are the batch's features of the chosen
+layers and the labels are the positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+
+from datamodules.io import UserError
+
+
+@dataclass
+class Captured:
+    """What one batch gave: token vectors of the chosen layers and each token's 0-indexed position in its sequence."""
+
+    hidden: Tensor | None  # [layers, batch, seq, hidden] from hooks; None for cached probe features
+    mask: Tensor | None  # [batch, seq] bool, True for real tokens
+    features: Tensor | None = None  # [layers, tokens, hidden] when there is no sequence structure
+    labels: Tensor | None = None  # [tokens] positions of `features`
+
+    @property
+    def tokens(self) -> Tensor:
+        """[layers, tokens, hidden]: the unmasked token vectors (a view when nothing is masked)."""
+        if self.hidden is None:
+            return self.features
+        if self.mask is None or bool(self.mask.all()):
+            return self.hidden.flatten(1, 2)
+        return self.hidden[:, self.mask]
+
+    @property
+    def positions(self) -> Tensor:
+        """[tokens]: each token's index in its sequence."""
+        if self.hidden is None:
+            return self.labels
+        batch, seq = self.hidden.shape[1:3]
+        positions = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
+        return positions.flatten() if self.mask is None or bool(self.mask.all()) else positions[self.mask]
+
+
+def _output(output) -> Tensor:
+    """A layer's output tensor: itself, or the first element of a tuple / ModelOutput."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    first = next(iter(output.values()), None) if hasattr(output, "values") else None
+    if isinstance(first, Tensor):
+        return first
+    raise TypeError(f"cannot read a hidden-state tensor from a layer output of type {type(output).__name__}")
+
+
+def find_encoder(module: nn.Module) -> nn.Module | None:
+    """The first transformers PreTrainedModel inside `module` (itself included), or None."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def encoder_layers(model: nn.Module) -> list[nn.Module]:
+    """[embeddings, layer 1, ..., layer L] of a transformers encoder (or a model holding one)."""
+    encoder = find_encoder(model) or model
+    base = getattr(encoder, "base_model", encoder)
+    embeddings = getattr(base, "embeddings", None)
+    for name in ("encoder", "transformer"):
+        container = getattr(base, name, None)
+        layers = getattr(container, "layer", None) if container is not None else None
+        if isinstance(embeddings, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return [embeddings, *layers]
+    raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers encoder "
+                    "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
+
+
+class HiddenStateCapture:
+    """Forward hooks on the chosen layers' modules that keep their (detached) outputs; always removed on exit."""
+
+    def __init__(self, modules: list[nn.Module], layers: list[int]) -> None:
+        self.modules, self.layers = modules, layers
+        self.outputs: dict[int, Tensor] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> HiddenStateCapture:
+        self.outputs = {}
+        for index, layer in enumerate(self.layers):
+            self.handles.append(self.modules[layer].register_forward_hook(self._hook(index)))
+        return self
+
+    def _hook(self, index: int):
+        def keep(module, args, output) -> None:
+            if index not in self.outputs:  # the first call only (gradient checkpointing re-runs layers in backward)
+                self.outputs[index] = _output(output).detach()
+        return keep
+
+    def __exit__(self, *exc) -> bool:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return False
+
+    def stack(self) -> Tensor:
+        """[layers, batch, seq, hidden] in the order of `layers`."""
+        missing = [self.layers[i] for i in range(len(self.layers)) if i not in self.outputs]
+        if missing:
+            raise UserError(f"layers {missing} produced no output during the captured forward pass")
+        return torch.stack([self.outputs[i] for i in range(len(self.layers))])
+
+
+def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
+    """The chosen layers (default: all 0..available-1), checked."""
+    if layers is None:
+        return list(range(available))
+    bad = [layer for layer in layers if not 0 <= layer < available]
+    if bad or not layers or len(set(layers)) != len(layers):
+        raise UserError(f"{owner}: layers {list(layers)} must be distinct, within 0..{available - 1} "
+                        "(0 = embedding output)")
+    return list(layers)
+
+
+class LiveCallback(pl.Callback):
+    """The shared capture schedule (see the module docstring); subclasses implement build, update and finish."""
+
+    supports_probe_features = False
+
+    def __init__(self, every_n_steps: int, image_every_n_steps: int, layers: list[int] | None,
+                 on_validation: bool) -> None:
+        name = type(self).__name__
+        if every_n_steps < 1:
+            raise UserError(f"{name}: every_n_steps must be at least 1, got {every_n_steps}")
+        if image_every_n_steps < 0 or image_every_n_steps % every_n_steps:
+            raise UserError(f"{name}: image_every_n_steps ({image_every_n_steps}) must be a multiple of every_n_steps "
+                            f"({every_n_steps}), or 0 for no images during training")
+        self.every_n_steps, self.image_every_n_steps = every_n_steps, image_every_n_steps
+        self.requested_layers, self.on_validation = layers, on_validation
+        self.layers: list[int] = []
+        self._modules: list[nn.Module] | None = None  # hook targets; None: the batch holds probe features
+        self._slots: list[int] = []  # probe features: the feature slot of each chosen layer
+        self._capture: HiddenStateCapture | None = None
+        self._step: int | None = None  # the optimizer step being captured
+        self._validating = False
+        self.hidden_size = 0
+
+    # ---- where the hidden states come from ----
+    def check(self, pl_module: pl.LightningModule) -> None:
+        """Raise a UserError now when the module's hidden states cannot be captured (train.py calls this early)."""
+        modules = encoder_layers(pl_module)
+        resolve_layers(self.requested_layers, len(modules), type(self).__name__)
+
+    def _resolve_source(self, trainer, pl_module) -> None:
+        if find_encoder(pl_module) is not None or not self.supports_probe_features:
+            self._modules = encoder_layers(pl_module)
+            self.layers = resolve_layers(self.requested_layers, len(self._modules), type(self).__name__)
+            config = find_encoder(pl_module).config
+            self.hidden_size = int(getattr(config, "hidden_size", None) or config.dim)
+            return
+        from datamodules.probing import PositionDataModule
+
+        data = trainer.datamodule
+        if not isinstance(data, PositionDataModule) or getattr(data, "spec", None) is None:
+            raise UserError(f"{type(self).__name__}: {type(pl_module).__name__} holds no encoder and its data are not "
+                            "token positions: use it in MLM pretraining or with the position probe "
+                            "(configs/probe/position.yaml)")
+        spec = data.spec
+        encoder_layer_ids = [layer for kind, layer in spec.slots if kind == "encoder"]
+        self.layers = self.requested_layers or encoder_layer_ids
+        missing = [layer for layer in self.layers if layer not in encoder_layer_ids]
+        if missing:
+            raise UserError(f"{type(self).__name__}: layers {missing} are not among the probe's layers {encoder_layer_ids}")
+        self._slots = [spec.slots.index(("encoder", layer)) for layer in self.layers]
+        self._modules, self.hidden_size = None, spec.hidden_size
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._resolve_source(trainer, pl_module)
+        self.build(trainer, pl_module)
+
+    def build(self, trainer, pl_module) -> None:
+        raise NotImplementedError
+
+    def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
+        raise NotImplementedError
+
+    def finish(self, stage: str, trainer, pl_module, step: int) -> None:
+        raise NotImplementedError
+
+    # ---- capture around a batch ----
+    def _open(self) -> None:
+        if self._modules is not None:
+            self._capture = HiddenStateCapture(self._modules, self.layers).__enter__()
+
+    def _close(self, batch) -> Captured:
+        if self._modules is None:
+            features, labels = batch
+            return Captured(hidden=None, mask=None, features=features[self._slots], labels=labels)
+        capture, self._capture = self._capture, None
+        capture.__exit__(None, None, None)
+        hidden = capture.stack()
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        return Captured(hidden=hidden, mask=mask.bool() if mask is not None else None)
+
+    def _drop(self) -> None:
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+
+    @property
+    def capture_step(self) -> int | None:
+        """The optimizer step whose micro-batches are being captured (None outside a captured step)."""
+        return self._step
+
+    def due_images(self, step: int) -> bool:
+        return self.image_every_n_steps > 0 and step % self.image_every_n_steps == 0
+
+    # ---- Lightning hooks ----
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step % self.every_n_steps == 0 and self._step in (None, trainer.global_step):
+            self._step = trainer.global_step
+            self._open()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._step is None:
+            return
+        self.update("train", self._close(batch), trainer, pl_module)
+        if trainer.global_step != self._step:  # the optimizer step is done: every rank finishes it together
+            step, self._step = self._step, None
+            self.finish("train", trainer, pl_module, step)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.on_validation and not trainer.sanity_checking:
+            self._validating = True
+            self._open()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._validating:
+            self._validating = False
+            self.update("val", self._close(batch), trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if self.on_validation and not trainer.sanity_checking:
+            self.finish("val", trainer, pl_module, trainer.global_step)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._drop()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._drop()
+
+
+def check_callbacks(trainer, pl_module) -> None:
+    """Before anything is written (train.py's before_fit): every live-statistics callback can capture the module."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, LiveCallback):
+            callback.check(pl_module)

@@ -1,0 +1,164 @@
+"""Live per-layer outlier statistics during MLM pretraining, logged to W&B (or any Lightning logger).
+
+    python train.py fit --config configs/pretrain/tiny.yaml           # on in every pretraining config
+    python train.py fit --config configs/pretrain/roberta-base.yaml \\
+        --trainer.callbacks.init_args.every_n_steps 50                 # (or edit the YAML's trainer.callbacks)
+
+Every `every_n_steps` optimizer steps, from the hidden states of that step's own forward pass (all its micro-batches
+on every rank; no extra pass: see callbacks/hidden_states.py), and over the whole validation set at each validation,
+per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, special tokens do):
+
+    outliers/layer_{l}/argmax_dim, argmax_share     the dimension holding most tokens' maximum, and the share it holds
+    outliers/layer_{l}/argmin_dim, argmin_share     the same for the minimum
+    outliers/layer_{l}/top{i}_dim, top{i}_mean      the top_k dimensions by |mean| and their means (i = 1..top_k)
+    outliers/layer_{l}/max_median_ratio             max |mean| / median |mean| of the layer's mean vector
+    outliers/layer_{l}/anisotropy                   mean cosine of random token pairs (two positions of one sequence,
+                                                    drawn per step from `seed`, the same for every sequence)
+    outliers/layer_{l}/num_outliers                 dimensions the outlier rule flags (metrics/outliers.py)
+    outliers/num_tokens
+
+(`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, MeanCosine, detect_outliers,
+top_mean_dims, max_median_ratio) updated on the device and synced across ranks, so a step's values equal one
+process's on the same global batch. W&B also gets, every `image_every_n_steps` and at each validation, the image
+`outliers/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), the table
+`outliers/table` (one row per step, split and layer: outlier dims, dominant dims, shares, ratio, anisotropy; it
+grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/
+outlier_dims` and `outliers/persistent_dims` (latest). TensorBoard gets the images and the table as text; CSV the
+scalars.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from callbacks import wandb_logging as logs
+from callbacks.figures import mean_vectors_figure
+from callbacks.hidden_states import Captured, LiveCallback
+from metrics.geometry import MeanCosine
+from metrics.neuron_stats import NeuronStatistics
+from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
+
+PREFIX = {"train": "outliers", "val": "val_outliers"}
+TABLE_COLUMNS = ["step", "split", "layer", "outlier_dims", "argmax_dim", "argmax_share", "argmin_dim", "argmin_share",
+                 "top_dims", "max_median_ratio", "anisotropy"]
+
+
+def pair_positions(seq_len: int, num_pairs: int, seed: int, device=None) -> tuple[Tensor, Tensor]:
+    """`num_pairs` distinct positions p of a sequence and a partner q != p for each: (p [n], q [n]), from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    num_pairs = min(num_pairs, seq_len)
+    first = torch.randperm(seq_len, generator=generator)[:num_pairs]
+    shift = torch.randint(1, max(seq_len, 2), (num_pairs,), generator=generator)
+    return first.to(device), ((first + shift) % seq_len).to(device)
+
+
+class OutlierStatistics(LiveCallback):
+    """Per-layer outlier statistics of the training step's hidden states every N steps and at validation.
+
+    Args:
+        every_n_steps: optimizer steps between two captures (step 0 included).
+        image_every_n_steps: steps between two mean-vector figures (a multiple of every_n_steps; 0: only at
+            validation).
+        layers: hidden-state layers to watch (default all, 0 = embedding output).
+        top_k: dimensions of largest |mean| logged per layer.
+        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`.
+        pairs_per_sequence: random token pairs per sequence for anisotropy.
+        on_validation: also over the whole validation set at every validation.
+        seed: draws the anisotropy pairs (with the step).
+    """
+
+    def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
+                 top_k: int = 3, min_share: float = 0.2, sigma: float = 10.0, pairs_per_sequence: int = 16,
+                 on_validation: bool = True, seed: int = 0) -> None:
+        super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
+        self.top_k, self.rule, self.pairs_per_sequence, self.seed = top_k, OutlierRule(min_share, sigma), \
+            pairs_per_sequence, seed
+        self.rows: list[list] = []  # the outlier table, kept in checkpoints
+        self.stats: dict[str, NeuronStatistics] = {}
+        self.cosine: dict[str, MeanCosine] = {}
+
+    def build(self, trainer, pl_module) -> None:
+        if self.stats:
+            return
+        for stage in PREFIX:
+            self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size)
+            self.cosine[stage] = MeanCosine(len(self.layers))
+        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+
+    def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
+        hidden, mask = captured.hidden, captured.mask  # [layers, batch, seq, hidden], [batch, seq]
+        stats, cosine = self.stats[stage], self.cosine[stage]
+        if stats.device != hidden.device:
+            stats.to(hidden.device)
+            cosine.to(hidden.device)
+        with torch.no_grad():
+            stats.update(hidden, mask)
+            first, second = pair_positions(hidden.shape[2], self.pairs_per_sequence, self.pair_seed(stage),
+                                           hidden.device)
+            a, b = hidden[:, :, first], hidden[:, :, second]  # [layers, batch, pairs, hidden]
+            if mask is not None:
+                valid = mask[:, first] & mask[:, second]  # [batch, pairs]
+                a, b = a[:, valid], b[:, valid]
+            cosine.update(a.flatten(1, -2), b.flatten(1, -2))
+
+    def pair_seed(self, stage: str) -> int:
+        """The anisotropy pairs' seed: per training step, fixed for validation (comparable over time)."""
+        return self.seed * 1_000_003 + (self.capture_step + 1 if stage == "train" else 0)
+
+    def finish(self, stage: str, trainer, pl_module, step: int) -> None:
+        stats, cosine = self.stats[stage], self.cosine[stage]
+        result, anisotropy = stats.compute(), cosine.compute()  # every rank: the states sync here
+        stats.reset()
+        cosine.reset()
+        if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
+            return
+        self.log_result(trainer, stage, step, result, anisotropy.cpu())
+
+    def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor) -> None:
+        prefix = PREFIX[stage]
+        result = replace(result, **{name: getattr(result, name).cpu() for name in ("mean", "var", "max_abs",
+                                                                                    "argmax_count", "argmin_count")})
+        found = detect_outliers(result, self.rule)  # indexed 0..len(layers)-1
+        dims, means = top_mean_dims(result.mean, self.top_k)
+        ratio = max_median_ratio(result.mean)
+        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result.num_tokens)}
+        summary: dict = {}
+        for i, (layer, outliers) in enumerate(zip(self.layers, found)):
+            key = f"{prefix}/layer_{layer}"
+            metrics.update({f"{key}/argmax_dim": outliers.argmax_dim, f"{key}/argmax_share": outliers.argmax_share,
+                            f"{key}/argmin_dim": outliers.argmin_dim, f"{key}/argmin_share": outliers.argmin_share,
+                            f"{key}/max_median_ratio": float(ratio[i]), f"{key}/anisotropy": float(anisotropy[i]),
+                            f"{key}/num_outliers": len(outliers.outlier_dims)})
+            for rank in range(dims.shape[1]):
+                metrics[f"{key}/top{rank + 1}_dim"] = int(dims[i, rank])
+                metrics[f"{key}/top{rank + 1}_mean"] = float(means[i, rank])
+            summary[f"{key}/outlier_dims"] = outliers.outlier_dims
+            self.rows.append([step, stage, layer, ", ".join(map(str, outliers.outlier_dims)), outliers.argmax_dim,
+                              outliers.argmax_share, outliers.argmin_dim, outliers.argmin_share,
+                              ", ".join(map(str, dims[i].tolist())), round(float(ratio[i]), 4),
+                              round(float(anisotropy[i]), 4)])
+        summary[f"{prefix}/persistent_dims"] = persistent_dims(found)
+        logs.log_scalars(trainer, metrics, step)
+        logs.log_summary(trainer, summary)
+        if stage == "val" or self.due_images(step):
+            if logs.wants_images(trainer):
+                full = torch.zeros(max(self.layers) + 1, result.mean.shape[1])
+                full[self.layers] = result.mean.float()
+                title = f"average vector per layer, {'validation' if stage == 'val' else 'training step'} {step}"
+                figure = mean_vectors_figure(full, {layer: o.outlier_dims for layer, o in zip(self.layers, found)},
+                                             title=title + " (outlier dimensions in red)", layers=self.layers)
+                logs.log_figure(trainer, f"{prefix}/mean_vectors", figure, step)
+            logs.log_table(trainer, "outliers/table", TABLE_COLUMNS, self.rows, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero and self.rows and logs.real_loggers(trainer):
+            logs.log_table(trainer, "outliers/table", TABLE_COLUMNS, self.rows, trainer.global_step)
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.rows = list(state_dict.get("rows", []))

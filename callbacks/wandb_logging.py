@@ -1,0 +1,283 @@
+"""W&B by default, offline by itself, never fatal; and the logger-agnostic helpers the live-statistics callbacks use.
+
+    python train.py fit --config configs/pretrain/tiny.yaml       # W&B: online when logged in and reachable, else offline
+    WANDB_MODE=offline python train.py fit --config ...           # offline on purpose; upload later with the printed
+    wandb sync runs/pretrain/tiny/wandb/offline-run-*             #   command (`wandb login` first)
+    python train.py fit --config ... --trainer.logger false       # no logger at all
+
+AutoWandbLogger (train.py's default logger) is Lightning's WandbLogger that picks its mode when the run starts, on
+rank zero: WANDB_MODE when it says offline or disabled; otherwise online when W&B credentials exist (WANDB_API_KEY,
+WANDB_IDENTITY_TOKEN_FILE, or the netrc entry `wandb login` writes) and the W&B host accepts a connection within 3 s,
+else offline, saying so in one line on stderr with the `wandb sync` command. A W&B that fails to start (online, then
+offline) or fails mid-run gives one warning (LoggingWarning) and training goes on without it. `save_dir` defaults to
+the trainer's default_root_dir (`use_root_dir`, called by train.py); the run is finished when the trainer finalises
+the logger, so several fits in one process each get their own run.
+
+log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
+it can take: scalars to every logger (CSV, TensorBoard, W&B); figures to W&B and TensorBoard; tables to W&B (as a
+markdown text to TensorBoard); summaries and step metrics to W&B. Rank zero only. A logger that raises is warned
+about once and skipped from then on.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+from pytorch_lightning.loggers import TensorBoardLogger, WandbLogger
+from pytorch_lightning.loggers.logger import DummyExperiment, DummyLogger, rank_zero_experiment
+from pytorch_lightning.utilities import rank_zero_only
+
+DEFAULT_HOST = "https://api.wandb.ai"
+STEP_METRIC = "trainer/global_step"
+
+
+class LoggingWarning(UserWarning):
+    """A logger failed to start or to log; training continues."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def has_credentials(host: str) -> bool:
+    """Whether W&B credentials are configured for `host` (only their presence is checked)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(urlparse(host).hostname or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the host of `url` opens within `timeout` seconds (name lookup included)."""
+    parsed = urlparse(url)
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(opened)
+
+
+def choose_mode(offline: bool = False) -> tuple[str, str | None]:
+    """("online" | "offline" | "disabled", why offline)."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if offline:
+        return "offline", "offline=true"
+    if env in ("offline", "dryrun"):
+        return "offline", f"WANDB_MODE={env}"
+    if env == "disabled":
+        return "disabled", None
+    host = os.environ.get("WANDB_BASE_URL", DEFAULT_HOST)
+    if not has_credentials(host):
+        return "offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`"
+    if not reachable(host):
+        return "offline", f"{urlparse(host).hostname} cannot be reached"
+    return "online", None
+
+
+class AutoWandbLogger(WandbLogger):
+    """WandbLogger that goes offline by itself without credentials or network and never stops training.
+
+    Args:
+        name: the run's display name (W&B picks one when None).
+        save_dir: where `wandb/` goes (default: the trainer's default_root_dir, else the working directory).
+        project: the W&B project.
+        offline: always offline.
+        kwargs: the rest of Lightning's WandbLogger / wandb.init arguments (entity, tags, group, id, ...).
+    """
+
+    def __init__(self, name: str | None = None, save_dir: str | None = None, project: str = "positional-artefacts",
+                 offline: bool = False, **kwargs: Any) -> None:
+        super().__init__(name=name, save_dir=save_dir, project=project, **kwargs)
+        self._force_offline = offline
+        self._failed = False
+
+    def use_dir(self, directory: str | os.PathLike) -> None:
+        """Set save_dir unless one was given or the run has started."""
+        if self._save_dir is None and self._experiment is None:
+            self._save_dir = self._wandb_init["dir"] = os.fspath(directory)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self._experiment is None and not self._failed:
+            self._experiment = self._start()
+        return self._experiment if self._experiment is not None else DummyExperiment()
+
+    def _start(self):
+        import wandb
+
+        mode, reason = choose_mode(self._force_offline)
+        init = {key: value for key, value in self._wandb_init.items() if value is not None or key != "anonymous"}
+        mode = init.pop("mode", None) or mode
+        if init.get("dir"):
+            Path(init["dir"]).mkdir(parents=True, exist_ok=True)
+        if wandb.run is not None:
+            return wandb.run
+        attempts = [(mode, reason)] + ([("offline", "W&B did not start online")] if mode == "online" else [])
+        for attempt, why in attempts:
+            try:
+                run = wandb.init(**init, mode=attempt)
+            except Exception as error:  # wandb raises many types (CommError, UsageError, timeouts)
+                warnings.warn(f"W&B could not start {attempt} ({_first_line(error)})", LoggingWarning, stacklevel=2)
+                continue
+            self._wandb_init["id"] = run.id  # a later re-start (after finish) resumes this run
+            if hasattr(run, "define_metric"):
+                run.define_metric(STEP_METRIC)
+                run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
+            if attempt == "offline":
+                directory = Path(run.dir).parent
+                print(f"W&B: offline ({why}); the run is kept in {directory}; upload it later with: "
+                      f"wandb sync {directory}", file=sys.stderr, flush=True)
+            return run
+        self._failed = True
+        warnings.warn("W&B is off for this run: training continues without it", LoggingWarning, stacklevel=2)
+        return None
+
+    def _guard(self, call, *args) -> None:
+        if self._failed:
+            return
+        try:
+            call(*args)
+        except Exception as error:  # anything from the W&B client: never stop training for it
+            self._failed = True
+            warnings.warn(f"W&B failed mid-run ({_first_line(error)}); training continues without W&B logging",
+                          LoggingWarning, stacklevel=3)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self._guard(super().log_metrics, metrics, step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        self._guard(super().log_hyperparams, params)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._guard(super().finalize, status)
+        run, self._experiment = self._experiment, None
+        if run is not None and not isinstance(run, DummyExperiment):
+            try:
+                run.finish(exit_code=0 if status == "success" else 1)
+            except Exception as error:  # the data is on disk already; finishing is best effort
+                warnings.warn(f"W&B did not finish cleanly ({_first_line(error)})", LoggingWarning, stacklevel=2)
+
+
+def use_root_dir(trainer) -> None:
+    """Point every AutoWandbLogger without a save_dir at the trainer's default_root_dir."""
+    for logger in trainer.loggers:
+        if isinstance(logger, AutoWandbLogger):
+            logger.use_dir(trainer.default_root_dir)
+
+
+# ---- helpers for callbacks: each logger gets what it supports ----
+
+def real_loggers(trainer) -> list:
+    """The trainer's loggers, without fast_dev_run's DummyLogger and without loggers that failed before."""
+    return [logger for logger in trainer.loggers
+            if not isinstance(logger, DummyLogger) and not getattr(logger, "_posart_failed", False)
+            and not getattr(logger, "_failed", False)]
+
+
+def _safely(logger, what: str, call, *args, **kwargs) -> None:
+    try:
+        call(*args, **kwargs)
+    except Exception as error:  # a logger must never stop training
+        logger._posart_failed = True
+        warnings.warn(f"{type(logger).__name__} failed to log {what} ({_first_line(error)}); training continues "
+                      "without it", LoggingWarning, stacklevel=3)
+
+
+@rank_zero_only
+def log_scalars(trainer, metrics: Mapping[str, float], step: int) -> None:
+    """Plain float scalars to every logger, at the trainer's global step `step`."""
+    for logger in real_loggers(trainer):
+        _safely(logger, "metrics", logger.log_metrics, dict(metrics), step)
+
+
+def figure_array(fig) -> np.ndarray:
+    """A matplotlib figure as an RGB array [height, width, 3] (uint8); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.canvas.draw()
+        return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    finally:
+        plt.close(fig)
+
+
+def wants_images(trainer) -> bool:
+    return any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in real_loggers(trainer))
+
+
+@rank_zero_only
+def log_figure(trainer, key: str, fig, step: int) -> None:
+    """A figure to W&B (image) and TensorBoard (add_image); closed in any case."""
+    image = figure_array(fig)
+    for logger in real_loggers(trainer):
+        if isinstance(logger, WandbLogger):
+            _safely(logger, key, logger.log_image, key, [image], step=step)
+        elif isinstance(logger, TensorBoardLogger):
+            _safely(logger, key, _tensorboard, logger, "add_image", key, image, step, dataformats="HWC")
+
+
+@rank_zero_only
+def log_table(trainer, key: str, columns: Sequence[str], rows: Sequence[Sequence], step: int) -> None:
+    """A table to W&B (wandb.Table) and TensorBoard (markdown text)."""
+    for logger in real_loggers(trainer):
+        if isinstance(logger, WandbLogger):
+            _safely(logger, key, logger.log_table, key, list(columns), [list(r) for r in rows], step=step)
+        elif isinstance(logger, TensorBoardLogger):
+            text = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                             + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+            _safely(logger, key, _tensorboard, logger, "add_text", key, text, step)
+
+
+@rank_zero_only
+def log_summary(trainer, values: Mapping[str, Any]) -> None:
+    """Run summary entries (lists allowed) in W&B: the latest values, shown on the run's overview."""
+    for logger in real_loggers(trainer):
+        if isinstance(logger, WandbLogger):
+            _safely(logger, "summary", _update_summary, logger, values)
+
+
+@rank_zero_only
+def define_step_metrics(trainer, patterns: Sequence[str]) -> None:
+    """W&B charts of keys matching `patterns` (globs) against the trainer's global step."""
+    for logger in real_loggers(trainer):
+        if isinstance(logger, WandbLogger):
+            for pattern in patterns:
+                _safely(logger, "define_metric", _define_metric, logger, pattern)
+
+
+def _tensorboard(logger, method: str, *args, **kwargs) -> None:
+    getattr(logger.experiment, method)(*args, **kwargs)
+
+
+def _update_summary(logger, values: Mapping[str, Any]) -> None:
+    logger.experiment.summary.update(dict(values))
+
+
+def _define_metric(logger, pattern: str) -> None:
+    logger.experiment.define_metric(pattern, step_metric=STEP_METRIC, step_sync=True)
