@@ -26,22 +26,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from jsonargparse import lazy_instance
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from callbacks.hidden_states import check_callbacks
-from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from datamodules.io import UserError, atomic_file
 from datamodules.mlm import MLMDataModule
 from datamodules.tokenizer import fingerprint
-from lightning_modules.mlm import MLMModule, check_architecture
+from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint
 
-TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
-                    "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
+TRAINER_DEFAULTS = {"use_distributed_sampler": False}  # the datamodule shards batches itself (same global batch)
 
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
@@ -149,11 +145,9 @@ def last_checkpoint(directory: str | Path) -> Path | None:
 
 
 def check_resume(path: Path, model: MLMModule, data: MLMDataModule) -> None:
-    """Before anything is written: the checkpoint's architecture (PE or not) and tokenizer must match the config."""
-    try:
-        checkpoint = torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
-    except Exception as error:  # torch raises many types for a bad file
-        raise UserError(f"cannot read checkpoint {path}: {str(error).splitlines()[0] if str(error) else error}") from None
+    """Before anything is written: a whole checkpoint of this project, whose architecture (PE or not, sizes) and
+    tokenizer match the config."""
+    checkpoint = read_checkpoint(path)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
     tokenizer = data.cached_tokenizer()
@@ -170,6 +164,11 @@ class PretrainCLI(LightningCLI):
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
 
+    def _parse_ckpt_path(self) -> None:
+        """Keep the config authoritative. Lightning 2.6 loads an explicit --ckpt_path file whole (on every rank) and
+        silently replaces the config's model arguments with the checkpoint's (not for `last`); here before_fit
+        refuses a checkpoint whose architecture differs from the config, whichever way it is named."""
+
     def before_fit(self) -> None:
         """Cheap checks before any process group, cache or file: global batch, block length, resume target."""
         data, model, trainer = self.datamodule, self.model, self.trainer
@@ -177,8 +176,6 @@ class PretrainCLI(LightningCLI):
             raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
                             "positions (--model.max_position_embeddings - 2)")
         data.check_trainer(trainer, apply=False)
-        check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
-        use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")

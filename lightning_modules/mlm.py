@@ -255,17 +255,29 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
+def read_checkpoint(path: str | Path) -> dict:
+    """A .ckpt of this project's MLM pretraining (memory-mapped), or one line naming the file and what is wrong."""
+    if Path(path).is_file() and Path(path).stat().st_size == 0:
+        raise UserError(f"cannot read checkpoint {path}: the file is empty")
+    try:
+        checkpoint = torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:  # torch raises many types for a bad file; its messages run over several sentences
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = "not a torch.save zip archive" if "mmap can only be used" in text else text.split(". ")[0]
+        raise UserError(f"cannot read checkpoint {path}: truncated or corrupt ({reason})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or \
+            "position_embeddings" not in (checkpoint.get("hyper_parameters") or {}):
+        raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining (no MLMModule "
+                        "hyper-parameters and state_dict)")
+    return checkpoint
+
+
 def load_checkpoint_model(path: str | Path):
     """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters, weights, embedded tokenizer."""
     from datamodules.tokenizer import tokenizer_from_files
 
-    try:
-        checkpoint = torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
-    except Exception as error:  # torch raises many types for a bad file
-        raise UserError(f"cannot read checkpoint {path}: {str(error).splitlines()[0] if str(error) else error}") from None
-    hparams = checkpoint.get("hyper_parameters")
-    if not hparams or "position_embeddings" not in hparams or "state_dict" not in checkpoint:
-        raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining")
+    checkpoint = read_checkpoint(path)
+    hparams = checkpoint["hyper_parameters"]
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings")
     model = build_model(**{key: hparams[key] for key in keys}, dropout=0.0,

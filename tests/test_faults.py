@@ -188,3 +188,53 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(s
     assert not (root / "export").exists()
     assert fit(root, corpus, cache, *ACCUMULATE, "--ckpt_path", "last") == 0
     assert_same_weights(root, straight["accumulated"])
+
+
+def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str, ...], str]]:
+    """name: (checkpoint file, extra arguments, the error line after 'train.py: error: ')."""
+    data = good.read_bytes()
+    files = {"truncated": data[: len(data) // 2], "corrupt": os.urandom(4096), "empty": b""}
+    for name, content in files.items():
+        (folder / f"{name}.ckpt").write_bytes(content)
+    torch.save({"state_dict": {}, "epoch": 3}, folder / "foreign.ckpt")
+    missing = folder / "missing.ckpt"
+    return {
+        "truncated": (folder / "truncated.ckpt", (), "cannot read checkpoint {}: truncated or corrupt "
+                      "(PytorchStreamReader failed reading zip archive: failed finding central directory)"),
+        "corrupt": (folder / "corrupt.ckpt", (), "cannot read checkpoint {}: truncated or corrupt "
+                    "(not a torch.save zip archive)"),
+        "empty": (folder / "empty.ckpt", (), "cannot read checkpoint {}: the file is empty"),
+        "foreign": (folder / "foreign.ckpt", (), "{} is not a checkpoint of this project's MLM pretraining (no "
+                    "MLMModule hyper-parameters and state_dict)"),
+        "other size": (good, ("--model.hidden_size", "48"), "checkpoint {} has hidden_size=32 but the config gives "
+                       "48 (hidden_size mismatch)"),
+        "other depth": (good, ("--model.num_hidden_layers", "3"), "checkpoint {} has num_hidden_layers=2 but the "
+                        "config gives 3 (num_hidden_layers mismatch)"),
+        "missing": (missing, (), "checkpoint not found: {}"),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth", "missing"])
+def test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written(straight, corpus, cache, tmp_path,
+                                                                          capsys, case):
+    good = tmp_path / "good.ckpt"
+    good.write_bytes((straight["plain"] / "checkpoints" / "last.ckpt").read_bytes())
+    path, extra, message = bad_checkpoints(tmp_path, good)[case]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    root = tmp_path / "run"
+    assert fit(root, corpus, cache, *extra, "--ckpt_path", str(path)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "train.py: error: " + message.format(path)
+    assert not root.exists()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it(straight, corpus, cache, tmp_path,
+                                                                             capsys):
+    root = tmp_path / "run"
+    (root / "checkpoints").mkdir(parents=True)
+    data = (straight["plain"] / "checkpoints" / "last.ckpt").read_bytes()
+    (root / "checkpoints" / "last.ckpt").write_bytes(data[: len(data) // 3])  # e.g. copied by hand, half-way
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"train.py: error: cannot read checkpoint {root / 'checkpoints' / 'last.ckpt'}: truncated")
+    assert sorted(p.name for p in root.rglob("*")) == ["checkpoints", "last.ckpt"]
