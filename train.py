@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import torch
@@ -220,6 +221,15 @@ def cli_main(args: list[str] | None = None) -> int:
         print("train.py: stopped by SIGTERM before a whole optimizer step; last.ckpt is unchanged; rerun with "
               f"--ckpt_path last to resume (exit status {PREEMPTED_EXIT})", file=sys.stderr)
         return PREEMPTED_EXIT
+    except Exception:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        # The other ranks stop as soon as this one leaves the process group (below), and Lightning's launcher may
+        # kill this process then: say which rank failed and why first.
+        print(f"train.py: error on rank {dist.get_rank()} of {dist.get_world_size()}:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

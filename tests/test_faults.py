@@ -7,9 +7,11 @@ a full disk, a failing DDP rank (CPU, tiny configs; see README "Errors and fault
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ import torch
 import train
 from datamodules.io import UserError, atomic_file, check_writable, staged_output
 from tests.test_train import STEPS, checkpoint, fit, tiny_args, train_losses
-from tests.tiny import corpus_sentences
+from tests.tiny import corpus_sentences, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is expected
@@ -238,3 +240,110 @@ def test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it(str
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"train.py: error: cannot read checkpoint {root / 'checkpoints' / 'last.ckpt'}: truncated")
     assert sorted(p.name for p in root.rglob("*")) == ["checkpoints", "last.ckpt"]
+
+
+# ---- a full disk while an analysis writes its report ----
+
+def full_disk_figure():
+    """save_figure that writes half of the PNG and then finds the disk full (the JSON report was staged before)."""
+
+    def save(fig, path, *args, **kwargs):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        Path(path).write_bytes(buffer.getvalue()[: buffer.tell() // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    return save
+
+
+def test_disk_full_while_analyze_writes_its_report(tmp_path, bert_tok, sentences_file, capfd, monkeypatch):
+    import analyze
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    out = tmp_path / "runs" / "outliers"
+    monkeypatch.setattr(analyze, "save_figure", full_disk_figure())
+    code = analyze.main(["outliers", "--encoder", str(encoder), "--data", str(sentences_file), "--output_dir",
+                         str(out), "--no_progress"])
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert code == 2
+    assert errors == [f"analyze.py outliers: error: cannot write report to {out}: No space left on device"]
+    assert not (tmp_path / "runs").exists()  # no partial report, and no directory the run created
+
+
+def test_disk_full_while_probe_writes_its_report(tmp_path, bert_tok, sentences_file, capfd, monkeypatch):
+    import probe
+    from lightning_modules import probes
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    out = tmp_path / "runs" / "probe"
+    monkeypatch.setattr(probes, "save_figure", full_disk_figure())
+    with pytest.raises(SystemExit) as exited:
+        probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"), "--model.encoder",
+                        str(encoder), "--data.source", str(sentences_file), "--data.progress", "false",
+                        "--data.batch_size", "8", "--trainer.fast_dev_run", "true", "--trainer.logger", "false",
+                        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                        "--trainer.default_root_dir", str(out)])
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert exited.value.code == 2
+    assert errors == [f"probe.py: error: cannot write report to {out}: No space left on device"]
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- one DDP rank failing: every rank stops, the failing rank's message is shown, nothing hangs ----
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def alive_with(marker: str) -> list[int]:
+    """Processes still running whose command line holds `marker` (a path unique to one test)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def finish(process: subprocess.Popen, timeout: float) -> str:
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"still running after {timeout} s: a rank hangs")
+    return err
+
+
+@pytest.mark.slow
+def test_an_error_on_one_ddp_rank_of_train_stops_every_rank(corpus, cache, tmp_path):
+    root = tmp_path / "ddp-run"
+    failure = json.dumps({"class_path": "tests.faults.FailOnRank", "init_args": {"rank": 1, "step": 2}})
+    process = spawn("train", tiny_args(root, corpus, cache, "--model.dropout", "0.0", "--data.batch_size", "4",
+                                       "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                                       "--trainer.callbacks+", failure))
+    err = finish(process, timeout=240)
+    assert process.returncode not in (0, None)
+    assert "RuntimeError: planted failure on rank 1 at step 2" in err
+    assert alive_with(str(root)) == []  # rank 1 (Lightning's child process) is gone too
+    assert checkpoint(root)["global_step"] == 2 and not (root / "export").exists()
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank(tmp_path, bert_tok, sentences_file):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    out = tmp_path / "ddp-report"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "tests.faults", "analyze", "--fail-rank", "1", "outliers", "--encoder", str(encoder), "--data",
+         str(sentences_file), "--output_dir", str(out), "--no_progress"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = finish(process, timeout=240)
+    assert process.returncode not in (0, None)
+    assert "RuntimeError: planted failure on rank 1 while encoding" in err
+    assert alive_with(str(out)) == []
+    assert not out.exists()
