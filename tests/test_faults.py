@@ -347,3 +347,32 @@ def test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank(tmp_pat
     assert "RuntimeError: planted failure on rank 1 while encoding" in err
     assert alive_with(str(out)) == []
     assert not out.exists()
+
+
+# ---- the SLURM script requeues a pre-empted run (srun and scontrol stand in for a cluster) ----
+
+@pytest.mark.parametrize("status, requeued", [(143, True), (0, False), (2, False)])
+def test_slurm_script_requeues_only_a_run_stopped_by_sigterm(tmp_path, status, requeued):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\necho "$@" > {tmp_path}/srun.args\ntouch {tmp_path}/started\n'
+                                  f'sleep 1\nexit {status}\n')
+    (bin_dir / "scontrol").write_text(f'#!/usr/bin/env bash\necho "$@" > {tmp_path}/scontrol.args\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_SUBMIT_DIR": str(ROOT)}
+    process = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm_pretrain.sh"), "configs/pretrain/roberta-base.yaml",
+                                "--data.batch_size", "16"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_for(tmp_path / "started", process, timeout=30)
+    process.send_signal(signal.SIGTERM)  # pre-emption signals the batch shell too: it must keep waiting
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == status, err
+    args = (tmp_path / "srun.args").read_text().split()
+    assert args[:4] == ["--kill-on-bad-exit=1", "python", "train.py", "fit"]
+    assert " ".join(args[4:]) == ("--config configs/pretrain/roberta-base.yaml --trainer.num_nodes 2 --trainer.devices 4 "
+                                  "--ckpt_path last --data.batch_size 16")
+    assert (tmp_path / "scontrol.args").exists() is requeued
+    if requeued:
+        assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
