@@ -67,8 +67,6 @@ class ContributionVectors(LiveCallback):
                  num_positions: int | None = None, lr: float = 1e-3, top_k: int = 3, on_validation: bool = True,
                  chunk_tokens: int = 4096, seed: int = 0) -> None:
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
-        if num_positions is not None and num_positions < 2:
-            raise UserError(f"ContributionVectors: num_positions must be at least 2, got {num_positions}")
         self.requested_positions, self.lr, self.top_k, self.chunk_tokens, self.seed = (num_positions, lr, top_k,
                                                                                      chunk_tokens, seed)
         self.weight: Tensor | None = None  # [layers, hidden, positions]
@@ -81,6 +79,8 @@ class ContributionVectors(LiveCallback):
 
     def num_positions(self, trainer, pl_module) -> int:
         if self.requested_positions is not None:
+            if self.requested_positions < 2:
+                raise UserError(f"ContributionVectors: num_positions must be at least 2, got {self.requested_positions}")
             return self.requested_positions
         if self._modules is None:
             return trainer.datamodule.spec.num_classes

@@ -147,12 +147,6 @@ class LiveCallback(pl.Callback):
 
     def __init__(self, every_n_steps: int, image_every_n_steps: int, layers: list[int] | None,
                  on_validation: bool) -> None:
-        name = type(self).__name__
-        if every_n_steps < 1:
-            raise UserError(f"{name}: every_n_steps must be at least 1, got {every_n_steps}")
-        if image_every_n_steps < 0 or image_every_n_steps % every_n_steps:
-            raise UserError(f"{name}: image_every_n_steps ({image_every_n_steps}) must be a multiple of every_n_steps "
-                            f"({every_n_steps}), or 0 for no images during training")
         self.every_n_steps, self.image_every_n_steps = every_n_steps, image_every_n_steps
         self.requested_layers, self.on_validation = layers, on_validation
         self.layers: list[int] = []
@@ -164,8 +158,18 @@ class LiveCallback(pl.Callback):
         self.hidden_size = 0
 
     # ---- where the hidden states come from ----
+    def check_settings(self) -> None:
+        """The cadence (checked here, not in __init__: jsonargparse would bury the message in its own)."""
+        name, every, images = type(self).__name__, self.every_n_steps, self.image_every_n_steps
+        if every < 1:
+            raise UserError(f"{name}: every_n_steps must be at least 1, got {every}")
+        if images < 0 or images % every:
+            raise UserError(f"{name}: image_every_n_steps ({images}) must be a multiple of every_n_steps ({every}), "
+                            "or 0 for no images during training")
+
     def check(self, pl_module: pl.LightningModule) -> None:
         """Raise a UserError now when the module's hidden states cannot be captured (train.py calls this early)."""
+        self.check_settings()
         modules = encoder_layers(pl_module)
         resolve_layers(self.requested_layers, len(modules), type(self).__name__)
 
@@ -180,9 +184,9 @@ class LiveCallback(pl.Callback):
 
         data = trainer.datamodule
         if not isinstance(data, PositionDataModule) or getattr(data, "spec", None) is None:
-            raise UserError(f"{type(self).__name__}: {type(pl_module).__name__} holds no encoder and its data are not "
-                            "token positions: use it in MLM pretraining or with the position probe "
-                            "(configs/probe/position.yaml)")
+            raise UserError(f"{type(self).__name__}: cannot capture the hidden states of {type(pl_module).__name__}: it "
+                            "holds no transformers encoder and its data are not the position probe's cached features "
+                            "(use it in MLM pretraining or with configs/probe/position.yaml)")
         spec = data.spec
         encoder_layer_ids = [layer for kind, layer in spec.slots if kind == "encoder"]
         self.layers = self.requested_layers or encoder_layer_ids
@@ -193,6 +197,7 @@ class LiveCallback(pl.Callback):
         self._modules, self.hidden_size = None, spec.hidden_size
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.check_settings()
         self._resolve_source(trainer, pl_module)
         self.build(trainer, pl_module)
 

@@ -55,6 +55,11 @@ def pair_positions(seq_len: int, num_pairs: int, seed: int, device=None) -> tupl
     return first.to(device), ((first + shift) % seq_len).to(device)
 
 
+def pair_seed(seed: int, step: int | None) -> int:
+    """The anisotropy pairs' seed: one per training step, a fixed one for validation (comparable over time)."""
+    return seed * 1_000_003 + (step + 1 if step is not None else 0)
+
+
 class OutlierStatistics(LiveCallback):
     """Per-layer outlier statistics of the training step's hidden states every N steps and at validation.
 
@@ -96,17 +101,13 @@ class OutlierStatistics(LiveCallback):
             cosine.to(hidden.device)
         with torch.no_grad():
             stats.update(hidden, mask)
-            first, second = pair_positions(hidden.shape[2], self.pairs_per_sequence, self.pair_seed(stage),
-                                           hidden.device)
+            key = pair_seed(self.seed, self.capture_step if stage == "train" else None)
+            first, second = pair_positions(hidden.shape[2], self.pairs_per_sequence, key, hidden.device)
             a, b = hidden[:, :, first], hidden[:, :, second]  # [layers, batch, pairs, hidden]
             if mask is not None:
                 valid = mask[:, first] & mask[:, second]  # [batch, pairs]
                 a, b = a[:, valid], b[:, valid]
             cosine.update(a.flatten(1, -2), b.flatten(1, -2))
-
-    def pair_seed(self, stage: str) -> int:
-        """The anisotropy pairs' seed: per training step, fixed for validation (comparable over time)."""
-        return self.seed * 1_000_003 + (self.capture_step + 1 if stage == "train" else 0)
 
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
         stats, cosine = self.stats[stage], self.cosine[stage]

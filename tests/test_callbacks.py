@@ -1,0 +1,463 @@
+"""Live statistics during pretraining: OutlierStatistics and ContributionVectors on tiny runs, checked against direct
+computations on the hidden states transformers gives for the same batches; W&B offline logs; DDP; faults.
+
+    .venv/bin/pytest tests/test_callbacks.py -q
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+import wandb
+from PIL import Image
+
+import train
+from callbacks.contribution_vectors import ContributionVectors
+from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
+from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
+from datamodules.io import UserError
+from tests.tiny import corpus_sentences
+from tests.wandb_log import read_run
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+STEPS = 6  # 55 training blocks / global batch 8: one epoch of 6 steps, validation at its end (global step 6)
+EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 16  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
+
+
+class Recorder(pl.Callback):
+    """Test helper: at each captured step (and validation batch), transformers' own hidden states of the batch and
+    the online probe's weights at that moment. Instances register in `Recorder.made`."""
+
+    made: list[Recorder] = []
+
+    def __init__(self, every_n_steps: int = EVERY) -> None:
+        self.every, self.train, self.val = every_n_steps, {}, []
+        Recorder.made.append(self)
+
+    @staticmethod
+    def direct(pl_module, batch) -> torch.Tensor:  # [layers, batch, seq, hidden], float64
+        with torch.no_grad():
+            states = pl_module.model.roberta(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states
+        return torch.stack(states).double()
+
+    @staticmethod
+    def probe(trainer) -> torch.Tensor:
+        callback = next(c for c in trainer.callbacks if isinstance(c, ContributionVectors))
+        return callback.weight.detach().double().clone()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step % self.every == 0:
+            self.train[trainer.global_step] = (self.direct(pl_module, batch), self.probe(trainer))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self.val.append((self.direct(pl_module, batch), self.probe(trainer)))
+
+
+def callbacks(every: int = EVERY, images: int = IMAGES, record: bool = True) -> list[str]:
+    specs = ([{"class_path": "tests.test_callbacks.Recorder", "init_args": {"every_n_steps": every}}] if record else [])
+    specs += [{"class_path": f"callbacks.{module}.{name}", "init_args": {"every_n_steps": every,
+                                                                         "image_every_n_steps": images}}
+              for module, name in (("outlier_statistics", "OutlierStatistics"),
+                                   ("contribution_vectors", "ContributionVectors"))]
+    return [arg for spec in specs for arg in ("--trainer.callbacks+", json.dumps(spec))]
+
+
+def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> list[str]:
+    kind = {"wandb": "callbacks.wandb_logging.AutoWandbLogger", "csv": "pytorch_lightning.loggers.CSVLogger",
+            "tensorboard": "pytorch_lightning.loggers.TensorBoardLogger"}[logger]
+    return [
+        "fit", "--model.hidden_size", "32", "--model.num_hidden_layers", str(LAYERS - 1),
+        "--model.num_attention_heads", "4", "--model.intermediate_size", "64", "--model.max_position_embeddings", "34",
+        "--model.dropout", "0.0", "--model.warmup_steps", "2", "--model.lr", "1e-3", "--model.decay_steps", str(STEPS),
+        "--data.corpus", str(corpus), "--data.vocab_size", "600", "--data.block_length", "32",
+        "--data.batch_size", "8", "--data.global_batch_size", "8", "--data.val_fraction", "0.1",
+        "--data.cache_dir", str(cache), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.max_steps", str(STEPS), "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root),
+        "--trainer.logger", json.dumps({"class_path": kind, "init_args": {"save_dir": str(root)}}),
+        "--checkpoint.every_n_train_steps", "1000", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def wandb_run(root: Path):
+    (directory,) = (root / "wandb").glob("offline-run-*")
+    return read_run(directory)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus, cache):
+    """One process, W&B offline, both callbacks every 2 steps, and the Recorder."""
+    root = tmp_path_factory.mktemp("single")
+    Recorder.made.clear()
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks())) == 0
+    (recorder,) = Recorder.made
+    return wandb_run(root), recorder
+
+
+# ---- direct computations (numpy / plain torch, no metrics/ code) ----
+
+def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3) -> list[dict]:
+    """Per layer from hidden [layers, batch, seq, hidden] (float64): what OutlierStatistics should log."""
+    layers, batch, seq, size = hidden.shape
+    tokens = hidden.flatten(1, 2).numpy()
+    first, second = pair_positions(seq, PAIRS, pair_seed(0, seed_step))
+    cosines = F.cosine_similarity(hidden[:, :, first], hidden[:, :, second], dim=-1)  # [layers, batch, pairs]
+    out = []
+    for layer in range(layers):
+        mean = tokens[layer].mean(0)
+        max_share = np.bincount(tokens[layer].argmax(1), minlength=size) / tokens.shape[1]
+        min_share = np.bincount(tokens[layer].argmin(1), minlength=size) / tokens.shape[1]
+        deviation = np.abs(mean - np.median(mean))
+        z = deviation / (1.4826 * np.median(deviation))
+        flagged = np.flatnonzero((max_share >= 0.2) | (min_share >= 0.2) | (z > 10.0))
+        order = np.argsort(-np.abs(mean), kind="stable")
+        out.append({"argmax_dim": int(max_share.argmax()), "argmax_share": float(max_share.max()),
+                    "argmin_dim": int(min_share.argmax()), "argmin_share": float(min_share.max()),
+                    "top_dims": order[:top_k].tolist(), "top_means": mean[order[:top_k]].tolist(),
+                    "max_median_ratio": float(np.abs(mean).max() / np.median(np.abs(mean))),
+                    "anisotropy": float(cosines[layer].mean()), "num_tokens": tokens.shape[1],
+                    "outlier_dims": sorted(flagged.tolist(), key=lambda d: -abs(mean[d]))})
+    return out
+
+
+def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> list[dict]:
+    """Accuracy and contribution vectors |w_gold,i v_i| of probe `weight` [layers, hidden, positions]."""
+    layers, batch, seq, size = hidden.shape
+    tokens = hidden.flatten(1, 2)  # [layers, n, hidden]
+    positions = torch.arange(seq).repeat(batch)
+    accuracy = (torch.einsum("lnh,lhp->lnp", tokens, weight).argmax(-1) == positions).double().mean(1)
+    contribution = (weight[:, :, positions].transpose(1, 2) * tokens).abs().mean(1)  # [layers, hidden]
+    order = contribution.argsort(dim=1, descending=True, stable=True)[:, :top_k]
+    return [{"accuracy": float(accuracy[layer]), "top_dims": order[layer].tolist(),
+             "top_values": contribution[layer, order[layer]].tolist(),
+             "mean_contribution": float(contribution[layer].mean())} for layer in range(layers)]
+
+
+def logged(run, prefix: str, step: int) -> dict:
+    rows = [row for row in run.history if row.get("trainer/global_step") == step
+            and any(key.startswith(prefix + "/layer_") for key in row)]
+    assert len(rows) == 1, (prefix, step, len(rows))
+    return rows[0]
+
+
+def check_outliers(row: dict, prefix: str, expected: list[dict]) -> None:
+    assert row[f"{prefix}/num_tokens"] == expected[0]["num_tokens"]
+    for layer, want in enumerate(expected):
+        key = f"{prefix}/layer_{layer}"
+        for name in ("argmax_dim", "argmin_dim"):
+            assert row[f"{key}/{name}"] == want[name], (key, name)
+        for name in ("argmax_share", "argmin_share"):
+            assert row[f"{key}/{name}"] == pytest.approx(want[name], abs=1e-6)
+        assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
+        assert [row[f"{key}/top{i}_mean"] for i in (1, 2, 3)] == pytest.approx(want["top_means"], rel=1e-5)
+        assert row[f"{key}/max_median_ratio"] == pytest.approx(want["max_median_ratio"], rel=1e-5)
+        assert row[f"{key}/anisotropy"] == pytest.approx(want["anisotropy"], rel=1e-5)
+        assert row[f"{key}/num_outliers"] == len(want["outlier_dims"])
+
+
+def check_probe(row: dict, prefix: str, expected: list[dict]) -> None:
+    for layer, want in enumerate(expected):
+        key = f"{prefix}/layer_{layer}"
+        assert row[f"{key}/accuracy"] == pytest.approx(want["accuracy"], abs=1e-9)
+        assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
+        assert [row[f"{key}/top{i}_contribution"] for i in (1, 2, 3)] == pytest.approx(want["top_values"], rel=1e-5)
+        assert row[f"{key}/mean_contribution"] == pytest.approx(want["mean_contribution"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
+    run, recorder = single
+    assert sorted(recorder.train) == [0, 2, 4]
+    for step, (hidden, weight) in recorder.train.items():
+        check_outliers(logged(run, "outliers", step), "outliers", direct_outliers(hidden, step))
+        check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
+    # validation: the whole validation set (several batches), eval mode, fixed pairs, the probe after its last update
+    val_hidden = torch.cat([hidden for hidden, _ in recorder.val], dim=1)
+    expected = direct_outliers(val_hidden, None)
+    check_outliers(logged(run, "val_outliers", STEPS), "val_outliers", expected)
+    check_probe(logged(run, "val_position_probe", STEPS), "val_position_probe",
+                direct_probe(val_hidden, recorder.val[0][1]))
+
+    # the probe's own optimiser: step 0 -> 2 is one Adam step on the mean cross-entropy of step 0's tokens
+    hidden, weight = recorder.train[0]
+    probe = weight.float().clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([probe], lr=1e-3)
+    tokens, positions = hidden.flatten(1, 2).float(), torch.arange(hidden.shape[2]).repeat(hidden.shape[1])
+    sum(F.cross_entropy(tokens[layer] @ probe[layer], positions) for layer in range(LAYERS)).backward()
+    optimizer.step()
+    torch.testing.assert_close(recorder.train[2][1].float(), probe.detach(), rtol=0, atol=1e-6)
+    assert not torch.equal(recorder.train[2][1], recorder.train[0][1])
+
+    # summaries: the latest values, lists included
+    for layer, want in enumerate(expected):
+        assert run.summary[f"val_outliers/layer_{layer}/outlier_dims"] == want["outlier_dims"]
+        assert run.summary[f"outliers/layer_{layer}/argmax_dim"] == logged(run, "outliers", 4)[
+            f"outliers/layer_{layer}/argmax_dim"]
+        assert run.summary[f"position_probe/layer_{layer}/top_dims"] == direct_probe(*recorder.train[4])[layer][
+            "top_dims"]
+    counts = {}
+    for want in expected:
+        for dim in want["outlier_dims"]:
+            counts[dim] = counts.get(dim, 0) + 1
+    assert sorted(run.summary["val_outliers/persistent_dims"]) == sorted(d for d, c in counts.items() if c >= 2)
+    for pattern in ("outliers/*", "val_outliers/*", "position_probe/*", "val_position_probe/*"):
+        assert run.metrics[pattern] == "trainer/global_step"
+
+    # images: mean vectors and contribution heatmaps at steps 0 and 4 and at validation; the table over time
+    images = {}
+    for path in run.media:
+        if path.suffix == ".png":
+            key = str(path.parent.relative_to(run.directory / "files" / "media" / "images")) + "/" + \
+                path.name.rsplit("_", 2)[0]
+            images[key] = images.get(key, 0) + 1
+            assert min(Image.open(path).size) > 100
+    assert images == {"outliers/mean_vectors": 2, "val_outliers/mean_vectors": 1,
+                      "position_probe/contributions": 2, "val_position_probe/contributions": 1}
+    tables = sorted((p for p in run.media if p.name.endswith(".table.json")), key=lambda p: int(p.name.split("_")[1]))
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"] == TABLE_COLUMNS
+    assert [(row[0], row[1], row[2]) for row in table["data"]] == \
+        [(step, "train", layer) for step in (0, 2, 4) for layer in range(LAYERS)] + \
+        [(STEPS, "val", layer) for layer in range(LAYERS)]
+    for row in table["data"]:
+        prefix = "outliers" if row[1] == "train" else "val_outliers"
+        assert row[4] == logged(run, prefix, row[0])[f"{prefix}/layer_{row[2]}/argmax_dim"]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_path):
+    root = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    args = tiny_args(root, corpus, cache, *callbacks(record=False), "--data.batch_size", "4", "--trainer.devices", "2",
+                     "--trainer.strategy", "ddp")
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = single[0], wandb_run(root)
+    compared = 0
+    for prefix, steps in (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
+                          ("val_position_probe", (STEPS,))):
+        for step in steps:
+            a, b = logged(one, prefix, step), logged(two, prefix, step)
+            keys = sorted(k for k in a if k.startswith(prefix + "/"))
+            assert keys == sorted(k for k in b if k.startswith(prefix + "/"))
+            for key in keys:
+                if key.endswith("_dim") or key.endswith("num_tokens") or key.endswith("num_outliers"):
+                    assert a[key] == b[key], key
+                else:
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+                compared += 1
+    assert compared > 200
+
+
+def short_fit(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> int:
+    return train.cli_main(tiny_args(root, corpus, cache, *callbacks(record=False), "--trainer.max_steps", "4",
+                                    *extra, logger=logger))
+
+
+def final_step(root: Path) -> int:
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+
+
+def test_wandb_that_cannot_start_warns_and_training_goes_on(corpus, cache, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("wandb service unavailable")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.warns(LoggingWarning) as caught:
+        assert short_fit(tmp_path / "run", corpus, cache) == 0
+    messages = [str(w.message) for w in caught if issubclass(w.category, LoggingWarning)]
+    assert any("W&B could not start offline (RuntimeError: wandb service unavailable)" in m for m in messages)
+    assert any("training continues without it" in m for m in messages)
+    assert final_step(tmp_path / "run") == 4 and (tmp_path / "run" / "export" / "config.json").exists()
+
+
+def test_wandb_failing_mid_run_warns_once_and_training_goes_on(corpus, cache, tmp_path, monkeypatch):
+    from wandb.sdk.wandb_run import Run
+
+    log = Run.log
+
+    def flaky(self, data, *args, **kwargs):
+        if data.get("trainer/global_step", 0) >= 2:
+            raise ConnectionError("wandb-core went away")
+        return log(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "log", flaky)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert short_fit(tmp_path / "run", corpus, cache) == 0
+    failures = [w for w in caught if issubclass(w.category, LoggingWarning)]
+    assert len(failures) == 1 and "W&B failed mid-run (ConnectionError: wandb-core went away)" in str(failures[0].message)
+    assert final_step(tmp_path / "run") == 4
+    steps = {row["trainer/global_step"] for row in wandb_run(tmp_path / "run").history if "trainer/global_step" in row}
+    assert steps == {0, 1}  # everything before the failure was kept, nothing after
+
+
+def test_without_credentials_wandb_goes_offline_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert choose_mode() == ("offline", "no W&B credentials: set WANDB_API_KEY or run `wandb login`")
+    with socket.socket() as server:  # credentials, and a host that answers / one that does not
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert choose_mode() == ("online", None)
+    assert choose_mode() == ("offline", "127.0.0.1 cannot be reached")  # the port is closed now
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.delenv("WANDB_BASE_URL")
+
+    logger = AutoWandbLogger(save_dir=str(tmp_path / "run"))
+    logger.log_metrics({"outliers/x": 0.5}, step=3)
+    logger.finalize("success")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("W&B:")]
+    assert len(lines) == 1 and "offline (no W&B credentials" in lines[0]
+    (directory,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert lines[0].endswith(f"wandb sync {directory}")
+    assert read_run(directory).values("outliers/x") == [0.5]
+
+
+class GRUModule(pl.LightningModule):
+    """A model without a transformers encoder: nothing for the hooks to find."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.GRU(4, 4, batch_first=True)
+
+    def training_step(self, batch, batch_idx):
+        return self.rnn(batch[0])[0].pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("callback", [OutlierStatistics, ContributionVectors])
+def test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error(callback, tmp_path):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 4)), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, logger=False, callbacks=[callback(every_n_steps=1, image_every_n_steps=0)],
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(UserError, match="cannot capture the hidden states of GRUModule: it holds no transformers encoder"):
+        trainer.fit(GRUModule(), data)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"class_path": "callbacks.outlier_statistics.OutlierStatistics", "init_args": {"layers": [0, 3]}},
+     "OutlierStatistics: layers [0, 3] must be distinct, within 0..2"),
+    ({"class_path": "callbacks.contribution_vectors.ContributionVectors",
+      "init_args": {"every_n_steps": 3, "image_every_n_steps": 10}},
+     "image_every_n_steps (10) must be a multiple of every_n_steps (3)"),
+])
+def test_bad_callback_settings_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path, capsys, spec, message):
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, "--trainer.callbacks+", json.dumps(spec))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error: ") and message in err[-1]
+    assert not root.exists()
+
+
+@pytest.mark.slow
+def test_sanity_check_is_skipped_and_tensorboard_gets_scalars_and_images(corpus, cache, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    Recorder.made.clear()
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(), "--trainer.num_sanity_val_steps", "2",
+                                    logger="tensorboard")) == 0
+    (recorder,) = Recorder.made
+    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent), size_guidance={"images": 0})
+    events.Reload()
+    val_tokens = sum(hidden.shape[1] * hidden.shape[2] for hidden, _ in recorder.val)  # the validation set only
+    assert [(e.step, e.value) for e in events.Scalars("val_outliers/num_tokens")] == [(STEPS, val_tokens)]
+    assert [e.step for e in events.Scalars("outliers/num_tokens")] == [0, 2, 4]
+    expected = direct_outliers(recorder.train[2][0], 2)
+    assert events.Scalars("outliers/layer_1/argmax_dim")[1].value == expected[1]["argmax_dim"]
+    assert [e.step for e in events.Images("outliers/mean_vectors")] == [0, 4]
+    assert [e.step for e in events.Images("val_position_probe/contributions")] == [STEPS]
+    assert "outliers/table/text_summary" in events.Tags()["tensors"]
+
+
+def test_fast_dev_run_neither_crashes_nor_logs(corpus, cache, tmp_path):
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(every=1, images=1, record=False),
+                                    "--trainer.fast_dev_run", "true")) == 0
+    assert (root / "export" / "config.json").exists() and not (root / "wandb").exists()
+
+
+class ProbeRecorder(pl.Callback):
+    """Test helper for probe.py runs: each step's cached features, positions and the online probe's weights."""
+
+    made: list[ProbeRecorder] = []
+
+    def __init__(self) -> None:
+        self.seen = {}
+        ProbeRecorder.made.append(self)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen[trainer.global_step] = (batch[0].double(), batch[1], Recorder.probe(trainer))
+
+
+@pytest.mark.slow
+def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
+    import probe
+    from tests.tiny import save_tiny_encoder
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(40)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    spec = {"class_path": "callbacks.contribution_vectors.ContributionVectors",
+            "init_args": {"every_n_steps": 1, "image_every_n_steps": 0, "layers": [1, 3], "on_validation": False}}
+    logger = {"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {"save_dir": str(out)}}
+    ProbeRecorder.made.clear()
+    cli = probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"), "--model.encoder",
+                          str(encoder), "--data.source", str(data), "--data.batch_size", "8", "--data.random_baseline",
+                          "false", "--data.progress", "false", "--trainer.max_epochs", "1", "--trainer.accelerator",
+                          "cpu", "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+                          "--trainer.logger", json.dumps(logger), "--trainer.default_root_dir", str(out),
+                          "--trainer.callbacks+", "tests.test_callbacks.ProbeRecorder",
+                          "--trainer.callbacks+", json.dumps(spec)])
+    (recorder,) = ProbeRecorder.made
+    rows = {}
+    for path in out.rglob("metrics.csv"):
+        with path.open() as handle:
+            rows.update({int(row["step"]): row for row in csv.DictReader(handle) if row.get("position_probe/num_tokens")})
+    assert sorted(rows) == sorted(recorder.seen) and len(rows) >= 3
+    slots = [cli.datamodule.spec.slots.index(("encoder", layer)) for layer in (1, 3)]
+    for step, (features, positions, weight) in recorder.seen.items():
+        tokens = features[slots]  # [2 layers, tokens, hidden]
+        accuracy = (torch.einsum("lnh,lhp->lnp", tokens, weight).argmax(-1) == positions).double().mean(1)
+        contribution = (weight[:, :, positions].transpose(1, 2) * tokens).abs().mean(1)
+        for i, layer in enumerate((1, 3)):
+            assert float(rows[step][f"position_probe/layer_{layer}/accuracy"]) == pytest.approx(float(accuracy[i]))
+            assert int(float(rows[step][f"position_probe/layer_{layer}/top1_dim"])) == int(contribution[i].argmax())
+        assert float(rows[step]["position_probe/num_tokens"]) == positions.numel()
