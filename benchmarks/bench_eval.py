@@ -1,7 +1,8 @@
 """Peak memory of every evaluation at 1x and 10x data, side by side in one run (issue 6's streaming target).
 
     python benchmarks/bench_eval.py            # packaged MiniLM: 320 vs 3200 sentences, 64 vs 640 pairs
-    python benchmarks/bench_eval.py --quick    # smaller, for the test suite
+    python benchmarks/bench_eval.py --quick    # smaller
+    python benchmarks/bench_eval.py --smoke    # anisotropy only, smallest (the test suite runs this)
 
 Each evaluation runs as `analyze.py <command>` in a fresh process on 1x and on 10x data (the 1x content repeated, so
 sentence lengths, and with them the largest batch, are the same), with a fixed glibc mmap threshold (as
@@ -110,6 +111,7 @@ def peak(argv: list[str], encoder: str, output: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="anisotropy only, smallest sizes (tests)")
     parser.add_argument("--encoder", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -119,12 +121,12 @@ def main() -> None:
 
     encoder = args.encoder or default_encoder()
     # Whole batches of 32 at 1x too: a short last batch would make the 1x peak activation smaller than 10x's.
-    base, pairs, pool = (64, 32, 400) if args.quick else (320, 64, 2000)
+    base, pairs, pool = (32, 16, 100) if args.smoke else (64, 32, 400) if args.quick else (320, 64, 2000)
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         data = {scale: write_data(folder, scale, base, pairs, pool) for scale in (1, 10)}
-        runs = {scale: commands(data[scale], args.quick) for scale in (1, 10)}
-        for name in runs[1]:
+        runs = {scale: commands(data[scale], args.quick or args.smoke) for scale in (1, 10)}
+        for name in (["anisotropy"] if args.smoke else runs[1]):
             small = peak(runs[1][name], encoder, folder / f"{name}-1x")
             large = peak(runs[10][name], encoder, folder / f"{name}-10x")
             print(f"{name}: 1x peak {small:.0f} MiB, 10x peak {large:.0f} MiB")

@@ -1,7 +1,8 @@
 """Cost of the streaming outlier statistics, measured side by side in one run (issue 2's targets).
 
     python benchmarks/bench_outliers.py            # packaged MiniLM, 200 vs 2000 sentences
-    python benchmarks/bench_outliers.py --quick    # smaller, for the test suite
+    python benchmarks/bench_outliers.py --quick    # smaller
+    python benchmarks/bench_outliers.py --smoke    # smallest, seconds (the test suite runs this)
 
 1. Peak memory: the whole `analyze.py outliers` statistics pipeline (read, sample, tokenise, encode, update) runs
    in a fresh process on N and on 10×N sentences; the peak resident set of the 10×N run must stay within 1.1× of
@@ -93,6 +94,7 @@ def measure_time(encoder_path: str, num_batches: int, max_length: int, batch_siz
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
     parser.add_argument("--encoder", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max_length", type=int, default=64)
@@ -102,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.child is not None:
         return child(encoder, args.child, args.max_length, args.batch_size)
-    base, batches, repeats = (40, 4, 3) if args.quick else (200, 24, 5)
+    base, batches, repeats = (8, 1, 1) if args.smoke else (40, 4, 3) if args.quick else (200, 24, 5)
     small, large = measure_memory(encoder, base, args.max_length, args.batch_size)
     print(f"memory: {base} sentences ({small['tokens']} tokens) peak {small['peak_mib']:.0f} MiB; "
           f"{10 * base} sentences ({large['tokens']} tokens) peak {large['peak_mib']:.0f} MiB; "

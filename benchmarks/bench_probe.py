@@ -1,7 +1,8 @@
 """Cost of the position probe against the encoder pass it rests on, measured side by side in one run (issue 4).
 
     python benchmarks/bench_probe.py            # packaged MiniLM on 2000 sentences, then a bert-base-size encoder
-    python benchmarks/bench_probe.py --quick    # MiniLM on 200 sentences, for the test suite
+    python benchmarks/bench_probe.py --quick    # MiniLM on 200 sentences
+    python benchmarks/bench_probe.py --smoke    # MiniLM on 40 sentences, seconds (the test suite runs this)
 
 1. The full position probe as probe.py runs it (features of every layer extracted once, the stacked probes of all
    layers trained 10 epochs with Adam at batch 128 sentences, validated each epoch, tested, contributions computed,
@@ -152,6 +153,7 @@ def base_architecture(tokenizer_source) -> FrozenEncoder:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 sentences, the default encoder only")
+    parser.add_argument("--smoke", action="store_true", help="40 sentences, the default encoder only (tests)")
     parser.add_argument("--encoder", default=None, help="default: the packaged MiniLM")
     parser.add_argument("--sentences", type=int, default=None)
     args = parser.parse_args()
@@ -159,11 +161,12 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     encoder = load_encoder(args.encoder or default_encoder(), device="cpu")
-    texts = sample_texts(iter_texts(DEFAULT_CORPUS), args.sentences or (200 if args.quick else 2000), seed=0)
+    default = 40 if args.smoke else 200 if args.quick else 2000
+    texts = sample_texts(iter_texts(DEFAULT_CORPUS), args.sentences or default, seed=0)
     result = measure(encoder, texts, naive=True)
     print(f"RATIO probe_time_vs_one_encoder_pass {result['probe'] / result['encode']:.3f} target <=2")
     print(f"RATIO probe_speedup_vs_naive_rerun {result['naive'] / result['probe']:.3f} target >=10")
-    if not args.quick:
+    if not (args.quick or args.smoke):
         base = measure(base_architecture(encoder), texts[:400], naive=False)
         print(f"RATIO probe_time_vs_one_encoder_pass_base_size {base['probe'] / base['encode']:.3f} target <=2")
 

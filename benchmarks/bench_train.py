@@ -1,7 +1,8 @@
 """Pretraining throughput: train.py's LightningModule + Trainer vs a bare PyTorch loop and vs transformers' Trainer.
 
     python benchmarks/bench_train.py            # tiny config (configs/pretrain/tiny.yaml) on the bundled corpus
-    python benchmarks/bench_train.py --quick    # small sizes, for the test suite
+    python benchmarks/bench_train.py --quick    # small sizes, one round
+    python benchmarks/bench_train.py --smoke    # smallest sizes, seconds (the test suite runs this)
     python benchmarks/bench_train.py --gpu_only # only the roberta-base tokens/s and MFU lines (needs CUDA)
 
 All three run side by side in one process, interleaved over --rounds; each ratio is the median over rounds of the
@@ -11,11 +12,12 @@ paired per-round ratio (robust to load from other jobs on a shared machine):
   the same loss function (the framework-overhead limit), target >= 0.95x;
 - hf_trainer: transformers.Trainer + DataCollatorForLanguageModeling on the same packed blocks and model config
   (the usual baseline), target >= 1.0x.
-With CUDA it also trains roberta-base (Table 4 sizes, bf16-mixed, SDPA, fused AdamW) with and without PE at
-sequence lengths 128 and 512 on synthetic blocks and prints tokens/s and model-FLOPs utilisation: per token
-6 N (N = non-embedding parameters) + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on
-the k masked positions of T), over the device's dense bf16 peak.
-Output: one `RATIO <name> <value> target >=<x>` line per ratio, and `METRIC` lines for the rest.
+With CUDA it also trains the model of configs/pretrain/roberta-base.yaml and roberta-base-nope.yaml (Table 4 sizes,
+bf16-mixed, SDPA, fused AdamW) at sequence lengths 128 and 512 on synthetic blocks and prints tokens/s and
+model-FLOPs utilisation: FLOPs per token 6 N (N = the encoder's weight matrices) + 12 L d T (attention scores and
+values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions of T), times tokens/s, over the device's dense
+bf16 peak (looked up by device name, or --peak_tflops). Without CUDA it prints a note instead.
+Output: one `RATIO <name> <value> target >=<x>` line per ratio, and `METRIC <name> <value>` lines for the rest.
 """
 
 from __future__ import annotations
@@ -210,9 +212,10 @@ class SyntheticData(pl.LightningDataModule):
 
 
 def model_flops_per_token(module: MLMModule, seq: int, k: int) -> float:
-    """6 N (encoder layers) + 12 L d T (attention) + 6 (d^2 + d V) k / T (LM head on the masked positions)."""
+    """Training FLOPs per input token: 6 N (the encoder's weight matrices, forward 2 + backward 4 per weight)
+    + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions)."""
     h = module.hparams
-    body = sum(p.numel() for p in module.model.roberta.encoder.parameters())
+    body = sum(p.numel() for p in module.model.roberta.encoder.parameters() if p.ndim >= 2)
     attention = 12 * h.num_hidden_layers * h.hidden_size * seq
     lm_head = 6 * (h.hidden_size ** 2 + h.hidden_size * h.vocab_size) * k / seq
     return 6 * body + attention + lm_head
@@ -224,19 +227,30 @@ def peak_tflops(name: str, override: float | None) -> float | None:
     return next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
+def gpu_configs() -> dict[str, dict]:
+    """The model sections of the two roberta-base pretraining configs (with and without PE)."""
+    folder = ROOT / "configs" / "pretrain"
+    return {name: yaml.safe_load((folder / f"{name}.yaml").read_text()) for name in ("roberta-base", "roberta-base-nope")}
+
+
 def run_gpu(args) -> None:
     device = torch.cuda.get_device_name(0)
     peak = peak_tflops(device, args.peak_tflops)
+    if peak is None:
+        print(f"note: no bf16 peak known for {device}: pass --peak_tflops for the MFU lines")
     for seq, batch in ((128, args.gpu_batch_128), (512, args.gpu_batch_512)):
-        for pe in (True, False):
+        for config_name, config in gpu_configs().items():
             pl.seed_everything(0, verbose=False)
-            module = MLMModule(position_embeddings=pe, vocab_size=50265, max_position_embeddings=514,
-                               warmup_steps=10, decay_steps=1000, compile=args.compile)
-            assert module.model.config._attn_implementation == "sdpa"
-            data = SyntheticData(50265, seq, batch)
+            model_args = {**config["model"], "warmup_steps": 10, "decay_steps": 1000, "vocab_size": 50265}
+            if args.compile:
+                model_args["compile"] = True
+            module = MLMModule(**model_args)
+            assert seq <= module.max_length and module.model.config._attn_implementation == "sdpa"
+            data = SyntheticData(module.vocab_size, seq, batch)
             timer = StepTimer(args.gpu_warmup)
             with tempfile.TemporaryDirectory() as root:
-                trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", gradient_clip_val=0.5,
+                trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
+                                     gradient_clip_val=config["trainer"].get("gradient_clip_val"),
                                      max_steps=args.gpu_warmup + args.gpu_steps, logger=False,
                                      enable_checkpointing=False, enable_progress_bar=False,
                                      enable_model_summary=False, default_root_dir=root, callbacks=[timer],
@@ -245,7 +259,7 @@ def run_gpu(args) -> None:
                 trainer.fit(module, datamodule=data)
             tokens = batch * seq * args.gpu_steps / (timer.end - timer.start)
             flops = model_flops_per_token(module, seq, data.collator.k)
-            name = f"roberta_base_{'pe' if pe else 'nope'}_seq{seq}"
+            name = f"{config_name.replace('-', '_')}_seq{seq}"
             print(f"METRIC {name}_tokens_per_s {tokens:.0f}  (batch {batch}, {device})")
             if peak:
                 print(f"METRIC {name}_mfu {tokens * flops / (peak * 1e12):.3f}  ({flops / 1e6:.0f} MFLOP/token, "
@@ -257,7 +271,8 @@ def run_gpu(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
-    parser.add_argument("--quick", action="store_true", help="small model and corpus, one round (for tests)")
+    parser.add_argument("--quick", action="store_true", help="small model and corpus, one round")
+    parser.add_argument("--smoke", action="store_true", help="smallest model and corpus, two timed steps (tests)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
@@ -271,29 +286,30 @@ def main() -> None:
     parser.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the loss in the GPU runs")
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.warmup, args.steps = 1, 2, 4
+    if args.quick or args.smoke:
+        args.rounds, args.warmup, args.steps = (1, 1, 2) if args.smoke else (1, 2, 4)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.gpu_only:
         run_cpu_comparison(args)
     if torch.cuda.is_available():
         run_gpu(args)
-    elif args.gpu_only:
-        print("no CUDA device: the roberta-base tokens/s and MFU lines need one")
+    else:
+        print("note: no CUDA device: roberta-base tokens/s and MFU (with and without PE, sequence lengths 128 and 512) "
+              "are measured on a GPU only")
 
 
 def run_cpu_comparison(args) -> None:
     config_path = Path(args.config)
-    config = load_config(config_path, args.quick)
+    config = load_config(config_path, args.quick or args.smoke)
     results: dict[str, list[float]] = {"lightning": [], "bare": [], "hf_trainer": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "cache"
-        if args.quick:
+        if args.quick or args.smoke:
             corpus = tmp / "corpus.txt"
             with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
-                corpus.write_text("".join(handle.readlines()[:400]), encoding="utf-8")
+                corpus.write_text("".join(handle.readlines()[:200 if args.smoke else 400]), encoding="utf-8")
             config["data"]["corpus"] = str(corpus)
         datamodule(config, cache)  # prepare the tokenizer and blocks once, outside the timings
         for round_ in range(args.rounds):
