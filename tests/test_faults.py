@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -392,3 +393,19 @@ def test_slurm_script_requeues_only_a_run_stopped_by_sigterm(tmp_path, status, r
     assert (tmp_path / "scontrol.args").exists() is requeued
     if requeued:
         assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+
+
+def test_every_row_of_the_readme_error_tables_names_tests_that_exist():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("\n## Errors and faults\n"):readme.index("\n## Layout\n")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    rows = [row for row in rows if not row.startswith(("| entry point", "| fault"))]
+    assert len(rows) > 50
+    for row in rows:
+        tests = re.findall(r"(test_\w+\.py)::(test_\w+)", row.split(" | ")[-1])
+        assert tests, f"no test named in: {row}"
+        for file, name in tests:
+            assert re.search(rf"^def {name}\(", (ROOT / "tests" / file).read_text(encoding="utf-8"), re.M), (file, name)
+        entry = row.split(" | ")[0].removeprefix("| ")
+        if entry in ("train.py", "probe.py", "analyze.py"):  # the line printed starts with the entry point's name
+            assert row.split(" | ")[2].startswith(f"`{entry}"), row
