@@ -4,6 +4,7 @@ against the same training without them, side by side in one run (issue 5).
     python benchmarks/bench_callbacks.py               # configs/pretrain/tiny.yaml's model and data, W&B offline
     python benchmarks/bench_callbacks.py --steps 1000  # the exact default cadence over a whole image period (slow)
     python benchmarks/bench_callbacks.py --quick       # a 2-layer, 32-dim model on 400 lines, for the test suite
+    python benchmarks/bench_callbacks.py --smoke       # the same on 200 lines, one round of 4 steps (tests)
 
 Each round trains the model twice from the same seed, with and without both callbacks, alternating which goes first;
 both log to an offline W&B run (scalars, images, the outlier table). Timed: optimizer steps 1..--steps (step 0, with
@@ -110,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
     parser.add_argument("--quick", action="store_true", help="small model and corpus, two rounds (for tests)")
+    parser.add_argument("--smoke", action="store_true", help="smallest: one round of 4 steps (tests/test_bench.py)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2 * DEFAULTS["every_n_steps"],
                         help="optimizer steps timed per run, from step 1 (a multiple of every_n_steps)")
@@ -118,25 +120,25 @@ def main() -> None:
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     every = DEFAULTS["every_n_steps"]
-    if args.quick:
-        args.rounds, args.steps, every = 2, 20, 10
+    if args.quick or args.smoke:
+        args.rounds, args.steps, every = (1, 4, 2) if args.smoke else (2, 20, 10)
     if args.steps % every or args.steps > DEFAULTS["image_every_n_steps"]:
         parser.error(f"--steps must be a multiple of {every} and at most {DEFAULTS['image_every_n_steps']}")
     if args.threads:
         torch.set_num_threads(args.threads)
     cadence = (every, args.steps)
     config_path = Path(args.config)
-    config = load_config(config_path, args.quick)
+    config = load_config(config_path, args.quick or args.smoke)
     results: dict[bool, list[WindowTimer]] = {True: [], False: []}
     print(f"METRIC cadence every_n_steps {every} image_every_n_steps {args.steps} (defaults "
           f"{DEFAULTS['every_n_steps']} / {DEFAULTS['image_every_n_steps']}), timed steps 1..{args.steps}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "cache"
-        if args.quick:
+        if args.quick or args.smoke:
             corpus = tmp / "corpus.txt"
             with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
-                corpus.write_text("".join(handle.readlines()[:400]), encoding="utf-8")
+                corpus.write_text("".join(handle.readlines()[:200 if args.smoke else 400]), encoding="utf-8")
             config["data"]["corpus"] = str(corpus)
         for round_ in range(args.rounds):
             for live in ((True, False) if round_ % 2 == 0 else (False, True)):
