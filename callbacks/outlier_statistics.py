@@ -21,8 +21,8 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
 top_mean_dims, max_median_ratio) updated on the device and synced across ranks, so a step's values equal one
 process's on the same global batch. W&B also gets, every `image_every_n_steps` and at each validation, the image
 `outliers/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), the table
-`outliers/table` (one row per step, split and layer: outlier dims, dominant dims, shares, ratio, anisotropy; it
-grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/
+`outliers/table` (a row per layer at each of those steps and validations: outlier dims, dominant dims, shares,
+ratio, anisotropy; it grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/
 outlier_dims` and `outliers/persistent_dims` (latest). TensorBoard gets the images and the table as text; CSV the
 scalars.
 """
@@ -127,6 +127,7 @@ class OutlierStatistics(LiveCallback):
         ratio = max_median_ratio(result.mean)
         metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result.num_tokens)}
         summary: dict = {}
+        milestone = stage == "val" or self.due_images(step)  # images, and a row per layer in the table
         for i, (layer, outliers) in enumerate(zip(self.layers, found)):
             key = f"{prefix}/layer_{layer}"
             metrics.update({f"{key}/argmax_dim": outliers.argmax_dim, f"{key}/argmax_share": outliers.argmax_share,
@@ -137,14 +138,15 @@ class OutlierStatistics(LiveCallback):
                 metrics[f"{key}/top{rank + 1}_dim"] = int(dims[i, rank])
                 metrics[f"{key}/top{rank + 1}_mean"] = float(means[i, rank])
             summary[f"{key}/outlier_dims"] = outliers.outlier_dims
-            self.rows.append([step, stage, layer, ", ".join(map(str, outliers.outlier_dims)), outliers.argmax_dim,
-                              outliers.argmax_share, outliers.argmin_dim, outliers.argmin_share,
-                              ", ".join(map(str, dims[i].tolist())), round(float(ratio[i]), 4),
-                              round(float(anisotropy[i]), 4)])
+            if milestone:
+                self.rows.append([step, stage, layer, ", ".join(map(str, outliers.outlier_dims)), outliers.argmax_dim,
+                                  outliers.argmax_share, outliers.argmin_dim, outliers.argmin_share,
+                                  ", ".join(map(str, dims[i].tolist())), round(float(ratio[i]), 4),
+                                  round(float(anisotropy[i]), 4)])
         summary[f"{prefix}/persistent_dims"] = persistent_dims(found)
         logs.log_scalars(trainer, metrics, step)
         logs.log_summary(trainer, summary)
-        if stage == "val" or self.due_images(step):
+        if milestone:
             if logs.wants_images(trainer):
                 full = torch.zeros(max(self.layers) + 1, result.mean.shape[1])
                 full[self.layers] = result.mean.float()
