@@ -89,8 +89,8 @@ class OutlierStatistics(LiveCallback):
         if self.stats:
             return
         for stage in PREFIX:
-            self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size)
-            self.cosine[stage] = MeanCosine(len(self.layers))
+            self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size).to(pl_module.device)
+            self.cosine[stage] = MeanCosine(len(self.layers)).to(pl_module.device)
         logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
 
     def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:

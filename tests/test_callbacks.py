@@ -237,7 +237,8 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
             key = str(path.parent.relative_to(run.directory / "files" / "media" / "images")) + "/" + \
                 path.name.rsplit("_", 2)[0]
             images[key] = images.get(key, 0) + 1
-            assert min(Image.open(path).size) > 100
+            with Image.open(path) as image:
+                assert min(image.size) > 100
     assert images == {"outliers/mean_vectors": 2, "val_outliers/mean_vectors": 1,
                       "position_probe/contributions": 2, "val_position_probe/contributions": 1}
     tables = sorted((p for p in run.media if p.name.endswith(".table.json")), key=lambda p: int(p.name.split("_")[1]))
