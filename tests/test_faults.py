@@ -298,16 +298,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def alive_with(marker: str) -> list[int]:
-    """Processes still running whose command line holds `marker` (a path unique to one test)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+def alive_with(marker: str, grace: float = 10) -> list[int]:
+    """Processes still running `grace` seconds on whose command line holds `marker` (a path unique to one test)."""
+    deadline = time.monotonic() + grace
+    while True:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
 
 
 def finish(process: subprocess.Popen, timeout: float) -> str:
