@@ -4,6 +4,8 @@
 #   scripts/torchrun_pretrain.sh configs/pretrain/roberta-base-nope.yaml 8 --data.batch_size 32
 # Several machines without SLURM: run on each node with NNODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) set:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/torchrun_pretrain.sh configs/pretrain/roberta-base.yaml 4
+# SIGTERM to torchrun reaches every worker: train.py saves last.ckpt at the next optimizer step and exits with 143
+# (torchrun then reports the workers as failed); run the same command again to resume exactly.
 set -euo pipefail
 CONFIG=${1:?usage: scripts/torchrun_pretrain.sh CONFIG [GPUS_PER_NODE] [train.py arguments...]}
 GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
