@@ -27,18 +27,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from jsonargparse import lazy_instance
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from callbacks.hidden_states import check_callbacks
+from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from datamodules.io import UserError, atomic_file
 from datamodules.mlm import MLMDataModule
 from datamodules.tokenizer import fingerprint
 from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint
 
-TRAINER_DEFAULTS = {"use_distributed_sampler": False}  # the datamodule shards batches itself (same global batch)
+TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
+                    "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
 
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
@@ -177,6 +181,8 @@ class PretrainCLI(LightningCLI):
             raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
                             "positions (--model.max_position_embeddings - 2)")
         data.check_trainer(trainer, apply=False)
+        check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
+        use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
