@@ -40,7 +40,9 @@ def cache(tmp_path_factory) -> Path:
 
 
 def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    logger = json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {"save_dir": str(root)}})
+    # name given: jsonargparse would keep the default AutoWandbLogger's name (null) for the CSVLogger
+    logger = json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger",
+                         "init_args": {"save_dir": str(root), "name": "lightning_logs"}})
     return [
         "fit", "--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
         "--model.intermediate_size", "64", "--model.max_position_embeddings", "34", "--model.dropout", "0.1",
