@@ -1,14 +1,16 @@
 """Where outlier dimensions come from (the paper's §3): positional-embedding rows and LayerNorm parameters.
 
-    origins = trace_origins(encoder.model, dims=[223, 63])
+    origins = trace_origins(encoder.model, dims=outlier_dims)    # the detected dims, e.g. [d1, d2]
 
 For each dimension d:
 - position_embeddings: the rows (positions, 0-indexed from the first position a token can take) whose largest or
   smallest value lies on d, their shares of all rows, and d's rank by |column mean| of the table. The whole entry
-  is None, with a reason, when the model has no absolute position table, an all-zero one (this project's no-PE
-  models), or one narrower than the hidden size (ALBERT's factorised embeddings).
+  is None, with a reason, when the model has no absolute position table or an all-zero one (this project's no-PE
+  models). ALBERT's factorised table [positions, E] is narrower than the hidden size H: its rows are traced into
+  the hidden space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
 - layer_norms: for every LayerNorm over the hidden size, d's gain and bias and their ranks by magnitude among
-  all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings).
+  all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
+  shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers.
 """
 
 from __future__ import annotations
@@ -33,30 +35,45 @@ def position_table(model: nn.Module) -> tuple[Tensor | None, str]:
     table = getattr(embeddings, "position_embeddings", None)
     if not isinstance(table, nn.Embedding):
         return None, "no absolute position-embedding table"
-    weight = table.weight.detach().float().cpu()
+    weight = table.weight.detach().float().cpu()  # [positions, width]
     if not weight.any():
         return None, "the position-embedding table is all zeros (trained without positional embeddings)"
-    if weight.shape[1] != model.config.hidden_size:
-        return None, f"position embeddings have width {weight.shape[1]}, not the hidden size"
+    note, width, hidden = "", weight.shape[1], model.config.hidden_size
+    if width != hidden:
+        why = f"factorised embeddings: the position table has width E={width}, the hidden size is H={hidden}"
+        projection = getattr(getattr(base, "encoder", None), "embedding_hidden_mapping_in", None)
+        if not isinstance(projection, nn.Linear) or tuple(projection.weight.shape) != (hidden, width):
+            return None, f"{why}, and no E-to-H projection to trace its rows through"
+        weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
+        note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
+                "bias; the embedding LayerNorm before it is not applied)")
     offset = position_offset(model)
-    return weight[offset: offset + model_max_length(model)], ""
+    return weight[offset: offset + model_max_length(model)], note
 
 
-def layer_norms(model: nn.Module) -> list[tuple[str, int, nn.LayerNorm]]:
-    """(name, hidden-state layer it writes, module) for each LayerNorm over the hidden size, in model order."""
+def written_layers(model: nn.Module, name: str) -> list[int]:
+    """The hidden-state layers the module `name` writes: [l] for a module of transformer layer l - 1 (BERT's
+    encoder.layer.{l-1}, DistilBERT's transformer.layer.{l-1}), [0] outside the layers, and every layer that runs
+    the group for ALBERT's shared encoder.albert_layer_groups.{g} (layer i uses group i // (layers / groups))."""
+    group = re.search(r"layer_groups\.(\d+)\.", name + ".")
+    if group:
+        layers, groups = model.config.num_hidden_layers, model.config.num_hidden_groups
+        return [i + 1 for i in range(layers) if int(i / (layers / groups)) == int(group.group(1))]
+    match = re.search(r"layers?\.(\d+)\.", name + ".")
+    return [int(match.group(1)) + 1 if match else 0]
+
+
+def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.LayerNorm]]:
+    """(name, hidden-state layers it writes, module) for each LayerNorm over the hidden size, in model order."""
     hidden = model.config.hidden_size
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,):
-            match = re.search(r"layers?\.(\d+)\.", name + ".")
-            found.append((name, int(match.group(1)) + 1 if match else 0, module))
-    return found
+    return [(name, written_layers(model, name), module) for name, module in model.named_modules()
+            if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,)]
 
 
 def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     """Origins report for `dims`: {"position_embeddings": ..., "layer_norms": ...} (see module docstring)."""
-    table, reason = position_table(model)
-    report: dict = {"position_embeddings": None, "position_embeddings_note": reason, "layer_norms": {}}
+    table, note = position_table(model)
+    report: dict = {"position_embeddings": None, "position_embeddings_note": note, "layer_norms": {}}
     if table is not None:
         row_max, row_min = table.argmax(1), table.argmin(1)  # [positions]
         column_rank = rank_by_magnitude(table.mean(0))
@@ -76,17 +93,19 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
         }
     norms = layer_norms(model)
     ranks = [
-        (name, layer, rank_by_magnitude(module.weight.detach().float().cpu()),
+        (name, layers, rank_by_magnitude(module.weight.detach().float().cpu()),
          rank_by_magnitude(module.bias.detach().float().cpu()) if module.bias is not None else None, module)
-        for name, layer, module in norms
+        for name, layers, module in norms
     ]
     for d in dims:
         entries = []
-        for name, layer, weight_rank, bias_rank, module in ranks:
-            entry = {"module": name, "layer": layer, "weight": round(float(module.weight[d]), 6),
-                     "weight_rank": int(weight_rank[d])}
+        for name, layers, weight_rank, bias_rank, module in ranks:
+            entry = {"module": name, "layer": layers[0] if len(layers) == 1 else None,
+                     "weight": round(float(module.weight.detach()[d]), 6), "weight_rank": int(weight_rank[d])}
+            if len(layers) > 1:
+                entry["shared_by_layers"] = layers
             if bias_rank is not None:
-                entry.update(bias=round(float(module.bias[d]), 6), bias_rank=int(bias_rank[d]))
+                entry.update(bias=round(float(module.bias.detach()[d]), 6), bias_rank=int(bias_rank[d]))
             entries.append(entry)
         report["layer_norms"][str(d)] = entries
     report["hidden_size"] = model.config.hidden_size
@@ -107,11 +126,17 @@ def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
         best_weight = min(entries, key=lambda e: e["weight_rank"], default=None)
         best_bias = min((e for e in entries if "bias_rank" in e), key=lambda e: e["bias_rank"], default=None)
         if best_weight is not None:
-            parts.append(f"LN gain rank {best_weight['weight_rank']} (layer {best_weight['layer']})")
+            parts.append(f"LN gain rank {best_weight['weight_rank']} ({where(best_weight)})")
         if best_bias is not None:
-            parts.append(f"LN bias rank {best_bias['bias_rank']} (layer {best_bias['layer']})")
+            parts.append(f"LN bias rank {best_bias['bias_rank']} ({where(best_bias)})")
         top_weight = sum(e["weight_rank"] <= top for e in entries)
         top_bias = sum(e.get("bias_rank", top + 1) <= top for e in entries)
         parts.append(f"top-{top} in {top_weight}/{len(entries)} gains, {top_bias}/{len(entries)} biases")
         lines[d] = "; ".join(parts)
     return lines
+
+
+def where(entry: dict) -> str:
+    """"layer 3", or "shared by layers 1-12" for a LayerNorm that several layers run."""
+    shared = entry.get("shared_by_layers")
+    return f"shared by layers {shared[0]}-{shared[-1]}" if shared else f"layer {entry['layer']}"

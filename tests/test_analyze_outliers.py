@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
-from tests.tiny import corpus_sentences, save_tiny_encoder
+from datamodules.io import sample_texts
+from tests.tiny import MAX_POSITIONS, corpus_sentences, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,15 +87,62 @@ def test_two_process_ddp_report_equals_single_process(tmp_path, bert_tok):
         assert a["outlier_means"] == pytest.approx(b["outlier_means"], abs=1e-5)
 
 
-def test_long_sentences_are_truncated_and_counted(tmp_path, bert_tok, capsys):
+def _truncation_warning(truncated: int, total: int, length: int) -> str:
+    return (f"warning: {truncated} of {total} sentences were longer than {length} tokens and were truncated "
+            "(counted in the report as num_truncated)")
+
+
+def test_long_sentences_are_truncated_counted_and_warned(tmp_path, bert_tok, capsys):
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = ["Short one here.", " ".join(["word"] * 100), "Another short one.", *corpus_sentences(6, start=700),
+             " ".join(["again"] * 70)]
     data = tmp_path / "s.txt"
-    data.write_text("Short one here.\n" + " ".join(["word"] * 100) + "\nAnother short one.\n", encoding="utf-8")
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    lengths = [len(ids) for ids in bert_tok(texts)["input_ids"]]  # tokenised here, independently of the encoder
+    long = sum(n > MAX_POSITIONS for n in lengths)
+    assert 0 < long < len(texts)
     assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / "out", "--max_sentences", 0) == 0
     report = json.loads((tmp_path / "out" / "outliers.json").read_text())
-    assert report["num_truncated"] == 1 and report["max_length"] == 64
-    assert report["num_tokens"] == 64 + sum(len(bert_tok(t)["input_ids"]) for t in ("Short one here.", "Another short one."))
-    assert "1 sentences truncated to 64 tokens" in capsys.readouterr().out
+    assert report["num_truncated"] == long and report["max_length"] == MAX_POSITIONS
+    assert report["num_tokens"] == sum(min(n, MAX_POSITIONS) for n in lengths)
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "warning" in line] == [
+        _truncation_warning(long, len(texts), MAX_POSITIONS)]
+    assert "warning" not in captured.out
+
+    # Any subcommand whose report counts truncations warns the same way (here at --max_length 16).
+    short = sum(n > 16 for n in lengths)
+    assert long < short < len(texts)
+    assert analyze.main(["anisotropy", "--no_progress", "--encoder", str(encoder), "--data", str(data),
+                         "--output_dir", str(tmp_path / "aniso"), "--max_sentences", "0", "--max_length", "16",
+                         "--clip", "none"]) == 0
+    assert json.loads((tmp_path / "aniso" / "anisotropy.json").read_text())["num_truncated"] == short
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [_truncation_warning(short, len(texts), 16)]
+
+
+def test_max_sentences_and_seed_choose_the_sample(tmp_path, bert_tok):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    lines = [line for line in corpus_sentences(40, start=900) if line][:30]  # sentences of varied lengths
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def report(seed: int, out: str) -> dict:
+        assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / out, "--max_sentences", 8,
+                   "--seed", seed) == 0
+        return json.loads((tmp_path / out / "outliers.json").read_text())
+
+    def tokens_of(seed: int) -> int:
+        picked = sample_texts(iter(lines), 8, seed)
+        assert len(picked) == 8 and set(picked) <= set(lines)
+        return sum(min(len(ids), MAX_POSITIONS) for ids in bert_tok(picked)["input_ids"])
+
+    first, again, other = report(3, "a"), report(3, "b"), report(4, "c")
+    assert first == again
+    assert tokens_of(3) != tokens_of(4)  # the two seeds pick samples with different token counts
+    for result, seed in ((first, 3), (other, 4)):
+        assert result["num_sentences"] == 8 < len(lines) and result["seed"] == seed
+        assert result["num_tokens"] == tokens_of(seed)
 
 
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:

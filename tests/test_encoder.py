@@ -140,3 +140,29 @@ def test_loader_errors(tmp_path):
     GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(UserError, match="'gpt2' model, not a BERT-family"):
         load_encoder(tmp_path / "gpt2")
+
+
+def test_bfloat16_hidden_states_close_to_float32_and_counted(tmp_path, bert_tok):
+    from metrics.neuron_stats import NeuronStatistics
+
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    full = load_encoder(path, device="cpu")
+    half = load_encoder(path, device="cpu", dtype=torch.bfloat16)
+    inputs, _ = full.tokenize(SENTENCES)
+    reference, batch = full(**inputs), half(**inputs)
+    assert reference.hidden_states.dtype == torch.float32 and batch.hidden_states.dtype == torch.bfloat16
+    assert torch.equal(batch.mask, reference.mask)
+    exact, rounded = reference.hidden_states[:, reference.mask], batch.hidden_states[:, batch.mask].float()
+    # bf16 keeps 8 significant bits (relative step 2**-8 = 0.4%): a few steps of error after LAYERS layers.
+    relative = (rounded - exact).norm(dim=-1) / exact.norm(dim=-1)  # [layers, tokens]
+    assert relative.max() < 0.03
+
+    stats = NeuronStatistics(LAYERS + 1, HIDDEN)
+    stats.update(batch.hidden_states, batch.mask)  # bf16 in, upcast inside
+    result = stats.compute()
+    direct = rounded.double()  # [layers, tokens, hidden]
+    assert result.num_tokens == direct.shape[1] and result.mean.dtype == torch.float64
+    torch.testing.assert_close(result.mean, direct.mean(1))
+    torch.testing.assert_close(result.var, direct.var(1, unbiased=False), atol=1e-6, rtol=1e-6)
+    for layer in range(LAYERS + 1):
+        assert torch.equal(result.argmax_count[layer], torch.bincount(direct[layer].argmax(-1), minlength=HIDDEN))

@@ -123,3 +123,81 @@ def test_detection_rule_by_hand():
 
 def test_rank_by_magnitude():
     assert rank_by_magnitude(torch.tensor([0.5, -3.0, 2.0, -0.1])).tolist() == [3, 1, 2, 4]
+
+
+def test_mean_vectors_figure_plots_each_layers_mean_and_marks_the_outliers(tmp_path, bert_tok, sentences_file):
+    import matplotlib.pyplot as plt
+    from transformers import AutoModel
+
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=lambda m: plant(m, 0))
+    texts = [line for line in sentences_file.read_text().splitlines() if line.strip()]
+    args = analyze.build_parser().parse_args(["outliers", "--encoder", str(path), "--data", str(sentences_file),
+                                              "--max_sentences", "0", "--no_progress"])
+    encoder = analyze.open_encoder(args)
+    result, num_sentences, truncated = analyze.collect_statistics(encoder, texts, args)
+    report = analyze.outliers_report(args, encoder, result, num_sentences, truncated)
+    fig = analyze.mean_vectors_png(report, result, encoder)  # what analyze.py saves as mean_vectors.png
+
+    model = AutoModel.from_pretrained(path).eval()  # the mean vectors computed directly, from transformers
+    inputs = bert_tok(texts, padding=True, truncation=True, max_length=MAX_POSITIONS, return_tensors="pt")
+    with torch.no_grad():
+        hidden = torch.stack(model(**inputs, output_hidden_states=True).hidden_states)
+    means = hidden[:, inputs["attention_mask"].bool()].double().mean(1)  # [layers, hidden]
+
+    assert len(fig.axes) == LAYERS + 1
+    for layer, (ax, entry) in enumerate(zip(fig.axes, report["layers"])):
+        assert ax.get_ylabel() == f"layer {layer}"
+        bars = ax.patches
+        assert [round(b.get_x() + b.get_width() / 2) for b in bars] == list(range(means.shape[1]))
+        heights = torch.tensor([b.get_height() for b in bars], dtype=torch.float64)
+        torch.testing.assert_close(heights, means[layer], atol=1e-5, rtol=1e-4)
+        (markers,) = ax.collections
+        marked = [round(x) for x in markers.get_offsets()[:, 0]]
+        assert marked == entry["outlier_dims"] and PE_DIM in marked and (LATE_DIM in marked) == (layer >= LATE_LAYER)
+        torch.testing.assert_close(torch.tensor(markers.get_offsets()[:, 1], dtype=torch.float64),
+                                   means[layer, marked], atol=1e-5, rtol=1e-4)
+        labels = [(text.get_text(), text.xy[0]) for text in ax.texts]
+        assert labels == [(str(d), d) for d in marked[:4]]
+    plt.close(fig)
+
+
+def test_albert_positions_traced_through_the_factorised_projection(bert_tok):
+    from transformers import AlbertModel
+
+    from metrics.origins import summarise_origins, trace_origins
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("albert", len(bert_tok))
+    width, hidden = config.embedding_size, config.hidden_size
+    assert width < hidden
+    model = AlbertModel(config).eval()
+    table = model.embeddings.position_embeddings.weight
+    projection = model.encoder.embedding_hidden_mapping_in.weight  # [hidden, width]
+    e_dim, rows = 3, [0, 1, 2, 5]
+    with torch.no_grad():  # a large value in E-space dim e_dim of a few position rows ...
+        table[rows, e_dim] += 6.0
+        projection[hidden - 7, e_dim] = 2.0  # ... that the projection sends mostly to hidden dim hidden - 7
+    expected = (table.detach() @ projection.detach().T)  # [positions, hidden], computed directly
+    h_dim = int(expected[rows[0]].argmax())
+    assert h_dim == hidden - 7
+    report = trace_origins(model, [h_dim])
+    note = report["position_embeddings_note"]
+    assert "factorised embeddings" in note and f"E={width}" in note and f"H={hidden}" in note
+    info = report["position_embeddings"]["dims"][str(h_dim)]
+    assert report["position_embeddings"]["num_positions"] == config.max_position_embeddings
+    as_max = (expected.argmax(1) == h_dim).nonzero().flatten().tolist()
+    assert set(rows) <= set(as_max) and info["positions_as_max"] == as_max
+    assert info["share_as_max"] == pytest.approx(len(as_max) / config.max_position_embeddings, abs=1e-6)
+    assert info["column_mean_rank"] == 1 and info["column_mean"] == pytest.approx(float(expected[:, h_dim].mean()),
+                                                                                 abs=1e-5)
+
+    # One group shared by every layer: its LayerNorms write no single layer; one group per layer: each writes one.
+    shared = report["layer_norms"][str(h_dim)]
+    assert len(shared) == 2 and all(entry["layer"] is None for entry in shared)
+    assert all(entry["shared_by_layers"] == list(range(1, LAYERS + 1)) for entry in shared)
+    assert f"shared by layers 1-{LAYERS}" in summarise_origins(report)[h_dim]
+    grouped = AlbertModel(tiny_config("albert", len(bert_tok), num_hidden_groups=LAYERS))
+    entries = trace_origins(grouped, [0])["layer_norms"]["0"]
+    assert sorted(entry["layer"] for entry in entries) == sorted(2 * list(range(1, LAYERS + 1)))
+    assert not any("shared_by_layers" in entry for entry in entries)
