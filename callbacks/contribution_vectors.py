@@ -77,10 +77,14 @@ class ContributionVectors(LiveCallback):
         self.accuracy: dict[str, LayerAccuracy] = {}
         self.contributions: dict[str, Contributions] = {}
 
+    def check_settings(self) -> None:
+        """The cadence and num_positions (train.py checks these before anything is written)."""
+        super().check_settings()
+        if self.requested_positions is not None and self.requested_positions < 2:
+            raise UserError(f"ContributionVectors: num_positions must be at least 2, got {self.requested_positions}")
+
     def num_positions(self, trainer, pl_module) -> int:
         if self.requested_positions is not None:
-            if self.requested_positions < 2:
-                raise UserError(f"ContributionVectors: num_positions must be at least 2, got {self.requested_positions}")
             return self.requested_positions
         if self._modules is None:
             return trainer.datamodule.spec.num_classes

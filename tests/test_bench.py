@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RATIO = re.compile(r"^RATIO (\S+) (\S+) target (<=|>=)(\S+)$")
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+(<=|>=)(\S+)\s+(ok|MISSED)$")
 OPS = {"<=": operator.le, ">=": operator.ge}
+GPU_METRIC = re.compile(r"^METRIC (roberta_base\w*_seq\d+_(?:tokens_per_s|mfu)) (\S+)", re.M)
 
 
 @pytest.mark.slow
@@ -48,8 +49,19 @@ def test_bench_smoke_runs_every_script_and_tabulates_what_each_printed():
         [(s, n, v, o, str(float(t)), r) for s, n, v, o, t, r in expected]
     ok = sum(row[-1] == "ok" for row in expected)
     assert f"{ok}/{len(expected)} ratios within target (smoke mode: sizes too small to judge)" in out
+    gpu = {match.group(1): float(match.group(2)) for match in GPU_METRIC.finditer(printed["bench_train.py"])}
     if not torch.cuda.is_available():  # the GPU lines are replaced by a note, not left out silently
-        assert "note: no CUDA device: roberta-base tokens/s and MFU" in printed["bench_train.py"]
+        assert "note: no CUDA device: roberta-base tokens/s and MFU" in printed["bench_train.py"] and gpu == {}
+        return
+    # on a GPU: tokens/s of both roberta-base configs at lengths 128 and 512, and MFU wherever the peak is known
+    names = [f"{config}_seq{seq}" for seq in (128, 512) for config in ("roberta_base", "roberta_base_nope")]
+    with_mfu = _bench_train().peak_tflops(torch.cuda.get_device_name(0), None) is not None
+    assert with_mfu or "note: no bf16 peak known" in printed["bench_train.py"]
+    assert sorted(gpu) == sorted([f"{name}_tokens_per_s" for name in names] + [f"{name}_mfu" for name in names] * with_mfu)
+    assert all(math.isfinite(value) and value > 0 for value in gpu.values()), gpu
+    assert all(gpu[f"{name}_mfu"] < 1 for name in names if with_mfu)  # a utilisation: a share of the peak
+    measured = {row.split()[1] for row in out[table_at:].splitlines() if row.startswith("bench_train ")}
+    assert set(gpu) <= measured  # the runner's measurement table lists them too
 
 
 def _bench_train():

@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 import wandb
 from PIL import Image
+from pytorch_lightning.loggers import CSVLogger
 
 import train
 from callbacks.contribution_vectors import ContributionVectors
+from callbacks.hidden_states import LiveCallback, encoder_layers
 from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
 from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
 from datamodules.io import UserError
@@ -76,9 +78,12 @@ def callbacks(every: int = EVERY, images: int = IMAGES, record: bool = True) -> 
     return [arg for spec in specs for arg in ("--trainer.callbacks+", json.dumps(spec))]
 
 
-def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> list[str]:
+def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str, logger: str | None = "wandb") -> list[str]:
+    """train.py arguments of a tiny run; `logger` None: train.py's default logger."""
     kind = {"wandb": "callbacks.wandb_logging.AutoWandbLogger", "csv": "pytorch_lightning.loggers.CSVLogger",
-            "tensorboard": "pytorch_lightning.loggers.TensorBoardLogger"}[logger]
+            "tensorboard": "pytorch_lightning.loggers.TensorBoardLogger", "flaky": "tests.test_callbacks.FlakyCSVLogger",
+            None: None}[logger]
+    chosen = ["--trainer.logger", json.dumps({"class_path": kind, "init_args": {"save_dir": str(root)}})] if kind else []
     return [
         "fit", "--model.hidden_size", "32", "--model.num_hidden_layers", str(LAYERS - 1),
         "--model.num_attention_heads", "4", "--model.intermediate_size", "64", "--model.max_position_embeddings", "34",
@@ -88,8 +93,7 @@ def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = 
         "--data.cache_dir", str(cache), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--trainer.max_steps", str(STEPS), "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1",
-        "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root),
-        "--trainer.logger", json.dumps({"class_path": kind, "init_args": {"save_dir": str(root)}}),
+        "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root), *chosen,
         "--checkpoint.every_n_train_steps", "1000", *extra,
     ]
 
@@ -389,7 +393,11 @@ def test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error(callbac
      "OutlierStatistics: layers [0, 3] must be distinct, within 0..2"),
     ({"class_path": "callbacks.contribution_vectors.ContributionVectors",
       "init_args": {"every_n_steps": 3, "image_every_n_steps": 10}},
-     "image_every_n_steps (10) must be a multiple of every_n_steps (3)"),
+     "ContributionVectors: image_every_n_steps (10) must be a multiple of every_n_steps (3), or 0 for no images"),
+    ({"class_path": "callbacks.outlier_statistics.OutlierStatistics", "init_args": {"every_n_steps": 0}},
+     "OutlierStatistics: every_n_steps must be at least 1, got 0"),
+    ({"class_path": "callbacks.contribution_vectors.ContributionVectors", "init_args": {"num_positions": 1}},
+     "ContributionVectors: num_positions must be at least 2, got 1"),
 ])
 def test_bad_callback_settings_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path, capsys, spec, message):
     root = tmp_path / "run"
@@ -475,3 +483,122 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
             assert float(rows[step][f"position_probe/layer_{layer}/accuracy"]) == pytest.approx(float(accuracy[i]))
             assert int(float(rows[step][f"position_probe/layer_{layer}/top1_dim"])) == int(contribution[i].argmax())
         assert float(rows[step]["position_probe/num_tokens"]) == positions.numel()
+
+
+class FailInCapturedStep(pl.Callback):
+    """Test helper: raises inside training step `step` (a captured one), after its forward pass and before its
+    backward, and remembers what the live callbacks held at that moment. Instances register in `made`."""
+
+    made: list[FailInCapturedStep] = []
+
+    def __init__(self, step: int = 2) -> None:
+        self.step = step
+        FailInCapturedStep.made.append(self)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == self.step:
+            self.module, self.live = pl_module, [c for c in trainer.callbacks if isinstance(c, LiveCallback)]
+            self.captures = [callback._capture for callback in self.live]
+            self.hooks = [len(module._forward_hooks) for module in encoder_layers(pl_module)]
+            raise RuntimeError(f"planted failure in step {self.step}")
+
+
+def test_an_error_inside_a_captured_step_removes_every_hook(corpus, cache, tmp_path):
+    FailInCapturedStep.made.clear()
+    fail = json.dumps({"class_path": "tests.test_callbacks.FailInCapturedStep", "init_args": {"step": EVERY}})
+    with pytest.raises(RuntimeError, match=f"planted failure in step {EVERY}"):
+        train.cli_main(tiny_args(tmp_path / "run", corpus, cache, *callbacks(record=False), "--trainer.callbacks+",
+                                 fail, logger="csv"))
+    (failed,) = FailInCapturedStep.made
+    modules = encoder_layers(failed.module)  # embeddings and each transformer layer
+    assert len(modules) == LAYERS and len(failed.live) == 2
+    assert failed.hooks == [2] * LAYERS  # when it failed: both callbacks had a hook on every module...
+    assert all(len(capture.outputs) == LAYERS for capture in failed.captures)  # ...holding that forward's outputs
+    assert [len(module._forward_hooks) for module in modules] == [0] * LAYERS
+    assert [callback._capture for callback in failed.live] == [None, None]
+    for capture in failed.captures:
+        capture.outputs.clear()
+    with torch.no_grad():  # a later forward pass: nothing keeps its outputs
+        failed.module.model.roberta(input_ids=torch.randint(5, 100, (2, 8)))
+    assert [capture.outputs for capture in failed.captures] == [{}, {}]
+
+
+class LoggerSpy(pl.Callback):
+    """Test helper: the trainer's loggers and each training step's loss. Instances register in `made`."""
+
+    made: list[LoggerSpy] = []
+
+    def __init__(self) -> None:
+        self.loggers, self.losses = [], {}
+        LoggerSpy.made.append(self)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.loggers = list(trainer.loggers)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses[self.step] = float(outputs["loss"])
+
+
+@pytest.mark.slow
+def test_train_py_logs_to_offline_wandb_under_the_root_dir_by_default(corpus, cache, tmp_path):
+    LoggerSpy.made.clear()
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, "--trainer.callbacks+", "tests.test_callbacks.LoggerSpy",
+                                    "--trainer.max_steps", "2", logger=None)) == 0  # the config names no logger
+    (spy,) = LoggerSpy.made
+    (logger,) = spy.loggers
+    assert type(logger) is AutoWandbLogger and Path(logger.save_dir) == root
+    (directory,) = (root / "wandb").glob("offline-run-*")  # WANDB_MODE=offline (conftest): the run is kept there
+    history = [row for row in read_run(directory).history if "train/loss" in row]
+    assert {row["trainer/global_step"]: row["train/loss"] for row in history} == pytest.approx(spy.losses)
+    assert sorted(spy.losses) == [0, 1]
+
+
+def csv_rows(root: Path, key: str) -> dict[int, dict]:
+    """{step: row} of the metrics.csv rows under `root` holding `key`, values as floats (one row per step)."""
+    rows = {}
+    for path in root.rglob("metrics.csv"):
+        with path.open() as handle:
+            for row in csv.DictReader(handle):
+                if row.get(key):
+                    assert int(row["step"]) not in rows
+                    rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v != ""}
+    return rows
+
+
+def test_csv_logger_gets_the_statistics_of_a_direct_computation(corpus, cache, tmp_path):
+    Recorder.made.clear()
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(), "--trainer.max_steps", "4", logger="csv")) == 0
+    (recorder,) = Recorder.made
+    outliers, probe = csv_rows(root, "outliers/num_tokens"), csv_rows(root, "position_probe/num_tokens")
+    assert sorted(outliers) == sorted(probe) == sorted(recorder.train) == [0, 2]
+    for step, (hidden, weight) in recorder.train.items():
+        check_outliers(outliers[step], "outliers", direct_outliers(hidden, step))
+        check_probe(probe[step], "position_probe", direct_probe(hidden, weight))
+
+
+class FlakyCSVLogger(CSVLogger):
+    """Test helper: a CSV logger that fails to log the live statistics from step 2 on (Lightning's own metrics go
+    through)."""
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if step is not None and step >= 2 and any(key.startswith(("outliers/", "position_probe/")) for key in metrics):
+            raise ConnectionError("the metrics server went away")
+        super().log_metrics(metrics, step)
+
+
+def test_a_non_wandb_logger_failing_mid_run_warns_once_and_training_goes_on(corpus, cache, tmp_path):
+    root = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert short_fit(root, corpus, cache, logger="flaky") == 0  # captures at steps 0 and 2 of 4
+    failures = [str(w.message) for w in caught if issubclass(w.category, LoggingWarning)]
+    assert failures == ["FlakyCSVLogger failed to log metrics (ConnectionError: the metrics server went away); "
+                        "training continues without it"]
+    assert final_step(root) == 4
+    assert sorted(csv_rows(root, "outliers/num_tokens")) == sorted(csv_rows(root, "position_probe/num_tokens")) == [0]
+    assert sorted(csv_rows(root, "train/loss")) == [0, 1, 2, 3]  # the logger itself still takes Lightning's metrics

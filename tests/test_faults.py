@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from difflib import SequenceMatcher
 from pathlib import Path
 
 import pytest
@@ -399,17 +400,34 @@ def test_slurm_script_requeues_only_a_run_stopped_by_sigterm(tmp_path, status, r
         assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
 
+def longest_shared(text: str, source: str) -> int:
+    """Length of the longest piece of `text` that occurs in `source`."""
+    match = SequenceMatcher(None, text, source, autojunk=False).find_longest_match(0, len(text), 0, len(source))
+    return match.size
+
+
 def test_every_row_of_the_readme_error_tables_names_tests_that_exist():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("\n## Errors and faults\n"):readme.index("\n## Layout\n")]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
-    rows = [row for row in rows if not row.startswith(("| entry point", "| fault"))]
-    assert len(rows) > 50
-    for row in rows:
+    faults_at = rows.index(next(row for row in rows if row.startswith("| fault")))
+    rows = [(row, index < faults_at) for index, row in enumerate(rows) if not row.startswith(("| entry point", "| fault"))]
+    assert len(rows) > 60
+    for row, is_input in rows:
         tests = re.findall(r"(test_\w+\.py)::(test_\w+)", row.split(" | ")[-1])
         assert tests, f"no test named in: {row}"
+        sources = {file: (ROOT / "tests" / file).read_text(encoding="utf-8") for file, _ in tests}
         for file, name in tests:
-            assert re.search(rf"^def {name}\(", (ROOT / "tests" / file).read_text(encoding="utf-8"), re.M), (file, name)
+            assert re.search(rf"^def {name}\(", sources[file], re.M), (file, name)
+        if not is_input:
+            continue
         entry = row.split(" | ")[0].removeprefix("| ")
         if entry in ("train.py", "probe.py", "analyze.py"):  # the line printed starts with the entry point's name
             assert row.split(" | ")[2].startswith(f"`{entry}"), row
+        # the line quoted: its words (outside <placeholders> and "...") are what a named test checks, 10+ characters
+        # of them at least (tests match a telling piece of the message, not always all of it)
+        line = re.match(r"(`+)(.+?)\1", row.split(" | ")[2]).group(2)
+        message = re.sub(r"^(?:\S+(?: [\w-]+)?: error: |UserError: )", "", line)
+        pieces = [piece for piece in re.split(r"<[^>]*>|\.\.\.", message) if piece.strip()]
+        shared = max(longest_shared(piece, "\n".join(sources.values())) for piece in pieces)
+        assert shared >= min(10, max(len(piece.strip()) for piece in pieces)), (row, shared)

@@ -1,0 +1,122 @@
+"""train.py's rejections of bad model, data and tokenizer settings (beyond tests/test_train.py's): one line on stderr
+(`train.py: error: ...`), exit status 2, nothing written under --trainer.default_root_dir.
+
+    .venv/bin/pytest tests/test_train_inputs.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import train
+from tests.test_train import tiny_args
+from tests.tiny import corpus_sentences
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def rejected(root: Path, corpus: Path, cache: Path, capsys, *extra: str) -> str:
+    """train.py's error line for `extra`, checked to be one line and exit status 2."""
+    assert train.cli_main(tiny_args(root, corpus, cache, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("train.py:")] == err[-1:] and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("train.py: error: ")
+    return err[-1].removeprefix("train.py: error: ")
+
+
+def written(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*")) if root.exists() else []
+
+
+def known_gap(root: Path) -> None:
+    """These errors come once the fit has started: Lightning has written its logs by then (train.py's to fix)."""
+    if root.exists():
+        pytest.xfail(f"the error is right but {written(root)} were written before it (train.py should check earlier "
+                     "or remove what it created)")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--model.hidden_size", "30"), "--model.hidden_size 30 is not a multiple of num_attention_heads 4"),
+    (("--data.block_length", "3"), "--data.block_length too small: 3"),
+    (("--data.batch_size", "0"), "--data.batch_size too small: 0"),
+    (("--data.global_batch_size", "4"), "--data.global_batch_size 4 is below --data.batch_size 8"),
+    (("--data.mlm_probability", "1.0"), "--data.mlm_probability must lie in (0, 1), got 1.0"),
+    (("--data.val_fraction", "0"), "--data.val_fraction must lie in (0, 1), got 0.0"),
+    (("--data.streaming", "true", "--data.num_workers", "2"),
+     "--data.streaming takes --data.num_workers 0 or 1 (one reader per device)"),
+    (("--data.vocab_size", "100"), "--data.vocab_size must be at least 261 for a byte-level BPE, got 100"),
+    (("--data.corpus", "EMPTY"), "data file is empty: EMPTY"),
+])  # 261: the 5 special tokens and the 256 bytes
+def test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path, capsys, extra,
+                                                                           message):
+    root, empty = tmp_path / "run", tmp_path / "empty.txt"
+    empty.write_text("")
+    extra = tuple(str(empty) if value == "EMPTY" else value for value in extra)
+    assert rejected(root, corpus, cache, capsys, *extra) == message.replace("EMPTY", str(empty))
+    assert written(root) == [] and not root.exists()
+
+
+def save_tokenizer_without_mask(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "the": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(directory)
+
+
+def test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing(corpus, cache, tmp_path, capsys):
+    root, missing, no_mask = tmp_path / "run", tmp_path / "no-such-tokenizer", tmp_path / "no-mask"
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(missing)).startswith(
+        f"cannot load tokenizer '{missing}': ")  # then transformers' first line
+    save_tokenizer_without_mask(no_mask)
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(no_mask)) == \
+        f"tokenizer {no_mask} has no mask_token token, needed for MLM"
+    assert not root.exists()
+
+
+def test_no_end_for_the_learning_rate_schedule_is_one_line_exit_2(corpus, cache, tmp_path, capsys):
+    root = tmp_path / "run"
+    message = rejected(root, corpus, cache, capsys, "--trainer.max_steps", "-1", "--trainer.max_epochs", "1",
+                       "--model.decay_steps", "null")
+    assert message == "set --trainer.max_steps or --model.decay_steps: the learning-rate schedule needs an end"
+    known_gap(root)
+
+
+def test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2(corpus, tmp_path, capsys):
+    import datasets
+
+    root, cache = tmp_path / "run", tmp_path / "cache"
+    message = rejected(root, corpus, cache, capsys, "--data.batch_size", "64", "--data.global_batch_size", "64")
+    (blocks,) = (cache / "blocks").iterdir()  # the packed corpus train.py made before it found out
+    assert message == f"{len(datasets.load_from_disk(str(blocks))['train'])} training blocks make no full global " \
+                      "batch of 64"
+    known_gap(root)
+
+
+def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corpus, tmp_path, capsys):
+    from datamodules.mlm import MLMDataModule
+    from datamodules.tokenizer import train_tokenizer
+
+    root, cache = tmp_path / "run", tmp_path / "cache"
+    planted = train_tokenizer(iter(corpus_sentences(2000)), vocab_size=700)  # edited by hand into the vocab 600 slot
+    planted.save_pretrained(MLMDataModule(corpus=str(corpus), vocab_size=600, cache_dir=str(cache)).tokenizer_dir())
+    top = max(planted.get_vocab().values())
+    assert top >= 600
+    assert rejected(root, corpus, cache, capsys) == f"the tokenizer has ids up to {top} but the model only 600 " \
+                                                    "embedding rows"
+    known_gap(root)
