@@ -159,6 +159,7 @@ def run_outliers(args, rank: int, world: int) -> dict:
     finish(args, rank, {"outliers.json": report}, {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)})
     if rank == 0:
         print_outliers(report)
+        warn_truncation({"outliers": report})
     return report
 
 
@@ -174,11 +175,26 @@ def print_outliers(report: dict) -> None:
     origins = report["origins"]
     if origins["position_embeddings"] is None:
         print(f"positional embeddings: none to trace ({origins['position_embeddings_note']})")
+    elif origins["position_embeddings_note"]:
+        print(f"positional embeddings: {origins['position_embeddings_note']}")
     for dim, line in summarise_origins(origins).items():
         if dim in report["persistent_dims"]:
             print(f"  origin of {dim}: {line}")
-    if report["num_truncated"]:
-        print(f"{report['num_truncated']} sentences truncated to {report['max_length']} tokens")
+
+
+def warn_truncation(reports: dict[str, dict]) -> None:
+    """One line on stderr per truncation count in `reports` ({name: report}; reports from one pass share a line).
+
+    The count is the report's num_truncated, of its num_sentences (pair reports: 2 x num_pairs sentences)."""
+    counts: dict[tuple[int, int, int], list[str]] = {}
+    for name, report in reports.items():
+        if report.get("num_truncated"):
+            total = report.get("num_sentences", 2 * report.get("num_pairs", 0))
+            counts.setdefault((report["num_truncated"], total, report["max_length"]), []).append(f"{name}.json")
+    for (truncated, total, length), names in counts.items():
+        where = "the report" if len(reports) == 1 else ", ".join(names)
+        print(f"warning: {truncated} of {total} sentences were longer than {length} tokens and were truncated "
+              f"(counted in {where} as num_truncated)", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- evaluations
@@ -253,7 +269,7 @@ def run_wic(args, rank: int, world: int) -> dict:
 def run_sts(args, rank: int, world: int) -> dict:
     (pairs, unscored), encoder = prepare(args, rank, lambda: read_sts(args.data, args.gold, args.score_range))
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, pair_sentences(pairs))
+    reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")  # Su et al. whiten sentences
     report = {**run_header(args, encoder, reference), "unscored": unscored, "score_range": list(args.score_range),
               **protocols.sts(setting, pairs, reference.variants, args.static)}
     return publish(args, rank, "sts", report, encoder)
@@ -286,9 +302,10 @@ def run_all(args, rank: int, world: int) -> dict:
         reports["wic"] = {**header, "data": args.wic, "skipped": wic_data[1].to_dict(),
                           **protocols.wic(setting, wic_data[0], reference.variants)}
     for name, (pairs, unscored) in sts_data.items():
-        reports[f"sts_{dataset_name(name, reports)}"] = {**header, "data": name, "unscored": unscored,
-                                                         **protocols.sts(setting, pairs, reference.variants,
-                                                                         args.static)}
+        fitted = protocols.refit_on_sentences(setting, reference, pair_sentences(pairs))  # --normalize on sentences
+        reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, fitted), "data": name,
+                                                         "unscored": unscored,
+                                                         **protocols.sts(setting, pairs, fitted.variants, args.static)}
     summary = summarise(reports, notes)
     figures = {file: make for name in reports if name != "outliers"
                for file, make in figures_of(name, reports[name], encoder.short_name).items()}
@@ -299,6 +316,7 @@ def run_all(args, rank: int, world: int) -> dict:
     finish(args, rank, files, figures, {"summary.md": summary_markdown(summary)})
     if rank == 0:
         print("\n" + summary_markdown(summary))
+        warn_truncation(reports)
     return summary
 
 
@@ -317,6 +335,7 @@ def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) ->
     finish(args, rank, {f"{name}.json": report}, figures_of(name, report, encoder.short_name))
     if rank == 0:
         print_report(name, report)
+        warn_truncation({name: report})
     return report
 
 
@@ -370,7 +389,8 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (the outlier dims detected on the same data), none, or dims d1,d2,... (0-indexed)")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
-                             "vectors, from the token statistics of the same data")
+                             "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
+                             "sentence embeddings of the pairs)")
     add_rule_arguments(parser)
 
 

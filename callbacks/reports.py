@@ -10,6 +10,8 @@ A report's per-layer rows hold one entry per variant ("raw", "clipped", "whitene
 
 from __future__ import annotations
 
+import sys
+
 from callbacks.figures import layer_panels_figure, spectrum_figure
 
 VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized")
@@ -102,6 +104,8 @@ def print_report(name: str, report: dict) -> None:
               "is not at its offsets")
     if report.get("static_baseline"):
         print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
+    if report.get("normalize_warning"):
+        print(f"warning: {report['normalize_warning']}", file=sys.stderr)
 
 
 def summarise(reports: dict, notes: list[str]) -> dict:
@@ -109,6 +113,8 @@ def summarise(reports: dict, notes: list[str]) -> dict:
     outliers, anisotropy = reports["outliers"], reports["anisotropy"]
     keys = anisotropy["variants"]
     summary = {key: anisotropy[key] for key in ("encoder", "data", "clip", "clipped_dims", "normalize", "variants")}
+    summary["normalize_fit"] = {name: report.get("normalize_fit") for name, report in reports.items()
+                                if name != "outliers"}  # tokens, or sentences (STS)
     summary["persistent_dims"] = outliers["persistent_dims"]
     summary["outlier_dims_per_layer"] = {layer["layer"]: layer["outlier_dims"] for layer in outliers["layers"]}
     wic = reports.get("wic")
@@ -134,7 +140,8 @@ def summarise(reports: dict, notes: list[str]) -> dict:
                 row[f"{name}_spearman"] = {k: report["layers"][layer][k] for k in keys}
         figure.append(row)
     summary["figure6_layers"] = figure
-    summary["notes"] = notes
+    summary["notes"] = notes + [f"{name}: {report['normalize_warning']}" for name, report in reports.items()
+                                if report.get("normalize_warning")]
     return summary
 
 
@@ -143,7 +150,7 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# Clipping and evaluations: {summary['encoder']}", "",
              f"Sentences: {summary['data']}. Clipping: {summary['clip']}, dims {summary['clipped_dims'] or 'none'} "
              f"(0-indexed; persistent outlier dims {summary['persistent_dims'] or 'none'}). "
-             f"Normalisation: {summary['normalize']}. Layer 0 is the embedding output.", ""]
+             f"Normalisation: {normalisation_line(summary)}. Layer 0 is the embedding output.", ""]
     lines += ["## Table 1: WiC (best accuracy over layers and thresholds 0.1-0.9)", ""]
     wic = summary["table1_wic"]
     if wic is None:
@@ -174,6 +181,17 @@ def summary_markdown(summary: dict) -> str:
                                                           for m in measures for k in keys) + " |")
     lines += [""] + [f"Note: {note}" for note in summary["notes"]]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def normalisation_line(summary: dict) -> str:
+    """"none", or the normalisation and what each report estimated it from."""
+    fits = {fit: [name for name, f in summary.get("normalize_fit", {}).items() if f == fit]
+            for fit in ("tokens", "sentences")}
+    if summary["normalize"] == "none":
+        return "none"
+    where = "; ".join(f"{', '.join(names)} fit on {'token vectors' if fit == 'tokens' else 'mean-pooled sentences'}"
+                      for fit, names in fits.items() if names)
+    return f"{summary['normalize']} ({where})"
 
 
 def summary_figure(summary: dict, model: str):

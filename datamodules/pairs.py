@@ -38,6 +38,7 @@ STS_COLUMNS = {
     "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),
     "score": ("score", "label", "relatedness_score", "similarity_score", "gold"),
 }
+VOWELS = "aeiou"
 TRUE_LABELS, FALSE_LABELS = {"true", "t", "1", "yes"}, {"false", "f", "0", "no"}
 MAX_EXAMPLES = 10
 
@@ -102,8 +103,10 @@ def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | Non
     """Why `span` does not hold the target `word` (None when it does).
 
     The span must be one whole word of the sentence (non-empty, in range, not cutting a word, no space inside).
-    WiC gives the lemma ("carry") and the span the inflected form ("carried"), so the span must start with the
-    lemma's first two letters, unless no word of the sentence does (irregular forms: "went" for "go").
+    WiC gives the lemma ("carry") and the span the inflected form ("carried"). A span whose word does not start with
+    the lemma's first two letters is misplaced only when another whole word of the sentence is a regular form of the
+    lemma (regular_forms: "carries", "carried", ...), i.e. the target is elsewhere; otherwise it is an irregular form
+    ("went" for "go", even beside "good") and kept.
     """
     start, end = span
     if not 0 <= start < end <= len(sentence):
@@ -112,11 +115,34 @@ def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | Non
     inside = start > 0 and sentence[start - 1].isalnum() or end < len(sentence) and sentence[end].isalnum()
     if inside or not text.strip() or any(c.isspace() for c in text.strip()):
         return f"offsets {start}-{end} ({text!r}) are not one whole word"
-    prefix = word.strip().lower()[:2]
-    if prefix and not text.strip().lower().startswith(prefix):
-        if any(match.group().lower().startswith(prefix) for match in WORD.finditer(sentence)):
-            return f"offsets {start}-{end} hold {text!r}, not {word!r}"
+    lemma = word.strip().lower()
+    if lemma and not text.strip().lower().startswith(lemma[:2]):
+        forms = regular_forms(lemma)
+        elsewhere = [m.group() for m in WORD.finditer(sentence)
+                     if (m.end() <= start or m.start() >= end) and m.group().lower() in forms]
+        if elsewhere:
+            return f"offsets {start}-{end} hold {text!r}, not {word!r} (which is at {elsewhere[0]!r})"
     return None
+
+
+def regular_forms(lemma: str) -> set[str]:
+    """The lemma and its regular forms: + s, es, ed, ing, er, est, ly, and + d after a final e, with the usual
+    spelling changes before a vowel suffix: a final e dropped ("making"), a final consonant after one vowel
+    doubled ("stopped"), a final y after a consonant turned to i ("carried", "happily")."""
+    lemma = lemma.lower()
+    forms = {lemma} | {lemma + suffix for suffix in ("s", "es", "ed", "ing", "er", "est", "ly")}
+    vowel_suffixes = ("ed", "ing", "er", "est")
+    if lemma.endswith("e"):
+        forms.add(lemma + "d")
+        if not lemma.endswith("ee"):
+            forms |= {lemma[:-1] + suffix for suffix in vowel_suffixes}
+    consonant_vowel_consonant = lemma[-2:-1] in tuple(VOWELS) and lemma[-1] not in VOWELS + "wxy" and (
+        len(lemma) < 3 or lemma[-3] not in VOWELS)
+    if consonant_vowel_consonant:
+        forms |= {lemma + lemma[-1] + suffix for suffix in vowel_suffixes}
+    if len(lemma) > 1 and lemma.endswith("y") and lemma[-2] not in VOWELS:
+        forms |= {lemma[:-1] + "i" + suffix for suffix in ("es", "ed", "er", "est", "ly")}
+    return forms
 
 
 def _is_original_wic(source: str) -> bool:

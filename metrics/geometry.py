@@ -5,7 +5,9 @@
     selfsim = SelfSimilarity(num_words=1000, num_layers=13, hidden_size=768)
     selfsim.update(word_ids, vectors)               # word_ids [n], vectors [layers, n, hidden]
     cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
-    isoscore(cov.compute().cov)                     # [layers]; spectrum(cov.compute().second_moment)
+    isoscore(cov.compute().cov)                     # [layers]; spectrum(cov.compute().second_moment, n)
+    spec = Spectrum(13, 768); spec.update(hidden_states, mask); spec.compute()["singular_values"]   # [layers, hidden]
+    Spectrum.of(cov, moments=variant.moments).compute()   # the spectrum of transformed tokens, from cov's state
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
 
 Every Metric here has fixed-size tensor states reduced by sum, so memory does not grow with the number of tokens
@@ -303,6 +305,33 @@ def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
         "energy_top10": energy[..., :10].sum(-1),
         "cdf_auc": 1 - normalised.mean(-1),
     }
+
+
+class Spectrum(Covariance):
+    """The singular-value spectrum of each layer's token matrix X [tokens, hidden] (uncentred, as tokenUni), from
+    Covariance's fixed-size state (sum x, sum x x^T): compute() returns spectrum()'s dict. `moments` maps (mean
+    [layers, hidden], cov [layers, hidden, hidden]) to those of transformed tokens (a Variant's `moments`: clipped,
+    whitened, ...) before the spectrum is taken, so one pass over the tokens serves every variant."""
+
+    higher_is_better = None
+
+    def __init__(self, num_layers: int, hidden_size: int, moments=None, **kwargs) -> None:
+        super().__init__(num_layers, hidden_size, **kwargs)
+        self.moments = moments
+
+    @classmethod
+    def of(cls, covariance: Covariance, moments=None, **kwargs) -> Spectrum:
+        """A Spectrum holding a copy of `covariance`'s (rank-local) state; its compute() syncs across ranks as the
+        original's does."""
+        metric = cls(covariance.num_layers, covariance.hidden_size, moments, **kwargs).to(covariance.count.device)
+        metric.merge_state({name: getattr(covariance, name) for name in ("count", "sum", "sum_outer")})
+        metric._update_count = covariance._update_count  # merge_state does not count as an update
+        return metric
+
+    def compute(self) -> dict[str, Tensor]:
+        result = super().compute()
+        mean, cov = (result.mean, result.cov) if self.moments is None else self.moments(result.mean, result.cov)
+        return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), result.num_tokens)
 
 
 class TokenSample(Metric):

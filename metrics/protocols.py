@@ -1,11 +1,13 @@
 """The evaluation protocols of analyze.py: how each statistic is sampled from a frozen encoder and data.
 
     setting = Setting(encoder, batch_size=32, max_length=None, seed=0, rank=0, world=1)
-    reference = reference_pass(setting, sentences, clip="auto", normalize="none", rule=OutlierRule(), sample=True)
+    reference = reference_pass(setting, sentences, clip="auto", normalize="none", rule=OutlierRule(), sample=2000)
     anisotropy(setting, reference)                    # {"layers": [{"layer", "raw", "clipped"}], ...}
     isotropy(setting, reference)                      # IsoScore, IsoScore*, singular-value spectrum per layer
     self_similarity(setting, word_contexts(pool), reference.variants)
     wic(setting, items, reference.variants); sts(setting, pairs, reference.variants, static=None)
+    reference_pass(setting, pair_sentences, normalize="whiten", fit="sentences")   # STS: fit on pooled sentences
+    refit_on_sentences(setting, reference, pair_sentences)   # the same normalisation, refit for STS in `all`
 
 Each protocol returns the JSON-ready body of its report; analyze.py adds the header, writes and prints it. Under
 DDP (torchrun), every rank holds the same sentence or pair list and encodes its shard (item i on rank i % world);
@@ -15,14 +17,16 @@ The reference pass encodes the reference sentences once and yields what the othe
 dimensions (`--clip auto`: NeuronStatistics + detect_outliers), the token covariance (for --normalize and IsoScore)
 and one seeded random token per sentence (anisotropy, IsoScore* mini-batches). The variants are then applied to the
 vectors each protocol keeps (clipping and the normalisations commute with averaging), so one forward pass serves
-raw, clipped and normalised results alike.
+raw, clipped and normalised results alike. --normalize is estimated from token vectors for the token-level
+protocols and, for STS (Su et al. 2021 whiten sentence embeddings), from the mean-pooled embeddings of the pairs'
+sentences (`fit="sentences"`); reports say which in `normalize_fit`.
 """
 
 from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -41,18 +45,19 @@ from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.pooling import indexed_batches, mean_pool, random_tokens, span_vectors
 from metrics.geometry import (
     Covariance,
+    CovarianceResult,
     IsoScoreStar,
     MeanCosine,
     SelfSimilarity,
+    Spectrum,
     TokenSample,
     cosine,
     isoscore,
-    spectrum,
 )
 from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
 from metrics.outliers import LayerOutliers, OutlierRule, all_outlier_dims, detect_outliers
 from metrics.similarity import PairCosine, spearman, threshold_accuracy
-from metrics.transforms import RAW, Clipping, Variant, normalization
+from metrics.transforms import RAW, REPORT_KEYS, Clipping, Variant, normalization
 
 THRESHOLDS = [round(0.1 * t, 1) for t in range(1, 10)]
 
@@ -93,12 +98,29 @@ class Reference:
     num_truncated: int
     statistics: NeuronStatisticsResult | None = None
     outliers: list[LayerOutliers] | None = None
-    covariance: object = None  # CovarianceResult when computed
+    covariance: object = None  # CovarianceResult of the token vectors when computed
+    covariance_metric: Covariance | None = None  # its Metric (rank-local state), for Spectrum.of
     sample: tuple[Tensor, Tensor] | None = None  # ([sentences, layers, hidden], filled [sentences])
+    normalize_fit: str | None = None  # what --normalize was estimated from: "tokens" | "sentences" (None: none)
+    normalize_fit_count: int | None = None  # how many of them
+    normalize_warning: str | None = None
 
     def header(self) -> dict:
-        return {"clip": self.clip, "clipped_dims": self.clipped_dims or [], "normalize": self.normalize,
-                "variants": [variant.key for variant in self.variants]}
+        header = {"clip": self.clip, "clipped_dims": self.clipped_dims or [], "normalize": self.normalize,
+                  "normalize_fit": self.normalize_fit, "normalize_fit_count": self.normalize_fit_count,
+                  "variants": [variant.key for variant in self.variants]}
+        return {**header, "normalize_warning": self.normalize_warning} if self.normalize_warning else header
+
+    def fitted(self, normalize: str, stats: CovarianceResult, fit: str) -> Reference:
+        """This reference with the --normalize variant estimated from `stats` (of `fit`: tokens or sentences)."""
+        variants = [v for v in self.variants if v.key not in REPORT_KEYS.values()]
+        variants.append(normalization(normalize, stats, fit))
+        hidden = stats.mean.shape[-1]
+        warning = None if normalize != "whiten" or stats.num_tokens > hidden + 1 else (
+            f"whitening fit on {stats.num_tokens} {fit}, not more than hidden size + 1 ({hidden + 1}): the fit "
+            "vectors whiten to a regular simplex (all their pairwise cosines equal), so whitened values are noise")
+        return replace(self, variants=variants, normalize_fit=fit, normalize_fit_count=stats.num_tokens,
+                       normalize_warning=warning)
 
 
 def counter(device) -> SumMetric:
@@ -107,27 +129,34 @@ def counter(device) -> SumMetric:
 
 def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int] = "auto", normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
-                   sample: int = 0, desc: str = "reference pass") -> Reference:
+                   sample: int = 0, desc: str = "reference pass", fit: str = "tokens") -> Reference:
     """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
     `sample` seeded random sentences (all when fewer), as far as `clip` ("auto", "none" or dims), `normalize` and
-    `statistics`, `covariance`, `sample` need them. Memory: fixed-size states plus the [sample, layers, hidden]
-    token sample, whatever the number of sentences."""
+    `statistics`, `covariance`, `sample` need them. `normalize` is estimated from the token vectors (`fit="tokens"`)
+    or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS). Memory: fixed-size states plus the
+    [sample, layers, hidden] token sample, whatever the number of sentences."""
+    if fit not in ("tokens", "sentences"):
+        raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
     encoder = setting.encoder
     device, layers, hidden = encoder.device, encoder.num_hidden_states, encoder.hidden_size
+    normalizing = normalize != "none"
     stats = NeuronStatistics(layers, hidden).to(device) if clip == "auto" or statistics else None
-    cov = Covariance(layers, hidden).to(device) if covariance or normalize != "none" else None
+    cov = Covariance(layers, hidden).to(device) if covariance or normalizing and fit == "tokens" else None
+    pooled = Covariance(layers, hidden).to(device) if normalizing and fit == "sentences" else None
     chosen = range(len(sentences)) if sample >= len(sentences) else sorted(
         random.Random(setting.seed).sample(range(len(sentences)), sample))
     slot_of = {index: slot for slot, index in enumerate(chosen)}
     tokens = TokenSample(len(chosen), layers, hidden).to(device) if sample else None
     counted, truncated = counter(device), counter(device)
-    encode = stats is not None or cov is not None or tokens is not None
+    encode = stats is not None or cov is not None or pooled is not None or tokens is not None
     if encode:
         for rows, batch, _ in setting.batches(sentences, desc=desc):
             if stats is not None:
                 stats.update(batch.hidden_states, batch.mask)
             if cov is not None:
                 cov.update(batch.hidden_states, batch.mask)
+            if pooled is not None:
+                pooled.update(mean_pool(batch))
             if tokens is not None:
                 vectors, kept = random_tokens(batch, rows, setting.seed)
                 wanted = [k for k, r in enumerate(kept) if rows[r] in slot_of]
@@ -147,12 +176,26 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
     if reference.clipped_dims is not None:
         reference.variants.append(Clipping(reference.clipped_dims, layers))
     if cov is not None:
-        reference.covariance = cov.compute()
-        if normalize != "none":
-            reference.variants.append(normalization(normalize, reference.covariance))
+        reference.covariance, reference.covariance_metric = cov.compute(), cov
+    if normalizing:
+        reference = reference.fitted(normalize, reference.covariance if fit == "tokens" else pooled.compute(), fit)
     if tokens is not None:
         reference.sample = tokens.compute()
     return reference
+
+
+def refit_on_sentences(setting: Setting, reference: Reference, sentences: list[str], desc: str = "sentence fit"
+                       ) -> Reference:
+    """`reference` with its --normalize variant re-estimated from the mean-pooled embeddings of `sentences` (the STS
+    pairs' sentences in `all`, whose reference pass is over --data): one more streamed pass, a fixed-size Covariance
+    of the pooled vectors. Unchanged without --normalize."""
+    if reference.normalize == "none":
+        return reference
+    encoder = setting.encoder
+    pooled = Covariance(encoder.num_hidden_states, encoder.hidden_size).to(encoder.device)
+    for _, batch, _ in setting.batches(sentences, desc=desc):
+        pooled.update(mean_pool(batch))
+    return reference.fitted(reference.normalize, pooled.compute(), "sentences")
 
 
 def _per_layer(values: dict[str, Tensor], num_layers: int) -> list[dict]:
@@ -215,7 +258,6 @@ def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatc
     values, spectra = {}, {}
     for variant in reference.variants:
         mean, cov = variant.moments(stats.mean, stats.cov)
-        second = cov + mean.unsqueeze(2) * mean.unsqueeze(1)
         # The sample is already the same on every rank: no sync.
         star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
         plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
@@ -223,7 +265,7 @@ def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatc
         for batch in batches:
             star.update(transformed[:, batch])
             plain.update(transformed[:, batch])
-        spec = spectrum(second, stats.num_tokens)
+        spec = Spectrum.of(reference.covariance_metric, variant.moments).compute()  # synced like the covariance
         spectra[variant.key] = [[round(float(s), 6) for s in row] for row in spec["singular_values"]]
         values[variant.key] = {
             "isoscore": isoscore(cov),

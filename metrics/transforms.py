@@ -1,17 +1,19 @@
 """The variants every evaluation reports side by side: raw, clipped, and a post-hoc normalisation.
 
-    variants = [RAW, Clipping([63, 223], num_layers=7), whitening(cov.compute())]
+    variants = [RAW, Clipping(outlier_dims, num_layers=7), whitening(cov.compute())]
     vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
     mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
 
 - Clipping zeroes the given dimensions in every layer, with lightning_modules.encoder.apply_clip (the encoder's own
   clipping of returned hidden states), applied after the forward pass.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
-  2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from token
-  vectors; directions whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is
+  2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
+  the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is
   accumulated from float32 hidden states, so smaller variances are rounding noise (e.g. LayerNorm's null direction).
 - Standardisation (Timkey & van Schijndel, "All Bark and No Bite: Rogue Dimensions in Transformer Language Models
-  Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension (constant dimensions -> 0).
+  Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension; a dimension whose variance
+  is below 1e-6 of the layer's largest is constant up to rounding (e.g. a last-layer LayerNorm weight near 0) and
+  is mapped to 0, as dividing by its rounding noise would swamp every cosine.
 Both normalisations are affine per layer, so they commute with averaging sub-word pieces and mean pooling.
 """
 
@@ -84,25 +86,29 @@ class Affine(Variant):
 
 
 def whitening(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
-    """Su et al. (2021) whitening from per-layer token statistics: transformed tokens have identity covariance
-    (on the directions that carry variance)."""
+    """Su et al. (2021) whitening from per-layer statistics (of tokens or sentence embeddings): the transformed
+    vectors have identity covariance (on the directions that carry variance)."""
     eigenvalues, vectors = eigh(stats.cov.double())  # ascending, [layers, hidden], [layers, h, h]
     floor = tolerance * eigenvalues[:, -1:].clamp_min(1e-300)
     scale = torch.where(eigenvalues > floor, eigenvalues.clamp_min(1e-300).rsqrt(), torch.zeros_like(eigenvalues))
     return Affine("whitened", stats.mean, vectors * scale.unsqueeze(1))
 
 
-def standardization(stats: CovarianceResult) -> Affine:
-    """Timkey & van Schijndel (2021) per-dimension z-scores from per-layer token statistics."""
-    std = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0).sqrt()
-    scale = torch.where(std > 0, 1 / std.clamp_min(1e-300), torch.zeros_like(std))
+def standardization(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
+    """Timkey & van Schijndel (2021) per-dimension z-scores from per-layer statistics (of tokens or sentences);
+    dimensions with variance below `tolerance` of the layer's largest -> 0."""
+    variance = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0)  # [layers, hidden]
+    floor = tolerance * variance.max(-1, keepdim=True).values.clamp_min(1e-300)
+    scale = torch.where(variance > floor, variance.clamp_min(1e-300).rsqrt(), torch.zeros_like(variance))
     return Affine("standardized", stats.mean, torch.diag_embed(scale))
 
 
-def normalization(name: str, stats: CovarianceResult | None) -> Variant | None:
-    """The --normalize variant ("none" -> None), built from the token statistics of the reference sentences."""
+def normalization(name: str, stats: CovarianceResult | None, fit: str = "tokens") -> Variant | None:
+    """The --normalize variant ("none" -> None), built from the statistics of the vectors it is fit on: token
+    vectors (`fit="tokens"`) or mean-pooled sentence embeddings (`fit="sentences"`, STS)."""
     if name == "none":
         return None
     if stats is None or stats.num_tokens < 2:
-        raise UserError(f"--normalize {name} needs token statistics from at least 2 tokens")
+        found = 0 if stats is None else stats.num_tokens
+        raise UserError(f"--normalize {name} needs statistics of at least 2 {fit}, got {found}")
     return whitening(stats) if name == "whiten" else standardization(stats)

@@ -108,15 +108,56 @@ def random_token_vectors(encode, texts: list[str], seed: int) -> torch.Tensor:
     return torch.stack(vectors)
 
 
-def direct_anisotropy(vectors: torch.Tensor, seed: int, dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def direct_anisotropy(vectors: torch.Tensor, seed: int, transforms: dict) -> dict[str, torch.Tensor]:
+    """Pair the sampled tokens [n, layers, hidden] by random.Random(seed).shuffle: {variant: mean cosine [layers]}."""
     slots = list(range(len(vectors)))
     random.Random(seed).shuffle(slots)
     half = len(slots) // 2
-    a, b = vectors[slots[:half]], vectors[slots[half:2 * half]]
-    raw = cos(a, b).mean(0)
-    a, b = a.clone(), b.clone()
-    a[..., dims], b[..., dims] = 0, 0
-    return raw, cos(a, b).mean(0)
+    a, b = vectors[slots[:half]].transpose(0, 1), vectors[slots[half:2 * half]].transpose(0, 1)  # [layers, n, h]
+    return {key: cos(transform(a), transform(b)).mean(1) for key, transform in transforms.items()}
+
+
+def clipping(dims: list[int]):
+    def clip(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x[..., dims] = 0
+        return x
+    return clip
+
+
+def fitted(vectors: torch.Tensor, how: str):
+    """The normalisation `how` estimated on materialised vectors [layers, N, hidden] in float64, as the README states
+    it: standardize (x - mu) / sigma, whiten (x - mu) U Lambda^-1/2, each with the dimensions / directions of variance
+    below 1e-6 of the layer's largest mapped to 0. Returns x [layers, ..., hidden] -> transformed."""
+    layers, _, hidden = vectors.shape
+    mean = vectors.mean(1)
+    cov = torch.stack([torch.cov(layer.T, correction=0) for layer in vectors])
+    if how == "standardize":
+        variance = cov.diagonal(dim1=1, dim2=2)
+        keep = variance > 1e-6 * variance.max(-1, keepdim=True).values
+        matrix = torch.diag_embed(torch.where(keep, variance.clamp_min(1e-300).rsqrt(), 0.0))
+    else:
+        eigenvalues, rotation = one_thread(torch.linalg.eigh, cov)
+        keep = eigenvalues > 1e-6 * eigenvalues[:, -1:]
+        matrix = rotation * torch.where(keep, eigenvalues.clamp_min(1e-300).rsqrt(), 0.0).unsqueeze(1)
+
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.reshape(layers, -1, hidden) - mean.unsqueeze(1), matrix).reshape(x.shape)
+    return transform
+
+
+def token_matrix(encode, texts: list[str]) -> torch.Tensor:
+    """Every token of `texts` (special tokens included): [layers, N, hidden]."""
+    return torch.cat([encode(text)[0] for text in texts], dim=1)
+
+
+def pooled_matrix(encode, texts: list[str]) -> torch.Tensor:
+    """The mean-pooled embedding of each distinct text: [layers, texts, hidden]."""
+    return torch.stack([encode(text)[0].mean(1) for text in dict.fromkeys(texts)], dim=1)
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def values(report: dict, key: str, *path: str) -> list:
@@ -132,15 +173,36 @@ def values(report: dict, key: str, *path: str) -> list:
 @pytest.mark.slow
 def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computation(data, direct, tmp_path):
     args = ["--data", data["sentences"], "--max_sentences", 0, "--batch_size", 7, "--seed", 3]
-    report = run("anisotropy", *args, "--output_dir", tmp_path / "a")
+    report = run("anisotropy", *args, "--normalize", "whiten", "--output_dir", tmp_path / "a")
     outliers = run("outliers", *args, "--output_dir", tmp_path / "o")
     detected = sorted({d for layer in outliers["layers"] for d in layer["outlier_dims"]})
     assert report["clip"] == "auto" and report["clipped_dims"] == detected and detected
     assert report["num_sentences"] == 40 and report["num_pairs"] == 20 and report["num_truncated"] == 0
-    raw, clipped = direct_anisotropy(random_token_vectors(direct, data["sentence_list"], 3), 3, detected)
-    np.testing.assert_allclose(values(report, "raw"), raw.numpy(), atol=2e-5)
-    np.testing.assert_allclose(values(report, "clipped"), clipped.numpy(), atol=2e-5)
+    assert report["normalize_fit"] == "tokens" and report["variants"] == ["raw", "clipped", "whitened"]
+    whiten = fitted(token_matrix(direct, data["sentence_list"]), "whiten")  # all tokens of all 40 sentences
+    expected = direct_anisotropy(random_token_vectors(direct, data["sentence_list"], 3), 3,
+                                 {"raw": identity, "clipped": clipping(detected), "whitened": whiten})
+    for key, atol in (("raw", 2e-5), ("clipped", 2e-5), ("whitened", 1e-3)):
+        np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=atol, err_msg=key)
     assert (tmp_path / "a" / "anisotropy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_anisotropy_subsamples_2x_num_pairs_sentences_and_standardizes_like_a_direct_computation(data, direct,
+                                                                                               tmp_path):
+    report = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--num_pairs", 7, "--seed", 5,
+                 "--clip", "5,17", "--normalize", "standardize", "--output_dir", tmp_path / "a")
+    assert report["num_sentences"] == 40 and report["num_pairs"] == 7
+    texts = data["sentence_list"]
+    chosen = sorted(random.Random(5).sample(range(40), 14))  # 2 x --num_pairs random sentences of the 40
+    sample = random_token_vectors(direct, texts, 5)[chosen]  # one seeded random token of each
+    standardize = fitted(token_matrix(direct, texts), "standardize")  # fit on every token of the 40, not the sample
+    expected = direct_anisotropy(sample, 5, {"raw": identity, "clipped": clipping([5, 17]),
+                                             "standardized": standardize})
+    for key in ("raw", "clipped", "standardized"):
+        np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=5e-5, err_msg=key)
+    everything = direct_anisotropy(random_token_vectors(direct, texts, 5), 5, {"raw": identity})["raw"]
+    assert not np.allclose(values(report, "raw"), everything.numpy(), atol=1e-3)  # the sample, not all 40
 
 
 @pytest.mark.slow
@@ -178,7 +240,7 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
 @pytest.mark.slow
 def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
     report = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
-                 "--min_sentences", 3, "--clip", "5,17", "--output_dir", tmp_path / "s")
+                 "--min_sentences", 3, "--clip", "5,17", "--normalize", "standardize", "--output_dir", tmp_path / "s")
     assert report["clip"] == "given" and report["clipped_dims"] == [5, 17]
     contexts = word_contexts(data["sentence_list"], 6, 3, seed=0)
     assert report["words"] == contexts.words and report["num_words"] == 6
@@ -187,40 +249,43 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
         for word, start, end in spans:
             per_word[word].append(span_vector(direct, text, (start, end)))
     assert all(len(v) == 3 for v in per_word.values())
-    for key, dims in (("raw", []), ("clipped", [5, 17])):
-        vectors = {w: [v.clone() for v in vs] for w, vs in per_word.items()}
-        for vs in vectors.values():
-            for v in vs:
-                v[:, dims] = 0
+    transforms = {"raw": identity, "clipped": clipping([5, 17]),
+                  "standardized": fitted(token_matrix(direct, contexts.sentences), "standardize")}
+    baselines = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, transforms)
+    for key, transform in transforms.items():
+        vectors = {w: [transform(v) for v in vs] for w, vs in per_word.items()}
         similarity = torch.stack([torch.stack([cos(v[i], v[j]) for i in range(3) for j in range(i + 1, 3)]).mean(0)
                                   for v in vectors.values()]).mean(0)
-        _, baseline = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, dims)
+        baseline = baselines[key]
         np.testing.assert_allclose(values(report, key, "self_similarity"), similarity.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "anisotropy"), baseline.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
 
 
-def direct_wic(direct, dims: list[int]) -> tuple[dict, torch.Tensor]:
-    cosines = {"raw": [], "clipped": []}
+def direct_wic(direct, transforms: dict) -> tuple[dict, torch.Tensor]:
+    cosines = {key: [] for key in transforms}
     for _, s1, f1, s2, f2, _ in WIC:
         a = span_vector(direct, s1, (s1.index(f1), s1.index(f1) + len(f1)))
         b = span_vector(direct, s2, (s2.index(f2), s2.index(f2) + len(f2)))
-        cosines["raw"].append(cos(a, b))
-        a, b = a.clone(), b.clone()
-        a[:, dims], b[:, dims] = 0, 0
-        cosines["clipped"].append(cos(a, b))
+        for key, transform in transforms.items():
+            cosines[key].append(cos(transform(a), transform(b)))
     return {k: torch.stack(v) for k, v in cosines.items()}, torch.tensor([row[-1] for row in WIC])
 
 
 @pytest.mark.slow
 def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path):
-    report = run("wic", "--data", data["wic"], "--output_dir", tmp_path / "w")
+    report = run("wic", "--data", data["wic"], "--normalize", "standardize", "--output_dir", tmp_path / "w")
     assert report["num_pairs"] == 8 and report["num_scored"] == 8
     assert report["skipped"]["count"] == 1 and report["skipped"]["examples"][0]["index"] == 8
     assert "not one whole word" in report["skipped"]["examples"][0]["reason"]
-    cosines, labels = direct_wic(direct, report["clipped_dims"])
+    assert report["thresholds"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the issue's 0.1...0.9
+    sentences = [s for _, s1, _, s2, _, _ in WIC for s in (s1, s2)]
+    assert report["normalize_fit"] == "tokens"
+    cosines, labels = direct_wic(direct, {"raw": identity, "clipped": clipping(report["clipped_dims"]),
+                                          "standardized": fitted(token_matrix(direct, list(dict.fromkeys(sentences))),
+                                                                 "standardize")})
     assert report["baseline"] == pytest.approx(labels.double().mean().item())
-    for key in ("raw", "clipped"):
+    for key in ("raw", "clipped", "standardized"):
         best = (-1.0, None, None)
         for layer in range(cosines[key].shape[1]):
             accuracies = [((cosines[key][:, layer] >= t) == labels).double().mean().item() for t in report["thresholds"]]
@@ -229,33 +294,42 @@ def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, dire
                                                     "threshold": report["thresholds"][t]}
             if accuracies[t] > best[0]:
                 best = (accuracies[t], layer, report["thresholds"][t])
-        found = report["best" if key == "raw" else "best_clipped"]
+        found = report["best" if key == "raw" else f"best_{key}"]
         assert (found["accuracy"], found["layer"], found["threshold"]) == (pytest.approx(best[0]), best[1], best[2])
 
 
-def direct_sts(direct, dims: list[int]) -> dict[str, torch.Tensor]:
+def direct_sts(direct, transforms: dict) -> dict[str, torch.Tensor]:
     gold = [score for _, _, score in STS]
     out = {}
-    for key, clip in (("raw", []), ("clipped", dims)):
+    for key, transform in transforms.items():
         cosines = []
         for a, b, _ in STS:
             u, v = direct(a)[0].mean(1), direct(b)[0].mean(1)  # [layers, hidden], no padding
-            u[:, clip], v[:, clip] = 0, 0
-            cosines.append(cos(u, v))
+            cosines.append(cos(transform(u), transform(v)))
         cosines = torch.stack(cosines)
         out[key] = torch.tensor([100 * spearmanr(cosines[:, layer], gold).statistic for layer in range(cosines.shape[1])])
     return out
 
 
+def sentence_fit(direct, how: str):
+    """--normalize on STS: fit on the mean-pooled embeddings of the pairs' distinct sentences (Su et al. 2021)."""
+    return fitted(pooled_matrix(direct, [s for a, b, _ in STS for s in (a, b)]), how)
+
+
 @pytest.mark.slow
 def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path):
-    report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3,
-                 "--output_dir", tmp_path / "t")
-    expected = direct_sts(direct, report["clipped_dims"])
-    for key in ("raw", "clipped"):
-        np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=1e-3)
+    # Standardisation fit on the 16 pooled sentences (whitening them would map 16 points in 384 dimensions to a
+    # simplex; test_analyze_eval_inputs checks sentence whitening on a tiny encoder with more sentences than dims).
+    report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3, "--normalize",
+                 "standardize", "--output_dir", tmp_path / "t")
+    assert report["normalize_fit"] == "sentences" and report["normalize_fit_count"] == 16
+    assert report["variants"] == ["raw", "clipped", "standardized"]
+    expected = direct_sts(direct, {"raw": identity, "clipped": clipping(report["clipped_dims"]),
+                                   "standardized": sentence_fit(direct, "standardize")})
+    for key in ("raw", "clipped", "standardized"):
+        np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=1e-3, err_msg=key)
         layer = int(expected[key].argmax())
-        assert report["best" if key == "raw" else "best_clipped"]["layer"] == layer
+        assert report["best" if key == "raw" else f"best_{key}"]["layer"] == layer
     vectors = {line.split()[0]: torch.tensor([float(v) for v in line.split()[1:]])
                for line in data["glove"].read_text().splitlines()}
 
@@ -269,12 +343,12 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
 
 
 @pytest.mark.slow
-def test_all_writes_the_summary_and_equals_the_single_subcommands(data, tmp_path):
+def test_all_writes_the_summary_and_equals_the_single_subcommands(data, direct, tmp_path):
     common = ["--no_progress", "--max_length", str(MAX_LENGTH), "--data", str(data["sentences"]), "--max_sentences",
               "0", "--num_words", "6", "--min_sentences", "3"]
     assert analyze.main(["all", *common[:-4], "--pool_sentences", "0", *common[-4:], "--wic", str(data["wic"]),
-                         "--sts", str(data["sts"]), "--static", str(data["glove"]), "--output_dir",
-                         str(tmp_path / "all")]) == 0
+                         "--sts", str(data["sts"]), "--static", str(data["glove"]), "--normalize", "standardize",
+                         "--output_dir", str(tmp_path / "all")]) == 0
     out = tmp_path / "all"
     summary = json.loads((out / "summary.json").read_text())
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
@@ -283,10 +357,18 @@ def test_all_writes_the_summary_and_equals_the_single_subcommands(data, tmp_path
     assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG" and (out / "mean_vectors.png").exists()
     detected = sorted({d for layer in reports["outliers"]["layers"] for d in layer["outlier_dims"]})
     assert summary["clipped_dims"] == detected == reports["wic"]["clipped_dims"]
-    single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--output_dir", tmp_path / "a")
+    single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "standardize",
+                 "--output_dir", tmp_path / "a")
     assert reports["anisotropy"]["layers"] == single["layers"]
+    # STS standardises on its pairs' pooled sentences, the token-level evaluations on the tokens of --data.
+    assert summary["normalize_fit"] == {"anisotropy": "tokens", "isotropy": "tokens", "self_similarity": "tokens",
+                                        "wic": "tokens", "sts_sts": "sentences"}
+    assert reports["sts_sts"]["normalize_fit"] == "sentences" and reports["wic"]["normalize_fit"] == "tokens"
+    expected = direct_sts(direct, {"standardized": sentence_fit(direct, "standardize")})["standardized"]
+    np.testing.assert_allclose(values(reports["sts_sts"], "standardized"), expected.numpy(), atol=1e-3)
     for layer, row in enumerate(summary["figure6_layers"]):
-        assert row["anisotropy"] == {k: reports["anisotropy"]["layers"][layer][k] for k in ("raw", "clipped")}
+        assert row["anisotropy"] == {k: reports["anisotropy"]["layers"][layer][k]
+                                     for k in ("raw", "clipped", "standardized")}
         assert row["isoscore"]["clipped"] == reports["isotropy"]["layers"][layer]["clipped"]["isoscore"]
         assert row["wic_accuracy"]["raw"] == reports["wic"]["layers"][layer]["raw"]["accuracy"]
         assert row["sts_sts_spearman"]["clipped"] == reports["sts_sts"]["layers"][layer]["clipped"]

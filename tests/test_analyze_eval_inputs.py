@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import spearmanr
+from transformers import AutoModel, AutoTokenizer
 
 import analyze
 from datamodules.io import UserError
@@ -23,7 +26,8 @@ from datamodules.pairs import (
     target_problem,
     word_contexts,
 )
-from tests.test_analyze_eval import STS, WIC
+from metrics import protocols
+from tests.test_analyze_eval import STS, WIC, fitted
 from tests.test_analyze_outliers import _free_port
 from tests.tiny import corpus_sentences, save_tiny_encoder
 
@@ -114,6 +118,90 @@ def test_target_offsets_checks():
     assert "not one whole word" in target_problem(sentence, "bank", (18, 22))
     assert "outside the sentence" in target_problem(sentence, "bank", (40, 60))
     assert "hold 'closed', not 'bank'" in target_problem(sentence, "bank", (42, 48))
+
+
+@pytest.mark.parametrize("lemma, sentence, form, distractor", [
+    ("go", "They went home for a good meal.", "went", "good"),
+    ("hold", "She held the door of the house open.", "held", "house"),
+    ("find", "At first he found nothing at all.", "found", "first"),
+    ("see", "We saw seven birds on the roof.", "saw", "seven"),
+])
+def test_irregular_forms_are_kept_beside_words_sharing_the_lemmas_first_letters(lemma, sentence, form, distractor):
+    start = sentence.index(form)
+    assert distractor.startswith(lemma[:2]) and not form.startswith(lemma[:2])  # the case the old rule got wrong
+    assert target_problem(sentence, lemma, (start, start + len(form))) is None
+
+
+@pytest.mark.parametrize("lemma, sentence, span_word, regular", [
+    ("carry", "The porter carried the bags upstairs.", "porter", "carried"),  # y -> i
+    ("stop", "The bus stopped near the old station.", "bus", "stopped"),  # doubled consonant
+    ("make", "She was making tea for the guests.", "tea", "making"),  # final e dropped
+    ("bank", "The banks were closed on Monday.", "closed", "banks"),  # lemma + s
+    ("walk", "He walked home.", "home", "walked"),
+])
+def test_a_span_beside_a_regular_form_of_the_lemma_is_misplaced(lemma, sentence, span_word, regular):
+    start = sentence.index(span_word)
+    problem = target_problem(sentence, lemma, (start, start + len(span_word)))
+    assert problem is not None and f"hold {span_word!r}, not {lemma!r} (which is at {regular!r})" in problem
+    at = sentence.index(regular)
+    assert target_problem(sentence, lemma, (at, at + len(regular))) is None  # the regular form itself is the target
+
+
+def test_sts_whitening_is_fit_on_the_pooled_sentences_of_the_pairs(tmp_path, bert_tok):
+    """Su et al. (2021) whiten sentence embeddings: mu and the covariance of the pairs' mean-pooled sentences (80 of
+    them, more than the hidden size 32 + 1), not of their tokens; against a direct computation."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    sentences = list(dict.fromkeys(s for s in corpus_sentences(600, start=300) if 4 <= len(s.split()) <= 10))[:80]
+    scores = (torch.rand(40, generator=torch.Generator().manual_seed(0)) * 5).tolist()
+    path = write_sts(tmp_path / "sts.tsv", [(sentences[2 * i], sentences[2 * i + 1], round(score, 3))
+                                            for i, score in enumerate(scores)])
+    out = tmp_path / "out"
+    assert analyze.main(["sts", "--no_progress", "--encoder", str(encoder), "--data", str(path), "--clip", "none",
+                         "--normalize", "whiten", "--batch_size", "8", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "sts.json").read_text())
+    assert report["num_truncated"] == 0 and report["variants"] == ["raw", "whitened"]
+    assert report["normalize_fit"] == "sentences" and report["normalize_fit_count"] == 80
+    assert "normalize_warning" not in report
+    tokenizer, model = AutoTokenizer.from_pretrained(encoder), AutoModel.from_pretrained(encoder).eval()
+    with torch.no_grad():  # each sentence alone, no padding: [layers, seq, hidden]
+        hidden = [torch.stack(model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True)
+                              .hidden_states)[:, 0].double() for text in sentences]
+    pooled = torch.stack([h.mean(1) for h in hidden], 1)  # [layers, 80, hidden]
+
+    def spearman_of(transform) -> np.ndarray:
+        a, b = transform(pooled[:, 0::2]), transform(pooled[:, 1::2])
+        cosines = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # [layers, 40]
+        return np.array([100 * spearmanr(layer, [round(s, 3) for s in scores]).statistic for layer in cosines])
+
+    whitened = [row["whitened"] for row in report["layers"]]
+    np.testing.assert_allclose(whitened, spearman_of(fitted(pooled, "whiten")), atol=1e-3)
+    token_fit = spearman_of(fitted(torch.cat(hidden, 1), "whiten"))  # what a token fit would have given
+    assert np.abs(np.array(whitened) - token_fit).max() > 1
+
+
+def test_sts_whitening_on_fewer_sentences_than_dimensions_warns(tmp_path, bert_tok, capfd):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    out = tmp_path / "out"
+    assert analyze.main(["sts", "--no_progress", "--encoder", str(encoder), "--data", str(write_sts(tmp_path / "s.tsv")),
+                         "--clip", "none", "--normalize", "whiten", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "sts.json").read_text())
+    sentences = len({s for a, b, _ in STS for s in (a, b)})
+    assert report["normalize_fit_count"] == sentences == 16  # <= hidden size 32 + 1: a simplex
+    assert f"whitening fit on {sentences} sentences, not more than hidden size + 1 (33)" in report["normalize_warning"]
+    assert report["normalize_warning"] in capfd.readouterr().err
+
+
+def test_protocol_constants_are_the_issues():
+    """Issue 6: WiC thresholds 0.1...0.9; anisotropy 2000 sentences -> 1000 pairs; self-similarity 1000 words in at
+    least 10 sentences (the issue's numbers, not the code's)."""
+    assert protocols.THRESHOLDS == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    parser = analyze.build_parser()
+    for command in ("anisotropy", "all"):
+        args = parser.parse_args([command])
+        assert (args.max_sentences, args.num_pairs) == (2000, 1000), command
+    for command in ("self-similarity", "all"):
+        args = parser.parse_args([command])
+        assert (args.num_words, args.min_sentences) == (1000, 10), command
 
 
 def test_original_wic_release_and_datasets_directory(tmp_path):
@@ -211,7 +299,8 @@ def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, sentence
 def test_all_under_two_process_ddp_equals_one_process(tmp_path, planted, sentences):
     wic, sts = write_wic(tmp_path / "wic.jsonl"), write_sts(tmp_path / "sts.tsv")
     args = ["--encoder", planted, "--data", sentences, "--max_sentences", 0, "--pool_sentences", 0, "--num_words", 5,
-            "--min_sentences", 3, "--wic", wic, "--sts", sts, "--batch_size", 4, "--minibatch", 6, "--no_progress"]
+            "--min_sentences", 3, "--wic", wic, "--sts", sts, "--batch_size", 4, "--minibatch", 6, "--no_progress",
+            "--normalize", "standardize"]  # STS refits it on the pairs' pooled sentences (one more synced pass)
     assert analyze.main(["all", *map(str, args), "--output_dir", str(tmp_path / "single")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

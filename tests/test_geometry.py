@@ -21,6 +21,7 @@ from metrics.geometry import (
     IsoScoreStar,
     MeanCosine,
     SelfSimilarity,
+    Spectrum,
     TokenSample,
     isoscore,
     isoscore_star,
@@ -204,6 +205,72 @@ def test_spectrum_equals_singular_values_of_the_token_matrix():
     assert spec["cdf_auc"][0].item() == pytest.approx(np.trapezoid(cdf, grid), abs=1e-4)
 
 
+def test_spectrum_metric_streams_the_singular_values_of_the_uncentred_token_matrix():
+    """Spectrum (README: the singular values of each layer's token matrix, uncentred as tokenUni) fed masked batches
+    equals torch.linalg.svdvals of the materialised matrix; Spectrum.of(cov, moments) equals it for clipped and
+    whitened tokens."""
+    tokens = planted_tokens(13).double()
+    hidden = tokens.reshape(LAYERS, 30, 10, HIDDEN)
+    mask = torch.rand(30, 10, generator=torch.Generator().manual_seed(14)) > 0.3
+    metric, cov = Spectrum(LAYERS, HIDDEN), Covariance(LAYERS, HIDDEN)
+    for start in range(0, 30, 4):
+        metric.update(hidden[:, start:start + 4], mask[start:start + 4])
+        cov.update(hidden[:, start:start + 4], mask[start:start + 4])
+    kept = hidden[:, mask]  # [layers, N, hidden]
+    stats = cov.compute()
+    whiten = whitening(stats)
+    for result, matrix in ((metric.compute(), kept), (Spectrum.of(cov).compute(), kept),
+                           (Spectrum.of(cov, Clipping([3], LAYERS).moments).compute(), Clipping([3], LAYERS).apply(kept)),
+                           (Spectrum.of(cov, whiten.moments).compute(), whiten.apply(kept))):
+        for layer in range(LAYERS):
+            sigma = one_thread(torch.linalg.svdvals, matrix[layer])  # uncentred, not of kept - mean
+            torch.testing.assert_close(result["singular_values"][layer], sigma / sigma[0], rtol=1e-5, atol=1e-6)
+            share = (sigma[0] ** 2 / sigma.pow(2).sum()).item()
+            assert result["energy_top1"][layer].item() == pytest.approx(share, rel=1e-5)
+    centred = one_thread(torch.linalg.svdvals, kept[0] - kept[0].mean(0))
+    assert not torch.allclose(metric.compute()["singular_values"][0], centred / centred[0], atol=1e-3)
+
+
+def state_bytes(metric) -> dict[str, tuple]:
+    return {name: (tuple(value.shape), value.numel() * value.element_size())
+            for name, value in metric.metric_state.items()}
+
+
+def test_metric_states_stay_fixed_size_with_ten_times_the_data():
+    """Streaming: every state tensor keeps its shape and bytes whatever the number of tokens, pairs or words seen,
+    and the total is what the constructor arguments give (float64 states, 8 bytes a number)."""
+    words, pairs = 7, 40
+    metrics = {
+        "mean": (MeanCosine(LAYERS), LAYERS + 1),
+        "selfsim": (SelfSimilarity(words, LAYERS, HIDDEN), words * LAYERS * HIDDEN + words * LAYERS + words),
+        "cov": (Covariance(LAYERS, HIDDEN), 1 + LAYERS * HIDDEN + LAYERS * HIDDEN * HIDDEN),
+        "spectrum": (Spectrum(LAYERS, HIDDEN), 1 + LAYERS * HIDDEN + LAYERS * HIDDEN * HIDDEN),
+        "star": (IsoScoreStar(LAYERS, HIDDEN), LAYERS + 1),
+        "pairs": (PairCosine(pairs, LAYERS), pairs * LAYERS + pairs),
+    }
+    generator = torch.Generator().manual_seed(15)
+
+    def feed(metric, name: str, n: int) -> None:
+        a, b = torch.randn(2, LAYERS, n, HIDDEN, generator=generator)
+        if name == "mean":
+            metric.update(a, b)
+        elif name == "selfsim":
+            metric.update(torch.randint(0, words, (n,), generator=generator), a)
+        elif name in ("cov", "spectrum", "star"):
+            metric.update(a)
+        else:
+            ids = torch.randint(0, pairs, (min(n, pairs),), generator=generator).unique()
+            metric.update(ids, a[:, :len(ids)], b[:, :len(ids)])
+
+    for name, (metric, numbers) in metrics.items():
+        feed(metric, name, 20)
+        before = state_bytes(metric)
+        assert sum(size for _, size in before.values()) == 8 * numbers, name
+        for _ in range(10):
+            feed(metric, name, 200)  # 10 x the data, in batches 10 x larger
+        assert state_bytes(metric) == before, name
+
+
 def test_whitening_gives_identity_covariance_and_standardisation_unit_variance():
     generator = torch.Generator().manual_seed(8)
     rotation = torch.linalg.qr(torch.randn(HIDDEN, HIDDEN, generator=generator))[0]
@@ -228,6 +295,20 @@ def test_whitening_gives_identity_covariance_and_standardisation_unit_variance()
             direct_cov = torch.cov(transformed[layer].T, correction=0)
             torch.testing.assert_close(cov[layer], direct_cov, rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(mean[layer], transformed[layer].mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_standardisation_maps_a_dimension_constant_up_to_rounding_to_zero():
+    """A dimension constant up to float32 rounding (a last-layer LayerNorm weight near 0: MiniLM's layer 6) would
+    otherwise be divided by its rounding noise and swamp every cosine."""
+    tokens = torch.randn(1, 200, HIDDEN, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    tokens[..., 2] = 0.75 + 1e-9 * tokens[..., 2]  # variance 1e-18, far below 1e-6 of the others' (~1)
+    metric = Covariance(1, HIDDEN)
+    metric.update(tokens)
+    standardised = standardization(metric.compute()).apply(tokens)
+    assert standardised[..., 2].abs().max() == 0
+    others = [d for d in range(HIDDEN) if d != 2]
+    torch.testing.assert_close(standardised[0][:, others], (tokens[0][:, others] - tokens[0][:, others].mean(0))
+                               / tokens[0][:, others].std(0, correction=0), rtol=1e-6, atol=1e-6)
 
 
 def test_clipping_variant_is_the_encoders_clip():
@@ -295,7 +376,8 @@ def ddp_inputs():
 
 def all_metrics():
     return {"selfsim": SelfSimilarity(5, LAYERS, HIDDEN), "pairs": PairCosine(33, LAYERS), "cov": Covariance(LAYERS, HIDDEN),
-            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN), "iso": IsoScore(LAYERS, HIDDEN)}
+            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN), "iso": IsoScore(LAYERS, HIDDEN),
+            "spectrum": Spectrum(LAYERS, HIDDEN)}
 
 
 def feed(metrics, items):
@@ -307,9 +389,12 @@ def feed(metrics, items):
         metrics["mean"].update(a[:, chunk], b[:, chunk])
         metrics["sample"].update(chunk, vectors[:, chunk])
         metrics["iso"].update(vectors[:, chunk])
+        metrics["spectrum"].update(vectors[:, chunk])
     computed = {name: metric.compute() for name, metric in metrics.items()}
+    clipped = Spectrum.of(metrics["cov"], Clipping([1], LAYERS).moments).compute()  # a copy of the local state
     return {"selfsim": computed["selfsim"].per_word, "pairs": computed["pairs"][0], "cov": computed["cov"].cov,
-            "mean": computed["mean"], "sample": computed["sample"][0], "iso": computed["iso"]}
+            "mean": computed["mean"], "sample": computed["sample"][0], "iso": computed["iso"],
+            "spectrum": computed["spectrum"]["singular_values"], "spectrum_of": clipped["singular_values"]}
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
