@@ -12,7 +12,8 @@ Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.e
 written atomically (a kill mid-write keeps the previous one). SIGTERM (SLURM pre-emption, scancel, a time limit) saves
 last.ckpt at the next optimizer step and exits with status 143; rerun with --ckpt_path last to resume exactly.
 The model is exported to <default_root_dir>/export (AutoModelForMaskedLM.from_pretrained and analyze.py read it).
-The global batch (--data.global_batch_size) stays fixed: gradient accumulation is derived from devices × nodes.
+The global batch (--data.global_batch_size) stays fixed: gradient accumulation is derived from devices × nodes,
+and --ckpt_path last resumes exactly on another device or node count too (a streaming run: on its own only).
 Errors in the input are one line on stderr and exit status 2.
 """
 
@@ -23,6 +24,7 @@ import signal
 import sys
 import threading
 import traceback
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -149,11 +151,12 @@ def last_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def check_resume(path: Path, model: MLMModule, data: MLMDataModule) -> None:
+def check_resume(path: Path, model: MLMModule, data: MLMDataModule, world_size: int) -> None:
     """Before anything is written: a whole checkpoint of this project, whose architecture (PE or not, sizes) and
-    tokenizer match the config."""
+    tokenizer match the config, and whose data position continues on `world_size` devices."""
     checkpoint = read_checkpoint(path)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
+    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size)
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
     tokenizer = data.cached_tokenizer()
     if saved is not None and tokenizer is not None and fingerprint(tokenizer) != saved:
@@ -168,6 +171,9 @@ class PretrainCLI(LightningCLI):
                              "checkpoint.every_n_train_steps": 1000})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
+            parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
+                                  apply_on="instantiate")
 
     def _parse_ckpt_path(self) -> None:
         """Keep the config authoritative. Lightning 2.6 loads an explicit --ckpt_path file whole (on every rank) and
@@ -195,7 +201,7 @@ class PretrainCLI(LightningCLI):
         else:
             path = None
         if path is not None:
-            check_resume(path, model, data)
+            check_resume(path, model, data, trainer.world_size)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:

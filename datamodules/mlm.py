@@ -18,7 +18,10 @@ with targets -100 where a block had fewer than k maskable tokens.
 
 Every rank walks one seeded permutation of the blocks per epoch; rank r of w takes its items r, r + w, ... so a
 global batch holds the same blocks for any (devices × nodes × per-device batch × accumulation). The data position
-(epoch, batches done) is saved in the checkpoint and restored on `--ckpt_path last`.
+after the last batch a training step consumed is saved in the checkpoint in global blocks (with the world size and
+batch size) and restored on `--ckpt_path last`, also on another device count with the same global batch. Streaming
+saves every rank's stream state instead (texts skipped unread by the tokenizer on resume, one chunk re-tokenised)
+and resumes on its own device count only.
 """
 
 from __future__ import annotations
@@ -72,11 +75,16 @@ def pack_blocks(ids: list[list[int]], block_length: int, bos: int, eos: int,
     return blocks, stream[full * piece:]
 
 
+def boundary_ids(tokenizer) -> tuple[int, int]:
+    """The ids opening and closing a block: <s> and </s>, or [CLS] and [SEP] for a tokenizer without bos/eos."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    return bos, eos
+
+
 def tokenize_and_pack(batch: dict, tokenizer, block_length: int) -> dict:
     """datasets.map function: a batch of texts → the full blocks it makes (the remainder of the batch is dropped)."""
-    blocks, _ = pack_blocks(tokenize_texts(batch["text"], tokenizer), block_length,
-                            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id,
-                            tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id)
+    blocks, _ = pack_blocks(tokenize_texts(batch["text"], tokenizer), block_length, *boundary_ids(tokenizer))
     return {"input_ids": blocks}
 
 
@@ -160,8 +168,11 @@ class MaskCollator:
             action = rng.random(k)[:count]
             replace = rng.choice(self.random_ids, size=k)[:count]
             input_ids[row, chosen] = np.where(action < 0.8, self.mask_id, np.where(action < 0.9, replace, blocks[row, chosen]))
-        return {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
-                "targets": torch.from_numpy(targets)}
+        out = {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
+               "targets": torch.from_numpy(targets)}
+        if "stream_state" in item:  # where a streaming rank stands after this batch; the datamodule strips it
+            out["stream_state"] = item["stream_state"]
+        return out
 
 
 # ---- sampling and datasets ----
@@ -226,39 +237,52 @@ class BlockDataset(torch.utils.data.Dataset):
 
 
 class StreamingBlocks(IterableDataset):
-    """Blocks made on the fly from a corpus too big to cache: this rank's texts (r, r + w, ...), packed, batched."""
+    """Blocks made on the fly from a corpus too big to cache: this rank's texts (r, r + w, ...), packed, batched.
+
+    Texts are tokenised `chunk` at a time. Each batch carries `stream_state`, where this rank's stream stands after
+    it: {"epoch", "text": this rank's index of the text opening the current chunk, "carry": the tokens left over from
+    the chunks before, "done": blocks of the chunk already in batches, "counter": blocks of the epoch before the
+    chunk}. Started from such a state (`start`), the stream skips the texts before the chunk without tokenising
+    them, re-tokenises that one chunk and goes on with the same blocks and keys as an uninterrupted run.
+    """
 
     def __init__(self, source: str, text_column: str | None, tokenizer, block_length: int, batch_size: int,
-                 rank: int, world: int, skip_texts: int, skip_batches: int = 0, chunk: int = 1000) -> None:
+                 rank: int, world: int, skip_texts: int, start: dict | None = None, chunk: int = 1000) -> None:
         self.source, self.text_column, self.tokenizer = source, text_column, tokenizer
         self.block_length, self.batch_size, self.rank, self.world = block_length, batch_size, rank, world
-        self.skip_texts, self.skip_batches, self.chunk = skip_texts, skip_batches, chunk
+        self.skip_texts, self.chunk = skip_texts, chunk
+        self.start = start or {"epoch": 0, "text": 0, "carry": [], "done": 0, "counter": 0}
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 1:
             raise UserError("--data.streaming takes --data.num_workers 0 or 1")
-        skip = self.skip_batches * self.batch_size
-        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-        for epoch in itertools.count():
-            texts = itertools.islice(iter_texts(self.source, self.text_column), self.skip_texts + self.rank, None,
-                                     self.world)
-            carry: list[int] = []
-            pending: list[list[int]] = []
-            counter = 0
+        start = self.start
+        skip = int(start["done"])  # blocks of the first chunk already consumed (legacy checkpoints: of the epoch)
+        bos, eos = boundary_ids(self.tokenizer)
+        for epoch in itertools.count(int(start["epoch"])):
+            first = epoch == int(start["epoch"])
+            index = int(start["text"]) if first else 0
+            carry: list[int] = [int(t) for t in start["carry"]] if first else []
+            counter = int(start["counter"]) if first else 0
+            texts = itertools.islice(iter_texts(self.source, self.text_column),
+                                     self.skip_texts + self.rank + index * self.world, None, self.world)
             base = (epoch * self.world + self.rank) << STREAM_KEY_BITS
+            pending: list[list[int]] = []
+            keys: list[int] = []
             while chunk := list(itertools.islice(texts, self.chunk)):
-                blocks, carry = pack_blocks(tokenize_texts(chunk, self.tokenizer), self.block_length, bos, eos, carry)
-                for block in blocks:
-                    counter += 1
+                blocks, rest = pack_blocks(tokenize_texts(chunk, self.tokenizer), self.block_length, bos, eos, carry)
+                for i, block in enumerate(blocks):
                     if skip:
                         skip -= 1
                         continue
                     pending.append(block)
+                    keys.append(base + counter + i)
                     if len(pending) == self.batch_size:
-                        keys = np.arange(base + counter - self.batch_size, base + counter)
-                        yield {"blocks": np.array(pending), "keys": keys}
-                        pending = []
+                        state = {"epoch": epoch, "text": index, "carry": carry, "done": i + 1, "counter": counter}
+                        yield {"blocks": np.array(pending), "keys": np.array(keys), "stream_state": state}
+                        pending, keys = [], []
+                index, carry, counter = index + len(chunk), rest, counter + len(blocks)
             if counter == 0:
                 raise UserError(f"corpus {self.source} gives no full block of {self.block_length} tokens on rank "
                                 f"{self.rank}")
@@ -363,7 +387,10 @@ class MLMDataModule(pl.LightningDataModule):
         if tokenizer != "train":
             self._existing_tokenizer = load_tokenizer(tokenizer)
         self.train_blocks = self.val_blocks = None
-        self._resume: tuple[int, int] | None = None  # (micro-batches consumed, batches per epoch) from a checkpoint
+        self._resume: dict | None = None  # the position a checkpoint holds, converted to this run (load_state_dict)
+        self._position: dict | None = None  # {"blocks", "epoch", "in_epoch"} after the last training batch consumed
+        self._stream: dict | None = None  # streaming: this rank's stream state after that batch
+        self._step = self._epoch_blocks = 0  # blocks per training micro-batch over all ranks; per epoch
 
     def _validate_arguments(self) -> None:
         h = self.hparams
@@ -393,6 +420,16 @@ class MLMDataModule(pl.LightningDataModule):
         if self._existing_tokenizer is not None:
             return vocab_limit(self._existing_tokenizer)
         return self.hparams.vocab_size
+
+    @property
+    def model_special_ids(self) -> dict[str, int]:
+        """The model config's pad/bos/eos ids: RoBERTa's 1/0/2 for the trained BPE, else the existing tokenizer's
+        (bos and eos fall back to [CLS] and [SEP], which a BERT tokenizer puts around a block)."""
+        tokenizer = self._existing_tokenizer
+        if tokenizer is None:
+            return {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+        bos, eos = boundary_ids(tokenizer)
+        return {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": bos, "eos_token_id": eos}
 
     # -- cache locations --
 
@@ -511,21 +548,40 @@ class MLMDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         h = self.hparams
         rank, world = self._rank_world()
+        # a checkpoint's position, else where this run stands (a loader made again goes on from there)
+        resume, self._resume = self._resume or {**(self._position or {}), "stream": self._stream}, None
+        self._step = h.batch_size * world
+        self._position = {"blocks": int(resume.get("blocks", 0)), "epoch": 0, "in_epoch": 0}
         if h.streaming:
-            resume = self._resume[0] if self._resume else 0
-            self._resume = None
+            self._stream = resume.get("stream")
             dataset = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, h.batch_size, rank,
-                                      world, skip_texts=h.val_texts, skip_batches=resume)
+                                      world, skip_texts=h.val_texts, start=self._stream)
             return self._loader(dataset, None, self.collator)
         group = h.global_batch_size or h.batch_size * world
         sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True, group=group)
         if len(sampler) == 0:
             raise UserError(f"{len(self.train_blocks)} training blocks make no full global batch of {group}")
-        if self._resume is not None:
-            total, per_epoch = self._resume
-            sampler.resume(total // per_epoch, total % per_epoch)
-            self._resume = None
+        self._epoch_blocks = len(sampler) * self._step
+        epoch, in_epoch = int(resume.get("epoch", 0)), int(resume.get("in_epoch", 0))
+        if in_epoch >= self._epoch_blocks:  # another global batch than the checkpoint's: this epoch is used up
+            epoch, in_epoch = epoch + 1, 0
+        sampler.resume(epoch, in_epoch // self._step)
+        self._position.update(epoch=epoch, in_epoch=in_epoch)
         return self._loader(self.train_blocks, sampler, self.collator)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Record the data position after each training batch the step consumes (not at fetch time: loaders
+        prefetch), and strip a streaming batch's `stream_state` before it reaches the model."""
+        state = batch.pop("stream_state", None) if isinstance(batch, dict) else None
+        trainer = self.trainer
+        if trainer is not None and trainer.training and self._position is not None:
+            self._stream = state if state is not None else self._stream
+            position = self._position
+            position["blocks"] += self._step
+            position["in_epoch"] += self._step
+            if self._epoch_blocks and position["in_epoch"] >= self._epoch_blocks:
+                position["epoch"], position["in_epoch"] = position["epoch"] + 1, 0
+        return batch
 
     def val_dataloader(self) -> DataLoader:
         h = self.hparams
@@ -542,13 +598,18 @@ class MLMDataModule(pl.LightningDataModule):
     # -- checkpointed state: data position and the tokenizer's identity --
 
     def state_dict(self) -> dict:
+        """The tokenizer's identity, and the data position after the last training batch consumed: global blocks
+        (micro-batches × batch_size × world size), the epoch and blocks into it, the world size and batch size; for
+        streaming, every rank's stream state (gathered from all ranks: Lightning calls this on every rank)."""
+        h = self.hparams
         state = {"tokenizer_fingerprint": fingerprint(self.tokenizer) if self.tokenizer is not None else None,
-                 "tokenizer_files": getattr(self, "_tokenizer_files", None), "block_length": self.hparams.block_length}
-        trainer = self.trainer
-        if trainer is not None and trainer.training:  # micro-batches consumed since the start, on every rank
-            total = trainer.fit_loop.epoch_loop.batch_progress.total.processed
-            per_epoch = trainer.num_training_batches
-            state["position"] = {"batches": int(total), "per_epoch": int(per_epoch) if per_epoch != float("inf") else 0}
+                 "tokenizer_files": getattr(self, "_tokenizer_files", None), "block_length": h.block_length}
+        if self._position is not None:
+            _, world = self._rank_world()
+            state["position"] = {**self._position, "world": world, "batch_size": h.batch_size,
+                                 "streaming": h.streaming}
+            if h.streaming:
+                state["stream"] = gather_objects(self._stream, world)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -560,6 +621,71 @@ class MLMDataModule(pl.LightningDataModule):
         if state.get("block_length", self.hparams.block_length) != self.hparams.block_length:
             raise UserError(f"--data.block_length {self.hparams.block_length} differs from the checkpoint's "
                             f"{state['block_length']}")
+        rank, world = self._rank_world()
+        self.check_position(state, world)
         position = state.get("position")
-        if position:
-            self._resume = (int(position["batches"]), int(position["per_epoch"]) or 1)
+        if not position:
+            return
+        h = self.hparams
+        if "world" in position:
+            self._resume = {key: position[key] for key in ("blocks", "epoch", "in_epoch")}
+            if h.streaming:
+                self._resume["stream"] = state["stream"][rank]
+            return
+        # a checkpoint from before the position was global: micro-batches of this rank, same devices assumed
+        batches, per_epoch = int(position["batches"]), int(position["per_epoch"]) or 1
+        self._resume = {"blocks": batches * h.batch_size * world, "epoch": batches // per_epoch,
+                        "in_epoch": batches % per_epoch * h.batch_size * world}
+        if h.streaming:
+            self._resume["stream"] = {"epoch": 0, "text": 0, "carry": [], "done": batches * h.batch_size, "counter": 0}
+
+    def check_position(self, state: dict, world: int) -> None:
+        """One clear line when a checkpoint's data position cannot continue on `world` devices with this config.
+
+        The cached path converts exactly whenever the global batch is unchanged (a step sees the same blocks on any
+        device count); a streaming run interleaves the texts by rank, so it resumes only on its own device count.
+        """
+        position = (state or {}).get("position") or {}
+        if "world" not in position:
+            return
+        h = self.hparams
+        if position["streaming"] != h.streaming:
+            raise UserError(f"the checkpoint is of a run with --data.streaming {str(position['streaming']).lower()}; "
+                            f"resume with the same setting (the config gives {str(h.streaming).lower()})")
+        if h.streaming and position["world"] != world:
+            raise UserError(f"cannot resume a streaming run saved at world size {position['world']} at world size "
+                            f"{world} (devices × nodes; each rank reads its own share of the texts): resume with "
+                            f"world size {position['world']}")
+        step = h.batch_size * world
+        if position["blocks"] % step or position["in_epoch"] % step:
+            raise UserError(f"cannot resume: the checkpoint stopped after {position['blocks']} blocks, not a multiple "
+                            f"of --data.batch_size {h.batch_size} × {world} devices; keep the run's global batch")
+
+    def adapt_checkpoint(self, checkpoint: dict) -> None:
+        """Express Lightning's saved micro-batch counts in this run's micro-batches when batch_size × world size
+        changed (the MLM module calls this from on_load_checkpoint, before Lightning restores its loops), so that
+        accumulation windows, epoch ends and dropout seeds continue from the same blocks."""
+        state = checkpoint.get(type(self).__qualname__) or {}
+        position = state.get("position") or {}
+        if "world" not in position:
+            return
+        self.check_position(state, self._rank_world()[1])
+        old, new = position["batch_size"] * position["world"], self.hparams.batch_size * self._rank_world()[1]
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if old == new or not progress:
+            return
+        for counts in (progress["total"], progress["current"]):
+            shift = counts["processed"] * old // new - counts["processed"]  # keeps Lightning's restart pattern
+            for key in ("ready", "started", "processed", "completed"):
+                counts[key] += shift
+
+
+def gather_objects(value, world: int) -> list:
+    """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        values = [None] * world
+        dist.all_gather_object(values, value)
+        return values
+    return [value]

@@ -48,8 +48,13 @@ def mlm_loss(model, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
 
 def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                 intermediate_size: int, max_position_embeddings: int, dropout: float, position_embeddings: bool,
-                attn_implementation: str = "sdpa"):
-    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table."""
+                attn_implementation: str = "sdpa", pad_token_id: int = 1, bos_token_id: int = 0,
+                eos_token_id: int = 2):
+    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table.
+
+    The special ids are the tokenizer's (RoBERTa's 1/0/2 for the trained BPE): the pad id is the embedding's
+    padding row and sets where RoBERTa's positions start (pad id + 1).
+    """
     from transformers import AutoModelForMaskedLM, RobertaConfig
 
     config = RobertaConfig(
@@ -57,7 +62,7 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
         num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings, hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout, type_vocab_size=1, layer_norm_eps=1e-5,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
     )
     model = AutoModelForMaskedLM.from_config(config, attn_implementation=attn_implementation)
     if not position_embeddings:
@@ -87,6 +92,7 @@ class MLMModule(pl.LightningModule):
             `end_lr` at `decay_steps` (default: the trainer's max_steps).
         compile: torch.compile the loss computation.
         attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging).
+        pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
     """
 
     def __init__(
@@ -109,6 +115,9 @@ class MLMModule(pl.LightningModule):
         power: float = 1.0,
         compile: bool = False,
         attn_implementation: str = "sdpa",
+        pad_token_id: int = 1,
+        bos_token_id: int = 0,
+        eos_token_id: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -116,7 +125,8 @@ class MLMModule(pl.LightningModule):
             raise UserError(f"--model.hidden_size {hidden_size} is not a multiple of num_attention_heads "
                             f"{num_attention_heads}")
         self.model = build_model(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
-                                 max_position_embeddings, dropout, position_embeddings, attn_implementation)
+                                 max_position_embeddings, dropout, position_embeddings, attn_implementation,
+                                 pad_token_id, bos_token_id, eos_token_id)
         self.val_loss = MeanMetric()
         self._loss_fn = torch.compile(mlm_loss) if compile else mlm_loss
         self._seed = 0
@@ -205,6 +215,9 @@ class MLMModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_architecture(checkpoint.get("hyper_parameters", {}), self.hparams, "the checkpoint")
+        data = getattr(self._trainer, "datamodule", None)
+        if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict
+            data.adapt_checkpoint(checkpoint)
 
     def on_fit_end(self) -> None:
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
@@ -280,8 +293,10 @@ def load_checkpoint_model(path: str | Path):
     hparams = checkpoint["hyper_parameters"]
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings")
+    specials = {key: hparams.get(key, default) for key, default in
+                (("pad_token_id", 1), ("bos_token_id", 0), ("eos_token_id", 2))}  # older checkpoints: RoBERTa's
     model = build_model(**{key: hparams[key] for key in keys}, dropout=0.0,
-                        position_embeddings=hparams["position_embeddings"])
+                        position_embeddings=hparams["position_embeddings"], **specials)
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()
              if key.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)

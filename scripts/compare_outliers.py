@@ -13,7 +13,9 @@ from pathlib import Path
 
 
 def label(report: dict, path: str) -> str:
-    return Path(report["encoder"]).name or path
+    """The encoder's directory name; for a run's export/, the run's (tiny-pe, not export)."""
+    encoder = Path(report["encoder"])
+    return (encoder.parent.name if encoder.name == "export" else encoder.name) or path
 
 
 def cell(layer: dict) -> str:

@@ -7,6 +7,7 @@ no-PE permutation equivariance and the SDPA path.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,14 +98,14 @@ def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
     assert sorted(k % 50 for b in first for k in b) != [k % 50 for b in first for k in b]  # shuffled
 
 
-def test_streaming_packs_this_ranks_texts_across_chunks_and_skips_on_resume(bpe, tmp_path):
+def test_streaming_packs_this_ranks_texts_across_chunks_and_resumes_from_a_batch_state(bpe, tmp_path):
     texts = corpus_sentences(120)
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(texts) + "\n", encoding="utf-8")
 
-    def stream(skip_batches=0):
+    def stream(start=None):
         return StreamingBlocks(str(path), None, bpe, block_length=16, batch_size=2, rank=1, world=2, skip_texts=10,
-                               skip_batches=skip_batches, chunk=7)
+                               start=start, chunk=7)
 
     batches = list(itertools.islice(iter(stream()), 5))
     expected, _ = pack_blocks(tokenize_texts(texts[11::2], bpe), 16, bos=0, eos=2)  # rank 1 of 2, after 10 held out
@@ -112,9 +113,43 @@ def test_streaming_packs_this_ranks_texts_across_chunks_and_skips_on_resume(bpe,
     assert got == expected[:10]
     keys = [int(k) for batch in batches for k in batch["keys"]]
     assert len(set(keys)) == len(keys)
-    resumed = list(itertools.islice(iter(stream(skip_batches=3)), 2))
+    resumed = list(itertools.islice(iter(stream(start=batches[2]["stream_state"])), 2))  # after 3 batches
     assert [row.tolist() for batch in resumed for row in batch["blocks"]] == got[6:10]
     assert [int(k) for batch in resumed for k in batch["keys"]] == keys[6:10]
+    legacy = {"epoch": 0, "text": 0, "carry": [], "done": 6, "counter": 0}  # an old checkpoint: 3 batches to skip
+    assert [int(k) for batch in itertools.islice(iter(stream(start=legacy)), 2) for k in batch["keys"]] == keys[6:10]
+
+
+def test_streaming_resume_tokenises_one_chunk_not_the_consumed_texts(bpe, tmp_path, monkeypatch):
+    import datamodules.mlm as mlm
+
+    texts = corpus_sentences(400)
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    tokenised = []
+    original = mlm.tokenize_texts
+    monkeypatch.setattr(mlm, "tokenize_texts", lambda chunk, tokenizer: tokenised.extend(chunk) or
+                        original(chunk, tokenizer))
+
+    def stream(start=None):
+        return StreamingBlocks(str(path), None, bpe, block_length=32, batch_size=2, rank=0, world=2, skip_texts=4,
+                               start=start, chunk=5)
+
+    straight = list(itertools.islice(iter(stream()), 80))
+    state = straight[69]["stream_state"]  # where rank 0 stood after its 70th batch
+    consumed = state["text"]  # this rank's texts before the chunk the state points into, never tokenised again
+    tokenised.clear()
+    first = next(iter(stream(start=state)))
+    assert consumed >= 60 and 0 < len(tokenised) <= 2 * 5  # the state's chunk (and the next if it ran out)
+    assert set(tokenised).isdisjoint(texts[4:4 + 2 * consumed:2])  # none of this rank's texts before that chunk
+    resumed = [first, *itertools.islice(iter(stream(start=state)), 1, 10)]
+    for a, b in zip(resumed, straight[70:], strict=True):
+        assert np.array_equal(a["blocks"], b["blocks"]) and np.array_equal(a["keys"], b["keys"])
+    collate = MaskCollator(bpe, 32, seed=0)
+    for a, b in zip(resumed, straight[70:]):
+        masked_a, masked_b = collate(a), collate(b)
+        assert masked_a["stream_state"] == masked_b["stream_state"]  # passed through for the datamodule
+        assert all(torch.equal(masked_a[k], masked_b[k]) for k in ("input_ids", "positions", "targets"))
 
 
 def test_polynomial_schedule_by_hand():
@@ -194,3 +229,84 @@ def test_both_variants_run_sdpa_and_no_pe_table_is_zero_frozen_and_not_optimised
         assert before.abs().sum() > 0 and not torch.equal(before, table)
     else:
         assert table.grad is None and table.abs().sum() == 0
+
+
+def test_block_cache_key_follows_corpus_tokenizer_and_block_length_and_is_reused(bpe, tmp_path, monkeypatch):
+    import os
+
+    import datamodules.mlm as mlm
+    from datamodules.mlm import MLMDataModule
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_sentences(200)) + "\n", encoding="utf-8")
+    bpe.save_pretrained(tmp_path / "tokenizer")
+    other = train_tokenizer(iter(corpus_sentences(300, start=4000)), vocab_size=600)
+    other.save_pretrained(tmp_path / "other")
+    builds, trainings = [], []
+    build, train = mlm.build_blocks, mlm.train_tokenizer
+    monkeypatch.setattr(mlm, "build_blocks", lambda output, *a, **k: builds.append(output) or build(output, *a, **k))
+    monkeypatch.setattr(mlm, "train_tokenizer", lambda *a, **k: trainings.append(1) or train(*a, **k))
+
+    def prepared(tokenizer="tokenizer", block_length=32) -> Path:
+        data = MLMDataModule(corpus=str(corpus), tokenizer=str(tmp_path / tokenizer) if tokenizer != "train" else
+                             "train", vocab_size=300, block_length=block_length, cache_dir=str(tmp_path / "cache"))
+        data.prepare_data()
+        path = data.blocks_dir(data.cached_tokenizer())
+        assert (path / "blocks.json").exists()
+        return path
+
+    first = prepared()
+    assert prepared() == first and builds == [first]  # the second prepare_data reuses the cache
+    assert prepared(block_length=16) != first
+    assert prepared(tokenizer="other") != first
+    trained = prepared(tokenizer="train")
+    assert prepared(tokenizer="train") == trained and len(trainings) == 1  # the trained tokenizer is cached too
+    assert len(builds) == 4 and len(set(builds)) == 4
+    stat = corpus.stat()
+    text = corpus.read_text(encoding="utf-8")
+    assert "Elinor" in text
+    corpus.write_text(text.replace("Elinor", "Marian", 1), encoding="utf-8")  # an edit of the same size ...
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # ... that moves its mtime
+    edited = prepared()
+    assert corpus.stat().st_size == stat.st_size and edited not in builds[:4] and builds[-1] == edited
+    corpus.write_text(text + "One more sentence.\n", encoding="utf-8")
+    assert prepared() not in (first, edited) and len(builds) == 6
+
+
+def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path):
+    """One Lightning step with --trainer.gradient_clip_val equals loss.backward + clip_grad_norm_ + AdamW by hand."""
+    import pytorch_lightning as pl
+
+    import lightning_modules.mlm as mlm_module
+
+    monkeypatch.setattr(mlm_module, "export", lambda *args: None)  # no tokenizer here: skip the export at fit end
+    torch.manual_seed(0)
+    module = MLMModule(**TINY, lr=1e-2, warmup_steps=0, decay_steps=10)
+    initial = {name: value.clone() for name, value in module.state_dict().items()}
+    batch = random_batch()
+    clip = 1e-4  # far below the gradient norm, and small enough that Adam's eps makes the update depend on it
+
+    def by_hand(max_norm: float) -> tuple[dict, float]:
+        twin = MLMModule(**TINY, lr=1e-2, warmup_steps=0, decay_steps=10)
+        twin.load_state_dict(initial)
+        optimizer = twin.configure_optimizers()["optimizer"]  # lr × schedule(0) = lr
+        loss, _ = mlm_loss(twin.model, batch)
+        loss.backward()
+        parameters = [p for p in twin.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        optimizer.step()
+        return twin.state_dict(), float(norm)
+
+    clipped, norm = by_hand(clip)
+    unclipped, _ = by_hand(float("inf"))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, gradient_clip_val=clip, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    assert norm > 100 * clip
+    assert float(trainer.callback_metrics["train/grad_norm"]) == pytest.approx(norm, rel=1e-5)  # logged before clipping
+    weights = module.state_dict()
+    for name, value in clipped.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    moved = max(float((weights[name] - unclipped[name]).abs().max()) for name in unclipped)
+    assert moved > 1e-3  # the unclipped update is clearly another one (lr 1e-2)

@@ -148,12 +148,23 @@ def test_analyze_outliers_reads_the_no_pe_run(runs, tmp_path):
     assert report["origins"]["position_embeddings"] is None and "all zeros" in report["origins"]["position_embeddings_note"]
 
 
+EPOCH_STEPS = 6  # 55 training blocks, global batch 8: 6 steps (48 blocks) an epoch
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [4, 6])  # mid-epoch, and exactly at the end of epoch 0
-def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop):
+@pytest.mark.parametrize("stop, legacy", [(4, False), (6, False), (4, True)])  # mid-epoch, at the end of epoch 0,
+def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop, legacy):  # and an older checkpoint's position
     root = tmp_path / "resumed"
     assert fit(root, corpus, cache, "--trainer.max_steps", str(stop)) == 0
-    assert checkpoint(root)["global_step"] == stop
+    saved = checkpoint(root)
+    assert saved["global_step"] == stop
+    position = saved["MLMDataModule"]["position"]  # global blocks consumed, by hand: 8 a step
+    assert (position["blocks"], position["epoch"], position["in_epoch"]) == \
+        (8 * stop, stop // EPOCH_STEPS, 8 * (stop % EPOCH_STEPS))
+    assert (position["world"], position["batch_size"]) == (1, 8)
+    if legacy:  # the position as checkpoints wrote it before it was global: this rank's micro-batches
+        saved["MLMDataModule"]["position"] = {"batches": stop, "per_epoch": EPOCH_STEPS}
+        torch.save(saved, root / "checkpoints" / "last.ckpt")
     assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
     straight, resumed = checkpoint(runs[True]), checkpoint(root)
     assert resumed["global_step"] == STEPS
@@ -163,13 +174,78 @@ def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop):
 
 
 @pytest.mark.slow
-def test_streaming_run_resumes_exactly(corpus, cache, tmp_path):
-    streaming = ("--data.streaming", "true", "--data.val_texts", "4", "--trainer.val_check_interval", "3")
+def test_streaming_run_resumes_exactly(corpus, cache, tmp_path, capsys):
+    """The resumed halves read through a loader worker that prefetches 4 batches: the checkpoint must hold the
+    stream state of the last batch a step consumed, not of the last one fetched."""
+    streaming = ("--data.streaming", "true", "--data.val_texts", "4", "--trainer.val_check_interval", "3",
+                 "--model.decay_steps", "4")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert fit(straight, corpus, cache, *streaming, "--trainer.max_steps", "4", "--model.decay_steps", "4") == 0
-    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "2", "--model.decay_steps", "4") == 0
-    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "4", "--model.decay_steps", "4",
+    assert fit(straight, corpus, cache, *streaming, "--trainer.max_steps", "4") == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "2", "--data.num_workers", "1") == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "4", "--data.num_workers", "1",
                "--ckpt_path", "last") == 0
+    assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4
+    for name, value in checkpoint(straight)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(resumed)["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+    before = (resumed / "checkpoints" / "last.ckpt").read_bytes()  # streaming resumes on its own device count only
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "6", "--data.batch_size", "4",
+               "--trainer.devices", "2", "--trainer.strategy", "ddp", "--ckpt_path", "last") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("train.py: error: ") and "saved at world size 1 at world size 2" in err
+    assert (resumed / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_resume_on_another_device_count_or_accumulation_equals_straight(corpus, cache, tmp_path):
+    """Global batch 8 throughout. 1 process × batch 4 × accumulation 2 for 4 steps, then 2 processes × batch 4 (DDP,
+    gloo) for 4 more = 8 steps of 1 × 8 straight; and 1 × 8 for 3 steps then 1 × 4 × 2. Each changes the blocks of
+    a micro-batch: the position is converted, and so are Lightning's micro-batch counts (windows stay whole)."""
+    no_dropout = ("--model.dropout", "0.0")
+    straight, ddp, accumulated = tmp_path / "straight", tmp_path / "ddp", tmp_path / "accumulated"
+    assert fit(straight, corpus, cache, *no_dropout, "--trainer.max_steps", "8") == 0
+    assert fit(ddp, corpus, cache, *no_dropout, "--trainer.max_steps", "4", "--data.batch_size", "4") == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *tiny_args(ddp, corpus, cache, *no_dropout, "--trainer.max_steps", "8",
+                                                            "--data.batch_size", "4", "--trainer.devices", "2",
+                                                            "--trainer.strategy", "ddp", "--ckpt_path", "last")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert fit(accumulated, corpus, cache, *no_dropout, "--trainer.max_steps", "3") == 0
+    assert fit(accumulated, corpus, cache, *no_dropout, "--trainer.max_steps", "8", "--data.batch_size", "4",
+               "--ckpt_path", "last") == 0
+    reference, losses = train_losses(straight), train_losses(ddp)
+    assert sorted(losses) == list(range(8))  # steps 0-3: a window's last micro-batch; 4-7: the mean over both ranks
+    assert all(math.isclose(losses[s], reference[s], rel_tol=1e-5) for s in range(4, 8))
+    position = checkpoint(ddp)["MLMDataModule"]["position"]
+    assert (position["blocks"], position["epoch"], position["in_epoch"], position["world"]) == (64, 1, 16, 2)
+    for other in (ddp, accumulated):
+        saved = checkpoint(other)
+        assert saved["global_step"] == 8
+        for name, value in checkpoint(straight)["state_dict"].items():
+            torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_two_process_streaming_run_resumes_exactly(corpus, cache, tmp_path):
+    """Each rank's stream state (its own texts, leftover tokens) is gathered into rank 0's checkpoint and handed back
+    to its rank on resume."""
+    ddp = ("--data.streaming", "true", "--data.val_texts", "4", "--model.decay_steps", "4", "--data.batch_size", "4",
+           "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def run(root: Path, *extra: str) -> None:
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_args(root, corpus, cache, *ddp, *extra)],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, "--trainer.max_steps", "4")
+    run(resumed, "--trainer.max_steps", "2")
+    states = checkpoint(resumed)["MLMDataModule"]["stream"]
+    assert [(state["text"], state["done"]) for state in states] == [(0, 8), (0, 8)]  # each rank: 2 steps × 4 blocks
+    run(resumed, "--trainer.max_steps", "4", "--ckpt_path", "last")
     assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4
     for name, value in checkpoint(straight)["state_dict"].items():
         torch.testing.assert_close(checkpoint(resumed)["state_dict"][name], value, rtol=0, atol=0, msg=name)
@@ -286,3 +362,145 @@ def test_fast_dev_run_of_the_tiny_config(tmp_path):
                 "max_position_embeddings"):
         assert exported[key] == expected[key]
     assert exported["vocab_size"] == yaml.safe_load(config.read_text())["data"]["vocab_size"]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_roberta_base_configs_hold_table_4_and_differ_only_in_position_embeddings(capsys):
+    """Both configs parsed by train.py's CLI (unknown keys would fail), against the paper's Table 4."""
+    parsed = {}
+    for name in ("roberta-base", "roberta-base-nope"):
+        with pytest.raises(SystemExit) as stop:
+            train.cli_main(["fit", "--config", str(ROOT / "configs" / "pretrain" / f"{name}.yaml"), "--print_config"])
+        assert stop.value.code in (0, None)
+        parsed[name] = yaml.safe_load(capsys.readouterr().out)
+    for name, config in parsed.items():
+        model, data, trainer = config["model"], config["data"], config["trainer"]
+        assert (model["num_hidden_layers"], model["hidden_size"], model["intermediate_size"],
+                model["num_attention_heads"]) == (12, 768, 3072, 12)
+        assert model["dropout"] == 0.1 and tuple(model["betas"]) == (0.9, 0.98) and model["eps"] == 1e-6
+        assert model["lr"] == 1e-4 and model["weight_decay"] == 0.01 and model["warmup_steps"] == 10_000
+        assert model["decay_steps"] == trainer["max_steps"] == 200_000 and model["end_lr"] == 0.0
+        assert trainer["gradient_clip_val"] == 0.5 and trainer["precision"] == "bf16-mixed"
+        assert data["global_batch_size"] == 256 and data["block_length"] == 512
+        assert model["max_position_embeddings"] == 512 + 2  # RoBERTa's offset rows
+        assert trainer["strategy"]["class_path"].endswith("DDPStrategy")
+        per_step = data["batch_size"] * trainer["devices"] * trainer["num_nodes"]
+        assert data["global_batch_size"] % per_step == 0  # accumulation 256 / (32 × 4) = 2
+        assert model["position_embeddings"] is (name == "roberta-base")
+    pe, nope = (flatten(parsed[name]) for name in ("roberta-base", "roberta-base-nope"))
+    assert pe.keys() == nope.keys()
+    differ = {key for key in pe if pe[key] != nope[key]}
+    assert differ == {"model.position_embeddings", "trainer.default_root_dir", "trainer.logger.init_args.name"}
+
+
+@pytest.mark.parametrize("kind", ["bert", "trained"])
+def test_model_takes_pad_bos_eos_ids_from_the_tokenizer(corpus, cache, tmp_path, bert_tok, kind):
+    from lightning_modules.mlm import MLMModule
+
+    if kind == "bert":
+        bert_tok.save_pretrained(tmp_path / "bert")
+        expected = (bert_tok.pad_token_id, bert_tok.cls_token_id, bert_tok.sep_token_id)  # no <s>: [CLS] opens a block
+        extra = ("--data.tokenizer", str(tmp_path / "bert"))
+    else:
+        expected = (1, 0, 2)  # the trained byte-level BPE's <pad>, <s>, </s>
+        extra = ()
+    cli = train.PretrainCLI(MLMModule, train.MLMDataModule, seed_everything_default=0,
+                            trainer_defaults=train.TRAINER_DEFAULTS, run=False,
+                            args=tiny_args(tmp_path / "run", corpus, cache, *extra)[1:])
+    config = cli.model.model.config
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == expected
+    embeddings = cli.model.model.roberta.embeddings
+    assert embeddings.word_embeddings.padding_idx == expected[0] == embeddings.padding_idx
+    assert cli.model.max_length == 34 - (expected[0] + 1)  # RoBERTa's positions start after the pad id
+    assert expected[0] != (1 if kind == "bert" else 0)  # the BERT case really differs from RoBERTa's ids
+
+
+def outliers_report(encoder: str, layers: list[tuple], persistent: list[int], note: str | None) -> dict:
+    """A minimal outliers.json with the keys compare_outliers.py reads."""
+    return {"encoder": encoder, "num_tokens": 12345, "persistent_dims": persistent,
+            "origins": {"position_embeddings_note": note},
+            "layers": [{"layer": i, "argmax_dim": a, "argmax_share": sa, "argmin_dim": b, "argmin_share": sb,
+                        "outlier_dims": dims} for i, (a, sa, b, sb, dims) in enumerate(layers)]}
+
+
+def test_compare_outliers_prints_both_reports_side_by_side(tmp_path):
+    import re
+
+    left = outliers_report("runs/demo/tiny-pe", [(5, 0.83, 17, 0.071, [5, 17]),
+                                                        (588, 0.42, 77, 0.36, [3, 77, 100, 200, 588, 600])],
+                           [77], None)
+    right = outliers_report("runs/demo/tiny-nope/export", [(9, 0.19, 2, 0.64, []), (31, 0.97, 4, 0.012, [31])],
+                            [], "all zeros: no positional embeddings")
+    paths = []
+    for name, report in (("pe.json", left), ("nope.json", right)):
+        (tmp_path / name).write_text(json.dumps(report))
+        paths.append(str(tmp_path / name))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_outliers.py"), *paths], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    cell = r"max\s+(\d+)\s+(\d+)%\s+min\s+(\d+)\s+(\d+)%\s+(\S+)"
+    rows = [re.fullmatch(rf"\s*(\d+)\s+{cell}\s+{cell}\s*", line) for line in lines]
+    rows = [row.groups() for row in rows if row]
+    assert len(rows) == 2
+    for layer, row in enumerate(rows):
+        assert int(row[0]) == layer
+        for report, values in ((left, row[1:6]), (right, row[6:11])):
+            entry = report["layers"][layer]
+            assert int(values[0]) == entry["argmax_dim"] and int(values[1]) == round(100 * entry["argmax_share"])
+            assert int(values[2]) == entry["argmin_dim"] and int(values[3]) == round(100 * entry["argmin_share"])
+            dims = entry["outlier_dims"]
+            shown = ",".join(map(str, dims[:4])) + ("…" if len(dims) > 4 else "") if dims else "-"
+            assert values[4] == shown
+    header = next(line for line in lines if line.strip().startswith("layer"))
+    assert header.split() == ["layer", "tiny-pe", "tiny-nope"]  # each column named after its run
+    assert "12,345 / 12,345 tokens" in result.stdout
+    summary = [line for line in lines if "persistent outlier dims" in line]
+    assert summary == ["tiny-pe: persistent outlier dims [77]; largest argmax share 83%; positional embeddings: "
+                       "position table traced",
+                       "tiny-nope: persistent outlier dims none; largest argmax share 97%; positional embeddings: "
+                       "all zeros: no positional embeddings"]
+    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_outliers.py"), paths[0],
+                              str(tmp_path / "absent.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.strip().startswith("compare_outliers.py: error: cannot read")
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseline(tmp_path):
+    """configs/pretrain/tiny.yaml for 5 steps with and without PE, then probe.py's position probe on each export
+    (special tokens excluded): no PE stays at the majority baseline on every layer, PE is far above it."""
+    import probe
+
+    config = ROOT / "configs" / "pretrain" / "tiny.yaml"
+    reports = {}
+    for pe in (False, True):
+        root = tmp_path / f"pe-{pe}"
+        assert train.cli_main(["fit", "--config", str(config), "--model.position_embeddings", str(pe).lower(),
+                               "--trainer.max_steps", "5", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+                               "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
+                               "--data.cache_dir", str(tmp_path / "cache")]) == 0
+        probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"),
+                        "--model.encoder", str(root), "--data.exclude_special", "true", "--data.max_sentences", "300",
+                        "--data.random_baseline", "false", "--data.progress", "false", "--trainer.logger", "false",
+                        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root / "probe")])
+        reports[pe] = json.loads((root / "probe" / "position_probe.json").read_text())
+    for report in reports.values():
+        test = report["splits"]["test"]
+        # every sentence has exactly one token at position 1 (the first after <s>), the most frequent position
+        assert report["special_tokens"] == "excluded" and report["baselines"]["majority_class"] == 1
+        assert report["baselines"]["majority"] == pytest.approx(test["sentences"] / test["tokens"])
+    majority = reports[False]["baselines"]["majority"]
+    nope = [layer["accuracy"] for layer in reports[False]["layers"]]
+    with_pe = [layer["accuracy"] for layer in reports[True]["layers"]]
+    assert len(nope) == 5 and max(nope) <= majority + 0.03  # 5 layers: embeddings + 4
+    assert min(with_pe) >= majority + 0.15 and max(with_pe) >= 4 * max(nope)
