@@ -59,11 +59,12 @@ def print_summary(report: dict, output_dir) -> None:
     print(f"wrote the report to {output_dir}")
 
 
-def cli_main(args: list[str] | None = None) -> ProbeCLI:
-    """Run the CLI; a UserError prints one line and exits with status 2."""
+def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:
+    """Run the CLI; a UserError prints one line and exits with status 2. run=False parses the arguments (no
+    subcommand) and builds the model, data module and trainer without running anything."""
     try:
         return ProbeCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                        seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args)
+                        seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args, run=run)
     except UserError as error:
         print(f"probe.py: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

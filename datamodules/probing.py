@@ -6,11 +6,12 @@
     dm.spec                                     # FeatureSpec: slots (encoder / random layers), classes, outliers
     features, labels = next(iter(dm.train_dataloader()))   # [slots, items, hidden], [items]
 
-The encoder runs exactly once per sentence in total: the hidden states of every layer are cached (in memory, or in a
-memory-mapped file when they exceed `max_memory_gb`, with a warning) and every probe of every layer and epoch reads
-the cache. With `random_baseline`, a randomly initialised encoder of the same architecture (seeded) runs once too, and
-its layers are appended as extra slots, so its probes train in the same run. Outlier dimensions are detected with
-NeuronStatistics + detect_outliers on the training split's cached hidden states, unless `outlier_dims` are given.
+The encoder runs exactly once per sentence in total: the hidden states of every layer are cached (in memory while
+all splits' features together fit `max_memory_gb`; the splits beyond it in a memory-mapped file, with a warning) and
+every probe of every layer and epoch reads the cache. With `random_baseline`, a randomly initialised encoder of the
+same architecture (seeded) runs once too, and its layers are appended as extra slots, so its probes train in the
+same run. Outlier dimensions are detected with NeuronStatistics + detect_outliers on the training split's cached
+hidden states, unless `outlier_dims` are given.
 
 Splits are by sentence: `val_fraction` and `test_fraction` of `source` (seeded), or, for a `datasets` name, the held
 out split `test_split` (glue/sst2's test labels are hidden, so its config tests on `validation`). A batch is
@@ -343,17 +344,27 @@ class ProbeDataModule(pl.LightningDataModule):
             batches.append({**inputs, "num_truncated": truncated})
         return batches
 
-    def _store_path(self, split: str, nbytes: int) -> Path | None:
-        if nbytes <= self.max_memory_gb * GIB:
-            return None
+    def _store_paths(self, nbytes: dict[str, int]) -> dict[str, Path | None]:
+        """Where each split's features live: None (memory) or a memory-mapped file. `max_memory_gb` bounds all
+        splits together: in SPLITS order (train, val, test: the most read first), a split stays in memory while the
+        running total of the in-memory splits fits the budget; the others stream from disk, with one warning."""
+        budget, total, paths = self.max_memory_gb * GIB, 0, {}
+        for split in SPLITS:
+            if total + nbytes[split] <= budget:
+                total += nbytes[split]
+                paths[split] = None
+        streamed = [split for split in SPLITS if split not in paths]
+        if not streamed:
+            return paths
         root = Path(self.cache_dir or (self.trainer.default_root_dir if self.trainer is not None else tempfile.gettempdir()))
         root.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix=".features-", dir=root))
         self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
-        warnings.warn(f"{split} features need {nbytes / GIB:.2f} GiB, over --data.max_memory_gb "
-                      f"{self.max_memory_gb}: streaming them from a memory-mapped file in {directory} (slower)",
-                      stacklevel=2)
-        return directory / f"{split}.npy"
+        sizes = ", ".join(f"{split} {nbytes[split] / GIB:.2f}" for split in SPLITS)
+        warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB ({sizes}), over --data.max_memory_gb "
+                      f"{self.max_memory_gb}: streaming {', '.join(streamed)} from a memory-mapped file in "
+                      f"{directory} (slower)", stacklevel=2)
+        return {**paths, **{split: directory / f"{split}.npy" for split in streamed}}
 
     @torch.no_grad()
     def _encode(self, encoders: Sequence[FrozenEncoder], texts: dict[str, list[str]], labels: dict[str, Tensor],
@@ -378,14 +389,15 @@ class ProbeDataModule(pl.LightningDataModule):
                          **self.split_counts(self._mask(batch)[rows], keep[rows])}
                 for key, value in extra.items():
                     counts[split][key] = counts[split].get(key, 0) + value
+        paths = self._store_paths({split: counts[split]["items"] * num_slots * primary.hidden_size * 4
+                                   for split in SPLITS})  # float32 features of all splits against one budget
         for split in SPLITS:
             order = [i for s, i in entries if s == split]
             self.texts[split] = [texts[split][i] for i in order]  # the store's sentence order
             if split in labels:
                 labels[split] = labels[split][order]
-            items = counts[split]["items"]
-            self.stores[split] = FeatureStore(items, num_slots, primary.hidden_size, len(order),
-                                              self._store_path(split, items * num_slots * primary.hidden_size * 4))
+            self.stores[split] = FeatureStore(counts[split]["items"], num_slots, primary.hidden_size, len(order),
+                                              paths[split])
         done = dict.fromkeys(SPLITS, 0)  # sentences written per split
         bar = tqdm(total=len(entries), unit="sent", desc=f"encoding ({primary.short_name})",
                    disable=not self.progress, dynamic_ncols=True, leave=False)

@@ -35,19 +35,27 @@ INDEXING = "0-indexed dimensions and positions; layer 0 = embedding output"
 _INIT_KIND = {"encoder": 0, "clipped": 0, "random": 1}  # a clipped probe starts from its unclipped twin's weights
 
 
-def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, multiple: int = 64) -> Tensor:
-    """x [slots, items, hidden] @ weight [slots, hidden, classes] (+ bias [slots, classes]) → [slots, items, width].
-
-    With 64 classes or more the class dim is zero-padded to a multiple of `multiple` (CPU BLAS runs 300 columns
-    slower than 320) and the padding columns are -inf, so a softmax over the padded logits is the true one.
-    """
+def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:
+    """weight [slots, hidden, classes] → [slots, hidden, width]: with 64 classes or more the class dim is zero-padded
+    to a multiple of `multiple` (CPU BLAS runs 300 columns slower than 320)."""
     slots, hidden, classes = weight.shape
     width = -(-classes // multiple) * multiple if classes >= multiple else classes
-    padded = weight
-    if width != classes:
-        padded = weight.new_zeros(slots, hidden, width)
-        padded[:, :, :classes] = weight
-    logits = torch.bmm(x.to(weight.dtype), padded)
+    if width == classes:
+        return weight
+    padded = weight.new_zeros(slots, hidden, width)
+    padded[:, :, :classes] = weight
+    return padded
+
+
+def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, classes: int | None = None) -> Tensor:
+    """x [slots, items, hidden] @ weight [slots, hidden, classes] (+ bias [slots, classes]) → [slots, items, width].
+
+    The weight is padded by `pad_weight` (or already is, with `classes` its true number of classes) and the padding
+    columns of the logits are -inf, so a softmax over the padded logits is the true one.
+    """
+    padded = pad_weight(weight) if classes is None else weight
+    classes = weight.shape[2] if classes is None else classes
+    logits = torch.bmm(x.to(padded.dtype), padded)
     if bias is not None:
         logits[:, :, :classes] += bias.unsqueeze(1)
     logits[:, :, classes:] = float("-inf")
@@ -55,31 +63,46 @@ def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, multipl
 
 
 class StackedLinearCrossEntropy(torch.autograd.Function):
-    """Sum over slots of each slot's mean cross-entropy of x @ weight (+ bias), with a hand-written backward: the
-    softmax is taken once and turned into the logits' gradient in place (softmax - one-hot), and only the weight
-    (and bias) gradients are formed, never the features'. Equal to F.cross_entropy through autograd, about 20%
-    faster on CPU. The returned loss saturates at -log(smallest float) for a token whose gold probability
-    underflows; the gradient is exact."""
+    """Sum over slots of each slot's mean cross-entropy of x @ weight (+ bias), with the gradient formed in the
+    forward pass: chunk by chunk of items, the softmax is taken once, turned into the logits' gradient in place
+    (softmax - one-hot) and folded into the weight (and bias) gradient; the features' gradient is never formed.
+    Nothing of size [slots, items, classes] is kept for backward, and on CPU the chunks (`chunk_elements` logits,
+    4 MiB) reuse the same memory where whole-batch logits would fault in fresh pages every step. Equal to
+    F.cross_entropy through autograd (tested), faster on CPU. The returned loss saturates at -log(smallest float)
+    for a token whose gold probability underflows; the gradient is exact."""
+
+    chunk_elements = 2 ** 20  # logits per chunk on CPU; one chunk on GPUs, whose caching allocator reuses memory
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
-        slots, items = x.shape[0], max(x.shape[1], 1)
-        probs = torch.softmax(padded_logits(x, weight, bias), -1)  # [slots, items, width]
-        index = target.view(1, -1, 1).expand(slots, -1, 1)
-        loss = -probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum() / items
-        probs.scatter_add_(2, index, torch.full(index.shape, -1.0, dtype=probs.dtype, device=probs.device))
-        probs.div_(items)  # d loss / d logits
-        ctx.save_for_backward(x, probs)
-        ctx.classes, ctx.has_bias, ctx.dtype = weight.shape[2], bias is not None, weight.dtype
-        return loss
+        slots, items, classes = x.shape[0], x.shape[1], weight.shape[2]
+        padded = pad_weight(weight)  # [slots, hidden, width]
+        width = padded.shape[2]
+        rows = items if x.is_cuda else max(1, StackedLinearCrossEntropy.chunk_elements // (slots * width))
+        grad_weight = torch.zeros(padded.shape, dtype=torch.float32, device=x.device)
+        grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
+        loss = torch.zeros((), device=x.device)
+        for start in range(0, items, rows):
+            chunk = x[:, start:start + rows].to(padded.dtype)  # [slots, rows, hidden]
+            probs = torch.softmax(padded_logits(chunk, padded, bias, classes), -1).float()  # [slots, rows, width]
+            index = target[start:start + rows].view(1, -1, 1).expand(slots, -1, 1)
+            loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
+            probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
+            with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
+                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs)
+            if grad_bias is not None:
+                grad_bias += probs.sum(1)
+        scale = 1.0 / max(items, 1)  # each slot's mean over items
+        ctx.save_for_backward(grad_weight[:, :, :classes] * scale,
+                              grad_bias[:, :classes] * scale if grad_bias is not None else None)
+        ctx.dtype = weight.dtype
+        return loss * scale
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, gradient = ctx.saved_tensors
-        classes = ctx.classes
-        grad_weight = torch.bmm(x.to(gradient.dtype).transpose(1, 2), gradient)[:, :, :classes] * grad
-        grad_bias = gradient.sum(1)[:, :classes] * grad if ctx.has_bias else None
-        return None, grad_weight.to(ctx.dtype), grad_bias.to(ctx.dtype) if grad_bias is not None else None, None
+        grad_weight, grad_bias = ctx.saved_tensors
+        return (None, (grad_weight * grad).to(ctx.dtype),
+                (grad_bias * grad).to(ctx.dtype) if grad_bias is not None else None, None)
 
 
 def slot_seed(seed: int, kind: str, layer: int) -> int:

@@ -5,6 +5,7 @@ feature cache (memory-mapped streaming, dropped positions, split and label error
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -12,11 +13,12 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig
+from transformers import AutoConfig, AutoModel, BertConfig
 
+from datamodules import probing
 from datamodules.io import UserError
-from datamodules.probing import ClassificationDataModule, PositionDataModule
-from lightning_modules.encoder import FrozenEncoder
+from datamodules.probing import GIB, SPLITS, ClassificationDataModule, PositionDataModule
+from lightning_modules.encoder import FrozenEncoder, load_encoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier, StackedLinearCrossEntropy, slot_seed
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
@@ -60,13 +62,35 @@ class Planted(nn.Module):
         return SimpleNamespace(hidden_states=tuple(states))
 
 
-def fit(model, datamodule, epochs: int) -> pl.Trainer:
+def fit(model, datamodule, epochs: int, val_every: int | None = None) -> pl.Trainer:
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         check_val_every_n_epoch=max(epochs, 1))
+                         check_val_every_n_epoch=val_every or max(epochs, 1))
     trainer.fit(model, datamodule=datamodule)
     trainer.test(model, datamodule=datamodule, verbose=False)
     return trainer
+
+
+class RowRecorder:
+    """A forward pre-hook recording every row a model runs on, as its unpadded token ids."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.rows: list[tuple[int, ...]] = []
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs) -> None:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"].bool()
+        self.rows += [tuple(row[keep].tolist()) for row, keep in zip(ids, mask)]
+
+
+def hidden_states(model, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
+    """[layers, tokens, hidden]: the hidden states of each sentence run alone (no padding), tokens concatenated."""
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            inputs = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")
+            out.append(torch.stack(model.eval()(**inputs, output_hidden_states=True).hidden_states)[:, 0])
+    return torch.cat(out, dim=1)
 
 
 def write_lines(path, lines):
@@ -74,8 +98,12 @@ def write_lines(path, lines):
     return path
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 5])  # the whole batch at once; chunks of 5 items (the last of 2)
 @pytest.mark.parametrize("classes, bias", [(300, False), (3, True)])
-def test_fused_cross_entropy_equals_autograd(classes, bias):
+def test_fused_cross_entropy_equals_autograd(classes, bias, chunk_rows, monkeypatch):
+    if chunk_rows is not None:  # chunk_elements counts padded logits: 4 slots x width columns x rows
+        width = -(-classes // 64) * 64 if classes >= 64 else classes
+        monkeypatch.setattr(StackedLinearCrossEntropy, "chunk_elements", 4 * width * chunk_rows)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 37, 24, generator=generator)
     target = torch.randint(0, classes, (37,), generator=generator)
@@ -193,25 +221,95 @@ def test_no_position_embeddings_leave_position_near_chance(tmp_path, roberta_tok
     assert max(accuracy["nope"]) < majority + 0.1
 
 
+def test_each_sentence_goes_through_the_encoder_and_its_random_twin_exactly_once(tmp_path, bert_tok, monkeypatch):
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu")
+    recorders = {"encoder": RowRecorder(encoder.model)}
+    make_twin = probing.random_encoder
+
+    def recorded_twin(primary, seed):
+        twin = make_twin(primary, seed)
+        recorders["random"] = RowRecorder(twin.model)
+        return twin
+
+    monkeypatch.setattr(probing, "random_encoder", recorded_twin)
+    texts = corpus_sentences(50, start=1500)
+    dm = PositionDataModule(source=str(write_lines(tmp_path / "s.txt", texts)), encoder=encoder, max_length=16,
+                            max_positions=16, batch_size=4, encode_batch_size=8, progress=False)
+    model = PositionProbe(lr=0.01)
+    trainer = fit(model, dm, 4, val_every=1)  # 4 epochs, validated after each, then tested, every layer
+
+    assert trainer.current_epoch == 4 and len(model.probe_slots) == 2 * (LAYERS + 1)
+    assert sum(len(store.offsets) - 1 for store in dm.stores.values()) == len(texts)
+    expected = Counter(map(tuple, bert_tok(texts, truncation=True, max_length=16)["input_ids"]))
+    for kind in ("encoder", "random"):  # every sentence once, none twice, nothing re-run per layer or epoch
+        assert len(recorders[kind].rows) == len(texts), kind
+        assert Counter(recorders[kind].rows) == expected, kind
+
+
+def test_random_baseline_is_a_fresh_seeded_model_of_the_same_architecture(tmp_path, bert_tok, roberta_tok):
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, seed=0)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=1800))
+    dm = PositionDataModule(source=str(data), encoder=str(path), max_length=16, max_positions=16, seed=5,
+                            progress=False)
+    dm.prepare_data()
+    cached, texts = dm.stores["test"].features(), dm.texts["test"]  # [2 (L + 1), tokens, hidden]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)  # the run's seed
+        fresh = AutoModel.from_config(AutoConfig.from_pretrained(path))
+    trained = AutoModel.from_pretrained(path)
+    torch.testing.assert_close(cached[LAYERS + 1:], hidden_states(fresh, bert_tok, texts, 16), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached[:LAYERS + 1], hidden_states(trained, bert_tok, texts, 16), rtol=1e-4, atol=1e-5)
+    differences = (cached[LAYERS + 1:] - cached[:LAYERS + 1]).abs().amax(dim=(1, 2))  # per layer
+    assert differences.min() > 0.1  # the twin is not the trained encoder, at any layer
+
+    def zero_positions(model):  # this project's no-PE exports: an all-zero position table
+        model.embeddings.position_embeddings.weight.zero_()
+
+    for name, plant in (("pe", None), ("nope", zero_positions)):
+        source = load_encoder(save_tiny_encoder(tmp_path / name, "roberta", roberta_tok, plant=plant), device="cpu")
+        twin = probing.random_encoder(source, seed=7)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            expected = AutoModel.from_config(source.model.config).state_dict()
+        table = "embeddings.position_embeddings.weight"
+        assert expected[table].abs().sum() > 0
+        if plant is not None:
+            expected[table] = torch.zeros_like(expected[table])  # a zero table stays zero in the twin
+        state = twin.model.state_dict()
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), (name, key)
+
+
 def test_features_over_the_memory_budget_stream_from_disk_with_the_same_results(tmp_path, bert_tok):
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=500))
     common = dict(source=str(data), encoder=str(encoder), max_length=16, batch_size=4, progress=False)
     memory = PositionDataModule(**common)
     model_memory = PositionProbe()
-    fit(model_memory, memory, 1)
-    with pytest.warns(UserWarning, match="streaming them from a memory-mapped file"):
-        disk = PositionDataModule(max_memory_gb=1e-9, cache_dir=str(tmp_path / "cache"), **common)
-        model_disk = PositionProbe()
-        fit(model_disk, disk, 1)
-    assert disk.stores["train"].path is not None and memory.stores["train"].path is None
-    for split in ("train", "val", "test"):
-        assert torch.equal(disk.stores[split].features(), memory.stores[split].features())
-    torch.testing.assert_close(model_disk.weight, model_memory.weight)
-    cache = disk.stores["train"].path.parent
-    assert cache.exists()
-    disk.close()
-    assert not cache.exists()  # the memory-mapped cache goes with close() (probe.py calls it) or at exit
+    fit(model_memory, memory, 2)
+    assert all(memory.stores[split].path is None for split in SPLITS)
+    nbytes = {split: memory.stores[split].features().numel() * 4 for split in SPLITS}  # float32 features
+    # nothing fits; then each split fits alone but not all together: the budget bounds the sum, so some split streams
+    for name, budget in (("none", 1e-9), ("each alone", max(nbytes.values()) / GIB)):
+        assert name == "none" or sum(nbytes.values()) > budget * GIB >= max(nbytes.values())
+        with pytest.warns(UserWarning, match="from a memory-mapped file"):
+            disk = PositionDataModule(max_memory_gb=budget, cache_dir=str(tmp_path / name), **common)
+            model_disk = PositionProbe()
+            fit(model_disk, disk, 2)
+        in_memory = [split for split in SPLITS if disk.stores[split].path is None]
+        assert len(in_memory) < len(SPLITS) and sum(nbytes[split] for split in in_memory) <= budget * GIB
+        assert name == "none" or in_memory  # the budget is used, not given up on
+        for split in SPLITS:
+            assert torch.equal(disk.stores[split].features(), memory.stores[split].features())
+            assert torch.equal(disk.stores[split].labels, memory.stores[split].labels)
+        torch.testing.assert_close(model_disk.weight, model_memory.weight, rtol=0, atol=0)
+        assert torch.equal(model_disk.results["accuracy"], model_memory.results["accuracy"])
+        torch.testing.assert_close(model_disk.results["contributions"], model_memory.results["contributions"])
+        cache = next(disk.stores[split].path for split in SPLITS if split not in in_memory).parent
+        assert cache.exists()
+        disk.close()
+        assert not cache.exists()  # the memory-mapped cache goes with close() (probe.py calls it) or at exit
 
 
 def test_positions_beyond_max_positions_are_dropped_and_counted(tmp_path, bert_tok):

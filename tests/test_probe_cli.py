@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import AutoModel, AutoTokenizer
 
 import probe
+from datamodules.probing import ClassificationDataModule, FeatureSpec, PositionDataModule
+from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
@@ -146,6 +149,51 @@ def test_fast_dev_run_reports_the_one_test_batch(tmp_path, bert_tok):
     predicted = torch.einsum("sth,shp->stp", features, cli.model.weight.detach()).argmax(-1)
     accuracy = (predicted == positions).double().mean(1)
     assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:LAYERS + 1].tolist())
+
+
+# The paper's settings (the issue, from Luo et al. 2021 §3 and §4.4): (model, data module, batch size, data source,
+# held-out test split); every config trains 10 epochs with Adam; the position probe predicts 300 positions.
+PAPER = {
+    "position": (PositionProbe, PositionDataModule, 128, "data/austen.txt", None),
+    "sst2": (SentenceClassifier, ClassificationDataModule, 768, "glue/sst2", "validation"),
+    "imdb": (SentenceClassifier, ClassificationDataModule, 128, "imdb", "test"),
+    "sst5": (SentenceClassifier, ClassificationDataModule, 1536, "SetFit/sst5", "test"),
+    "classify": (SentenceClassifier, ClassificationDataModule, 128, None, None),
+}
+
+
+@pytest.mark.parametrize("config", sorted(PAPER))
+def test_each_config_loads_through_the_cli_with_the_papers_settings(config, tmp_path):
+    path = ROOT / "configs" / "probe" / f"{config}.yaml"
+    cli = probe.cli_main(["--config", str(path), "--trainer.default_root_dir", str(tmp_path)], run=False)
+    model_class, data_class, batch_size, source, test_split = PAPER[config]
+    model, dm = cli.model, cli.datamodule
+    assert type(model) is model_class and type(dm) is data_class
+    assert (dm.batch_size, dm.source, dm.test_split) == (batch_size, source, test_split)
+    assert cli.trainer.max_epochs == 10 and model.hparams.seed == dm.seed == 0
+    written = yaml.safe_load(path.read_text())  # every key of the file reached the objects it configures
+    for key, value in written["model"]["init_args"].items():
+        assert model.hparams[key] == value, (config, key)
+    for key, value in written["data"]["init_args"].items():
+        assert dm.hparams[key] == value, (config, key)
+    classes = dm.set_classes({split: ["a", "b"] for split in ("train", "val", "test")})[0]
+    if config == "position":
+        assert classes == list(range(300))
+    model.build(FeatureSpec(encoder="e", layers=[0, 1], hidden_size=4, num_classes=len(classes), classes=classes,
+                            slots=[("encoder", 0), ("encoder", 1)], outlier_dims=[], outlier_source="given"))
+    assert model.weight.shape[1:] == (4, len(classes))  # hidden -> classes, per layer (and clipped twin)
+    optimizer = model.configure_optimizers()
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["lr"] == written["model"]["init_args"]["lr"]
+
+
+def test_a_config_with_an_unknown_key_is_an_error(tmp_path, capfd):
+    text = (ROOT / "configs" / "probe" / "position.yaml").read_text()
+    assert "    max_positions: 300" in text
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(text.replace("    max_positions: 300", "    max_position: 300"))
+    with pytest.raises(SystemExit) as exited:
+        probe.cli_main(["--config", str(typo), "--trainer.default_root_dir", str(tmp_path / "out")], run=False)
+    assert exited.value.code == 2 and "max_position" in capfd.readouterr().err
 
 
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str]]:
