@@ -12,6 +12,7 @@ pass itself. Hidden size, layer count and maximum positions are read from the mo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import warnings
@@ -85,12 +86,41 @@ def load_encoder(
     check_is_encoder(config, source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModel.from_pretrained(model_dir, dtype=dtype)
+        with _quiet_transformers():
+            model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {_first_line(error)}") from None
+    _warn_about_loading(source, info)
     return FrozenEncoder(model, tokenizer, name=str(source), clip=clip, exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load report (a table on every load of a masked-LM checkpoint as a bare encoder) silenced;
+    `_warn_about_loading` says what matters instead."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _warn_about_loading(source, info: Mapping) -> None:
+    """One warning when encoder weights were not in the checkpoint (randomly initialised) or had another shape. The
+    pooler (unused: hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys)
+    are expected when a masked-LM checkpoint is loaded as an encoder and are not reported."""
+    missing = sorted(key for key in info.get("missing_keys", ()) if not key.split(".")[0] == "pooler")
+    mismatched = sorted(str(key[0] if isinstance(key, tuple) else key) for key in info.get("mismatched_keys", ()))
+    for what, keys in (("not in the checkpoint (randomly initialised)", missing),
+                       ("of another shape in the checkpoint (randomly initialised)", mismatched)):
+        if keys:
+            shown = ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
+            warnings.warn(f"encoder {source}: weights {what}: {shown}", stacklevel=3)
 
 
 def check_is_encoder(config, source) -> None:

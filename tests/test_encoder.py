@@ -166,3 +166,36 @@ def test_bfloat16_hidden_states_close_to_float32_and_counted(tmp_path, bert_tok)
     torch.testing.assert_close(result.var, direct.var(1, unbiased=False), atol=1e-6, rtol=1e-6)
     for layer in range(LAYERS + 1):
         assert torch.equal(result.argmax_count[layer], torch.bincount(direct[layer].argmax(-1), minlength=HIDDEN))
+
+
+def test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_named(tmp_path, roberta_tok):
+    """A masked-LM checkpoint read as an encoder drops its head and lacks the pooler: expected, no warning, and the
+    hidden states equal the masked-LM's own encoder. A checkpoint missing an encoder weight is named in a warning."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+    from transformers import RobertaForMaskedLM
+
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    masked_lm = RobertaForMaskedLM(tiny_config("roberta", len(roberta_tok))).eval()
+    path = tmp_path / "mlm"
+    masked_lm.save_pretrained(path)
+    roberta_tok.save_pretrained(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        encoder = load_encoder(path)
+    assert not [w for w in caught if "weights" in str(w.message)]
+    inputs, _ = encoder.tokenize(SENTENCES[:2])
+    with torch.no_grad():
+        expected = masked_lm.roberta(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                     output_hidden_states=True).hidden_states
+    torch.testing.assert_close(encoder(**inputs).hidden_states, torch.stack(expected))
+
+    weights = load_file(path / "model.safetensors")
+    dropped = next(key for key in weights if key.endswith("layer.1.output.dense.weight"))
+    save_file({key: value for key, value in weights.items() if key != dropped}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"not in the checkpoint \(randomly initialised\): .*layer\.1\.output\.dense\.weight"):
+        load_encoder(path)
