@@ -41,7 +41,7 @@ from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from datamodules.io import UserError, atomic_file
 from datamodules.mlm import MLMDataModule
 from datamodules.tokenizer import fingerprint
-from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint
+from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint, schedule_end
 
 TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
                     "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
@@ -181,12 +181,16 @@ class PretrainCLI(LightningCLI):
         refuses a checkpoint whose architecture differs from the config, whichever way it is named."""
 
     def before_fit(self) -> None:
-        """Cheap checks before any process group, cache or file: global batch, block length, resume target."""
+        """Cheap checks before any process group, cache or file: global batch, block length, schedule end, a cached
+        tokenizer's ids and block count, resume target. A tokenizer or blocks not cached yet are checked by
+        prepare_data once made, which Lightning runs before its loggers and callbacks write anything."""
         data, model, trainer = self.datamodule, self.model, self.trainer
         if data.hparams.block_length > model.max_length:
             raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
                             "positions (--model.max_position_embeddings - 2)")
+        schedule_end(model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
+        data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose

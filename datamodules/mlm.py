@@ -448,17 +448,23 @@ class MLMDataModule(pl.LightningDataModule):
     # -- Lightning hooks --
 
     def prepare_data(self) -> None:
+        """Train or load the tokenizer and pack the blocks (cached), then check both against the trainer's model and
+        global batch: Lightning calls this before its loggers and callbacks write anything."""
         h = self.hparams
         tokenizer = self._prepare_tokenizer()
+        if self.trainer is not None:
+            self.check_trainer(self.trainer, apply=False, tokenizer=tokenizer)
         target = self.blocks_dir(tokenizer)
         if (target / "blocks.json").exists():
-            return
-        if h.streaming:
-            build_blocks(target, h.corpus, h.text_column, h.val_texts, tokenizer, h.block_length, h.val_fraction,
-                         h.max_val_blocks, h.num_proc, only_val=True)
+            info = json.loads((target / "blocks.json").read_text())
+        elif h.streaming:
+            info = build_blocks(target, h.corpus, h.text_column, h.val_texts, tokenizer, h.block_length,
+                                h.val_fraction, h.max_val_blocks, h.num_proc, only_val=True)
         else:
-            build_blocks(target, h.corpus, h.text_column, h.max_texts, tokenizer, h.block_length, h.val_fraction,
-                         h.max_val_blocks, h.num_proc)
+            info = build_blocks(target, h.corpus, h.text_column, h.max_texts, tokenizer, h.block_length,
+                                h.val_fraction, h.max_val_blocks, h.num_proc)
+        if "train" in info and self.trainer is not None:
+            self.check_blocks(info["train"], self.trainer.world_size)
 
     def _prepare_tokenizer(self):
         if self._existing_tokenizer is not None:
@@ -477,6 +483,17 @@ class MLMDataModule(pl.LightningDataModule):
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         return tokenizer
+
+    def check_cache(self, vocab_rows: int, world_size: int) -> None:
+        """Before the fit, on every rank: a tokenizer and blocks cached already, against the model's embedding rows
+        and the global batch (what is not cached yet, prepare_data checks once it has made it)."""
+        tokenizer = self.cached_tokenizer()
+        if tokenizer is None:
+            return
+        self.check_vocab(tokenizer, vocab_rows)
+        info = self.blocks_dir(tokenizer) / "blocks.json"
+        if info.exists() and not self.hparams.streaming:
+            self.check_blocks(json.loads(info.read_text())["train"], world_size)
 
     def cached_tokenizer(self):
         """The tokenizer if it exists already (an existing one, or a trained one in the cache), else None."""
@@ -522,9 +539,10 @@ class MLMDataModule(pl.LightningDataModule):
                             f"{world_size} devices; choose --data.batch_size so that it divides")
         return h.global_batch_size // per_step
 
-    def check_trainer(self, trainer, apply: bool = True) -> None:
+    def check_trainer(self, trainer, apply: bool = True, tokenizer=None) -> None:
         """Accumulation from the global batch (set on the trainer when `apply`), and the block length and vocabulary
-        against the attached model's."""
+        (of `tokenizer`, default the loaded one) against the attached model's."""
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         accumulate = self.accumulation(trainer.world_size)
         if trainer.accumulate_grad_batches not in (1, accumulate):
             raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
@@ -537,9 +555,23 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"--data.block_length {self.hparams.block_length} exceeds the model's {limit} positions "
                             f"(--model.max_position_embeddings - 2)")
         vocab = getattr(module, "vocab_size", None)
-        if vocab is not None and self.tokenizer is not None and vocab_limit(self.tokenizer) > vocab:
-            raise UserError(f"the tokenizer has ids up to {vocab_limit(self.tokenizer) - 1} but the model only "
-                            f"{vocab} embedding rows")
+        if vocab is not None and tokenizer is not None:
+            self.check_vocab(tokenizer, vocab)
+
+    @staticmethod
+    def check_vocab(tokenizer, vocab_rows: int) -> None:
+        if vocab_limit(tokenizer) > vocab_rows:
+            raise UserError(f"the tokenizer has ids up to {vocab_limit(tokenizer) - 1} but the model only "
+                            f"{vocab_rows} embedding rows")
+
+    def global_batch(self, world_size: int) -> int:
+        """Blocks per optimizer step over all ranks: --data.global_batch_size, else batch_size × world size."""
+        return self.hparams.global_batch_size or self.hparams.batch_size * world_size
+
+    def check_blocks(self, num_blocks: int, world_size: int) -> None:
+        """One line when the training blocks make no full global batch (the sampler drops partial ones)."""
+        if num_blocks < self.global_batch(world_size):
+            raise UserError(f"{num_blocks} training blocks make no full global batch of {self.global_batch(world_size)}")
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -557,10 +589,9 @@ class MLMDataModule(pl.LightningDataModule):
             dataset = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, h.batch_size, rank,
                                       world, skip_texts=h.val_texts, start=self._stream)
             return self._loader(dataset, None, self.collator)
-        group = h.global_batch_size or h.batch_size * world
-        sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True, group=group)
-        if len(sampler) == 0:
-            raise UserError(f"{len(self.train_blocks)} training blocks make no full global batch of {group}")
+        self.check_blocks(len(self.train_blocks), world)
+        sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True,
+                               group=self.global_batch(world))
         self._epoch_blocks = len(sampler) * self._step
         epoch, in_epoch = int(resume.get("epoch", 0)), int(resume.get("in_epoch", 0))
         if in_epoch >= self._epoch_blocks:  # another global batch than the checkpoint's: this epoch is used up

@@ -49,17 +49,27 @@ def load_tokenizer(source: str | Path):
     """An existing tokenizer by hub id or local directory; it must have <mask> and <pad> tokens."""
     from transformers import AutoTokenizer
 
+    path = Path(source).expanduser()
+    if not path.exists() and looks_like_path(str(source)):
+        raise UserError(f"tokenizer path not found: {source}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(source))
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load tokenizer {str(source)!r}: {first}") from None
     for name in ("mask_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is None:
-            raise UserError(f"tokenizer {source} has no {name.removesuffix('_id')} token, needed for MLM")
+            raise UserError(f"tokenizer {source} has no {name.removesuffix('_token_id')} token, needed for MLM")
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
     return tokenizer
+
+
+def looks_like_path(source: str) -> bool:
+    """A local path rather than a hub id (`name` or `org/name`): it starts with '.', '/' or '~', has more than one
+    '/', or its parent directory exists here."""
+    parts = Path(source).parts
+    return source.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
 def check_special_ids(tokenizer, name: str) -> None:

@@ -192,10 +192,8 @@ class MLMModule(pl.LightningModule):
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps,
                                       fused=self.device.type == "cuda")
-        decay_steps = h.decay_steps or self.trainer.max_steps
-        if decay_steps is None or decay_steps <= 0:
-            raise UserError("set --trainer.max_steps or --model.decay_steps: the learning-rate schedule needs an end")
-        schedule = PolynomialSchedule(h.warmup_steps, decay_steps, h.end_lr / h.lr, h.power)
+        end = schedule_end(h.decay_steps, None if h.decay_steps else self.trainer.max_steps)  # a trainer if needed
+        schedule = PolynomialSchedule(h.warmup_steps, end, h.end_lr / h.lr, h.power)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -224,6 +222,14 @@ class MLMModule(pl.LightningModule):
         directory = Path(self.trainer.default_root_dir) / "export"
         export(self, tokenizer, directory)
         self.trainer.strategy.barrier("export")
+
+
+def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:
+    """The step where the learning rate reaches its end: --model.decay_steps, else --trainer.max_steps."""
+    end = decay_steps or max_steps
+    if end is None or end <= 0:
+        raise UserError("set --trainer.max_steps or --model.decay_steps: the learning-rate schedule needs an end")
+    return end
 
 
 class PolynomialSchedule:

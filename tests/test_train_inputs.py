@@ -42,13 +42,6 @@ def written(root: Path) -> list[str]:
     return sorted(str(path.relative_to(root)) for path in root.rglob("*")) if root.exists() else []
 
 
-def known_gap(root: Path) -> None:
-    """These errors come once the fit has started: Lightning has written its logs by then (train.py's to fix)."""
-    if root.exists():
-        pytest.xfail(f"the error is right but {written(root)} were written before it (train.py should check earlier "
-                     "or remove what it created)")
-
-
 @pytest.mark.parametrize("extra, message", [
     (("--model.hidden_size", "30"), "--model.hidden_size 30 is not a multiple of num_attention_heads 4"),
     (("--data.block_length", "3"), "--data.block_length too small: 3"),
@@ -80,13 +73,29 @@ def save_tokenizer_without_mask(directory: Path) -> None:
 
 
 def test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing(corpus, cache, tmp_path, capsys):
-    root, missing, no_mask = tmp_path / "run", tmp_path / "no-such-tokenizer", tmp_path / "no-mask"
-    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(missing)).startswith(
-        f"cannot load tokenizer '{missing}': ")  # then transformers' first line
+    root, empty, no_mask = tmp_path / "run", tmp_path / "empty-dir", tmp_path / "no-mask"
+    empty.mkdir()
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(empty)).startswith(
+        f"cannot load tokenizer '{empty}': ")  # then transformers' first line
+    hub_id = "no-such-org/no-such-tokenizer"  # hub-shaped, no such local directory: asked of the (offline) hub
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", hub_id).startswith(
+        f"cannot load tokenizer '{hub_id}': ")
     save_tokenizer_without_mask(no_mask)
     assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(no_mask)) == \
-        f"tokenizer {no_mask} has no mask_token token, needed for MLM"
+        f"tokenizer {no_mask} has no mask token, needed for MLM"
     assert not root.exists()
+
+
+@pytest.mark.parametrize("name", ["/ABSENT", "./absent-tokenizer", "SUBDIR/absent", "SUBDIR/nested/absent"])
+def test_a_missing_tokenizer_path_is_named_not_taken_for_a_hub_id(corpus, cache, tmp_path, capsys, monkeypatch, name):
+    """A path that is not there (absolute, ./relative, or under a directory that exists) is named as missing, not
+    passed to the hub as a malformed repo id."""
+    (tmp_path / "SUBDIR").mkdir()
+    monkeypatch.chdir(tmp_path)
+    name = name.replace("/ABSENT", str(tmp_path / "absent"))
+    root = tmp_path / "run"
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", name) == f"tokenizer path not found: {name}"
+    assert not root.exists() and not Path(name).exists()
 
 
 def test_no_end_for_the_learning_rate_schedule_is_one_line_exit_2(corpus, cache, tmp_path, capsys):
@@ -94,21 +103,34 @@ def test_no_end_for_the_learning_rate_schedule_is_one_line_exit_2(corpus, cache,
     message = rejected(root, corpus, cache, capsys, "--trainer.max_steps", "-1", "--trainer.max_epochs", "1",
                        "--model.decay_steps", "null")
     assert message == "set --trainer.max_steps or --model.decay_steps: the learning-rate schedule needs an end"
-    known_gap(root)
+    assert written(root) == [] and not root.exists()
 
 
-def test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2(corpus, tmp_path, capsys):
+def no_prepare_data(monkeypatch) -> None:
+    """From here on the error must come from train.py's checks before the fit (on every rank), not prepare_data's."""
+    from datamodules.mlm import MLMDataModule
+
+    def refuse(self):
+        raise AssertionError("prepare_data reached")
+    monkeypatch.setattr(MLMDataModule, "prepare_data", refuse)
+
+
+def test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2(corpus, tmp_path, capsys, monkeypatch):
     import datasets
 
     root, cache = tmp_path / "run", tmp_path / "cache"
-    message = rejected(root, corpus, cache, capsys, "--data.batch_size", "64", "--data.global_batch_size", "64")
+    extra = ("--data.batch_size", "64", "--data.global_batch_size", "64")
+    message = rejected(root, corpus, cache, capsys, *extra)  # found in prepare_data, once the blocks are made
     (blocks,) = (cache / "blocks").iterdir()  # the packed corpus train.py made before it found out
     assert message == f"{len(datasets.load_from_disk(str(blocks))['train'])} training blocks make no full global " \
                       "batch of 64"
-    known_gap(root)
+    assert written(root) == [] and not root.exists()
+    no_prepare_data(monkeypatch)
+    assert rejected(root, corpus, cache, capsys, *extra) == message  # found before the fit, from the cache
+    assert written(root) == [] and not root.exists()
 
 
-def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corpus, tmp_path, capsys):
+def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corpus, tmp_path, capsys, monkeypatch):
     from datamodules.mlm import MLMDataModule
     from datamodules.tokenizer import train_tokenizer
 
@@ -117,6 +139,7 @@ def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corp
     planted.save_pretrained(MLMDataModule(corpus=str(corpus), vocab_size=600, cache_dir=str(cache)).tokenizer_dir())
     top = max(planted.get_vocab().values())
     assert top >= 600
+    no_prepare_data(monkeypatch)
     assert rejected(root, corpus, cache, capsys) == f"the tokenizer has ids up to {top} but the model only 600 " \
                                                     "embedding rows"
-    known_gap(root)
+    assert written(root) == [] and not root.exists()
