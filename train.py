@@ -39,7 +39,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from callbacks.hidden_states import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from datamodules.io import UserError, atomic_file
-from datamodules.mlm import MLMDataModule
+from datamodules.mlm import MLMDataModule, check_block_length
 from datamodules.tokenizer import fingerprint
 from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint, schedule_end
 
@@ -156,7 +156,7 @@ def check_resume(path: Path, model: MLMModule, data: MLMDataModule, world_size: 
     tokenizer match the config, and whose data position continues on `world_size` devices."""
     checkpoint = read_checkpoint(path)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
-    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size)
+    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
     tokenizer = data.cached_tokenizer()
     if saved is not None and tokenizer is not None and fingerprint(tokenizer) != saved:
@@ -185,9 +185,7 @@ class PretrainCLI(LightningCLI):
         tokenizer's ids and block count, resume target. A tokenizer or blocks not cached yet are checked by
         prepare_data once made, which Lightning runs before its loggers and callbacks write anything."""
         data, model, trainer = self.datamodule, self.model, self.trainer
-        if data.hparams.block_length > model.max_length:
-            raise UserError(f"--data.block_length {data.hparams.block_length} exceeds the model's {model.max_length} "
-                            "positions (--model.max_position_embeddings - 2)")
+        check_block_length(data.hparams.block_length, model)
         schedule_end(model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes

@@ -550,10 +550,7 @@ class MLMDataModule(pl.LightningDataModule):
         if apply:
             trainer.accumulate_grad_batches = accumulate
         module = trainer.lightning_module if trainer.strategy._lightning_module is not None else None
-        limit = getattr(module, "max_length", None)
-        if limit is not None and self.hparams.block_length > limit:
-            raise UserError(f"--data.block_length {self.hparams.block_length} exceeds the model's {limit} positions "
-                            f"(--model.max_position_embeddings - 2)")
+        check_block_length(self.hparams.block_length, module)
         vocab = getattr(module, "vocab_size", None)
         if vocab is not None and tokenizer is not None:
             self.check_vocab(tokenizer, vocab)
@@ -630,15 +627,16 @@ class MLMDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict:
         """The tokenizer's identity, and the data position after the last training batch consumed: global blocks
-        (micro-batches × batch_size × world size), the epoch and blocks into it, the world size and batch size; for
-        streaming, every rank's stream state (gathered from all ranks: Lightning calls this on every rank)."""
+        (micro-batches × batch_size × world size), the epoch and blocks into it, the world size, batch size and global
+        batch; for streaming, every rank's stream state (gathered from all ranks: Lightning calls this on every
+        rank)."""
         h = self.hparams
         state = {"tokenizer_fingerprint": fingerprint(self.tokenizer) if self.tokenizer is not None else None,
                  "tokenizer_files": getattr(self, "_tokenizer_files", None), "block_length": h.block_length}
         if self._position is not None:
             _, world = self._rank_world()
             state["position"] = {**self._position, "world": world, "batch_size": h.batch_size,
-                                 "streaming": h.streaming}
+                                 "global_batch": self.global_batch(world), "streaming": h.streaming}
             if h.streaming:
                 state["stream"] = gather_objects(self._stream, world)
         return state
@@ -670,26 +668,32 @@ class MLMDataModule(pl.LightningDataModule):
         if h.streaming:
             self._resume["stream"] = {"epoch": 0, "text": 0, "carry": [], "done": batches * h.batch_size, "counter": 0}
 
-    def check_position(self, state: dict, world: int) -> None:
-        """One clear line when a checkpoint's data position cannot continue on `world` devices with this config.
+    def check_position(self, state: dict, world: int, source: str = "the checkpoint") -> None:
+        """One clear line (naming `source`) when a checkpoint's data position cannot continue on `world` devices with
+        this config.
 
         The cached path converts exactly whenever the global batch is unchanged (a step sees the same blocks on any
-        device count); a streaming run interleaves the texts by rank, so it resumes only on its own device count.
+        device count), and another global batch is refused (checkpoints from before it was saved are not checked);
+        a streaming run interleaves the texts by rank, so it resumes only on its own device count.
         """
         position = (state or {}).get("position") or {}
         if "world" not in position:
             return
         h = self.hparams
         if position["streaming"] != h.streaming:
-            raise UserError(f"the checkpoint is of a run with --data.streaming {str(position['streaming']).lower()}; "
+            raise UserError(f"{source} is of a run with --data.streaming {str(position['streaming']).lower()}; "
                             f"resume with the same setting (the config gives {str(h.streaming).lower()})")
         if h.streaming and position["world"] != world:
             raise UserError(f"cannot resume a streaming run saved at world size {position['world']} at world size "
                             f"{world} (devices × nodes; each rank reads its own share of the texts): resume with "
                             f"world size {position['world']}")
+        saved, current = position.get("global_batch"), self.global_batch(world)
+        if saved is not None and saved != current:
+            raise UserError(f"cannot resume: {source} was trained with global batch {saved} but the config gives "
+                            f"{current}; keep the run's global batch (--data.global_batch_size {saved})")
         step = h.batch_size * world
         if position["blocks"] % step or position["in_epoch"] % step:
-            raise UserError(f"cannot resume: the checkpoint stopped after {position['blocks']} blocks, not a multiple "
+            raise UserError(f"cannot resume: {source} stopped after {position['blocks']} blocks, not a multiple "
                             f"of --data.batch_size {h.batch_size} × {world} devices; keep the run's global batch")
 
     def adapt_checkpoint(self, checkpoint: dict) -> None:
@@ -709,6 +713,16 @@ class MLMDataModule(pl.LightningDataModule):
             shift = counts["processed"] * old // new - counts["processed"]  # keeps Lightning's restart pattern
             for key in ("ready", "started", "processed", "completed"):
                 counts[key] += shift
+
+
+def check_block_length(block_length: int, module) -> None:
+    """One line when a block is longer than the MLM module's position table allows (its `max_length`: RoBERTa's
+    positions start after the pad id, so max_position_embeddings - (pad id + 1)); no module, no check."""
+    limit = getattr(module, "max_length", None)
+    if limit is not None and block_length > limit:
+        pad = module.model.config.pad_token_id
+        raise UserError(f"--data.block_length {block_length} exceeds the model's {limit} positions "
+                        f"(--model.max_position_embeddings {limit + pad + 1} minus (pad id {pad} + 1))")
 
 
 def gather_objects(value, world: int) -> list:

@@ -52,6 +52,7 @@ class WicItem:
     span1: tuple[int, int]  # character offsets [start, end) of the target in sentence1
     span2: tuple[int, int]
     label: bool  # True: same sense
+    pos: str | None = None  # part of speech when the source gives it (WiC: "N" or "V"), else None
 
 
 @dataclass
@@ -89,7 +90,7 @@ def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipp
         item = _wic_item(index, row, source)
         problems = [f"sentence{n}: {why}" for n, sentence, span in ((1, item.sentence1, item.span1),
                                                                      (2, item.sentence2, item.span2))
-                    if (why := target_problem(sentence, item.word, span))]
+                    if (why := target_problem(sentence, item.word, span, item.pos))]
         if problems:
             skipped.add(index=index, word=item.word, reason="; ".join(problems))
         else:
@@ -99,14 +100,14 @@ def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipp
     return items, skipped
 
 
-def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | None:
+def target_problem(sentence: str, word: str, span: tuple[int, int], pos: str | None = None) -> str | None:
     """Why `span` does not hold the target `word` (None when it does).
 
     The span must be one whole word of the sentence (non-empty, in range, not cutting a word, no space inside).
     WiC gives the lemma ("carry") and the span the inflected form ("carried"). A span whose word does not start with
-    the lemma's first two letters is misplaced only when another whole word of the sentence is a regular form of the
-    lemma (regular_forms: "carries", "carried", ...), i.e. the target is elsewhere; otherwise it is an irregular form
-    ("went" for "go", even beside "good") and kept.
+    the lemma's first two letters is misplaced only when another whole word of the sentence is a regular inflection
+    of the lemma for its part of speech `pos` (regular_forms: "carries", "carried", ...), i.e. the target is
+    elsewhere; otherwise it is an irregular form ("went" for "go", even beside "good"; "ran" beside "runner") and kept.
     """
     start, end = span
     if not 0 <= start < end <= len(sentence):
@@ -117,7 +118,7 @@ def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | Non
         return f"offsets {start}-{end} ({text!r}) are not one whole word"
     lemma = word.strip().lower()
     if lemma and not text.strip().lower().startswith(lemma[:2]):
-        forms = regular_forms(lemma)
+        forms = regular_forms(lemma, pos)
         elsewhere = [m.group() for m in WORD.finditer(sentence)
                      if (m.end() <= start or m.start() >= end) and m.group().lower() in forms]
         if elsewhere:
@@ -125,23 +126,33 @@ def target_problem(sentence: str, word: str, span: tuple[int, int]) -> str | Non
     return None
 
 
-def regular_forms(lemma: str) -> set[str]:
-    """The lemma and its regular forms: + s, es, ed, ing, er, est, ly, and + d after a final e, with the usual
-    spelling changes before a vowel suffix: a final e dropped ("making"), a final consonant after one vowel
-    doubled ("stopped"), a final y after a consonant turned to i ("carried", "happily")."""
+def regular_forms(lemma: str, pos: str | None = None) -> set[str]:
+    """The lemma and its regular inflections: a noun's plural (+ s, es); a verb's third person, past and participles
+    (+ s, es, ed, ing); both for any other `pos` (WiC's "N" and "V"; None: unknown). No derivations (+ er, est, ly:
+    "drive" -> "driver" is another word). Spelling: + es only after s, x, z, ch, sh or o; a silent final e (after a
+    consonant, with a vowel before it: "make", not "be" or "see") takes + d and is dropped before -ing ("making");
+    a final consonant after one vowel is doubled ("stopped"); a final y after a consonant turns to i before -es and
+    -ed ("carries", "carried").
+    """
     lemma = lemma.lower()
-    forms = {lemma} | {lemma + suffix for suffix in ("s", "es", "ed", "ing", "er", "est", "ly")}
-    vowel_suffixes = ("ed", "ing", "er", "est")
-    if lemma.endswith("e"):
-        forms.add(lemma + "d")
-        if not lemma.endswith("ee"):
-            forms |= {lemma[:-1] + suffix for suffix in vowel_suffixes}
+    consonant_y = len(lemma) > 1 and lemma.endswith("y") and lemma[-2] not in VOWELS
+    forms = {lemma, lemma + "s"}
+    if lemma.endswith(("s", "x", "z", "ch", "sh", "o")):  # "boxes", "goes" (not "bees" for "be")
+        forms.add(lemma + "es")
+    if consonant_y:
+        forms.add(lemma[:-1] + "ies")
+    if (pos or "").strip().upper()[:1] == "N":
+        return forms
+    forms |= {lemma + "ed", lemma + "ing"}
+    if consonant_y:
+        forms.add(lemma[:-1] + "ied")
+    silent_e = lemma.endswith("e") and lemma[-2:-1] not in ("", *VOWELS) and any(c in VOWELS + "y" for c in lemma[:-2])
+    if silent_e:
+        forms |= {lemma + "d", lemma[:-1] + "ing"}
     consonant_vowel_consonant = lemma[-2:-1] in tuple(VOWELS) and lemma[-1] not in VOWELS + "wxy" and (
         len(lemma) < 3 or lemma[-3] not in VOWELS)
     if consonant_vowel_consonant:
-        forms |= {lemma + lemma[-1] + suffix for suffix in vowel_suffixes}
-    if len(lemma) > 1 and lemma.endswith("y") and lemma[-2] not in VOWELS:
-        forms |= {lemma[:-1] + "i" + suffix for suffix in ("es", "ed", "er", "est", "ly")}
+        forms |= {lemma + lemma[-1] + suffix for suffix in ("ed", "ing")}
     return forms
 
 
@@ -163,12 +174,12 @@ def _original_wic(path: Path, gold: str | None) -> Iterator[dict]:
         if len(fields) != 5:
             raise UserError(f"{path}:{number}: expected 5 tab-separated fields (word, PoS, i-j, s1, s2), "
                             f"got {len(fields)}")
-        word, _, indices, sentence1, sentence2 = fields
+        word, pos, indices, sentence1, sentence2 = fields
         try:
             token1, token2 = (int(i) for i in indices.split("-"))
         except ValueError:
             raise UserError(f"{path}:{number}: token indices {indices!r} are not i-j") from None
-        yield {"word": word, "sentence1": sentence1, "sentence2": sentence2, "label": label,
+        yield {"word": word, "pos": pos, "sentence1": sentence1, "sentence2": sentence2, "label": label,
                **_token_span(sentence1, token1, "1"), **_token_span(sentence2, token2, "2")}
 
 
@@ -198,8 +209,9 @@ def _wic_item(index: int, row: dict, source: str) -> WicItem:
         spans = [(int(row[f"start{n}"]), int(row[f"end{n}"])) for n in (1, 2)]
     except (TypeError, ValueError):
         raise UserError(f"{source} row {index}: offsets are not integers") from None
+    pos = row.get("pos")  # the original release's PoS column; SuperGLUE's files carry none (unknown)
     return WicItem(index, str(row["word"]), str(row["sentence1"]), str(row["sentence2"]), spans[0], spans[1],
-                   _label(row["label"], source, index))
+                   _label(row["label"], source, index), str(pos) if pos not in (None, "") else None)
 
 
 def _label(value, source: str, index: int) -> bool:

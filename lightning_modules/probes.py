@@ -71,14 +71,17 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
     F.cross_entropy through autograd (tested), faster on CPU. The returned loss saturates at -log(smallest float)
     for a token whose gold probability underflows; the gradient is exact."""
 
-    chunk_elements = 2 ** 20  # logits per chunk on CPU; one chunk on GPUs, whose caching allocator reuses memory
+    # logits per chunk on CPU; None: the whole batch in one chunk, as always on GPUs (their allocator reuses memory)
+    chunk_elements: int | None = 2 ** 20
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
         slots, items, classes = x.shape[0], x.shape[1], weight.shape[2]
         padded = pad_weight(weight)  # [slots, hidden, width]
         width = padded.shape[2]
-        rows = items if x.is_cuda else max(1, StackedLinearCrossEntropy.chunk_elements // (slots * width))
+        chunk_elements = StackedLinearCrossEntropy.chunk_elements
+        one_piece = x.is_cuda or chunk_elements is None
+        rows = max(items, 1) if one_piece else max(1, chunk_elements // (slots * width))  # an empty batch: no chunk
         grad_weight = torch.zeros(padded.shape, dtype=torch.float32, device=x.device)
         grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
         loss = torch.zeros((), device=x.device)

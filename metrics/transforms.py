@@ -8,12 +8,17 @@
   clipping of returned hidden states), applied after the forward pass.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
-  the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is
-  accumulated from float32 hidden states, so smaller variances are rounding noise (e.g. LayerNorm's null direction).
+  the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions
+  whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is accumulated from
+  float32 hidden states, so smaller variances are rounding noise (e.g. LayerNorm's null direction).
 - Standardisation (Timkey & van Schijndel, "All Bark and No Bite: Rogue Dimensions in Transformer Language Models
-  Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension; a dimension whose variance
-  is below 1e-6 of the layer's largest is constant up to rounding (e.g. a last-layer LayerNorm weight near 0) and
-  is mapped to 0, as dividing by its rounding noise would swamp every cosine.
+  Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension; a dimension constant up to
+  float32 rounding (e.g. a last-layer LayerNorm weight near 0) is mapped to 0, as dividing by its rounding noise
+  would swamp every cosine. The test is per dimension, never against the layer's largest variance (a rogue
+  dimension's can be 1e8 times the others'): sigma <= 1e-6 × max(|mu|, 1). A float32 value of magnitude |mu| is
+  known to |mu| × 2^-24 (6e-8), and a hidden state has been rounded a few times on its way (LayerNorm's sums), so a
+  spread under ~17 such roundings is noise; the 1 is the scale of the LayerNorm-normalised values every dimension
+  is made from, whose rounding reaches a dimension whose mean is near 0 too.
 Both normalisations are affine per layer, so they commute with averaging sub-word pieces and mean pooling.
 """
 
@@ -96,9 +101,10 @@ def whitening(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
 
 def standardization(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
     """Timkey & van Schijndel (2021) per-dimension z-scores from per-layer statistics (of tokens or sentences);
-    dimensions with variance below `tolerance` of the layer's largest -> 0."""
+    a dimension constant up to float32 rounding, sigma <= `tolerance` × max(|mu|, 1) (each dimension on its own;
+    see the module docstring), -> 0."""
     variance = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0)  # [layers, hidden]
-    floor = tolerance * variance.max(-1, keepdim=True).values.clamp_min(1e-300)
+    floor = (tolerance * stats.mean.double().abs().clamp_min(1.0)) ** 2  # [layers, hidden]
     scale = torch.where(variance > floor, variance.clamp_min(1e-300).rsqrt(), torch.zeros_like(variance))
     return Affine("standardized", stats.mean, torch.diag_embed(scale))
 

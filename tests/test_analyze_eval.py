@@ -127,14 +127,15 @@ def clipping(dims: list[int]):
 
 def fitted(vectors: torch.Tensor, how: str):
     """The normalisation `how` estimated on materialised vectors [layers, N, hidden] in float64, as the README states
-    it: standardize (x - mu) / sigma, whiten (x - mu) U Lambda^-1/2, each with the dimensions / directions of variance
-    below 1e-6 of the layer's largest mapped to 0. Returns x [layers, ..., hidden] -> transformed."""
+    it: standardize (x - mu) / sigma, a dimension with sigma <= 1e-6 x max(|mu|, 1) (constant up to float32 rounding)
+    mapped to 0; whiten (x - mu) U Lambda^-1/2, directions of variance below 1e-6 of the layer's largest mapped to 0.
+    Returns x [layers, ..., hidden] -> transformed."""
     layers, _, hidden = vectors.shape
     mean = vectors.mean(1)
     cov = torch.stack([torch.cov(layer.T, correction=0) for layer in vectors])
     if how == "standardize":
         variance = cov.diagonal(dim1=1, dim2=2)
-        keep = variance > 1e-6 * variance.max(-1, keepdim=True).values
+        keep = variance.sqrt() > 1e-6 * mean.abs().clamp_min(1)
         matrix = torch.diag_embed(torch.where(keep, variance.clamp_min(1e-300).rsqrt(), 0.0))
     else:
         eigenvalues, rotation = one_thread(torch.linalg.eigh, cov)

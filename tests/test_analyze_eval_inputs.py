@@ -147,6 +147,34 @@ def test_a_span_beside_a_regular_form_of_the_lemma_is_misplaced(lemma, sentence,
     assert target_problem(sentence, lemma, (at, at + len(regular))) is None  # the regular form itself is the target
 
 
+@pytest.mark.parametrize("pos", ["V", None])  # WiC's verbs; SuperGLUE files give no PoS
+@pytest.mark.parametrize("lemma, sentence, form, distractor", [
+    ("drive", "The driver drove the car.", "drove", "driver"),  # lemma + r: an agent noun, not an inflection
+    ("run", "The runner ran past the gate.", "ran", "runner"),  # doubled consonant + er
+    ("sing", "The singer sang all night.", "sang", "singer"),  # + er
+    ("speak", "The speaker spoke slowly.", "spoke", "speaker"),
+    ("be", "It was a bed of roses.", "was", "bed"),  # + d: "be" has no silent e
+    ("be", "She was the best of them.", "was", "best"),  # e dropped + est
+    ("be", "He was fond of beer.", "was", "beer"),  # + er
+    ("see", "I saw the seed.", "saw", "seed"),  # + d after "ee" ("seen" is irregular)
+])
+def test_derived_and_unrelated_words_do_not_make_an_irregular_form_misplaced(lemma, sentence, form, distractor, pos):
+    start = sentence.index(form)
+    assert distractor.startswith(lemma[:2])  # a word of the sentence that shares the lemma's letters
+    assert target_problem(sentence, lemma, (start, start + len(form)), pos) is None
+
+
+def test_a_nouns_forms_are_its_plural_only():
+    sentence = "She banked the cash at the shore."
+    start = sentence.index("shore")
+    assert target_problem(sentence, "bank", (start, start + 5), "N") is None  # "banked" is no form of the noun
+    for pos in ("V", None):  # a verb's past tense (unknown PoS: verb and noun inflections)
+        assert "(which is at 'banked')" in target_problem(sentence, "bank", (start, start + 5), pos)
+    plural = "The banks were shut by the shore."
+    assert "(which is at 'banks')" in target_problem(plural, "bank", (plural.index("shore"), plural.index("shore") + 5),
+                                                     "N")
+
+
 def test_sts_whitening_is_fit_on_the_pooled_sentences_of_the_pairs(tmp_path, bert_tok):
     """Su et al. (2021) whiten sentence embeddings: mu and the covariance of the pairs' mean-pooled sentences (80 of
     them, more than the hidden size 32 + 1), not of their tokens; against a direct computation."""
@@ -210,7 +238,7 @@ def test_original_wic_release_and_datasets_directory(tmp_path):
         "run\tV\t1-0\tThey ran home.\tRun fast!\n", encoding="utf-8")
     (tmp_path / "dev.gold.txt").write_text("F\nT\n", encoding="utf-8")
     items, skipped = read_wic(str(tmp_path / "dev.data.txt"))
-    assert skipped.count == 0 and [i.label for i in items] == [False, True]
+    assert skipped.count == 0 and [i.label for i in items] == [False, True] and [i.pos for i in items] == ["N", "V"]
     assert items[0].sentence1[slice(*items[0].span1)] == "bank" and items[0].sentence2[slice(*items[0].span2)] == "bank"
     assert items[1].sentence1[slice(*items[1].span1)] == "ran" and items[1].sentence2[slice(*items[1].span2)] == "Run"
     import datasets
@@ -219,7 +247,7 @@ def test_original_wic_release_and_datasets_directory(tmp_path):
             "start1": [14], "end1": [18], "start2": [4], "end2": [8], "idx": [0], "label": [1]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "wic_ds"))
     items, _ = read_wic(str(tmp_path / "wic_ds"))
-    assert len(items) == 1 and items[0].label is True and items[0].span2 == (4, 8)
+    assert len(items) == 1 and items[0].label is True and items[0].span2 == (4, 8) and items[0].pos is None
 
 
 def test_senteval_sts_files_and_static_vectors(tmp_path):

@@ -301,7 +301,7 @@ def test_standardisation_maps_a_dimension_constant_up_to_rounding_to_zero():
     """A dimension constant up to float32 rounding (a last-layer LayerNorm weight near 0: MiniLM's layer 6) would
     otherwise be divided by its rounding noise and swamp every cosine."""
     tokens = torch.randn(1, 200, HIDDEN, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
-    tokens[..., 2] = 0.75 + 1e-9 * tokens[..., 2]  # variance 1e-18, far below 1e-6 of the others' (~1)
+    tokens[..., 2] = 0.75 + 1e-9 * tokens[..., 2]  # variance 1e-18, far below float32 rounding of 0.75 (1e-6 × 1)^2
     metric = Covariance(1, HIDDEN)
     metric.update(tokens)
     standardised = standardization(metric.compute()).apply(tokens)
@@ -309,6 +309,26 @@ def test_standardisation_maps_a_dimension_constant_up_to_rounding_to_zero():
     others = [d for d in range(HIDDEN) if d != 2]
     torch.testing.assert_close(standardised[0][:, others], (tokens[0][:, others] - tokens[0][:, others].mean(0))
                                / tokens[0][:, others].std(0, correction=0), rtol=1e-6, atol=1e-6)
+
+
+def test_standardisation_keeps_a_low_variance_dimension_beside_a_rogue_one():
+    """Timkey & van Schijndel's rogue dimensions: one variance 1e8, beside a genuine dimension of variance 1e-3 (mean
+    5: far above float32 rounding, 1e-6 × 5) and one constant at 0.75. Only the constant one is zeroed; the rule is
+    per dimension, not relative to the layer's largest variance (1e-6 × 1e8 = 100 would zero the 1e-3 one)."""
+    generator = torch.Generator().manual_seed(17)
+    tokens = torch.randn(1, 300, HIDDEN, generator=generator)  # float32, as hidden states are
+    tokens[..., 0] = 1e4 * tokens[..., 0]  # rogue: variance ~1e8
+    tokens[..., 1] = 5 + 1e-3 ** 0.5 * tokens[..., 1]  # genuine: variance ~1e-3
+    tokens[..., 2] = 0.75
+    metric = Covariance(1, HIDDEN)
+    metric.update(tokens)
+    standardised = standardization(metric.compute()).apply(tokens).double()
+    x = tokens[0].double()
+    assert x[:, 0].var() > 1e7 and 1e-4 < x[:, 1].var() < 1e-2
+    assert standardised[..., 2].abs().max() == 0
+    others = [d for d in range(HIDDEN) if d != 2]  # the rogue and the genuine dimension among them
+    direct = (x[:, others] - x[:, others].mean(0)) / x[:, others].std(0, correction=0)
+    torch.testing.assert_close(standardised[0][:, others], direct, rtol=1e-4, atol=1e-4)
 
 
 def test_clipping_variant_is_the_encoders_clip():

@@ -98,6 +98,33 @@ def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
     assert sorted(k % 50 for b in first for k in b) != [k % 50 for b in first for k in b]  # shuffled
 
 
+def test_position_saves_the_global_batch_and_another_one_is_refused_unless_the_checkpoint_predates_it(tmp_path):
+    from datamodules.io import UserError
+    from datamodules.mlm import MLMDataModule
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_sentences(20)) + "\n", encoding="utf-8")
+
+    def data(batch_size: int, global_batch_size: int | None) -> MLMDataModule:
+        return MLMDataModule(corpus=str(corpus), batch_size=batch_size, global_batch_size=global_batch_size,
+                             cache_dir=str(tmp_path / "cache"))
+
+    saver = data(4, None)  # no --data.global_batch_size: batch_size × world size, 4 × 2 devices
+    saver._position = {"blocks": 24, "epoch": 0, "in_epoch": 24}  # 3 steps of 8 blocks
+    saver._rank_world = lambda: (0, 2)
+    state = saver.state_dict()
+    assert state["position"]["global_batch"] == 4 * 2
+    data(2, 8).check_position(state, world=2)  # the same global batch: 2 × 2 devices × 2 accumulated
+    data(8, None).check_position(state, world=1)  # 8 × 1 device
+    for other, world, given in ((data(4, 16), 2, 16), (data(4, None), 1, 4)):
+        with pytest.raises(UserError) as error:
+            other.check_position(state, world, "checkpoint x.ckpt")
+        assert str(error.value) == (f"cannot resume: checkpoint x.ckpt was trained with global batch 8 but the config "
+                                    f"gives {given}; keep the run's global batch (--data.global_batch_size 8)")
+    older = {"position": {key: value for key, value in state["position"].items() if key != "global_batch"}}
+    data(4, 16).check_position(older, world=2)  # a checkpoint from before the global batch was saved: accepted
+
+
 def test_streaming_packs_this_ranks_texts_across_chunks_and_resumes_from_a_batch_state(bpe, tmp_path):
     texts = corpus_sentences(120)
     path = tmp_path / "corpus.txt"

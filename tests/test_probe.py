@@ -119,6 +119,22 @@ def test_fused_cross_entropy_equals_autograd(classes, bias, chunk_rows, monkeypa
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("chunk_elements", [None, 2 ** 20])  # one piece (as on GPUs); CPU chunks
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_cross_entropy_of_an_empty_batch_is_zero_with_zero_gradients(chunk_elements, bias, monkeypatch):
+    """A batch of zero items: the sum of each slot's mean over no items is 0 (the mean of nothing taken as 0), and
+    neither the loss nor the weights' gradient depends on anything."""
+    monkeypatch.setattr(StackedLinearCrossEntropy, "chunk_elements", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    x, target = torch.randn(3, 0, 8, generator=generator), torch.zeros(0, dtype=torch.long)
+    weight = torch.randn(3, 8, 5, generator=generator).requires_grad_()
+    b = torch.randn(3, 5, generator=generator).requires_grad_() if bias else None
+    loss = StackedLinearCrossEntropy.apply(x, weight, b, target)
+    loss.backward()
+    assert loss.item() == 0 and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert b is None or torch.equal(b.grad, torch.zeros_like(b))
+
+
 def test_probe_recovers_planted_position_and_contributions_single_out_its_dimension(tmp_path, bert_tok):
     data = write_lines(tmp_path / "s.txt", corpus_sentences(60))
     encoder = FrozenEncoder(Planted(len(bert_tok), "position"), bert_tok, name="planted")

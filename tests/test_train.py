@@ -279,13 +279,19 @@ def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp
     (("--data.corpus", "/no/such/corpus.txt"), "corpus not found"),
     (("--data.corpus", "EMPTY"), "empty"),
     (("--data.global_batch_size", "12"), "not a multiple"),
-    (("--data.block_length", "64"), "exceeds the model's 32 positions"),
+    (("--data.block_length", "64"),  # RoBERTa's positions start after the pad id: 34 - (1 + 1)
+     "--data.block_length 64 exceeds the model's 32 positions (--model.max_position_embeddings 34 minus "
+     "(pad id 1 + 1))"),
+    (("--data.tokenizer", "BERT", "--data.block_length", "64"),  # BERT's pad id 0: 34 - (0 + 1)
+     "--data.block_length 64 exceeds the model's 33 positions (--model.max_position_embeddings 34 minus "
+     "(pad id 0 + 1))"),
     (("--trainer.accumulate_grad_batches", "3"), "contradicts --data.global_batch_size"),
 ])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus, cache, tmp_path, capsys, extra, message):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus, cache, tmp_path, capsys, bert_tok, extra, message):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    extra = tuple(str(empty) if e == "EMPTY" else e for e in extra)
+    bert_tok.save_pretrained(tmp_path / "bert")
+    extra = tuple({"EMPTY": str(empty), "BERT": str(tmp_path / "bert")}.get(e, e) for e in extra)
     root = tmp_path / "run"
     assert fit(root, corpus, cache, *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -309,18 +315,26 @@ def other_tokenizer(tmp_path, corpus):
     (False, ("--model.position_embeddings", "true"), "trained without positional embeddings (no-PE) but"),
     (True, ("--data.vocab_size", "500"), "vocab_size=600 but the config gives 500"),
     (True, ("--data.tokenizer", "OTHER"), "tokenizer does not match"),
+    (True, ("--data.global_batch_size", "16"),  # the runs' global batch is 8 (batch_size 8, one device)
+     "cannot resume: checkpoint CKPT was trained with global batch 8 but the config gives 16; keep the run's global "
+     "batch (--data.global_batch_size 8)"),
+    (True, ("--data.streaming", "true", "--data.val_texts", "4"),
+     "checkpoint CKPT is of a run with --data.streaming false; resume with the same setting (the config gives true)"),
 ])
 def test_resume_with_a_mismatching_config_is_refused(runs, corpus, cache, tmp_path, capsys, other_tokenizer, pe, extra,
                                                      message):
     root = tmp_path / "run"
     shutil.copytree(runs[pe], root)
-    before = (root / "checkpoints" / "last.ckpt").read_bytes()
+    ckpt = root / "checkpoints" / "last.ckpt"
+    before = ckpt.read_bytes()
     versions = sorted((root / "lightning_logs").iterdir())
+    files = sorted(root.rglob("*"))
     extra = tuple(str(other_tokenizer) if e == "OTHER" else e for e in extra)
     assert fit(root, corpus, cache, *extra, "--ckpt_path", "last", "--trainer.max_steps", str(STEPS + 2)) == 2
-    assert message in capsys.readouterr().err
-    assert (root / "checkpoints" / "last.ckpt").read_bytes() == before
-    assert sorted((root / "lightning_logs").iterdir()) == versions
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error: ") and message.replace("CKPT", str(ckpt)) in err[-1]
+    assert ckpt.read_bytes() == before
+    assert sorted((root / "lightning_logs").iterdir()) == versions and sorted(root.rglob("*")) == files
 
 
 class PoisonAt(pl.Callback):
@@ -406,22 +420,28 @@ def test_roberta_base_configs_hold_table_4_and_differ_only_in_position_embedding
 def test_model_takes_pad_bos_eos_ids_from_the_tokenizer(corpus, cache, tmp_path, bert_tok, kind):
     from lightning_modules.mlm import MLMModule
 
+    extra = ()
     if kind == "bert":
         bert_tok.save_pretrained(tmp_path / "bert")
-        expected = (bert_tok.pad_token_id, bert_tok.cls_token_id, bert_tok.sep_token_id)  # no <s>: [CLS] opens a block
         extra = ("--data.tokenizer", str(tmp_path / "bert"))
-    else:
-        expected = (1, 0, 2)  # the trained byte-level BPE's <pad>, <s>, </s>
-        extra = ()
     cli = train.PretrainCLI(MLMModule, train.MLMDataModule, seed_everything_default=0,
                             trainer_defaults=train.TRAINER_DEFAULTS, run=False,
                             args=tiny_args(tmp_path / "run", corpus, cache, *extra)[1:])
+    if kind == "bert":  # no <s> or </s>: [CLS] and [SEP] open and close a block
+        tokenizer, tokens = bert_tok, ["[PAD]", "[CLS]", "[SEP]"]
+        expected = (tokenizer.pad_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id)
+    else:  # the byte-level BPE the run trains on the corpus (prepare_data), loaded as the run loads it
+        cli.datamodule.prepare_data()
+        tokenizer, tokens = cli.datamodule.load_tokenizer(), ["<pad>", "<s>", "</s>"]
+        expected = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert tokenizer.convert_ids_to_tokens(list(expected)) == tokens
     config = cli.model.model.config
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == expected
     embeddings = cli.model.model.roberta.embeddings
     assert embeddings.word_embeddings.padding_idx == expected[0] == embeddings.padding_idx
     assert cli.model.max_length == 34 - (expected[0] + 1)  # RoBERTa's positions start after the pad id
-    assert expected[0] != (1 if kind == "bert" else 0)  # the BERT case really differs from RoBERTa's ids
+    if kind == "bert":  # the BERT case really differs from RoBERTa's <pad>/<s>/</s> = 1/0/2
+        assert expected != (1, 0, 2)
 
 
 def outliers_report(encoder: str, layers: list[tuple], persistent: list[int], note: str | None) -> dict:
