@@ -331,7 +331,13 @@ class Spectrum(Covariance):
     def compute(self) -> dict[str, Tensor]:
         result = super().compute()
         mean, cov = (result.mean, result.cov) if self.moments is None else self.moments(result.mean, result.cov)
-        return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), result.num_tokens)
+        return self.of_moments(mean, cov, result.num_tokens)
+
+    @staticmethod
+    def of_moments(mean: Tensor, cov: Tensor, num_tokens: int) -> dict[str, Tensor]:
+        """spectrum() of the uncentred token matrix whose mean [layers, hidden] and covariance [layers, h, h] these are
+        (synced moments already at hand, e.g. a CovarianceResult's, transformed by a variant)."""
+        return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), num_tokens)
 
 
 class TokenSample(Metric):

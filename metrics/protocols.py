@@ -99,7 +99,6 @@ class Reference:
     statistics: NeuronStatisticsResult | None = None
     outliers: list[LayerOutliers] | None = None
     covariance: object = None  # CovarianceResult of the token vectors when computed
-    covariance_metric: Covariance | None = None  # its Metric (rank-local state), for Spectrum.of
     sample: tuple[Tensor, Tensor] | None = None  # ([sentences, layers, hidden], filled [sentences])
     normalize_fit: str | None = None  # what --normalize was estimated from: "tokens" | "sentences" (None: none)
     normalize_fit_count: int | None = None  # how many of them
@@ -176,7 +175,7 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
     if reference.clipped_dims is not None:
         reference.variants.append(Clipping(reference.clipped_dims, layers))
     if cov is not None:
-        reference.covariance, reference.covariance_metric = cov.compute(), cov
+        reference.covariance = cov.compute()
     if normalizing:
         reference = reference.fitted(normalize, reference.covariance if fit == "tokens" else pooled.compute(), fit)
     if tokens is not None:
@@ -265,7 +264,7 @@ def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatc
         for batch in batches:
             star.update(transformed[:, batch])
             plain.update(transformed[:, batch])
-        spec = Spectrum.of(reference.covariance_metric, variant.moments).compute()  # synced like the covariance
+        spec = Spectrum.of_moments(mean, cov, stats.num_tokens)  # of the synced moments: no second sync
         spectra[variant.key] = [[round(float(s), 6) for s in row] for row in spec["singular_values"]]
         values[variant.key] = {
             "isoscore": isoscore(cov),
