@@ -8,7 +8,7 @@
 
 `fit` reads the data, runs the encoder (and a random-init twin, the baseline) once over every sentence, trains the
 probes of all layers together, then tests them and writes the report into --trainer.default_root_dir
-(position_probe.json or classifier.json, arrays and figures; see README "Probes"). Input errors are one line on
+(position_probe.json or classifier.json, arrays and figures; see docs/probes.md). Input errors are one line on
 stderr and exit status 2, with no report written. --seed_everything (default 0) seeds splits, baselines and probes.
 """
 
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from pytorch_lightning import LightningDataModule, LightningModule
 from pytorch_lightning.cli import LightningCLI
 
-from datamodules.io import UserError, check_writable
+from core.errors import UserError
+from core.output import check_writable
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")  # features are cached: workers would not help
 

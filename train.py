@@ -4,7 +4,7 @@
     python train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false \\
         --trainer.default_root_dir runs/pretrain/tiny-nope
     python train.py fit --config configs/pretrain/roberta-base.yaml --trainer.devices 4      # the paper's Table 4
-    torchrun --nproc_per_node 4 train.py fit --config configs/pretrain/roberta-base-nope.yaml --trainer.devices 4
+    python train.py fit --config configs/pretrain/roberta-base.yaml --config configs/pretrain/roberta-base-nope.yaml  # no PE
     python train.py fit --config configs/pretrain/roberta-base.yaml --ckpt_path last         # exact resume
     sbatch scripts/slurm_pretrain.sh configs/pretrain/roberta-base.yaml                      # multi-node
 
@@ -19,10 +19,8 @@ Errors in the input are one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import threading
 import traceback
 from operator import itemgetter
 from pathlib import Path
@@ -30,138 +28,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from jsonargparse import lazy_instance
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from callbacks.hidden_states import check_callbacks
+from callbacks.checkpointing import (
+    PREEMPTED_EXIT,
+    AtomicCheckpointIO,
+    Preempted,
+    PretrainCheckpoint,
+    check_resume,
+    checkpoint_dir,
+    last_checkpoint,
+)
+from callbacks.live import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
-from datamodules.io import UserError, atomic_file
+from core.errors import UserError
 from datamodules.mlm import MLMDataModule, check_block_length
-from datamodules.tokenizer import fingerprint
-from lightning_modules.mlm import MLMModule, check_architecture, read_checkpoint, schedule_end
+from lightning_modules.mlm import MLMModule, schedule_end
 
 TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
                     "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
-
-
-PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
-
-
-class Preempted(SystemExit):
-    """Ends the run on every rank after a SIGTERM, once last.ckpt holds a whole optimizer step (exit status 143)."""
-
-    def __init__(self, step: int, path: str, rank: int) -> None:
-        super().__init__(PREEMPTED_EXIT)
-        self.step, self.path, self.rank = step, path, rank
-
-
-class PretrainCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that also saves last.ckpt when training ends between two periodic saves, and on SIGTERM.
-
-    During training SIGTERM only sets a flag (Lightning's own handler is replaced: it would stop after any
-    micro-batch, even inside a gradient-accumulation window that a checkpoint cannot resume exactly, and it runs a
-    collective inside the signal handler). At the next optimizer-step boundary the ranks agree (any rank signalled
-    stops all of them), last.ckpt is saved, and `Preempted` ends the run before the next micro-batch. A SIGTERM
-    during the export at the end is ignored: the run is finished then.
-    """
-
-    _sigterm = False
-    _previous_handler = None
-    _stop: Preempted | None = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
-        self._stop = None
-        self._step_seen = trainer.global_step
-        self._pid = os.getpid()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if os.getpid() != self._pid:  # a forked loader worker: the training process decides
-            return
-        if not self._sigterm:
-            os.write(2, b"train.py: SIGTERM received: saving last.ckpt after this optimizer step, then stopping\n")
-        self._sigterm = True
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.global_step == self._step_seen:
-            return  # inside a gradient-accumulation window: only a whole optimizer step resumes exactly
-        self._step_seen = trainer.global_step
-        if trainer.strategy.reduce_boolean_decision(self._sigterm, all=False):  # the same decision on every rank
-            if not self._should_skip_saving_checkpoint(trainer):
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-            self._stop = Preempted(trainer.global_step, self.last_model_path, trainer.global_rank)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
-            raise self._stop
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        super().on_train_end(trainer, pl_module)
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer) and \
-                self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_handler()
-        super().on_exception(trainer, pl_module, exception)
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._restore_handler()
-        super().teardown(trainer, pl_module, stage)
-
-    def _restore_handler(self) -> None:
-        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_handler)
-        self._previous_handler = None
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save into a temporary file beside the checkpoint, fsync, os.replace: a kill or a full disk mid-write
-    leaves the previous checkpoint in place and loadable.
-
-    Lightning's own `_atomic_save` builds the whole file in memory, writes it under the system temp directory and
-    moves it, which is a plain (non-atomic) copy onto the target whenever that directory is another filesystem (a
-    node's /tmp vs the cluster's scratch), and it never fsyncs. Leftovers of a killed write are removed at the next.
-    """
-
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
-        with atomic_file(path) as handle:
-            torch.save(checkpoint, handle)
-
-
-def checkpoint_dir(root: str | None) -> str:
-    return str(Path(root or os.getcwd()) / "checkpoints")
-
-
-def last_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint `--ckpt_path last` resumes from: the newest *last*.ckpt of the checkpoint directory."""
-    found = sorted(Path(directory).glob("*last*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-def check_resume(path: Path, model: MLMModule, data: MLMDataModule, world_size: int) -> None:
-    """Before anything is written: a whole checkpoint of this project, whose architecture (PE or not, sizes) and
-    tokenizer match the config, and whose data position continues on `world_size` devices."""
-    checkpoint = read_checkpoint(path)
-    check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
-    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
-    saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
-    tokenizer = data.cached_tokenizer()
-    if saved is not None and tokenizer is not None and fingerprint(tokenizer) != saved:
-        raise UserError(f"the tokenizer does not match checkpoint {path} (its vocabulary or merges differ); "
-                        "resume with the tokenizer the run was started with")
 
 
 class PretrainCLI(LightningCLI):

@@ -38,7 +38,7 @@ WIC_WORDS = [("bank", "He sat on the {} of the river.", "She deposited money at 
 
 
 def sentences(count: int) -> list[str]:
-    from datamodules.io import DEFAULT_CORPUS
+    from datamodules.text import DEFAULT_CORPUS
 
     lines = [line.strip() for line in DEFAULT_CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [lines[i % len(lines)].replace('"', "'") for i in range(count)]

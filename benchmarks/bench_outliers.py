@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from datamodules.io import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
+from datamodules.text import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
 from lightning_modules.encoder import default_encoder, load_encoder  # noqa: E402
 from metrics.neuron_stats import NeuronStatistics  # noqa: E402
 

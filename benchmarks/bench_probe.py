@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import pytorch_lightning as pl  # noqa: E402
 
-from datamodules.io import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
 from datamodules.probing import PositionDataModule  # noqa: E402
+from datamodules.text import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder  # noqa: E402
 from lightning_modules.probes import PositionProbe  # noqa: E402
 

@@ -12,7 +12,7 @@ paired per-round ratio (robust to load from other jobs on a shared machine):
   the same loss function (the framework-overhead limit), target >= 0.95x;
 - hf_trainer: transformers.Trainer + DataCollatorForLanguageModeling on the same packed blocks and model config
   (the usual baseline), target >= 1.0x.
-With CUDA it also trains the model of configs/pretrain/roberta-base.yaml and roberta-base-nope.yaml (Table 4 sizes,
+With CUDA it also trains the model of configs/pretrain/roberta-base.yaml and its no-PE override (Table 4 sizes,
 bf16-mixed, SDPA, fused AdamW) at sequence lengths 128 and 512 on synthetic blocks and prints tokens/s and
 model-FLOPs utilisation: FLOPs per token 6 N (N = the encoder's weight matrices) + 12 L d T (attention scores and
 values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions of T), times tokens/s, over the device's dense
@@ -41,7 +41,9 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from datamodules.mlm import BlockDataset, BlockSampler, MaskCollator, MLMDataModule  # noqa: E402
+from datamodules.masking import MaskCollator  # noqa: E402
+from datamodules.mlm import MLMDataModule  # noqa: E402
+from datamodules.sampling import BlockDataset, BlockSampler  # noqa: E402
 from lightning_modules.mlm import MLMModule, mlm_loss  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
@@ -228,9 +230,11 @@ def peak_tflops(name: str, override: float | None) -> float | None:
 
 
 def gpu_configs() -> dict[str, dict]:
-    """The model sections of the two roberta-base pretraining configs (with and without PE)."""
+    """The two roberta-base pretraining configs: with PE, and the base with the no-PE override merged in."""
     folder = ROOT / "configs" / "pretrain"
-    return {name: yaml.safe_load((folder / f"{name}.yaml").read_text()) for name in ("roberta-base", "roberta-base-nope")}
+    base = yaml.safe_load((folder / "roberta-base.yaml").read_text())
+    nope = yaml.safe_load((folder / "roberta-base-nope.yaml").read_text())
+    return {"roberta-base": base, "roberta-base-nope": {**base, "model": {**base["model"], **nope["model"]}}}
 
 
 def run_gpu(args) -> None:

@@ -6,8 +6,9 @@
         --trainer.callbacks.every_n_steps 1                              # live, beside the probe.py position probe
 
 Like online linear evaluation in self-supervised learning: a bias-free linear probe hidden -> position per chosen
-layer (weight [layers, hidden, positions], one batched matmul) with its own Adam optimiser, trained on the detached
-hidden states the model produces anyway (callbacks/hidden_states.py): every `every_n_steps` optimizer steps it
+layer (the probe.py probes' StackedProbe, weight [layers, hidden, positions], one batched matmul) with its own Adam
+optimiser, trained on the detached hidden states the model produces anyway (callbacks/live.py): every `every_n_steps`
+optimizer steps it
 takes one Adam step on the mean cross-entropy over all tokens of that step's global batch (gradients summed across
 ranks and divided by the global token count, so every rank holds the same probe and a DDP run trains the probe a
 single process would). The encoder never sees the probe's gradient. Before its update the probe is scored on the
@@ -28,16 +29,15 @@ top_dims`. The probe (weights and optimiser state) is saved in checkpoints and r
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.figures import heatmap_figure
-from callbacks.hidden_states import Captured, LiveCallback
-from datamodules.io import UserError
+from callbacks.live import Captured, LiveCallback
+from core.errors import UserError
+from core.figures import heatmap_figure
+from core.models import model_max_length
+from lightning_modules.stacked import StackedProbe
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
 
 PREFIX = {"train": "position_probe", "val": "val_position_probe"}
@@ -69,7 +69,7 @@ class ContributionVectors(LiveCallback):
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
         self.requested_positions, self.lr, self.top_k, self.chunk_tokens, self.seed = (num_positions, lr, top_k,
                                                                                      chunk_tokens, seed)
-        self.weight: Tensor | None = None  # [layers, hidden, positions]
+        self.probe: StackedProbe | None = None  # weight [layers, hidden, positions]
         self.optimizer: torch.optim.Optimizer | None = None
         self.updates = 0
         self._pending: dict | None = None  # a checkpoint's probe, applied once the probe exists
@@ -88,20 +88,21 @@ class ContributionVectors(LiveCallback):
             return self.requested_positions
         if self._modules is None:
             return trainer.datamodule.spec.num_classes
-        from lightning_modules.encoder import model_max_length
-
         limit = getattr(pl_module, "max_length", None)
         return int(limit) if limit is not None else model_max_length(pl_module)
 
+    @property
+    def weight(self) -> Tensor | None:
+        """The probe's weight [layers, hidden, positions] (None before setup)."""
+        return self.probe.weight if self.probe is not None else None
+
     def build(self, trainer, pl_module) -> None:
-        if self.weight is not None:
+        if self.probe is not None:
             return
         positions, layers, hidden = self.num_positions(trainer, pl_module), len(self.layers), self.hidden_size
-        generator = torch.Generator().manual_seed(self.seed)
-        bound = 1.0 / math.sqrt(hidden)  # nn.Linear's initialisation range, as the probe.py position probe
-        self.weight = torch.empty(layers, hidden, positions).uniform_(-bound, bound, generator=generator)
-        self.weight = self.weight.to(pl_module.device).requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.weight], lr=self.lr)
+        slots = [("encoder", layer) for layer in self.layers]
+        self.probe = StackedProbe(slots, hidden, positions, self.seed).to(pl_module.device)
+        self.optimizer = torch.optim.Adam(self.probe.parameters(), lr=self.lr)
         for stage in PREFIX:
             self.accuracy[stage] = LayerAccuracy(layers).to(pl_module.device)
             self.contributions[stage] = Contributions(layers, hidden, positions).to(pl_module.device)
@@ -122,21 +123,19 @@ class ContributionVectors(LiveCallback):
         for start in range(0, positions.numel(), self.chunk_tokens):
             x = tokens[:, start:start + self.chunk_tokens].float()  # [layers, chunk, hidden]
             y = positions[start:start + self.chunk_tokens]
+            with torch.no_grad():
+                accuracy.update(self.probe(x), y)  # scored before the probe learns from these tokens
             if stage == "train":
-                with torch.enable_grad():
-                    logits = torch.bmm(x, weight)  # [layers, chunk, positions]
-                    F.cross_entropy(logits.flatten(0, 1), y.repeat(len(self.layers)), reduction="sum").backward()
-            else:
-                logits = torch.bmm(x, weight.detach())
-            accuracy.update(logits.detach(), y)
+                with torch.enable_grad():  # the summed loss: its gradient is reduced over ranks in _step_probe
+                    (self.probe.loss(x, y) * y.numel()).backward()
         self.contributions[stage].update(tokens, weight.detach(), positions)
         if stage == "train":
             self._tokens += positions.numel()
 
     def _move(self, device) -> None:
         state = self.optimizer.state_dict()
-        self.weight = self.weight.detach().to(device).requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.weight], lr=self.lr)
+        self.probe.to(device)
+        self.optimizer = torch.optim.Adam(self.probe.parameters(), lr=self.lr)
         self.optimizer.load_state_dict(state)
         for metric in (*self.accuracy.values(), *self.contributions.values()):
             metric.to(device)

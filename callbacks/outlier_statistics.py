@@ -5,7 +5,7 @@
         --trainer.callbacks.init_args.every_n_steps 50                 # (or edit the YAML's trainer.callbacks)
 
 Every `every_n_steps` optimizer steps, from the hidden states of that step's own forward pass (all its micro-batches
-on every rank; no extra pass: see callbacks/hidden_states.py), and over the whole validation set at each validation,
+on every rank; no extra pass: see callbacks/live.py), and over the whole validation set at each validation,
 per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, special tokens do):
 
     outliers/layer_{l}/argmax_dim, argmax_share     the dimension holding most tokens' maximum, and the share it holds
@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.figures import mean_vectors_figure
-from callbacks.hidden_states import Captured, LiveCallback
+from callbacks.live import Captured, LiveCallback
+from core.figures import mean_vectors_figure
 from metrics.geometry import MeanCosine
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims

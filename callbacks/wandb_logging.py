@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import numpy as np
 from pytorch_lightning.loggers import TensorBoardLogger, WandbLogger
 from pytorch_lightning.loggers.logger import DummyExperiment, DummyLogger, rank_zero_experiment
 from pytorch_lightning.utilities import rank_zero_only
+
+from core.figures import figure_array
 
 DEFAULT_HOST = "https://api.wandb.ai"
 STEP_METRIC = "trainer/global_step"
@@ -214,17 +215,6 @@ def log_scalars(trainer, metrics: Mapping[str, float], step: int) -> None:
     """Plain float scalars to every logger, at the trainer's global step `step`."""
     for logger in real_loggers(trainer):
         _safely(logger, "metrics", logger.log_metrics, dict(metrics), step)
-
-
-def figure_array(fig) -> np.ndarray:
-    """A matplotlib figure as an RGB array [height, width, 3] (uint8); the figure is closed."""
-    import matplotlib.pyplot as plt
-
-    try:
-        fig.canvas.draw()
-        return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    finally:
-        plt.close(fig)
 
 
 def wants_images(trainer) -> bool:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from datamodules.io import UserError, iter_records
+from core.errors import UserError
+from datamodules.text import iter_records
 
 WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
 STS_PRESETS = {

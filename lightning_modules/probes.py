@@ -8,109 +8,55 @@
     model.write_outputs("runs/probe")            # position_probe.json, contributions*.npy, figures
 
 The probes of every layer (and of the random-encoder baseline, and for classifiers of the clipped features) are one
-weight [slots, hidden, classes] applied with one batched matmul to features [slots, items, hidden]; the loss is the
-sum over slots of each slot's mean cross-entropy, so every slot gets exactly the gradient it would get alone, and
-each slot's initial weights come from its own seeded generator: training them together equals training each alone.
-The modules size themselves in `setup` from the data module's FeatureSpec (classes and layers are known only once
-the data is read). Layers are 0-indexed hidden states (0 = embedding output); dimensions are 0-indexed.
+StackedProbe (lightning_modules/stacked.py) applied to features [slots, items, hidden]: training them together
+equals training each alone. The modules size themselves in `setup` from the data module's FeatureSpec (classes and
+layers are known only once the data is read). Layers are 0-indexed hidden states (0 = embedding output); dimensions
+are 0-indexed.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from callbacks.figures import accuracy_by_layer_figure, heatmap_figure, heatmap_grid_figure, save_figure
-from datamodules.io import staged_output, write_json
-from datamodules.probing import FeatureSpec
-from lightning_modules.encoder import short_name
+from core.errors import UserError
+from core.figures import accuracy_by_layer_figure, heatmap_figure, heatmap_grid_figure, save_figure
+from core.models import short_name
+from core.output import staged_output, write_json
+from lightning_modules.stacked import StackedProbe
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
+from metrics.outliers import LayerOutliers
+from metrics.transforms import keep_mask, zero_dims
 
 INDEXING = "0-indexed dimensions and positions; layer 0 = embedding output"
-_INIT_KIND = {"encoder": 0, "clipped": 0, "random": 1}  # a clipped probe starts from its unclipped twin's weights
 
 
-def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:
-    """weight [slots, hidden, classes] → [slots, hidden, width]: with 64 classes or more the class dim is zero-padded
-    to a multiple of `multiple` (CPU BLAS runs 300 columns slower than 320)."""
-    slots, hidden, classes = weight.shape
-    width = -(-classes // multiple) * multiple if classes >= multiple else classes
-    if width == classes:
-        return weight
-    padded = weight.new_zeros(slots, hidden, width)
-    padded[:, :, :classes] = weight
-    return padded
+@dataclass
+class FeatureSpec:
+    """What the cached features hold (the probe data modules build it); the probes size themselves from it."""
 
+    encoder: str
+    layers: list[int]  # hidden-state layers cached (0 = embedding output)
+    hidden_size: int
+    num_classes: int
+    classes: list  # class names (positions 0..P-1 for the position probe)
+    slots: list[tuple[str, int]]  # per feature slot: ("encoder" | "random", layer)
+    outlier_dims: list[int]  # detected on the training split, or given
+    outlier_source: str  # "detected" or "given"
+    outlier_layers: list[LayerOutliers] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)  # per split: sentences, items, and more
+    majority: dict = field(default_factory=dict)  # majority and chance baselines
+    data: dict = field(default_factory=dict)  # source, max_length, special tokens, ... for the report
+    seed: int = 0
 
-def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, classes: int | None = None) -> Tensor:
-    """x [slots, items, hidden] @ weight [slots, hidden, classes] (+ bias [slots, classes]) → [slots, items, width].
-
-    The weight is padded by `pad_weight` (or already is, with `classes` its true number of classes) and the padding
-    columns of the logits are -inf, so a softmax over the padded logits is the true one.
-    """
-    padded = pad_weight(weight) if classes is None else weight
-    classes = weight.shape[2] if classes is None else classes
-    logits = torch.bmm(x.to(padded.dtype), padded)
-    if bias is not None:
-        logits[:, :, :classes] += bias.unsqueeze(1)
-    logits[:, :, classes:] = float("-inf")
-    return logits
-
-
-class StackedLinearCrossEntropy(torch.autograd.Function):
-    """Sum over slots of each slot's mean cross-entropy of x @ weight (+ bias), with the gradient formed in the
-    forward pass: chunk by chunk of items, the softmax is taken once, turned into the logits' gradient in place
-    (softmax - one-hot) and folded into the weight (and bias) gradient; the features' gradient is never formed.
-    Nothing of size [slots, items, classes] is kept for backward, and on CPU the chunks (`chunk_elements` logits,
-    4 MiB) reuse the same memory where whole-batch logits would fault in fresh pages every step. Equal to
-    F.cross_entropy through autograd (tested), faster on CPU. The returned loss saturates at -log(smallest float)
-    for a token whose gold probability underflows; the gradient is exact."""
-
-    # logits per chunk on CPU; None: the whole batch in one chunk, as always on GPUs (their allocator reuses memory)
-    chunk_elements: int | None = 2 ** 20
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
-        slots, items, classes = x.shape[0], x.shape[1], weight.shape[2]
-        padded = pad_weight(weight)  # [slots, hidden, width]
-        width = padded.shape[2]
-        chunk_elements = StackedLinearCrossEntropy.chunk_elements
-        one_piece = x.is_cuda or chunk_elements is None
-        rows = max(items, 1) if one_piece else max(1, chunk_elements // (slots * width))  # an empty batch: no chunk
-        grad_weight = torch.zeros(padded.shape, dtype=torch.float32, device=x.device)
-        grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
-        loss = torch.zeros((), device=x.device)
-        for start in range(0, items, rows):
-            chunk = x[:, start:start + rows].to(padded.dtype)  # [slots, rows, hidden]
-            probs = torch.softmax(padded_logits(chunk, padded, bias, classes), -1).float()  # [slots, rows, width]
-            index = target[start:start + rows].view(1, -1, 1).expand(slots, -1, 1)
-            loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
-            probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
-            with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
-                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs)
-            if grad_bias is not None:
-                grad_bias += probs.sum(1)
-        scale = 1.0 / max(items, 1)  # each slot's mean over items
-        ctx.save_for_backward(grad_weight[:, :, :classes] * scale,
-                              grad_bias[:, :classes] * scale if grad_bias is not None else None)
-        ctx.dtype = weight.dtype
-        return loss * scale
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad_weight, grad_bias = ctx.saved_tensors
-        return (None, (grad_weight * grad).to(ctx.dtype),
-                (grad_bias * grad).to(ctx.dtype) if grad_bias is not None else None, None)
-
-
-def slot_seed(seed: int, kind: str, layer: int) -> int:
-    """The initial-weight seed of one probe: the same whichever other probes train beside it."""
-    return (seed * 1_000_003 + _INIT_KIND[kind] * 10_007 + layer) % (2 ** 63)
+    @property
+    def encoder_slots(self) -> int:
+        return sum(kind == "encoder" for kind, _ in self.slots)
 
 
 class LinearProbes(pl.LightningModule):
@@ -131,25 +77,31 @@ class LinearProbes(pl.LightningModule):
         spec = getattr(self.trainer.datamodule, "spec", None) if self.trainer.datamodule is not None else None
         if spec is None:
             raise RuntimeError(f"{type(self).__name__} needs a probing data module (datamodules/probing.py)")
+        encoder = self.hparams.encoder
+        if encoder is not None and str(encoder) != spec.encoder:
+            raise UserError(f"the probe is for encoder {encoder} but the data module's features are of {spec.encoder}")
         self.build(spec)
 
     def slots(self, spec: FeatureSpec) -> list[tuple[str, int]]:
         return list(spec.slots)
 
     def build(self, spec: FeatureSpec) -> None:
-        """Create the stacked weights (each slot from its own seeded generator) and the metrics."""
+        """Create the stacked probes (each slot from its own seeded generator) and the metrics."""
         self.spec, self.probe_slots = spec, self.slots(spec)
-        hidden, classes = spec.hidden_size, spec.num_classes
-        bound = 1.0 / math.sqrt(hidden)  # nn.Linear's default initialisation range
-        weights, biases = [], []
-        for kind, layer in self.probe_slots:
-            generator = torch.Generator().manual_seed(slot_seed(self.hparams.seed, kind, layer))
-            weights.append(torch.empty(hidden, classes).uniform_(-bound, bound, generator=generator))
-            biases.append(torch.empty(classes).uniform_(-bound, bound, generator=generator))
-        self.weight = nn.Parameter(torch.stack(weights))  # [slots, hidden, classes]
-        self.bias = nn.Parameter(torch.stack(biases)) if self.use_bias else None  # [slots, classes]
+        self.probe = StackedProbe(self.probe_slots, spec.hidden_size, spec.num_classes, self.hparams.seed,
+                                  bias=self.use_bias)
         self.val_accuracy = LayerAccuracy(len(self.probe_slots))
         self.test_accuracy = LayerAccuracy(len(self.probe_slots))
+
+    @property
+    def weight(self) -> Tensor:
+        """[slots, hidden, classes]."""
+        return self.probe.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """[slots, classes] (None for a bias-free probe)."""
+        return self.probe.bias
 
     def inputs(self, features: Tensor) -> Tensor:
         """The features each slot's probe reads: [slots, items, hidden]."""
@@ -157,7 +109,7 @@ class LinearProbes(pl.LightningModule):
 
     def forward(self, features: Tensor) -> Tensor:
         """features [data slots, items, hidden] → logits [probe slots, items, classes]."""
-        return padded_logits(self.inputs(features), self.weight, self.bias)[:, :, :self.weight.shape[2]]
+        return self.probe(self.inputs(features))
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
@@ -165,7 +117,7 @@ class LinearProbes(pl.LightningModule):
         items, slots = labels.shape[0], len(self.probe_slots)
         # the sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
         if stage == "train":
-            loss = StackedLinearCrossEntropy.apply(self.inputs(features), self.weight, self.bias, labels)
+            loss = self.probe.loss(self.inputs(features), labels)
         else:
             logits = self(features)  # [probe slots, items, classes]
             loss = F.cross_entropy(logits.flatten(0, 1), labels.repeat(slots), reduction="sum") / max(items, 1)
@@ -236,7 +188,8 @@ class PositionProbe(LinearProbes):
     use_bias = False
 
     def __init__(self, encoder: str | None = None, lr: float = 1e-3, top_k: int = 10, seed: int = 0) -> None:
-        """encoder: recorded in the report (probe.py links it to --data.encoder); top_k: contributing dims listed."""
+        """encoder: the encoder whose features are probed (probe.py links it to --data.encoder; checked against the
+        data module's at setup); top_k: contributing dims listed."""
         super().__init__()
         self.save_hyperparameters()
 
@@ -312,7 +265,8 @@ class SentenceClassifier(LinearProbes):
 
     def __init__(self, encoder: str | None = None, lr: float = 1e-3, clip: bool = True, seed: int = 0) -> None:
         """clip: also train classifiers on the features with the outlier dims (detected or --data.outlier_dims)
-        zeroed; encoder: recorded in the report (probe.py links it to --data.encoder)."""
+        zeroed; encoder: the encoder whose features are classified (probe.py links it to --data.encoder; checked
+        against the data module's at setup)."""
         super().__init__()
         self.save_hyperparameters()
 
@@ -322,15 +276,14 @@ class SentenceClassifier(LinearProbes):
 
     def build(self, spec: FeatureSpec) -> None:
         super().build(spec)
-        keep = torch.ones(spec.hidden_size)
-        keep[spec.outlier_dims] = 0
-        self.register_buffer("keep", keep, persistent=False)  # [hidden]: 0 on the clipped dims
+        slots = spec.encoder_slots  # the encoder's slots, the outlier dims zeroed in each
+        self.register_buffer("keep", keep_mask(dict.fromkeys(range(slots), spec.outlier_dims), slots, spec.hidden_size),
+                             persistent=False)  # [slots, hidden]
 
     def inputs(self, features: Tensor) -> Tensor:
         if not self.hparams.clip:
             return features
-        encoder_slots = self.spec.encoder_slots
-        return torch.cat([features, features[:encoder_slots] * self.keep])
+        return torch.cat([features, zero_dims(features[:self.spec.encoder_slots], self.keep)])
 
     def report(self) -> dict:
         spec = self.spec

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from metrics.origins import rank_by_magnitude
+from metrics.ranks import rank_by_magnitude
 
 
 @dataclass

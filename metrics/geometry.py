@@ -5,9 +5,9 @@
     selfsim = SelfSimilarity(num_words=1000, num_layers=13, hidden_size=768)
     selfsim.update(word_ids, vectors)               # word_ids [n], vectors [layers, n, hidden]
     cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
-    isoscore(cov.compute().cov)                     # [layers]; spectrum(cov.compute().second_moment, n)
-    spec = Spectrum(13, 768); spec.update(hidden_states, mask); spec.compute()["singular_values"]   # [layers, hidden]
-    Spectrum.of(cov, moments=variant.moments).compute()   # the spectrum of transformed tokens, from cov's state
+    result = cov.compute()
+    isoscore(result.cov)                            # [layers]
+    spectrum_of_moments(*variant.moments(result.mean, result.cov), result.num_tokens)["singular_values"]
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
 
 Every Metric here has fixed-size tensor states reduced by sum, so memory does not grow with the number of tokens
@@ -243,15 +243,6 @@ def isoscore_star(points: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = 
     return isoscore_from_eigenvalues(eigvalsh(shrunk))
 
 
-class IsoScore(Covariance):
-    """IsoScore per layer of all the token vectors seen (a Covariance whose compute() returns [layers])."""
-
-    higher_is_better = True
-
-    def compute(self) -> Tensor:  # [layers]
-        return isoscore(super().compute().cov)
-
-
 class IsoScoreStar(Metric):
     """IsoScore* averaged over mini-batches: each update() is one mini-batch of points per layer, scored against the
     shrinkage covariance C0 ([layers, hidden, hidden] or [hidden, hidden]; identity when None)."""
@@ -285,7 +276,7 @@ class IsoScoreStar(Metric):
         return self.score_sum / self.batches.clamp_min(1)
 
 
-def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
+def spectrum(second_moment: Tensor, num_tokens: int, floor: float = 1e-7) -> dict[str, Tensor]:
     """Singular values of each layer's token matrix X [tokens, hidden] from its second moment X^T X / N [layers, h, h].
 
     Token uniformity as in tokenUni (Yan, Gui, Li & He, "Addressing Token Uniformity in Transformers via Singular
@@ -293,8 +284,11 @@ def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
     `singular_values` [layers, hidden] (descending, divided by the largest), `energy_top1` and `energy_top10`
     (share of sum sigma^2 in the top 1 / 10 directions), and `cdf_auc` (area under the empirical CDF of the
     normalised singular values on [0, 1], i.e. 1 - their mean: near 1 when one direction dominates).
+    The second moment is summed from float32 outer products, so an eigenvalue below `floor` (1e-7) of the largest is
+    rounding noise: it counts as 0 (a singular value below ~3e-4 of the largest, as a zeroed dimension's is).
     """
     eig = eigvalsh(second_moment.double()).flip(-1).clamp_min(0)  # [layers, hidden], descending
+    eig = torch.where(eig > floor * eig[..., :1], eig, torch.zeros_like(eig))
     sigma = (eig * num_tokens).sqrt()
     top = sigma[..., :1].clamp_min(1e-300)
     normalised = sigma / top
@@ -307,37 +301,11 @@ def spectrum(second_moment: Tensor, num_tokens: int) -> dict[str, Tensor]:
     }
 
 
-class Spectrum(Covariance):
-    """The singular-value spectrum of each layer's token matrix X [tokens, hidden] (uncentred, as tokenUni), from
-    Covariance's fixed-size state (sum x, sum x x^T): compute() returns spectrum()'s dict. `moments` maps (mean
-    [layers, hidden], cov [layers, hidden, hidden]) to those of transformed tokens (a Variant's `moments`: clipped,
-    whitened, ...) before the spectrum is taken, so one pass over the tokens serves every variant."""
-
-    higher_is_better = None
-
-    def __init__(self, num_layers: int, hidden_size: int, moments=None, **kwargs) -> None:
-        super().__init__(num_layers, hidden_size, **kwargs)
-        self.moments = moments
-
-    @classmethod
-    def of(cls, covariance: Covariance, moments=None, **kwargs) -> Spectrum:
-        """A Spectrum holding a copy of `covariance`'s (rank-local) state; its compute() syncs across ranks as the
-        original's does."""
-        metric = cls(covariance.num_layers, covariance.hidden_size, moments, **kwargs).to(covariance.count.device)
-        metric.merge_state({name: getattr(covariance, name) for name in ("count", "sum", "sum_outer")})
-        metric._update_count = covariance._update_count  # merge_state does not count as an update
-        return metric
-
-    def compute(self) -> dict[str, Tensor]:
-        result = super().compute()
-        mean, cov = (result.mean, result.cov) if self.moments is None else self.moments(result.mean, result.cov)
-        return self.of_moments(mean, cov, result.num_tokens)
-
-    @staticmethod
-    def of_moments(mean: Tensor, cov: Tensor, num_tokens: int) -> dict[str, Tensor]:
-        """spectrum() of the uncentred token matrix whose mean [layers, hidden] and covariance [layers, h, h] these are
-        (synced moments already at hand, e.g. a CovarianceResult's, transformed by a variant)."""
-        return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), num_tokens)
+def spectrum_of_moments(mean: Tensor, cov: Tensor, num_tokens: int) -> dict[str, Tensor]:
+    """spectrum() of the uncentred token matrix whose mean [layers, hidden] and covariance [layers, h, h] these are
+    (synced moments already at hand, e.g. a CovarianceResult's, or a Variant's `moments` of them: one pass over the
+    tokens serves every variant)."""
+    return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), num_tokens)
 
 
 class TokenSample(Metric):

@@ -15,64 +15,15 @@ For each dimension d:
 
 from __future__ import annotations
 
-import re
+from torch import nn
 
-from torch import Tensor, nn
-
-from lightning_modules.encoder import model_max_length, position_offset
-
-
-def rank_by_magnitude(values: Tensor) -> Tensor:
-    """rank[d] = 1 + the number of entries with a strictly larger |value| (1 = largest). values: [hidden]."""
-    magnitude = values.abs()
-    return (magnitude.unsqueeze(0) > magnitude.unsqueeze(1)).sum(1) + 1
-
-
-def position_table(model: nn.Module) -> tuple[Tensor | None, str]:
-    """The rows of the absolute position table a token can actually use, or None and why not."""
-    base = getattr(model, "base_model", model)
-    embeddings = getattr(base, "embeddings", None)
-    table = getattr(embeddings, "position_embeddings", None)
-    if not isinstance(table, nn.Embedding):
-        return None, "no absolute position-embedding table"
-    weight = table.weight.detach().float().cpu()  # [positions, width]
-    if not weight.any():
-        return None, "the position-embedding table is all zeros (trained without positional embeddings)"
-    note, width, hidden = "", weight.shape[1], model.config.hidden_size
-    if width != hidden:
-        why = f"factorised embeddings: the position table has width E={width}, the hidden size is H={hidden}"
-        projection = getattr(getattr(base, "encoder", None), "embedding_hidden_mapping_in", None)
-        if not isinstance(projection, nn.Linear) or tuple(projection.weight.shape) != (hidden, width):
-            return None, f"{why}, and no E-to-H projection to trace its rows through"
-        weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
-        note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
-                "bias; the embedding LayerNorm before it is not applied)")
-    offset = position_offset(model)
-    return weight[offset: offset + model_max_length(model)], note
-
-
-def written_layers(model: nn.Module, name: str) -> list[int]:
-    """The hidden-state layers the module `name` writes: [l] for a module of transformer layer l - 1 (BERT's
-    encoder.layer.{l-1}, DistilBERT's transformer.layer.{l-1}), [0] outside the layers, and every layer that runs
-    the group for ALBERT's shared encoder.albert_layer_groups.{g} (layer i uses group i // (layers / groups))."""
-    group = re.search(r"layer_groups\.(\d+)\.", name + ".")
-    if group:
-        layers, groups = model.config.num_hidden_layers, model.config.num_hidden_groups
-        return [i + 1 for i in range(layers) if int(i / (layers / groups)) == int(group.group(1))]
-    match = re.search(r"layers?\.(\d+)\.", name + ".")
-    return [int(match.group(1)) + 1 if match else 0]
-
-
-def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.LayerNorm]]:
-    """(name, hidden-state layers it writes, module) for each LayerNorm over the hidden size, in model order."""
-    hidden = model.config.hidden_size
-    return [(name, written_layers(model, name), module) for name, module in model.named_modules()
-            if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,)]
+from core.models import layer_norms, position_rows
+from metrics.ranks import rank_by_magnitude
 
 
 def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     """Origins report for `dims`: {"position_embeddings": ..., "layer_norms": ...} (see module docstring)."""
-    table, note = position_table(model)
+    table, note = position_rows(model)
     report: dict = {"position_embeddings": None, "position_embeddings_note": note, "layer_norms": {}}
     if table is not None:
         row_max, row_min = table.argmax(1), table.argmin(1)  # [positions]

@@ -4,8 +4,8 @@
     vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
     mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
 
-- Clipping zeroes the given dimensions in every layer, with lightning_modules.encoder.apply_clip (the encoder's own
-  clipping of returned hidden states), applied after the forward pass.
+- Clipping zeroes the given dimensions in every layer (`zero_dims`, the one way this project zeroes dimensions:
+  analyses, classifiers and callbacks alike), applied to hidden states after the forward pass.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
   the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions
@@ -24,13 +24,12 @@ Both normalisations are affine per layer, so they commute with averaging sub-wor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from datamodules.io import UserError
-from lightning_modules.encoder import apply_clip
+from core.errors import UserError
 from metrics.geometry import CovarianceResult, eigh
 
 NORMALIZATIONS = ("none", "whiten", "standardize")
@@ -53,6 +52,40 @@ class Variant:
 RAW = Variant()
 
 
+def keep_mask(dims: Mapping[int, Sequence[int]], num_layers: int, hidden_size: int) -> Tensor:
+    """[layers, hidden] float: 0 on the dimensions `dims` ({layer: dims}, 0-indexed) names in each layer, 1 elsewhere."""
+    keep = torch.ones(num_layers, hidden_size)
+    for layer, chosen in dims.items():
+        keep[layer, list(chosen)] = 0
+    return keep
+
+
+def zero_dims(vectors: Tensor, keep: Tensor) -> Tensor:
+    """vectors [layers, ..., hidden] with the dimensions where keep [layers, hidden] is 0 zeroed (a new tensor;
+    differentiable)."""
+    shape = (keep.shape[0],) + (1,) * (vectors.dim() - 2) + (keep.shape[1],)
+    return vectors * keep.to(device=vectors.device, dtype=vectors.dtype).view(shape)
+
+
+def clip_spec(clip: Sequence[int] | Mapping[int, Sequence[int]] | None, num_layers: int, hidden_size: int
+              ) -> dict[int, list[int]]:
+    """A clip spec → {layer: sorted dims}; a plain sequence applies to every layer. Checks the ranges."""
+    if clip is None:
+        return {}
+    if isinstance(clip, Mapping):
+        spec = {int(layer): sorted({int(d) for d in dims}) for layer, dims in clip.items()}
+    else:
+        dims = sorted({int(d) for d in clip})
+        spec = {layer: dims for layer in range(num_layers)} if dims else {}
+    for layer, dims in spec.items():
+        if not 0 <= layer < num_layers:
+            raise UserError(f"clip layer {layer} out of range 0..{num_layers - 1}")
+        bad = [d for d in dims if not 0 <= d < hidden_size]
+        if bad:
+            raise UserError(f"clip dimensions {bad} out of range 0..{hidden_size - 1}")
+    return {layer: dims for layer, dims in spec.items() if dims}
+
+
 class Clipping(Variant):
     """Zero `dims` in every layer (0-indexed)."""
 
@@ -61,14 +94,17 @@ class Clipping(Variant):
     def __init__(self, dims: Sequence[int], num_layers: int) -> None:
         self.dims = sorted({int(d) for d in dims})
         self.spec = {layer: self.dims for layer in range(num_layers)} if self.dims else {}
+        self.num_layers = num_layers
+
+    def keep(self, hidden_size: int) -> Tensor:
+        return keep_mask(self.spec, self.num_layers, hidden_size)
 
     def apply(self, vectors: Tensor) -> Tensor:
-        return apply_clip(vectors.clone(), self.spec)
+        return zero_dims(vectors, self.keep(vectors.shape[-1]))
 
     def moments(self, mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
-        keep = torch.ones(mean.shape[-1], dtype=mean.dtype, device=mean.device)
-        keep[self.dims] = 0
-        return mean * keep, cov * keep.unsqueeze(1) * keep.unsqueeze(0)
+        keep = self.keep(mean.shape[-1]).to(mean)  # [layers, hidden]
+        return mean * keep, cov * keep.unsqueeze(2) * keep.unsqueeze(1)
 
 
 class Affine(Variant):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-node pretraining under SLURM (one task per GPU; Lightning reads the SLURM environment):
 #   sbatch scripts/slurm_pretrain.sh configs/pretrain/roberta-base.yaml
-#   sbatch --nodes 4 scripts/slurm_pretrain.sh configs/pretrain/roberta-base-nope.yaml --data.batch_size 16
+#   sbatch --nodes 4 scripts/slurm_pretrain.sh configs/pretrain/roberta-base.yaml \
+#       --config configs/pretrain/roberta-base-nope.yaml --data.batch_size 16      # no PE: the override after the base
 # The global batch (256) is kept by deriving gradient accumulation from nodes × GPUs.
 # Requeue-friendly: 300 s before the time limit (--signal) and on pre-emption SLURM sends SIGTERM to every task;
 # train.py then saves <default_root_dir>/checkpoints/last.ckpt at the next optimizer step (all ranks agree on which)

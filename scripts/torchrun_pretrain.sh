@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pretraining on one machine with several GPUs, launched by torchrun (resumes from last.ckpt when there is one).
 #   scripts/torchrun_pretrain.sh configs/pretrain/roberta-base.yaml 4
-#   scripts/torchrun_pretrain.sh configs/pretrain/roberta-base-nope.yaml 8 --data.batch_size 32
+#   scripts/torchrun_pretrain.sh configs/pretrain/roberta-base.yaml 8 --config configs/pretrain/roberta-base-nope.yaml
 # Several machines without SLURM: run on each node with NNODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) set:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/torchrun_pretrain.sh configs/pretrain/roberta-base.yaml 4
 # SIGTERM to torchrun reaches every worker: train.py saves last.ckpt at the next optimizer step and exits with 143

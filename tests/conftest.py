@@ -1,8 +1,9 @@
-"""Shared fixtures: offline environment, tiny tokenizers, the packaged MiniLM, tiny sentence files."""
+"""Shared fixtures: offline environment, tiny tokenizers, the packaged MiniLM, tiny corpora and caches."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -41,3 +42,26 @@ def sentences_file(tmp_path):
     path = tmp_path / "sentences.txt"
     path.write_text("\n".join(corpus_sentences(48)) + "\n", encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """30 sentences of the bundled corpus: a tiny pretraining corpus (one per test module)."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A tokenizer and block cache shared by the pretraining runs of one test module."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one thread is several times faster than two on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

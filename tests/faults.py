@@ -81,16 +81,16 @@ def die_in_save(count: int) -> None:
 
 def fail_on_rank(rank: int) -> None:
     """analyze.py: the outlier statistics raise RuntimeError on `rank` (after the collective start-up checks)."""
-    import analyze
+    from analyses import outliers
 
-    real = analyze.collect_statistics
+    real = outliers.collect_statistics
 
     def collect(*args, **kwargs):
         if int(os.environ.get("RANK", "0")) == rank:
             raise RuntimeError(f"planted failure on rank {rank} while encoding")
         return real(*args, **kwargs)
 
-    analyze.collect_statistics = collect
+    outliers.collect_statistics = collect
 
 
 def main(argv: list[str]) -> int:

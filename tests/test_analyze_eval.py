@@ -126,7 +126,7 @@ def clipping(dims: list[int]):
 
 
 def fitted(vectors: torch.Tensor, how: str):
-    """The normalisation `how` estimated on materialised vectors [layers, N, hidden] in float64, as the README states
+    """The normalisation `how` estimated on materialised vectors [layers, N, hidden] in float64, as docs/analyses.md states
     it: standardize (x - mu) / sigma, a dimension with sigma <= 1e-6 x max(|mu|, 1) (constant up to float32 rounding)
     mapped to 0; whiten (x - mu) U Lambda^-1/2, directions of variance below 1e-6 of the layer's largest mapped to 0.
     Returns x [layers, ..., hidden] -> transformed."""

@@ -17,7 +17,8 @@ from scipy.stats import spearmanr
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
-from datamodules.io import UserError
+from analyses import semantic
+from core.errors import UserError
 from datamodules.pairs import (
     WORD,
     read_static_vectors,
@@ -26,10 +27,8 @@ from datamodules.pairs import (
     target_problem,
     word_contexts,
 )
-from metrics import protocols
 from tests.test_analyze_eval import STS, WIC, fitted
-from tests.test_analyze_outliers import _free_port
-from tests.tiny import corpus_sentences, save_tiny_encoder
+from tests.tiny import corpus_sentences, free_port, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANTED = 5
@@ -222,7 +221,7 @@ def test_sts_whitening_on_fewer_sentences_than_dimensions_warns(tmp_path, bert_t
 def test_protocol_constants_are_the_issues():
     """Issue 6: WiC thresholds 0.1...0.9; anisotropy 2000 sentences -> 1000 pairs; self-similarity 1000 words in at
     least 10 sentences (the issue's numbers, not the code's)."""
-    assert protocols.THRESHOLDS == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    assert semantic.THRESHOLDS == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     parser = analyze.build_parser()
     for command in ("anisotropy", "all"):
         args = parser.parse_args([command])
@@ -332,7 +331,7 @@ def test_all_under_two_process_ddp_equals_one_process(tmp_path, planted, sentenc
     assert analyze.main(["all", *map(str, args), "--output_dir", str(tmp_path / "single")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(ROOT / "analyze.py"), "all", *map(str, args), "--output_dir",
+               str(free_port()), str(ROOT / "analyze.py"), "all", *map(str, args), "--output_dir",
                str(tmp_path / "ddp")]
     finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]

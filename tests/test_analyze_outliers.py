@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,9 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
-from datamodules.io import sample_texts
-from tests.tiny import MAX_POSITIONS, corpus_sentences, save_tiny_encoder
+from analyses import session
+from datamodules.text import sample_texts
+from tests.tiny import MAX_POSITIONS, corpus_sentences, free_port, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,12 +57,6 @@ def test_minilm_end_to_end_matches_direct_computation(minilm_path, tmp_path, cap
     assert f"{first['argmax_dim']:>10} ({first['argmax_share']:6.1%})" in printed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_ddp_report_equals_single_process(tmp_path, bert_tok):
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
@@ -73,7 +67,7 @@ def test_two_process_ddp_report_equals_single_process(tmp_path, bert_tok):
     assert run(*args, "--output_dir", tmp_path / "single") == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(ROOT / "analyze.py"), "outliers", "--no_progress", *map(str, args),
+               str(free_port()), str(ROOT / "analyze.py"), "outliers", "--no_progress", *map(str, args),
                "--output_dir", str(tmp_path / "ddp")]
     finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
@@ -196,7 +190,7 @@ def test_console_script_reports_the_error_and_exit_status(tmp_path):
 def _collective_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from datamodules.io import UserError
+    from core.errors import UserError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -207,7 +201,7 @@ def _collective_worker(rank: int, port: int, out: str) -> None:
             return "fine"
 
         try:
-            analyze.collectively(step)
+            session.collectively(step)
             outcome = "returned"
         except UserError as error:
             outcome = str(error)
@@ -220,5 +214,5 @@ def test_an_error_on_one_rank_stops_every_rank(tmp_path):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "outcome")
-    mp.start_processes(_collective_worker, args=(_free_port(), out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_collective_worker, args=(free_port(), out), nprocs=2, start_method="spawn", join=True)
     assert [Path(f"{out}.{rank}").read_text() for rank in (0, 1)] == ["rank 1 found a bad shard"] * 2

@@ -26,10 +26,11 @@ from pytorch_lightning.loggers import CSVLogger
 
 import train
 from callbacks.contribution_vectors import ContributionVectors
-from callbacks.hidden_states import LiveCallback, encoder_layers
+from callbacks.live import LiveCallback
 from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
 from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
-from datamodules.io import UserError
+from core.errors import UserError
+from core.models import encoder_layers
 from tests.tiny import corpus_sentences
 from tests.wandb_log import read_run
 
@@ -96,18 +97,6 @@ def tiny_args(root: Path, corpus: Path, cache: Path, *extra: str, logger: str | 
         "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root), *chosen,
         "--checkpoint.every_n_train_steps", "1000", *extra,
     ]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
 
 
 def wandb_run(root: Path):

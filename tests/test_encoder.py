@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from datamodules.io import UserError
+from core.errors import UserError
 from lightning_modules.encoder import FrozenEncoder, load_encoder
+from metrics.transforms import clip_spec, keep_mask, zero_dims
 from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences, save_tiny_encoder
 
 SENTENCES = corpus_sentences(6, start=100)
@@ -57,20 +58,29 @@ def test_sizes_are_read_from_the_model(tmp_path, bert_tok):
 
 
 def test_clipping_global_and_per_layer(tmp_path, bert_tok):
+    """The one zeroing of dimensions (metrics.transforms: clip_spec -> keep_mask -> zero_dims) on the encoder's
+    hidden states: a plain list of dims in every layer, a {layer: dims} spec in that layer only, ranges checked."""
     path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
-    plain = load_encoder(path)
-    inputs, _ = plain.tokenize(SENTENCES)
-    reference = plain(**inputs).hidden_states
-    globally = load_encoder(path, clip=[3, 7])(**inputs).hidden_states
+    encoder = load_encoder(path)
+    inputs, _ = encoder.tokenize(SENTENCES)
+    reference = encoder(**inputs).hidden_states
+    layers = encoder.num_hidden_states
+
+    def clipped(clip):
+        return zero_dims(reference, keep_mask(clip_spec(clip, layers, HIDDEN), layers, HIDDEN))
+
+    globally = clipped([3, 7])
     assert globally[..., [3, 7]].abs().sum() == 0
     keep = [d for d in range(HIDDEN) if d not in (3, 7)]
     torch.testing.assert_close(globally[..., keep], reference[..., keep])
-    per_layer = load_encoder(path, clip={2: [11]})(**inputs).hidden_states
+    per_layer = clipped({2: [11]})
     assert per_layer[2, ..., 11].abs().sum() == 0
     torch.testing.assert_close(per_layer[1], reference[1])
     torch.testing.assert_close(per_layer[2, ..., :11], reference[2, ..., :11])
     with pytest.raises(UserError, match="out of range"):
-        load_encoder(path, clip=[HIDDEN])
+        clip_spec([HIDDEN], layers, HIDDEN)
+    with pytest.raises(UserError, match="out of range"):
+        clip_spec({layers: [0]}, layers, HIDDEN)
 
 
 def test_exclude_special_masks_cls_and_sep(tmp_path, bert_tok):

@@ -1,5 +1,5 @@
 """Faults a long pretraining run and the analyses must survive: kills, pre-emption, torn or foreign checkpoints,
-a full disk, a failing DDP rank (CPU, tiny configs; see README "Errors and faults").
+a full disk, a failing DDP rank (CPU, tiny configs; see docs/errors.md).
 
     .venv/bin/pytest tests/test_faults.py -q
 """
@@ -23,9 +23,11 @@ import pytest
 import torch
 
 import train
-from datamodules.io import UserError, atomic_file, check_writable, staged_output
+from callbacks.checkpointing import last_checkpoint
+from core.errors import UserError
+from core.output import atomic_file, check_writable, staged_output
 from tests.test_train import STEPS, checkpoint, fit, tiny_args, train_losses
-from tests.tiny import corpus_sentences, save_tiny_encoder
+from tests.tiny import save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is expected
@@ -85,18 +87,6 @@ def _umask() -> int:
 # ---- training: kill -9, a kill inside a checkpoint write, SIGTERM, bad checkpoints, a failing DDP rank ----
 
 ACCUMULATE = ("--data.batch_size", "4")  # 2 micro-batches per optimizer step (global batch 8)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +157,7 @@ def test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one(straight, corpu
     assert len(torn) == 1 and torn[0].stat().st_size > 0
     with pytest.raises(RuntimeError, match="zip archive"):  # really torn (and no resume ever looks at it)
         torch.load(torn[0], map_location="cpu", weights_only=False)
-    assert train.last_checkpoint(folder) == folder / "last.ckpt"
+    assert last_checkpoint(folder) == folder / "last.ckpt"
     assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
     assert_same_weights(root, straight["plain"])
     assert [p.name for p in folder.iterdir()] == ["last.ckpt"]  # the torn leftover was cleaned up
@@ -260,10 +250,11 @@ def full_disk_figure():
 
 def test_disk_full_while_analyze_writes_its_report(tmp_path, bert_tok, sentences_file, capfd, monkeypatch):
     import analyze
+    from analyses import session
 
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     out = tmp_path / "runs" / "outliers"
-    monkeypatch.setattr(analyze, "save_figure", full_disk_figure())
+    monkeypatch.setattr(session, "save_figure", full_disk_figure())
     code = analyze.main(["outliers", "--encoder", str(encoder), "--data", str(sentences_file), "--output_dir",
                          str(out), "--no_progress"])
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
@@ -406,27 +397,278 @@ def longest_shared(text: str, source: str) -> int:
     return match.size
 
 
-def test_every_row_of_the_readme_error_tables_names_tests_that_exist():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("\n## Errors and faults\n"):readme.index("\n## Layout\n")]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
-    faults_at = rows.index(next(row for row in rows if row.startswith("| fault")))
-    rows = [(row, index < faults_at) for index, row in enumerate(rows) if not row.startswith(("| entry point", "| fault"))]
-    assert len(rows) > 60
-    for row, is_input in rows:
-        tests = re.findall(r"(test_\w+\.py)::(test_\w+)", row.split(" | ")[-1])
-        assert tests, f"no test named in: {row}"
+# The rows of docs/errors.md's tables and the tests that run each of them: bad inputs by (entry point, bad input),
+# faults by their name, each as written in the table's first cells.
+ERROR_ROW_TESTS = {
+    ("train.py", "missing corpus"): ["test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("train.py", "empty corpus"): [
+        "test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "global batch not a multiple of the micro-batches"): [
+        "test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "block longer than the position table"): [
+        "test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "accumulation that contradicts the global batch"): [
+        "test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "resume with the other PE setting"): [
+        "test_train.py::test_resume_with_a_mismatching_config_is_refused",
+    ],
+    ("train.py", "resume with another vocabulary size"): [
+        "test_train.py::test_resume_with_a_mismatching_config_is_refused",
+    ],
+    ("train.py", "resume with another tokenizer"): ["test_train.py::test_resume_with_a_mismatching_config_is_refused"],
+    ("train.py", "resume with another global batch (`--data.global_batch_size`, or batch_size × world size without it; checkpoints from before it was saved are not checked)"): [
+        "test_train.py::test_resume_with_a_mismatching_config_is_refused",
+        "test_mlm.py::test_position_saves_the_global_batch_and_another_one_is_refused_unless_the_checkpoint_predates_it",
+    ],
+    ("train.py", "resume with the other `--data.streaming` setting"): [
+        "test_train.py::test_resume_with_a_mismatching_config_is_refused",
+    ],
+    ("train.py", "resume a streaming run at another world size"): ["test_train.py::test_streaming_run_resumes_exactly"],
+    ("train.py", "resume with another size or depth"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+    ],
+    ("train.py", "truncated checkpoint"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+        "test_faults.py::test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it",
+    ],
+    ("train.py", "corrupt checkpoint"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+    ],
+    ("train.py", "empty checkpoint file"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+    ],
+    ("train.py", "a checkpoint of something else"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+    ],
+    ("train.py", "missing checkpoint"): [
+        "test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written",
+    ],
+    ("train.py", "NaN or infinite loss or gradient"): [
+        "test_train.py::test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint",
+    ],
+    ("train.py", "hidden size not a multiple of the heads"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a block or micro-batch too small"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "global batch below the micro-batch"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "masking probability outside (0, 1)"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "validation share outside (0, 1)"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "streaming with several loader workers"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a vocabulary too small for a byte-level BPE"): [
+        "test_train_inputs.py::test_bad_model_and_data_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "missing tokenizer path (starting with `.`, `/` or `~`, or under a directory that exists)"): [
+        "test_train_inputs.py::test_a_missing_tokenizer_path_is_named_not_taken_for_a_hub_id",
+    ],
+    ("train.py", "a tokenizer that cannot be loaded (a directory without one, an unknown hub id)"): [
+        "test_train_inputs.py::test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "a tokenizer without a mask (or pad) token"): [
+        "test_train_inputs.py::test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "no end for the learning-rate schedule"): [
+        "test_train_inputs.py::test_no_end_for_the_learning_rate_schedule_is_one_line_exit_2",
+    ],
+    ("train.py", "a corpus too small for one global batch"): [
+        "test_train_inputs.py::test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2",
+    ],
+    ("train.py", "a cached tokenizer with more ids than `--data.vocab_size` (a cache edited by hand)"): [
+        "test_train_inputs.py::test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2",
+    ],
+    ("train.py", "live-statistics `layers` outside the model or repeated"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "live-statistics `every_n_steps` below 1"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "images off the capture cadence"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "an online probe of under 2 positions"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("a Trainer with the live callbacks", "a model whose hidden states cannot be captured"): [
+        "test_callbacks.py::test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error",
+    ],
+    ("probe.py", "missing data"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "missing encoder"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "`--data.max_length` above the model's positions"): [
+        "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "an empty split"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "a missing label"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "a label outside `--data.classes`"): [
+        "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "no label column"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "disk full while writing the report"): [
+        "test_faults.py::test_disk_full_while_probe_writes_its_report",
+    ],
+    ("analyze.py", "unknown hub id (offline or not found)"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "missing encoder path"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+        "test_analyze_outliers.py::test_console_script_reports_the_error_and_exit_status",
+    ],
+    ("analyze.py", "not a BERT-family encoder"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "missing data path"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
+    ("analyze.py", "empty data file"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "binary data file"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
+    ("analyze.py", "data not UTF-8"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
+    ("analyze.py", "no text column"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
+    ("analyze.py", "`--max_length` above the model's positions"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "unwritable output directory"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "a non-positive size"): [
+        "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "disk full while writing the report"): [
+        "test_faults.py::test_disk_full_while_analyze_writes_its_report",
+    ],
+    ("analyze.py", "WiC: no target word at its offsets"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: missing columns"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: an unlabelled item"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "WiC/STS: data and gold of different lengths"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "STS: a score outside `--score_range`"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "STS: a score that is not a number"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "STS: an empty sentence"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "STS: no score column"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "STS: `--score_range` upside down"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "static vectors: ragged lines"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "static vectors: none of the words"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "self-similarity: too few words"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "anisotropy: under 2 sentences"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "`--clip` not understood"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "`--clip` outside the model"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "`--zeta` outside [0, 1]"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+}
+FAULT_ROW_TESTS = {
+    "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],
+    "a kill inside a checkpoint write": [
+        "test_faults.py::test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one",
+    ],
+    "SIGTERM (SLURM pre-emption or time limit, `scancel`, `kill`)": [
+        "test_faults.py::test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly",
+        "test_faults.py::test_sigterm_to_one_ddp_rank_stops_both_at_the_same_step",
+    ],
+    "SLURM": ["test_faults.py::test_slurm_script_requeues_only_a_run_stopped_by_sigterm"],
+    "an error on one DDP rank (train.py)": ["test_faults.py::test_an_error_on_one_ddp_rank_of_train_stops_every_rank"],
+    "an error on one rank (analyze.py under torchrun)": [
+        "test_faults.py::test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank",
+        "test_analyze_outliers.py::test_an_error_on_one_rank_stops_every_rank",
+    ],
+    "disk full while writing a report": [
+        "test_faults.py::test_disk_full_while_analyze_writes_its_report",
+        "test_faults.py::test_disk_full_while_probe_writes_its_report",
+        "test_faults.py::test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing",
+    ],
+}
+
+
+def error_tables() -> dict[str, list[list[str]]]:
+    """docs/errors.md's tables by their first header cell ("entry point": bad inputs, "fault": faults), each row as
+    its cells."""
+    tables: dict[str, list[list[str]]] = {}
+    rows = None
+    for line in (ROOT / "docs" / "errors.md").read_text(encoding="utf-8").splitlines():
+        if not line.startswith("| "):
+            rows = None
+            continue
+        cells = [cell.strip() for cell in line.strip().removeprefix("| ").removesuffix(" |").split(" | ")]
+        if rows is None:  # a table's header line
+            assert cells[0] not in tables, f"two tables headed {cells[0]!r} in docs/errors.md"
+            rows = tables[cells[0]] = []
+        elif not line.startswith("| ---"):
+            rows.append(cells)
+    return tables
+
+
+def test_every_row_of_the_docs_error_tables_is_tied_to_tests_that_exist():
+    tables = error_tables()
+    inputs, faults = tables["entry point"], tables["fault"]
+    assert all(len(row) == 3 for row in inputs), [row for row in inputs if len(row) != 3]
+    assert all(len(row) == 2 for row in faults), [row for row in faults if len(row) != 2]
+    assert len(inputs) + len(faults) > 60
+    # every row has its tests here, and every entry here is a row of the docs (no stale or missing ties)
+    for rows, mapping in ((inputs, ERROR_ROW_TESTS), (faults, FAULT_ROW_TESTS)):
+        keys = [(row[0], row[1]) if mapping is ERROR_ROW_TESTS else row[0] for row in rows]
+        assert len(set(keys)) == len(keys), f"rows that repeat a key: {sorted({k for k in keys if keys.count(k) > 1})}"
+        assert not set(keys) - set(mapping), f"rows of docs/errors.md with no tests here: {sorted(set(keys) - set(mapping))}"
+        assert not set(mapping) - set(keys), f"tests tied to no row of docs/errors.md: {sorted(set(mapping) - set(keys))}"
+    rows = [(row, ERROR_ROW_TESTS[row[0], row[1]], True) for row in inputs]
+    rows += [(row, FAULT_ROW_TESTS[row[0]], False) for row in faults]
+    for row, ids, is_input in rows:
+        assert ids, f"no test named for: {row}"
+        tests = [re.fullmatch(r"(test_\w+\.py)::(test_\w+)", test_id) for test_id in ids]
+        assert all(tests), (row, ids)
+        tests = [test.groups() for test in tests]
         sources = {file: (ROOT / "tests" / file).read_text(encoding="utf-8") for file, _ in tests}
         for file, name in tests:
             assert re.search(rf"^def {name}\(", sources[file], re.M), (file, name)
         if not is_input:
             continue
-        entry = row.split(" | ")[0].removeprefix("| ")
+        entry, _, printed = row
         if entry in ("train.py", "probe.py", "analyze.py"):  # the line printed starts with the entry point's name
-            assert row.split(" | ")[2].startswith(f"`{entry}"), row
+            assert printed.startswith(f"`{entry}"), row
         # the line quoted: its words (outside <placeholders> and "...") are what a named test checks, 10+ characters
         # of them at least (tests match a telling piece of the message, not always all of it)
-        line = re.match(r"(`+)(.+?)\1", row.split(" | ")[2]).group(2)
+        line = re.match(r"(`+)(.+?)\1", printed).group(2)
         message = re.sub(r"^(?:\S+(?: [\w-]+)?: error: |UserError: )", "", line)
         pieces = [piece for piece in re.split(r"<[^>]*>|\.\.\.", message) if piece.strip()]
         shared = max(longest_shared(piece, "\n".join(sources.values())) for piece in pieces)

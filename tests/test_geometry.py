@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -14,21 +13,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.stats import rankdata, spearmanr
 
-from lightning_modules.encoder import apply_clip
 from metrics.geometry import (
     Covariance,
-    IsoScore,
     IsoScoreStar,
     MeanCosine,
     SelfSimilarity,
-    Spectrum,
     TokenSample,
     isoscore,
     isoscore_star,
     spectrum,
+    spectrum_of_moments,
 )
 from metrics.similarity import PairCosine, average_ranks, pearson, spearman, threshold_accuracy
-from metrics.transforms import Clipping, standardization, whitening
+from metrics.transforms import Clipping, keep_mask, standardization, whitening, zero_dims
+from tests.tiny import free_port
 
 LAYERS, HIDDEN = 2, 6
 
@@ -151,13 +149,14 @@ def test_isoscore_near_one_for_isotropic_near_zero_for_rank_one_and_equal_to_the
     assert isoscore(torch.diag(torch.tensor([1.0, 0.0]))).item() == pytest.approx(0.0, abs=1e-12)
 
 
-def test_isoscore_metric_streams_per_layer():
+def test_isoscore_of_the_streamed_covariance_per_layer():
+    """analyze.py isotropy's IsoScore: of the covariance streamed batch by batch, per layer, against the reference."""
     tokens = planted_tokens(5)
-    metric = IsoScore(LAYERS, HIDDEN)
+    metric = Covariance(LAYERS, HIDDEN)
     for start in range(0, tokens.shape[1], 64):
         metric.update(tokens[:, start:start + 64])
     expected = torch.tensor([isoscore_reference(tokens[layer].double().numpy()) for layer in range(LAYERS)])
-    torch.testing.assert_close(metric.compute(), expected.double(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(isoscore(metric.compute().cov), expected.double(), rtol=0, atol=1e-4)
 
 
 def test_isoscore_star_shrinkage_limits_stability_and_gradient():
@@ -205,30 +204,32 @@ def test_spectrum_equals_singular_values_of_the_token_matrix():
     assert spec["cdf_auc"][0].item() == pytest.approx(np.trapezoid(cdf, grid), abs=1e-4)
 
 
-def test_spectrum_metric_streams_the_singular_values_of_the_uncentred_token_matrix():
-    """Spectrum (README: the singular values of each layer's token matrix, uncentred as tokenUni) fed masked batches
-    equals torch.linalg.svdvals of the materialised matrix; Spectrum.of(cov, moments) equals it for clipped and
-    whitened tokens."""
+def test_spectrum_of_streamed_moments_is_the_singular_values_of_the_uncentred_token_matrix():
+    """spectrum_of_moments (the singular values of each layer's token matrix, uncentred as tokenUni) of a Covariance
+    fed masked batches equals torch.linalg.svdvals of the materialised matrix, also of clipped and whitened tokens
+    (the variant's moments)."""
     tokens = planted_tokens(13).double()
     hidden = tokens.reshape(LAYERS, 30, 10, HIDDEN)
     mask = torch.rand(30, 10, generator=torch.Generator().manual_seed(14)) > 0.3
-    metric, cov = Spectrum(LAYERS, HIDDEN), Covariance(LAYERS, HIDDEN)
+    cov = Covariance(LAYERS, HIDDEN)
     for start in range(0, 30, 4):
-        metric.update(hidden[:, start:start + 4], mask[start:start + 4])
         cov.update(hidden[:, start:start + 4], mask[start:start + 4])
     kept = hidden[:, mask]  # [layers, N, hidden]
     stats = cov.compute()
-    whiten = whitening(stats)
-    for result, matrix in ((metric.compute(), kept), (Spectrum.of(cov).compute(), kept),
-                           (Spectrum.of(cov, Clipping([3], LAYERS).moments).compute(), Clipping([3], LAYERS).apply(kept)),
-                           (Spectrum.of(cov, whiten.moments).compute(), whiten.apply(kept))):
+    whiten, clip = whitening(stats), Clipping([3], LAYERS)
+
+    def of(moments):
+        return spectrum_of_moments(*moments(stats.mean, stats.cov), stats.num_tokens)
+
+    raw = of(lambda mean, cov: (mean, cov))
+    for result, matrix in ((raw, kept), (of(clip.moments), clip.apply(kept)), (of(whiten.moments), whiten.apply(kept))):
         for layer in range(LAYERS):
             sigma = one_thread(torch.linalg.svdvals, matrix[layer])  # uncentred, not of kept - mean
             torch.testing.assert_close(result["singular_values"][layer], sigma / sigma[0], rtol=1e-5, atol=1e-6)
             share = (sigma[0] ** 2 / sigma.pow(2).sum()).item()
             assert result["energy_top1"][layer].item() == pytest.approx(share, rel=1e-5)
     centred = one_thread(torch.linalg.svdvals, kept[0] - kept[0].mean(0))
-    assert not torch.allclose(metric.compute()["singular_values"][0], centred / centred[0], atol=1e-3)
+    assert not torch.allclose(raw["singular_values"][0], centred / centred[0], atol=1e-3)
 
 
 def state_bytes(metric) -> dict[str, tuple]:
@@ -244,7 +245,6 @@ def test_metric_states_stay_fixed_size_with_ten_times_the_data():
         "mean": (MeanCosine(LAYERS), LAYERS + 1),
         "selfsim": (SelfSimilarity(words, LAYERS, HIDDEN), words * LAYERS * HIDDEN + words * LAYERS + words),
         "cov": (Covariance(LAYERS, HIDDEN), 1 + LAYERS * HIDDEN + LAYERS * HIDDEN * HIDDEN),
-        "spectrum": (Spectrum(LAYERS, HIDDEN), 1 + LAYERS * HIDDEN + LAYERS * HIDDEN * HIDDEN),
         "star": (IsoScoreStar(LAYERS, HIDDEN), LAYERS + 1),
         "pairs": (PairCosine(pairs, LAYERS), pairs * LAYERS + pairs),
     }
@@ -256,7 +256,7 @@ def test_metric_states_stay_fixed_size_with_ten_times_the_data():
             metric.update(a, b)
         elif name == "selfsim":
             metric.update(torch.randint(0, words, (n,), generator=generator), a)
-        elif name in ("cov", "spectrum", "star"):
+        elif name in ("cov", "star"):
             metric.update(a)
         else:
             ids = torch.randint(0, pairs, (min(n, pairs),), generator=generator).unique()
@@ -331,11 +331,16 @@ def test_standardisation_keeps_a_low_variance_dimension_beside_a_rogue_one():
     torch.testing.assert_close(standardised[0][:, others], direct, rtol=1e-4, atol=1e-4)
 
 
-def test_clipping_variant_is_the_encoders_clip():
+def test_clipping_variant_zeroes_exactly_its_dims_in_every_layer():
     tokens = planted_tokens(9)
     clipped = Clipping([3, 0], LAYERS).apply(tokens)
-    assert torch.equal(clipped, apply_clip(tokens.clone(), {0: [0, 3], 1: [0, 3]}))
-    assert clipped[..., [0, 3]].abs().max() == 0 and torch.equal(clipped[..., 1:3], tokens[..., 1:3])
+    by_hand = tokens.clone()
+    by_hand[..., [0, 3]] = 0
+    assert torch.equal(clipped, by_hand)
+    assert torch.equal(clipped, zero_dims(tokens, keep_mask({0: [0, 3], 1: [3, 0]}, LAYERS, HIDDEN)))
+    per_layer = zero_dims(tokens, keep_mask({1: [2]}, LAYERS, HIDDEN))  # one dim in one layer only
+    assert torch.equal(per_layer[0], tokens[0]) and per_layer[1][..., 2].abs().max() == 0
+    assert torch.equal(per_layer[1][..., [0, 1, 3]], tokens[1][..., [0, 1, 3]])
 
 
 def test_average_ranks_spearman_pearson_against_scipy():
@@ -380,12 +385,6 @@ def test_token_sample_fills_its_slots():
     assert sum(s.numel() for s in metric.metric_state.values()) == 5 * LAYERS * HIDDEN + 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ddp_inputs():
     generator = torch.Generator().manual_seed(12)
     words = torch.randint(0, 5, (33,), generator=generator)
@@ -396,8 +395,7 @@ def ddp_inputs():
 
 def all_metrics():
     return {"selfsim": SelfSimilarity(5, LAYERS, HIDDEN), "pairs": PairCosine(33, LAYERS), "cov": Covariance(LAYERS, HIDDEN),
-            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN), "iso": IsoScore(LAYERS, HIDDEN),
-            "spectrum": Spectrum(LAYERS, HIDDEN)}
+            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN)}
 
 
 def feed(metrics, items):
@@ -408,13 +406,12 @@ def feed(metrics, items):
         metrics["cov"].update(vectors[:, chunk])
         metrics["mean"].update(a[:, chunk], b[:, chunk])
         metrics["sample"].update(chunk, vectors[:, chunk])
-        metrics["iso"].update(vectors[:, chunk])
-        metrics["spectrum"].update(vectors[:, chunk])
     computed = {name: metric.compute() for name, metric in metrics.items()}
-    clipped = Spectrum.of(metrics["cov"], Clipping([1], LAYERS).moments).compute()  # a copy of the local state
-    return {"selfsim": computed["selfsim"].per_word, "pairs": computed["pairs"][0], "cov": computed["cov"].cov,
-            "mean": computed["mean"], "sample": computed["sample"][0], "iso": computed["iso"],
-            "spectrum": computed["spectrum"]["singular_values"], "spectrum_of": clipped["singular_values"]}
+    cov = computed["cov"]
+    clipped = spectrum_of_moments(*Clipping([1], LAYERS).moments(cov.mean, cov.cov), cov.num_tokens)
+    return {"selfsim": computed["selfsim"].per_word, "pairs": computed["pairs"][0], "cov": cov.cov,
+            "mean": computed["mean"], "sample": computed["sample"][0], "iso": isoscore(cov.cov),
+            "spectrum_of": clipped["singular_values"]}
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -430,7 +427,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_ddp_two_processes_equal_one(tmp_path):
     out = str(tmp_path / "synced.pt")
-    mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_ddp_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn", join=True)
     synced, single = torch.load(out), feed(all_metrics(), list(range(33)))
     for name, value in single.items():
         torch.testing.assert_close(synced[name], value, rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)

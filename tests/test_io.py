@@ -8,7 +8,9 @@ import json
 import datasets
 import pytest
 
-from datamodules.io import UserError, iter_records, iter_texts, sample_texts, staged_output
+from core.errors import UserError
+from core.output import staged_output
+from datamodules.text import iter_records, iter_texts, sample_texts
 
 TEXTS = ["The first sentence.", "A second, longer sentence here.", "Third."]
 

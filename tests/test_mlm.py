@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.mlm import BlockSampler, MaskCollator, StreamingBlocks, pack_blocks, tokenize_texts
-from datamodules.tokenizer import SPECIAL_TOKENS, fingerprint, load_tokenizer, train_tokenizer
+from core.tokenizers import SPECIAL_TOKENS, fingerprint, load_tokenizer
+from datamodules.blocks import pack_blocks, tokenize_texts
+from datamodules.masking import MaskCollator
+from datamodules.sampling import BlockSampler, StreamingBlocks
+from datamodules.tokenizer import train_tokenizer
 from lightning_modules.mlm import MLMModule, PolynomialSchedule, mlm_loss
 from tests.tiny import corpus_sentences
 
@@ -99,7 +102,7 @@ def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
 
 
 def test_position_saves_the_global_batch_and_another_one_is_refused_unless_the_checkpoint_predates_it(tmp_path):
-    from datamodules.io import UserError
+    from core.errors import UserError
     from datamodules.mlm import MLMDataModule
 
     corpus = tmp_path / "corpus.txt"
@@ -110,7 +113,7 @@ def test_position_saves_the_global_batch_and_another_one_is_refused_unless_the_c
                              cache_dir=str(tmp_path / "cache"))
 
     saver = data(4, None)  # no --data.global_batch_size: batch_size × world size, 4 × 2 devices
-    saver._position = {"blocks": 24, "epoch": 0, "in_epoch": 24}  # 3 steps of 8 blocks
+    saver.position.current = {"blocks": 24, "epoch": 0, "in_epoch": 24}  # 3 steps of 8 blocks
     saver._rank_world = lambda: (0, 2)
     state = saver.state_dict()
     assert state["position"]["global_batch"] == 4 * 2
@@ -148,14 +151,14 @@ def test_streaming_packs_this_ranks_texts_across_chunks_and_resumes_from_a_batch
 
 
 def test_streaming_resume_tokenises_one_chunk_not_the_consumed_texts(bpe, tmp_path, monkeypatch):
-    import datamodules.mlm as mlm
+    import datamodules.sampling as sampling
 
     texts = corpus_sentences(400)
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(texts) + "\n", encoding="utf-8")
     tokenised = []
-    original = mlm.tokenize_texts
-    monkeypatch.setattr(mlm, "tokenize_texts", lambda chunk, tokenizer: tokenised.extend(chunk) or
+    original = sampling.tokenize_texts
+    monkeypatch.setattr(sampling, "tokenize_texts", lambda chunk, tokenizer: tokenised.extend(chunk) or
                         original(chunk, tokenizer))
 
     def stream(start=None):
@@ -261,6 +264,7 @@ def test_both_variants_run_sdpa_and_no_pe_table_is_zero_frozen_and_not_optimised
 def test_block_cache_key_follows_corpus_tokenizer_and_block_length_and_is_reused(bpe, tmp_path, monkeypatch):
     import os
 
+    import datamodules.blocks as blocks
     import datamodules.mlm as mlm
     from datamodules.mlm import MLMDataModule
 
@@ -270,9 +274,9 @@ def test_block_cache_key_follows_corpus_tokenizer_and_block_length_and_is_reused
     other = train_tokenizer(iter(corpus_sentences(300, start=4000)), vocab_size=600)
     other.save_pretrained(tmp_path / "other")
     builds, trainings = [], []
-    build, train = mlm.build_blocks, mlm.train_tokenizer
+    build, train = mlm.build_blocks, blocks.train_tokenizer
     monkeypatch.setattr(mlm, "build_blocks", lambda output, *a, **k: builds.append(output) or build(output, *a, **k))
-    monkeypatch.setattr(mlm, "train_tokenizer", lambda *a, **k: trainings.append(1) or train(*a, **k))
+    monkeypatch.setattr(blocks, "train_tokenizer", lambda *a, **k: trainings.append(1) or train(*a, **k))
 
     def prepared(tokenizer="tokenizer", block_length=32) -> Path:
         data = MLMDataModule(corpus=str(corpus), tokenizer=str(tmp_path / tokenizer) if tokenizer != "train" else

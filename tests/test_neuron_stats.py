@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metrics.neuron_stats import NeuronStatistics
+from tests.tiny import free_port
 
 LAYERS, HIDDEN = 3, 16
 
@@ -72,12 +72,6 @@ def test_rejects_mismatched_shapes():
         metric.update(torch.zeros(LAYERS + 1, 2, 3, HIDDEN), torch.ones(2, 3, dtype=torch.bool))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -95,7 +89,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_ddp_two_processes_equal_one(tmp_path):
     out = str(tmp_path / "synced.pt")
-    mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_ddp_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn", join=True)
     synced = torch.load(out)
     count, mean, var, max_abs, argmax, argmin = direct(random_batches(0))
     assert synced["num_tokens"] == count

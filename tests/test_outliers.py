@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import analyze
+from analyses import outliers, session
 from metrics.neuron_stats import NeuronStatisticsResult
-from metrics.origins import rank_by_magnitude
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims, robust_z
+from metrics.ranks import rank_by_magnitude
 from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
 
 PE_DIM, LATE_DIM, LATE_LAYER = 5, 17, 2  # LATE_DIM is planted in the LayerNorm that writes hidden state 2
@@ -133,10 +134,10 @@ def test_mean_vectors_figure_plots_each_layers_mean_and_marks_the_outliers(tmp_p
     texts = [line for line in sentences_file.read_text().splitlines() if line.strip()]
     args = analyze.build_parser().parse_args(["outliers", "--encoder", str(path), "--data", str(sentences_file),
                                               "--max_sentences", "0", "--no_progress"])
-    encoder = analyze.open_encoder(args)
-    result, num_sentences, truncated = analyze.collect_statistics(encoder, texts, args)
-    report = analyze.outliers_report(args, encoder, result, num_sentences, truncated)
-    fig = analyze.mean_vectors_png(report, result, encoder)  # what analyze.py saves as mean_vectors.png
+    encoder = session.open_encoder(args)
+    result, num_sentences, truncated = outliers.collect_statistics(encoder, texts, args)
+    report = outliers.outliers_report(args, encoder, result, num_sentences, truncated)
+    fig = outliers.mean_vectors_png(report, result, encoder)  # what analyze.py saves as mean_vectors.png
 
     model = AutoModel.from_pretrained(path).eval()  # the mean vectors computed directly, from transformers
     inputs = bert_tok(texts, padding=True, truncation=True, max_length=MAX_POSITIONS, return_tensors="pt")

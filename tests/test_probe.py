@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, BertConfig
 
+from core.errors import UserError
 from datamodules import probing
-from datamodules.io import UserError
-from datamodules.probing import GIB, SPLITS, ClassificationDataModule, PositionDataModule
+from datamodules.features import GIB, SPLITS
+from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder, load_encoder
-from lightning_modules.probes import PositionProbe, SentenceClassifier, StackedLinearCrossEntropy, slot_seed
+from lightning_modules.probes import PositionProbe, SentenceClassifier
+from lightning_modules.stacked import StackedLinearCrossEntropy, slot_seed
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
 from tests.tiny import HIDDEN as TINY_HIDDEN
@@ -29,13 +31,7 @@ HIDDEN = 16
 PLANTED = [3, 7, 9]  # the planted dimension of hidden states 0, 1, 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is several times faster than two on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: one thread is faster
 
 
 class Planted(nn.Module):

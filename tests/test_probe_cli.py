@@ -15,8 +15,8 @@ import yaml
 from transformers import AutoModel, AutoTokenizer
 
 import probe
-from datamodules.probing import ClassificationDataModule, FeatureSpec, PositionDataModule
-from lightning_modules.probes import PositionProbe, SentenceClassifier
+from datamodules.probing import ClassificationDataModule, PositionDataModule
+from lightning_modules.probes import FeatureSpec, PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
@@ -26,12 +26,7 @@ QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", 
          "--trainer.enable_model_summary", "false", "--data.progress", "false"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: one thread is faster
 
 
 def run_cli(config: str, *argv) -> probe.ProbeCLI:
@@ -169,8 +164,8 @@ def test_each_config_loads_through_the_cli_with_the_papers_settings(config, tmp_
     model_class, data_class, batch_size, source, test_split = PAPER[config]
     model, dm = cli.model, cli.datamodule
     assert type(model) is model_class and type(dm) is data_class
-    assert (dm.batch_size, dm.source, dm.test_split) == (batch_size, source, test_split)
-    assert cli.trainer.max_epochs == 10 and model.hparams.seed == dm.seed == 0
+    assert (dm.hparams.batch_size, dm.hparams.source, dm.hparams.test_split) == (batch_size, source, test_split)
+    assert cli.trainer.max_epochs == 10 and model.hparams.seed == dm.hparams.seed == 0
     written = yaml.safe_load(path.read_text())  # every key of the file reached the objects it configures
     for key, value in written["model"]["init_args"].items():
         assert model.hparams[key] == value, (config, key)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
+from tests.tiny import free_port
 
 LAYERS, HIDDEN, POSITIONS = 3, 8, 6
 
@@ -77,12 +77,6 @@ def test_layer_accuracy_and_rank_dims_by_hand():
     assert ranking["dims"][0]["contribution"] == 0.5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -104,7 +98,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one(tmp_path):
     out = str(tmp_path / "synced.pt")
-    mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_ddp_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn", join=True)
     synced = torch.load(out)
     data, w = batches(0), weight()
     mean, by_position, _ = direct(data, w)

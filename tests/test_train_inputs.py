@@ -17,18 +17,6 @@ from tests.tiny import corpus_sentences
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_text("\n".join(corpus_sentences(30)) + "\n", encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
 def rejected(root: Path, corpus: Path, cache: Path, capsys, *extra: str) -> str:
     """train.py's error line for `extra`, checked to be one line and exit status 2."""
     assert train.cli_main(tiny_args(root, corpus, cache, *extra)) == 2
@@ -136,7 +124,7 @@ def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corp
 
     root, cache = tmp_path / "run", tmp_path / "cache"
     planted = train_tokenizer(iter(corpus_sentences(2000)), vocab_size=700)  # edited by hand into the vocab 600 slot
-    planted.save_pretrained(MLMDataModule(corpus=str(corpus), vocab_size=600, cache_dir=str(cache)).tokenizer_dir())
+    planted.save_pretrained(MLMDataModule(corpus=str(corpus), vocab_size=600, cache_dir=str(cache)).cache.tokenizer_dir(600, 1_000_000))
     top = max(planted.get_vocab().values())
     assert top >= 600
     no_prepare_data(monkeypatch)

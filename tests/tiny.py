@@ -2,17 +2,19 @@
 
     tokenizer = bert_tokenizer(tmp_path)                      # WordPiece trained on the bundled corpus
     path = save_tiny_encoder(tmp_path / "bert", "bert", tokenizer, plant=lambda model: ...)
+    port = free_port()                                        # for a 2-process gloo group
 """
 
 from __future__ import annotations
 
 import itertools
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from datamodules.io import DEFAULT_CORPUS
+from datamodules.text import DEFAULT_CORPUS
 
 HIDDEN = 32
 LAYERS = 3
@@ -81,3 +83,10 @@ def save_tiny_encoder(directory: Path, kind: str, tokenizer, plant: Callable | N
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (MASTER_PORT of a 2-process DDP test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

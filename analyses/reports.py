@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from callbacks.figures import layer_panels_figure, spectrum_figure
+from core.figures import layer_panels_figure, spectrum_figure
 
 VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized")
 

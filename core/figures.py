@@ -1,7 +1,7 @@
-"""Matplotlib figures shared by analyze.py reports and the W&B callbacks (headless, Agg backend).
+"""Matplotlib figures shared by analyze.py reports, the probes and the W&B callbacks (headless, Agg backend).
 
     fig = mean_vectors_figure(mean, outliers={layer: [dims]}, title="MiniLM")   # the paper's Figures 1-2
-    save_figure(fig, "runs/x/mean_vectors.png")
+    save_figure(fig, "runs/x/mean_vectors.png")                                 # or figure_array(fig): RGB for loggers
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
 """
 
@@ -160,3 +160,12 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def figure_array(fig) -> np.ndarray:
+    """A matplotlib figure as an RGB array [height, width, 3] (uint8); the figure is closed."""
+    try:
+        fig.canvas.draw()
+        return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    finally:
+        plt.close(fig)

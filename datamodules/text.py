@@ -1,34 +1,29 @@
-"""Reading user data and writing reports without leaving anything half-written.
+"""Reading the user's text: plain files, csv/tsv/jsonl, `datasets` directories and `datasets` names, lazily.
 
     texts = iter_texts("data/austen.txt")                  # one sentence a line
     texts = iter_texts("reviews.csv", text_column="review")  # csv / tsv / jsonl with a text column
     texts = iter_texts("wikitext:wikitext-103-raw-v1:validation")  # a `datasets` name[:config][:split]
-    with staged_output("runs/x") as stage: (stage / "report.json").write_text(...)
+    sample = sample_texts(texts, limit=2000, seed=0)       # a seeded uniform sample, in corpus order
 
-Every problem with the user's input raises `UserError`, whose message is the one line the entry points print
-before exiting with status 2.
+Every problem with the input raises `UserError` naming the file (and row), the one line the entry points print.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
-import shutil
-import tempfile
+import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from core.errors import UserError, first_line
+from core.sources import looks_local
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 JSON_SUFFIXES = {".jsonl", ".json"}
-
-
-class UserError(Exception):
-    """A problem with the user's input or environment: printed as one line, exit status 2."""
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None) -> Iterator[str]:
@@ -38,7 +33,7 @@ def iter_texts(source: str | os.PathLike, text_column: str | None = None) -> Ite
     `glue/sst2` is tried as a repository first and then as name `glue`, config `sst2`. Blank lines are skipped.
     """
     for record in iter_records(source, columns=None):
-        text = _pick(record, text_column, source)
+        text = pick_text(record, text_column, source)
         if text is not None and text.strip():
             yield text.strip()
 
@@ -50,14 +45,14 @@ def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = No
         yield from _file_records(path)
     elif path.is_dir():
         yield from _datasets_records(str(path), None, None, local=True)
-    elif _looks_like_path(str(source)):
+    elif looks_local(source):
         raise UserError(f"data path not found: {source}")
     else:
         name, config, split = _parse_hub_name(str(source))
         yield from _datasets_records(name, config, split, local=False)
 
 
-def _pick(record: dict, text_column: str | None, source) -> str | None:
+def pick_text(record: dict, text_column: str | None, source) -> str | None:
     if text_column is not None:
         if text_column not in record:
             raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
@@ -69,12 +64,6 @@ def _pick(record: dict, text_column: str | None, source) -> str | None:
     if len(strings) == 1:
         return record[strings[0]]
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass --text_column")
-
-
-def _looks_like_path(source: str) -> bool:
-    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in (
-        {".txt", ".text"} | set(TABULAR_SUFFIXES) | JSON_SUFFIXES
-    )
 
 
 def _file_records(path: Path) -> Iterator[dict]:
@@ -146,7 +135,7 @@ def _datasets_records(name: str, config: str | None, split: str | None, local: b
         try:
             loaded = datasets.load_dataset(dataset_name, dataset_config, streaming=True)
         except Exception as error:  # datasets raises many types: not found, offline, bad config
-            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            errors.append(f"{type(error).__name__}: {first_line(error)}")
             continue
         chosen = _choose_split(list(loaded), split, name)
         yield from _nonempty(iter(loaded[chosen]), f"{name}:{chosen}")
@@ -176,99 +165,11 @@ def _offline() -> bool:
     return any(os.environ.get(flag, "").lower() in ("1", "true", "yes") for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-@contextlib.contextmanager
-def staged_output(output_dir: str | os.PathLike) -> Iterator[Path]:
-    """Yield a staging directory whose files move into `output_dir` only if the block succeeds.
-
-    The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
-    `output_dir` and every parent directory this call created, if they are left empty. Each file lands with an atomic
-    `os.replace`.
-    """
-    output = Path(output_dir)
-    created = missing_directories(output)
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=output))
-    except OSError as error:
-        remove_empty(created)
-        raise UserError(f"cannot write to output directory {output}: {error.strerror or error}") from None
-    try:
-        yield stage
-        for path in sorted(stage.rglob("*")):
-            if path.is_file():
-                target = output / path.relative_to(stage)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)
-    except OSError as error:
-        raise UserError(f"cannot write report to {output}: {error.strerror or error}") from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        remove_empty(created)
-
-
-def missing_directories(path: str | os.PathLike) -> list[Path]:
-    """`path` and those of its parents that do not exist yet, deepest first (what a mkdir -p would create)."""
-    missing = []
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    return missing
-
-
-def remove_empty(directories: list[Path]) -> None:
-    """Remove the given directories, deepest first, as long as they are empty (never anything with a file in it)."""
-    for directory in directories:
-        try:
-            directory.rmdir()
-        except FileNotFoundError:
-            continue
-        except OSError:  # not empty (or not ours to remove): neither are its parents
-            return
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
-    """Open a temporary file beside `path` for binary writing; on success it is flushed, fsynced and renamed onto
-    `path` (`os.replace`, atomic on POSIX), so a reader or a crash sees the old file or the new one, never a part.
-
-    On any error (or a kill: the temporary name `.NAME.*.tmp` is never read) `path` keeps its old content.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)  # as open() would have created it (mkstemp uses 0600)
-        os.replace(handle.name, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(handle.name)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-
-
 def sample_texts(texts: Iterator[str], limit: int | None, seed: int) -> list[str]:
     """A uniform random sample of `limit` texts (all when limit is None or 0), in their original order.
 
     Reservoir sampling (Algorithm R) with a seeded generator: one pass, memory of `limit` texts.
     """
-    import random
-
     if not limit:
         return list(texts)
     rng = random.Random(seed)
@@ -281,10 +182,3 @@ def sample_texts(texts: Iterator[str], limit: int | None, seed: int) -> list[str
             if slot < limit:
                 reservoir[slot] = (index, text)
     return [text for _, text in sorted(reservoir)]
-
-
-def check_writable(output_dir: str | os.PathLike) -> None:
-    """Fail early, before any long computation, when `output_dir` cannot be created or written (leaving no
-    directory behind that was not there before)."""
-    with staged_output(output_dir):
-        pass

@@ -1,16 +1,14 @@
-"""Hidden states of the steps a model runs anyway, for the live-statistics callbacks (no extra forward pass).
+"""The capture schedule every live-statistics callback shares: hidden states of the steps a model runs anyway.
 
     python train.py fit --config configs/pretrain/tiny.yaml     # OutlierStatistics and ContributionVectors use this
 
-    with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:
-        model(input_ids)
-    capture.stack()                           # [layers, batch, seq, hidden], detached
+    class MyStatistic(LiveCallback):        # build(trainer, module), update(stage, captured, ...), finish(stage, ...)
+        ...
 
-Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l.
-`encoder_layers` finds them in a transformers BERT-family encoder (`base_model.embeddings` and the ModuleList
-`encoder.layer` / `transformer.layer`); a model without them is a UserError naming it.
+Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l
+(core.models.encoder_layers finds them; core.capture.HiddenStateCapture hooks them, with no extra forward pass).
 
-LiveCallback is the schedule both callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
+LiveCallback is the schedule the callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
 hooks are on for every micro-batch of that step on every rank (so the step's whole global batch is seen, however it
 is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
 step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs.
@@ -31,7 +29,9 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from datamodules.io import UserError
+from core.capture import HiddenStateCapture
+from core.errors import UserError
+from core.models import encoder_layers, find_encoder, hidden_size
 
 
 @dataclass
@@ -60,73 +60,6 @@ class Captured:
         batch, seq = self.hidden.shape[1:3]
         positions = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
         return positions.flatten() if self.mask is None or bool(self.mask.all()) else positions[self.mask]
-
-
-def _output(output) -> Tensor:
-    """A layer's output tensor: itself, or the first element of a tuple / ModelOutput."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return output[0]
-    first = next(iter(output.values()), None) if hasattr(output, "values") else None
-    if isinstance(first, Tensor):
-        return first
-    raise TypeError(f"cannot read a hidden-state tensor from a layer output of type {type(output).__name__}")
-
-
-def find_encoder(module: nn.Module) -> nn.Module | None:
-    """The first transformers PreTrainedModel inside `module` (itself included), or None."""
-    from transformers import PreTrainedModel
-
-    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def encoder_layers(model: nn.Module) -> list[nn.Module]:
-    """[embeddings, layer 1, ..., layer L] of a transformers encoder (or a model holding one)."""
-    encoder = find_encoder(model) or model
-    base = getattr(encoder, "base_model", encoder)
-    embeddings = getattr(base, "embeddings", None)
-    for name in ("encoder", "transformer"):
-        container = getattr(base, name, None)
-        layers = getattr(container, "layer", None) if container is not None else None
-        if isinstance(embeddings, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return [embeddings, *layers]
-    raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers encoder "
-                    "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
-
-
-class HiddenStateCapture:
-    """Forward hooks on the chosen layers' modules that keep their (detached) outputs; always removed on exit."""
-
-    def __init__(self, modules: list[nn.Module], layers: list[int]) -> None:
-        self.modules, self.layers = modules, layers
-        self.outputs: dict[int, Tensor] = {}
-        self.handles: list = []
-
-    def __enter__(self) -> HiddenStateCapture:
-        self.outputs = {}
-        for index, layer in enumerate(self.layers):
-            self.handles.append(self.modules[layer].register_forward_hook(self._hook(index)))
-        return self
-
-    def _hook(self, index: int):
-        def keep(module, args, output) -> None:
-            if index not in self.outputs:  # the first call only (gradient checkpointing re-runs layers in backward)
-                self.outputs[index] = _output(output).detach()
-        return keep
-
-    def __exit__(self, *exc) -> bool:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        return False
-
-    def stack(self) -> Tensor:
-        """[layers, batch, seq, hidden] in the order of `layers`."""
-        missing = [self.layers[i] for i in range(len(self.layers)) if i not in self.outputs]
-        if missing:
-            raise UserError(f"layers {missing} produced no output during the captured forward pass")
-        return torch.stack([self.outputs[i] for i in range(len(self.layers))])
 
 
 def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
@@ -177,17 +110,14 @@ class LiveCallback(pl.Callback):
         if find_encoder(pl_module) is not None or not self.supports_probe_features:
             self._modules = encoder_layers(pl_module)
             self.layers = resolve_layers(self.requested_layers, len(self._modules), type(self).__name__)
-            config = find_encoder(pl_module).config
-            self.hidden_size = int(getattr(config, "hidden_size", None) or config.dim)
+            self.hidden_size = hidden_size(find_encoder(pl_module).config)
             return
-        from datamodules.probing import PositionDataModule
-
         data = trainer.datamodule
-        if not isinstance(data, PositionDataModule) or getattr(data, "spec", None) is None:
+        spec = getattr(data, "spec", None)  # the position probe's FeatureSpec (datamodules.probing.PositionDataModule)
+        if spec is None or getattr(data, "item_name", None) != "tokens":
             raise UserError(f"{type(self).__name__}: cannot capture the hidden states of {type(pl_module).__name__}: it "
                             "holds no transformers encoder and its data are not the position probe's cached features "
                             "(use it in MLM pretraining or with configs/probe/position.yaml)")
-        spec = data.spec
         encoder_layer_ids = [layer for kind, layer in spec.slots if kind == "encoder"]
         self.layers = self.requested_layers or encoder_layer_ids
         missing = [layer for layer in self.layers if layer not in encoder_layer_ids]

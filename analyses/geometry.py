@@ -1,0 +1,133 @@
+"""The geometry protocols: anisotropy (Luo et al. §4.1), isotropy (IsoScore, IsoScore*, spectra) and
+self-similarity (Ethayarajh 2019), each per layer and per variant (raw, clipped, normalised).
+
+    anisotropy(setting, reference)                    # {"layers": [{"layer", "raw", "clipped"}], ...}
+    isotropy(setting, reference)                      # IsoScore, IsoScore*, singular-value spectrum per layer
+    self_similarity(setting, word_contexts(pool), reference.variants)
+
+Each returns the JSON-ready body of its report; analyses/runs.py adds the header, writes and prints it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import Tensor
+
+from analyses.reference import Reference, Setting, counter, number, per_layer
+from core.errors import UserError
+from datamodules.pairs import WordContexts
+from lightning_modules.pooling import random_tokens, span_vectors
+from metrics.geometry import (
+    IsoScoreStar,
+    MeanCosine,
+    SelfSimilarity,
+    TokenSample,
+    isoscore,
+    spectrum_of_moments,
+)
+from metrics.transforms import Variant
+
+
+def sample_pairs(filled: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """Pair the sampled sentences by a seeded permutation: (first [pairs], second [pairs]) slot indices."""
+    slots = filled.nonzero().flatten().tolist()
+    random.Random(seed).shuffle(slots)
+    half = len(slots) // 2
+    return torch.tensor(slots[:half], dtype=torch.long), torch.tensor(slots[half:2 * half], dtype=torch.long)
+
+
+def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int) -> tuple[dict, int]:
+    """Mean cosine of random token pairs from the sample, per variant: ({key: [layers]}, pairs)."""
+    vectors, filled = sample
+    first, second = sample_pairs(filled, seed)
+    if first.numel() == 0:
+        return {variant.key: torch.full((vectors.shape[1],), float("nan")) for variant in variants}, 0
+    a, b = vectors[first].transpose(0, 1), vectors[second].transpose(0, 1)  # [layers, pairs, hidden]
+    result = {}
+    for variant in variants:
+        # The sample is already the same on every rank: no sync.
+        metric = MeanCosine(vectors.shape[1], sync_on_compute=False).to(vectors.device)
+        metric.update(variant.apply(a), variant.apply(b))
+        result[variant.key] = metric.compute()
+    return result, int(first.numel())
+
+
+def anisotropy(setting: Setting, reference: Reference) -> dict:
+    """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences
+    (the reference pass's token sample, paired by a seeded permutation)."""
+    values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed)
+    if pairs == 0:
+        raise UserError(f"anisotropy needs at least 2 sentences with a token, got {reference.num_sentences}")
+    return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
+            "layers": per_layer(values, setting.encoder.num_hidden_states)}
+
+
+def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatch: int = 250,
+             minibatches: int = 4) -> dict:
+    """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
+    tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; and
+    the singular-value spectrum of each layer's token matrix; per variant (moments transformed exactly)."""
+    stats, (vectors, filled) = reference.covariance, reference.sample
+    layers, hidden = setting.encoder.num_hidden_states, setting.encoder.hidden_size
+    points = vectors[filled.nonzero().flatten()].transpose(0, 1)  # [layers, sampled tokens, hidden]
+    order = torch.randperm(points.shape[1], generator=torch.Generator().manual_seed(setting.seed))
+    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
+    values, spectra = {}, {}
+    for variant in reference.variants:
+        mean, cov = variant.moments(stats.mean, stats.cov)
+        # The sample is already the same on every rank: no sync.
+        star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
+        plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
+        transformed = variant.apply(points)
+        for batch in batches:
+            star.update(transformed[:, batch])
+            plain.update(transformed[:, batch])
+        spec = spectrum_of_moments(mean, cov, stats.num_tokens)  # of the synced moments: no second sync
+        spectra[variant.key] = [[round(float(s), 6) for s in row] for row in spec["singular_values"]]
+        values[variant.key] = {
+            "isoscore": isoscore(cov),
+            "isoscore_star": star.compute() if batches else torch.full((layers,), float("nan")),
+            "isoscore_minibatch": plain.compute() if batches else torch.full((layers,), float("nan")),
+            **{key: spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
+        }
+    rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
+                                for key, value in values.items()}} for layer in range(layers)]
+    return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens, "zeta": zeta,
+            "minibatch_tokens": minibatch, "num_minibatches": len(batches), "layers": rows, "spectra": spectra}
+
+
+def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant]) -> dict:
+    """Ethayarajh (2019) eq. 1 per layer and variant, with the anisotropy of random token pairs of the same
+    sentences as baseline (adjusted = self-similarity - anisotropy)."""
+    encoder = setting.encoder
+    layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
+    metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
+    tokens = TokenSample(len(contexts.sentences), layers, hidden).to(device)
+    lost, truncated = counter(device), counter(device)
+    for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
+        rows = batch.rows
+        wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
+        vectors, found = span_vectors(batch, wanted)
+        word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
+        for variant in variants:
+            metrics[variant.key].update(word_ids, variant.apply(vectors))
+        sampled, kept = random_tokens(batch, rows, setting.seed)
+        tokens.update(torch.tensor([rows[r] for r in kept]), sampled)
+        lost.update(sum(len(w) for w in wanted) - len(found))
+        truncated.update(batch.num_truncated)
+    baseline, pairs = pair_anisotropy(tokens.compute(), variants, setting.seed)
+    values, counted = {}, 0
+    for variant in variants:
+        result = metrics[variant.key].compute()
+        values[variant.key] = {"self_similarity": result.mean, "anisotropy": baseline[variant.key],
+                               "adjusted": result.mean - baseline[variant.key].to(result.mean)}
+        counted = result.num_words
+    rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
+                                for key, value in values.items()}} for layer in range(layers)]
+    return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
+            "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
+            "num_sentences": len(contexts.sentences), "baseline_pairs": pairs,
+            "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
+            "words": contexts.words, "layers": rows}

@@ -1,0 +1,80 @@
+"""The outlier analysis (the paper's §3): per-layer outlier dimensions, persistent ones, and their origins.
+
+    python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
+    report = outliers_report(args, encoder, statistics, num_sentences, num_truncated)   # outliers.json
+
+The statistics come from one streamed pass (analyses.reference.reference_pass: NeuronStatistics), the rule from
+metrics/outliers.py, the origins from metrics/origins.py.
+"""
+
+from __future__ import annotations
+
+from analyses.reference import reference_pass
+from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_truncation
+from core.errors import UserError
+from core.figures import mean_vectors_figure
+from lightning_modules.encoder import FrozenEncoder
+from metrics.neuron_stats import NeuronStatisticsResult
+from metrics.origins import summarise_origins, trace_origins
+from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
+
+
+def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tuple[NeuronStatisticsResult, int, int]:
+    """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
+    reference = reference_pass(setting_of(args, encoder), sentences, clip="auto", desc="outlier statistics")
+    return reference.statistics, reference.num_sentences, reference.num_truncated
+
+
+def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
+                    num_truncated: int) -> dict:
+    if result.num_tokens == 0:
+        raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
+    rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
+    layers = detect_outliers(result, rule)
+    return {
+        **run_header(args, encoder),
+        "num_sentences": num_sentences,
+        "num_tokens": result.num_tokens,
+        "num_truncated": num_truncated,
+        "hidden_size": encoder.hidden_size,
+        "num_layers": encoder.num_layers,
+        "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
+        "layers": [layer.to_dict() for layer in layers],
+        "persistent_dims": persistent_dims(layers),
+        "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
+    }
+
+
+def mean_vectors_png(report: dict, result: NeuronStatisticsResult, encoder: FrozenEncoder):
+    outliers = {layer["layer"]: layer["outlier_dims"] for layer in report["layers"]}
+    return mean_vectors_figure(result.mean, outliers, title=f"average vector per layer: {encoder.short_name}")
+
+
+def run_outliers(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
+    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
+    report = outliers_report(args, encoder, result, num_sentences, num_truncated)
+    finish(args, rank, {"outliers.json": report}, {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)})
+    if rank == 0:
+        print_outliers(report)
+        warn_truncation({"outliers": report})
+    return report
+
+
+def print_outliers(report: dict) -> None:
+    print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {report['num_sentences']} sentences, "
+          f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
+    print(f"{'layer':>5}  {'argmax dim (share)':>19}  {'argmin dim (share)':>19}  outlier dims")
+    for layer in report["layers"]:
+        print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "
+              f"{layer['argmin_dim']:>10} ({layer['argmin_share']:6.1%})  "
+              f"{', '.join(map(str, layer['outlier_dims'])) or '-'}")
+    print(f"persistent outlier dims (in at least half the layers): {report['persistent_dims'] or 'none'}")
+    origins = report["origins"]
+    if origins["position_embeddings"] is None:
+        print(f"positional embeddings: none to trace ({origins['position_embeddings_note']})")
+    elif origins["position_embeddings_note"]:
+        print(f"positional embeddings: {origins['position_embeddings_note']}")
+    for dim, line in summarise_origins(origins).items():
+        if dim in report["persistent_dims"]:
+            print(f"  origin of {dim}: {line}")

@@ -1,0 +1,194 @@
+"""What every evaluation protocol starts from: the encoder setting, and one reference pass over the sentences.
+
+    setting = Setting(encoder, batch_size=32, max_length=None, seed=0, rank=0, world=1)
+    reference = reference_pass(setting, sentences, clip="auto", normalize="none", rule=OutlierRule(), sample=2000)
+    reference.variants                               # raw, clipped, normalised: what the protocols apply
+    reference_pass(setting, pair_sentences, normalize="whiten", fit="sentences")   # STS: fit on pooled sentences
+    refit_on_sentences(setting, reference, pair_sentences)   # the same normalisation, refit for STS in `all`
+
+Under DDP (torchrun), every rank holds the same sentence or pair list and encodes its shard (item i on rank
+i % world); the Metrics sync on compute(), so every rank returns the same report.
+
+The reference pass encodes the reference sentences once and yields what the other protocols apply: the outlier
+dimensions (`--clip auto`: NeuronStatistics + detect_outliers), the token covariance (for --normalize and IsoScore)
+and one seeded random token per sentence (anisotropy, IsoScore* mini-batches). The variants are then applied to the
+vectors each protocol keeps (clipping and the normalisations commute with averaging), so one forward pass serves
+raw, clipped and normalised results alike. --normalize is estimated from token vectors for the token-level
+protocols and, for STS (Su et al. 2021 whiten sentence embeddings), from the mean-pooled embeddings of the pairs'
+sentences (`fit="sentences"`); reports say which in `normalize_fit`.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+from torchmetrics.aggregation import SumMetric
+
+from lightning_modules.encoder import EncodedBatch, FrozenEncoder
+from lightning_modules.pooling import mean_pool, random_tokens
+from metrics.geometry import Covariance, CovarianceResult, TokenSample
+from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
+from metrics.outliers import LayerOutliers, OutlierRule, all_outlier_dims, detect_outliers
+from metrics.transforms import RAW, REPORT_KEYS, Clipping, Variant, normalization
+
+
+@dataclass
+class Setting:
+    encoder: FrozenEncoder
+    batch_size: int = 32
+    max_length: int | None = None
+    seed: int = 0
+    progress: bool = True
+    rank: int = 0
+    world: int = 1
+
+    def shard(self, count: int) -> list[int]:
+        """The items of this rank: i with i % world == rank."""
+        return list(range(self.rank, count, self.world))
+
+    def batches(self, texts: list[str], offsets: bool = False, desc: str = "encoding", pairs: bool = False
+                ) -> Iterator[EncodedBatch]:
+        """The encoder's batches over this rank's shard of `texts`, each batch's `rows` mapped back to positions in
+        `texts`. With `pairs`, texts 2p and 2p + 1 are pair p, and pairs (not sentences) are sharded, so both sides of
+        a pair stay on one rank, in one buffer of batches (an even batch size)."""
+        if pairs:
+            mine = [2 * p + side for p in self.shard(len(texts) // 2) for side in (0, 1)]
+            batch_size = max(2, self.batch_size - self.batch_size % 2)
+        else:
+            mine, batch_size = self.shard(len(texts)), self.batch_size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # truncations are counted in the reports instead
+            for batch in self.encoder.batches([texts[i] for i in mine], batch_size, self.max_length, offsets,
+                                              self.progress, desc):
+                batch.rows = [mine[r] for r in batch.rows]
+                yield batch
+
+
+@dataclass
+class Reference:
+    """What the reference sentences give the other protocols."""
+
+    variants: list[Variant]
+    clip: str  # "auto" | "given" | "none"
+    clipped_dims: list[int] | None  # None when --clip none
+    normalize: str
+    num_sentences: int
+    num_truncated: int
+    statistics: NeuronStatisticsResult | None = None
+    outliers: list[LayerOutliers] | None = None
+    covariance: object = None  # CovarianceResult of the token vectors when computed
+    sample: tuple[Tensor, Tensor] | None = None  # ([sentences, layers, hidden], filled [sentences])
+    normalize_fit: str | None = None  # what --normalize was estimated from: "tokens" | "sentences" (None: none)
+    normalize_fit_count: int | None = None  # how many of them
+    normalize_warning: str | None = None
+
+    def header(self) -> dict:
+        header = {"clip": self.clip, "clipped_dims": self.clipped_dims or [], "normalize": self.normalize,
+                  "normalize_fit": self.normalize_fit, "normalize_fit_count": self.normalize_fit_count,
+                  "variants": [variant.key for variant in self.variants]}
+        return {**header, "normalize_warning": self.normalize_warning} if self.normalize_warning else header
+
+    def fitted(self, normalize: str, stats: CovarianceResult, fit: str) -> Reference:
+        """This reference with the --normalize variant estimated from `stats` (of `fit`: tokens or sentences)."""
+        variants = [v for v in self.variants if v.key not in REPORT_KEYS.values()]
+        variants.append(normalization(normalize, stats, fit))
+        hidden = stats.mean.shape[-1]
+        warning = None if normalize != "whiten" or stats.num_tokens > hidden + 1 else (
+            f"whitening fit on {stats.num_tokens} {fit}, not more than hidden size + 1 ({hidden + 1}): the fit "
+            "vectors whiten to a regular simplex (all their pairwise cosines equal), so whitened values are noise")
+        return replace(self, variants=variants, normalize_fit=fit, normalize_fit_count=stats.num_tokens,
+                       normalize_warning=warning)
+
+
+def counter(device) -> SumMetric:
+    return SumMetric().to(device)
+
+
+def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int] = "auto", normalize: str = "none",
+                   rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
+                   sample: int = 0, desc: str = "reference pass", fit: str = "tokens") -> Reference:
+    """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
+    `sample` seeded random sentences (all when fewer), as far as `clip` ("auto", "none" or dims), `normalize` and
+    `statistics`, `covariance`, `sample` need them. `normalize` is estimated from the token vectors (`fit="tokens"`)
+    or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS). Memory: fixed-size states plus the
+    [sample, layers, hidden] token sample, whatever the number of sentences."""
+    if fit not in ("tokens", "sentences"):
+        raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
+    encoder = setting.encoder
+    device, layers, hidden = encoder.device, encoder.num_hidden_states, encoder.hidden_size
+    normalizing = normalize != "none"
+    stats = NeuronStatistics(layers, hidden).to(device) if clip == "auto" or statistics else None
+    cov = Covariance(layers, hidden).to(device) if covariance or normalizing and fit == "tokens" else None
+    pooled = Covariance(layers, hidden).to(device) if normalizing and fit == "sentences" else None
+    chosen = range(len(sentences)) if sample >= len(sentences) else sorted(
+        random.Random(setting.seed).sample(range(len(sentences)), sample))
+    slot_of = {index: slot for slot, index in enumerate(chosen)}
+    tokens = TokenSample(len(chosen), layers, hidden).to(device) if sample else None
+    counted, truncated = counter(device), counter(device)
+    encode = stats is not None or cov is not None or pooled is not None or tokens is not None
+    if encode:
+        for batch in setting.batches(sentences, desc=desc):
+            rows = batch.rows
+            if stats is not None:
+                stats.update(batch.hidden_states, batch.mask)
+            if cov is not None:
+                cov.update(batch.hidden_states, batch.mask)
+            if pooled is not None:
+                pooled.update(mean_pool(batch.hidden_states, batch.mask))
+            if tokens is not None:
+                vectors, kept = random_tokens(batch, rows, setting.seed)
+                wanted = [k for k, r in enumerate(kept) if rows[r] in slot_of]
+                tokens.update(torch.tensor([slot_of[rows[kept[k]]] for k in wanted], dtype=torch.long),
+                              vectors[:, wanted])
+            counted.update(len(rows))
+            truncated.update(batch.num_truncated)
+    reference = Reference([RAW], "none", None, normalize, *((int(counted.compute()), int(truncated.compute()))
+                                                            if encode else (0, 0)))
+    if stats is not None:
+        reference.statistics = stats.compute()
+        reference.outliers = detect_outliers(reference.statistics, rule)
+    if clip == "auto":
+        reference.clip, reference.clipped_dims = "auto", all_outlier_dims(reference.outliers)
+    elif clip != "none":
+        reference.clip, reference.clipped_dims = "given", sorted(set(clip))
+    if reference.clipped_dims is not None:
+        reference.variants.append(Clipping(reference.clipped_dims, layers))
+    if cov is not None:
+        reference.covariance = cov.compute()
+    if normalizing:
+        reference = reference.fitted(normalize, reference.covariance if fit == "tokens" else pooled.compute(), fit)
+    if tokens is not None:
+        reference.sample = tokens.compute()
+    return reference
+
+
+def refit_on_sentences(setting: Setting, reference: Reference, sentences: list[str], desc: str = "sentence fit"
+                       ) -> Reference:
+    """`reference` with its --normalize variant re-estimated from the mean-pooled embeddings of `sentences` (the STS
+    pairs' sentences in `all`, whose reference pass is over --data): one more streamed pass, a fixed-size Covariance
+    of the pooled vectors. Unchanged without --normalize."""
+    if reference.normalize == "none":
+        return reference
+    encoder = setting.encoder
+    pooled = Covariance(encoder.num_hidden_states, encoder.hidden_size).to(encoder.device)
+    for batch in setting.batches(sentences, desc=desc):
+        pooled.update(mean_pool(batch.hidden_states, batch.mask))
+    return reference.fitted(reference.normalize, pooled.compute(), "sentences")
+
+
+def per_layer(values: dict[str, Tensor], num_layers: int) -> list[dict]:
+    """{variant key: [layers] or [layers, ...]} -> [{"layer", key: value, ...}] with floats (nan -> None)."""
+    return [{"layer": layer, **{key: number(value[layer]) for key, value in values.items()}}
+            for layer in range(num_layers)]
+
+
+def number(value):
+    if isinstance(value, dict):
+        return {k: number(v) for k, v in value.items()}
+    value = float(value)
+    return None if value != value else round(value, 6)

@@ -1,0 +1,121 @@
+"""The evaluation subcommands of analyze.py: anisotropy, isotropy, self-similarity, WiC, STS, and `all`.
+
+    python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
+    python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
+
+Each reads its data, opens the encoder (on every rank, failing together), runs the reference pass and its
+protocol (analyses/geometry.py, analyses/semantic.py) and writes the report (analyses/session.py).
+"""
+
+from __future__ import annotations
+
+from analyses import geometry, semantic
+from analyses.outliers import mean_vectors_png, outliers_report
+from analyses.reference import refit_on_sentences
+from analyses.reports import figures_of, summarise, summary_figure, summary_markdown
+from analyses.session import (
+    dataset_name,
+    finish,
+    pair_sentences,
+    prepare,
+    publish,
+    read_sentences,
+    reference_of,
+    run_header,
+    setting_of,
+    warn_truncation,
+)
+from datamodules.pairs import read_sts, read_wic, word_contexts
+
+
+def run_anisotropy(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
+    report = {**run_header(args, encoder, reference), **geometry.anisotropy(setting, reference)}
+    return publish(args, rank, "anisotropy", report, encoder)
+
+
+def run_isotropy(args, rank: int, world: int) -> dict:
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
+    report = {**run_header(args, encoder, reference),
+              **geometry.isotropy(setting, reference, args.zeta, args.minibatch, args.minibatches)}
+    return publish(args, rank, "isotropy", report, encoder)
+
+
+def read_contexts(args, limit: int):
+    return word_contexts(read_sentences(args, limit=limit), args.num_words, args.min_sentences, args.seed)
+
+
+def run_self_similarity(args, rank: int, world: int) -> dict:
+    contexts, encoder = prepare(args, rank, lambda: read_contexts(args, args.max_sentences))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, contexts.sentences)
+    report = {**run_header(args, encoder, reference),
+              **geometry.self_similarity(setting, contexts, reference.variants)}
+    return publish(args, rank, "self_similarity", report, encoder)
+
+
+def run_wic(args, rank: int, world: int) -> dict:
+    (items, skipped), encoder = prepare(args, rank, lambda: read_wic(args.data, args.gold))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, pair_sentences(items))
+    report = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+              **semantic.wic(setting, items, reference.variants)}
+    return publish(args, rank, "wic", report, encoder)
+
+
+def run_sts(args, rank: int, world: int) -> dict:
+    (pairs, unscored), encoder = prepare(args, rank, lambda: read_sts(args.data, args.gold, args.score_range))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")  # Su et al. whiten sentences
+    report = {**run_header(args, encoder, reference), "unscored": unscored, "score_range": list(args.score_range),
+              **semantic.sts(setting, pairs, reference.variants, args.static)}
+    return publish(args, rank, "sts", report, encoder)
+
+
+def run_all(args, rank: int, world: int) -> dict:
+    """The outlier report and every evaluation for one encoder, and summary.md / summary.json / summary.png."""
+    def read():
+        sentences = read_sentences(args)
+        contexts = read_contexts(args, args.pool_sentences)
+        wic_data = read_wic(args.wic, None) if args.wic else None
+        sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
+        return sentences, contexts, wic_data, sts_data
+
+    (sentences, contexts, wic_data, sts_data), encoder = prepare(args, rank, read)
+    notes = [note for note, missing in (("WiC skipped: no --wic file given", wic_data is None),
+                                        ("STS skipped: no --sts data given", not sts_data)) if missing]
+    for note in notes if rank == 0 else []:
+        print(f"note: {note}")
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
+    header = run_header(args, encoder, reference)
+    reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
+                                           reference.num_truncated),
+               "anisotropy": {**header, **geometry.anisotropy(setting, reference)},
+               "isotropy": {**header, **geometry.isotropy(setting, reference, args.zeta, args.minibatch,
+                                                               args.minibatches)},
+               "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants)}}
+    if wic_data is not None:
+        reports["wic"] = {**header, "data": args.wic, "skipped": wic_data[1].to_dict(),
+                          **semantic.wic(setting, wic_data[0], reference.variants)}
+    for name, (pairs, unscored) in sts_data.items():
+        fitted = refit_on_sentences(setting, reference, pair_sentences(pairs))  # --normalize on sentences
+        reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, fitted), "data": name,
+                                                         "unscored": unscored,
+                                                         **semantic.sts(setting, pairs, fitted.variants, args.static)}
+    summary = summarise(reports, notes)
+    figures = {file: make for name in reports if name != "outliers"
+               for file, make in figures_of(name, reports[name], encoder.short_name).items()}
+    figures["mean_vectors.png"] = lambda: mean_vectors_png(reports["outliers"], reference.statistics, encoder)
+    figures["summary.png"] = lambda: summary_figure(summary, encoder.short_name)
+    files = {f"{name}.json": report for name, report in reports.items()}
+    files["summary.json"] = summary
+    finish(args, rank, files, figures, {"summary.md": summary_markdown(summary)})
+    if rank == 0:
+        print("\n" + summary_markdown(summary))
+        warn_truncation(reports)
+    return summary

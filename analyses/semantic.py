@@ -1,0 +1,120 @@
+"""The semantic protocols: WiC (Luo et al. §4.3) and STS (§4.2, Table 2), per layer and per variant.
+
+    wic(setting, items, reference.variants)           # best accuracy over layers and thresholds 0.1..0.9
+    sts(setting, pairs, reference.variants, static=None)   # Spearman x 100 of mean-pooled cosines, per layer
+
+Pairs are sharded over ranks (both sides of a pair on one rank), each pair scored once into a PairCosine metric
+whose sum reduction assembles every pair's cosine on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from analyses.reference import Setting, counter, number, per_layer
+from datamodules.pairs import StsPair, WicItem, read_static_vectors, sentence_words, static_sentence_vector
+from lightning_modules.pooling import mean_pool, span_vectors
+from metrics.geometry import cosine
+from metrics.similarity import PairCosine, spearman, threshold_accuracy
+from metrics.transforms import Variant
+
+THRESHOLDS = [round(0.1 * t, 1) for t in range(1, 10)]  # WiC: same sense iff cosine >= threshold
+
+
+def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_pairs: int, vectors_of,
+               offsets: bool, desc: str) -> tuple[dict[str, PairCosine], int, int]:
+    """Encode the flattened pairs (pair p = texts 2p, 2p+1) and score each pair once both sides are encoded.
+
+    A chunk of sorted sentences always holds both sides of its pairs (even sizes), so at most a chunk is pending.
+    """
+    encoder = setting.encoder
+    metrics = {v.key: PairCosine(num_pairs, encoder.num_hidden_states).to(encoder.device) for v in variants}
+    lost, truncated = counter(encoder.device), counter(encoder.device)
+    pending: dict[int, list] = {}
+    for batch in setting.batches(texts, offsets, desc, pairs=True):
+        rows = batch.rows
+        vectors, found = vectors_of(rows, batch)
+        lost.update(len(rows) - len(found))
+        truncated.update(batch.num_truncated)
+        for column, row in enumerate(found):
+            pending.setdefault(rows[row] // 2, [None, None])[rows[row] % 2] = vectors[:, column]
+        done = [p for p, sides in pending.items() if sides[0] is not None and sides[1] is not None]
+        if done:
+            a = torch.stack([pending[p][0] for p in done], 1)
+            b = torch.stack([pending[p][1] for p in done], 1)
+            for variant in variants:
+                metrics[variant.key].update(torch.tensor(done), variant.apply(a), variant.apply(b))
+            for p in done:
+                del pending[p]
+    return metrics, int(lost.compute()), int(truncated.compute())
+
+
+def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict:
+    """Luo et al. (2021) §4.3 / Pilehvar & Camacho-Collados (2019): same sense iff the cosine of the target word's
+    vectors (sub-word pieces averaged) in the two sentences reaches a threshold; the best threshold of 0.1..0.9 and
+    the best layer, searched on the given data (an oracle choice, as in the paper)."""
+    texts = [s for item in items for s in (item.sentence1, item.sentence2)]
+    spans = [span for item in items for span in (item.span1, item.span2)]
+
+    def vectors_of(rows, batch):
+        vectors, found = span_vectors(batch, [[spans[row]] for row in rows])
+        return vectors, [r for r, _ in found]
+
+    metrics, lost, truncated = _pair_loop(setting, texts, variants, len(items), vectors_of, True, "wic")
+    labels = torch.tensor([item.label for item in items])
+    thresholds = torch.tensor(THRESHOLDS, dtype=torch.float64)
+    report = {"num_pairs": len(items), "targets_lost_to_truncation": lost, "num_truncated": truncated,
+              "thresholds": THRESHOLDS}
+    per_variant = {}
+    for variant in variants:
+        cosines, seen = metrics[variant.key].compute()
+        cosines, gold = cosines[seen.cpu()].cpu(), labels[seen.cpu()]
+        accuracy = threshold_accuracy(cosines, gold, thresholds)  # [layers, thresholds]
+        best_t = accuracy.argmax(1)
+        per_variant[variant.key] = [{"accuracy": round(float(accuracy[layer, t]), 6), "threshold": THRESHOLDS[t]}
+                                    for layer, t in enumerate(best_t.tolist())]
+        layer = int(accuracy.max(1).values.argmax())
+        key = "best" if variant.key == "raw" else f"best_{variant.key}"
+        report[key] = {"accuracy": round(float(accuracy[layer].max()), 6), "layer": layer,
+                       "threshold": THRESHOLDS[int(best_t[layer])]}
+        report["num_scored"] = int(seen.sum())
+        report["baseline"] = round(float(gold.double().mean()), 6) if gold.numel() else None  # all "same sense"
+    report["layers"] = [{"layer": layer, **{key: rows[layer] for key, rows in per_variant.items()}}
+                        for layer in range(setting.encoder.num_hidden_states)]
+    return report
+
+
+def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static: str | None = None) -> dict:
+    """Spearman x 100 between the cosine of mean-pooled sentence embeddings (padding excluded) and the gold
+    scores, per layer and variant; optionally the same for averaged static word vectors (GloVe format)."""
+    texts = [s for pair in pairs for s in (pair.sentence1, pair.sentence2)]
+
+    def vectors_of(rows, batch):
+        return mean_pool(batch.hidden_states, batch.mask), list(range(len(rows)))
+
+    metrics, _, truncated = _pair_loop(setting, texts, variants, len(pairs), vectors_of, False, "sts")
+    gold = torch.tensor([pair.score for pair in pairs], dtype=torch.float64)
+    report = {"num_pairs": len(pairs), "num_truncated": truncated}
+    per_variant = {}
+    for variant in variants:
+        cosines, seen = metrics[variant.key].compute()
+        rho = 100 * spearman(cosines.cpu(), gold)
+        per_variant[variant.key] = rho
+        layer = int(rho.nan_to_num(float("-inf")).argmax())
+        key = "best" if variant.key == "raw" else f"best_{variant.key}"
+        report[key] = {"spearman": number(rho[layer]), "layer": layer}
+    report["layers"] = per_layer(per_variant, setting.encoder.num_hidden_states)
+    report["static_baseline"] = static_baseline(pairs, gold, static, setting.progress) if static else None
+    return report
+
+
+def static_baseline(pairs: list[StsPair], gold: Tensor, path: str, progress: bool = False) -> dict:
+    """Spearman x 100 of averaged static word vectors (the paper's GloVe row), with the word coverage."""
+    vocabulary = set().union(*(sentence_words(p.sentence1) | sentence_words(p.sentence2) for p in pairs))
+    vectors, dim = read_static_vectors(path, vocabulary, progress)
+    a = torch.stack([static_sentence_vector(p.sentence1, vectors, dim) for p in pairs])
+    b = torch.stack([static_sentence_vector(p.sentence2, vectors, dim) for p in pairs])
+    rho = 100 * spearman(cosine(a, b), gold)
+    return {"file": str(path), "spearman": number(rho), "dim": dim,
+            "word_coverage": round(len(vectors) / max(len(vocabulary), 1), 6)}

@@ -1,0 +1,179 @@
+"""The plumbing of one analyze.py run: ranks, reading, the encoder, the reference pass, and writing reports.
+
+    with distributed() as (rank, world):                  # torchrun: a process group, destroyed on exit
+        sentences, encoder = prepare(args, rank, lambda: read_sentences(args))   # fail together on every rank
+        setting = setting_of(args, encoder, rank, world)
+        reference = reference_of(args, setting, sentences, sample=2000)
+        publish(args, rank, "anisotropy", {**run_header(args, encoder, reference), **body}, encoder)
+
+Rank 0 writes every report and figure at once (all or nothing, core.output.staged_output) and prints them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from analyses.reference import Reference, Setting, reference_pass
+from analyses.reports import figures_of, print_report
+from core.errors import UserError
+from core.figures import save_figure
+from core.output import check_writable, staged_output, write_json
+from datamodules.pairs import STS_PRESETS
+from datamodules.text import iter_texts, sample_texts
+from lightning_modules.encoder import FrozenEncoder, load_encoder
+from metrics.outliers import OutlierRule
+from metrics.transforms import clip_spec
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def distributed() -> Iterator[tuple[int, int]]:
+    """(rank, world size); under torchrun, a process group (NCCL on GPU, gloo on CPU) destroyed on exit."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        yield (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def collectively(step: Callable[[], T]) -> T:
+    """Run `step` on every rank; a UserError on any rank is raised on all of them, so no rank waits forever."""
+    error, result = None, None
+    try:
+        result = step()
+    except UserError as raised:
+        error = str(raised)
+    if dist.is_initialized():
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((message for message in errors if message), None)
+    if error:
+        raise UserError(error)
+    return result
+
+
+def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None) -> list[str]:
+    """The sampled sentences of --data (the same sample on every rank), then this rank's shard."""
+    limit = args.max_sentences if limit is None else limit
+    texts = sample_texts(iter_texts(args.data, args.text_column), limit, args.seed)
+    if not texts:
+        raise UserError(f"no sentences in {args.data}")
+    return list(itertools.islice(texts, rank, None, world))
+
+
+def open_encoder(args) -> FrozenEncoder:
+    device = args.device
+    if device is None and torch.cuda.is_available() and dist.is_initialized():
+        device = f"cuda:{torch.cuda.current_device()}"
+    encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special)
+    encoder.check_max_length(args.max_length)
+    if isinstance(getattr(args, "clip", None), list):  # given dimensions: check them against this model
+        clip_spec(args.clip, encoder.num_hidden_states, encoder.hidden_size)
+    return encoder
+
+
+def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> Setting:
+    return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
+
+
+def prepare(args, rank: int, read: Callable[[], T]) -> tuple[T, FrozenEncoder]:
+    """Read the data, check the output directory and load the encoder, failing together on every rank."""
+    def step():
+        data = read()
+        if rank == 0:
+            check_writable(args.output_dir)
+        return data, open_encoder(args)
+
+    return collectively(step)
+
+
+def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None) -> dict:
+    header = {
+        "encoder": str(args.encoder),
+        "data": str(args.data),
+        "max_length": args.max_length or encoder.max_length,
+        "special_tokens": "excluded" if args.exclude_special else "included",
+        "seed": args.seed,
+        "indexing": "0-indexed dimensions; layer 0 = embedding output",
+    }
+    if reference is not None:
+        header.update(reference.header())
+    return header
+
+
+def reference_of(args, setting: Setting, sentences: list[str], **needs) -> Reference:
+    """The reference pass over `sentences` for --clip / --normalize (and what `needs` asks for)."""
+    reference = reference_pass(setting, sentences, args.clip, args.normalize,
+                                         OutlierRule(args.min_share, args.sigma), **needs)
+    if reference.statistics is not None and reference.statistics.num_tokens == 0:
+        raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
+    return reference
+
+
+def pair_sentences(items) -> list[str]:
+    return list(dict.fromkeys(s for item in items for s in (item.sentence1, item.sentence2)))
+
+
+def warn_truncation(reports: dict[str, dict]) -> None:
+    """One line on stderr per truncation count in `reports` ({name: report}; reports from one pass share a line).
+
+    The count is the report's num_truncated, of its num_sentences (pair reports: 2 x num_pairs sentences)."""
+    counts: dict[tuple[int, int, int], list[str]] = {}
+    for name, report in reports.items():
+        if report.get("num_truncated"):
+            total = report.get("num_sentences", 2 * report.get("num_pairs", 0))
+            counts.setdefault((report["num_truncated"], total, report["max_length"]), []).append(f"{name}.json")
+    for (truncated, total, length), names in counts.items():
+        where = "the report" if len(reports) == 1 else ", ".join(names)
+        print(f"warning: {truncated} of {total} sentences were longer than {length} tokens and were truncated "
+              f"(counted in {where} as num_truncated)", file=sys.stderr)
+
+
+def dataset_name(source: str, taken=()) -> str:
+    """A file-name-safe name of an STS source (the preset name, or the file's stem), numbered if already taken."""
+    name = source if source in STS_PRESETS else "".join(
+        c if c.isalnum() or c in "-_." else "_" for c in Path(source).stem or source)
+    number, unique = 1, name
+    while f"sts_{unique}" in taken:
+        number += 1
+        unique = f"{name}_{number}"
+    return unique
+
+
+def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) -> dict:
+    finish(args, rank, {f"{name}.json": report}, figures_of(name, report, encoder.short_name))
+    if rank == 0:
+        print_report(name, report)
+        warn_truncation({name: report})
+    return report
+
+
+def finish(args, rank: int, reports: dict, figures: dict, texts: dict | None = None) -> None:
+    """Rank 0 writes every report, figure and text at once (all or nothing) and names them."""
+    if rank != 0:
+        return
+    with staged_output(args.output_dir) as stage:
+        for name, report in reports.items():
+            write_json(stage / name, report)
+        for name, make in figures.items():
+            save_figure(make(), stage / name)
+        for name, text in (texts or {}).items():
+            (stage / name).write_text(text, encoding="utf-8")
+    names = [*reports, *figures, *(texts or {})]
+    print(f"wrote {', '.join(str(Path(args.output_dir) / n) for n in names)}")

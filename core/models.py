@@ -1,0 +1,125 @@
+"""What a transformers encoder is made of, read off the model itself (nothing is assumed about any architecture).
+
+    encoder_layers(model)          # [embeddings, layer 1, ..., layer L]: the modules whose outputs are hidden states
+    position_embedding(model)      # the absolute position table (nn.Embedding) or None
+    position_offset(model)         # RoBERTa numbers positions from padding_idx + 1, BERT from 0
+    model_max_length(model)        # the longest input: table size minus the offset
+    position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
+    layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm over the hidden size
+    short_name("runs/x/export")    # "x"
+
+Layers follow transformers' `hidden_states`: 0 is the embedding output, l the output of transformer layer l.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from core.errors import UserError
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The bare encoder of a model with a head (`model.base_model`), or the model itself."""
+    return getattr(model, "base_model", model)
+
+
+def find_encoder(module: nn.Module) -> nn.Module | None:
+    """The first transformers PreTrainedModel inside `module` (itself included), or None."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def hidden_size(config) -> int:
+    """The hidden size of a transformers config (DistilBERT calls it `dim`)."""
+    return int(getattr(config, "hidden_size", None) or config.dim)
+
+
+def encoder_layers(model: nn.Module) -> list[nn.Module]:
+    """[embeddings, layer 1, ..., layer L] of a transformers encoder (or a model holding one)."""
+    base = base_model(find_encoder(model) or model)
+    embeddings = getattr(base, "embeddings", None)
+    for name in ("encoder", "transformer"):
+        container = getattr(base, name, None)
+        layers = getattr(container, "layer", None) if container is not None else None
+        if isinstance(embeddings, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return [embeddings, *layers]
+    raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers encoder "
+                    "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
+
+
+def position_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The absolute position-embedding table of an encoder, or None when it has none (relative or rotary positions)."""
+    table = getattr(getattr(base_model(model), "embeddings", None), "position_embeddings", None)
+    return table if isinstance(table, nn.Embedding) else None
+
+
+def position_offset(model: nn.Module) -> int:
+    """RoBERTa-style embeddings number positions from padding_idx + 1; BERT-style from 0."""
+    padding_idx = getattr(getattr(base_model(model), "embeddings", None), "padding_idx", None)
+    return padding_idx + 1 if isinstance(padding_idx, int) else 0
+
+
+def model_max_length(model: nn.Module, tokenizer=None) -> int:
+    """The longest input the model takes: its position table size minus RoBERTa's padding offset."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None or positions <= 0:
+        limit = getattr(tokenizer, "model_max_length", 512) if tokenizer is not None else 512
+        return int(limit) if limit < 1_000_000 else 512
+    return positions - position_offset(model)
+
+
+def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
+    """The rows of the absolute position table a token can actually use, in the hidden space ([positions, hidden],
+    float32 on the CPU), or None and why not.
+
+    ALBERT's factorised table [positions, E] is narrower than the hidden size H: its rows are traced into the hidden
+    space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
+    """
+    table = position_embedding(model)
+    if table is None:
+        return None, "no absolute position-embedding table"
+    weight = table.weight.detach().float().cpu()  # [positions, width]
+    if not weight.any():
+        return None, "the position-embedding table is all zeros (trained without positional embeddings)"
+    note, width, hidden = "", weight.shape[1], model.config.hidden_size
+    if width != hidden:
+        why = f"factorised embeddings: the position table has width E={width}, the hidden size is H={hidden}"
+        projection = getattr(getattr(base_model(model), "encoder", None), "embedding_hidden_mapping_in", None)
+        if not isinstance(projection, nn.Linear) or tuple(projection.weight.shape) != (hidden, width):
+            return None, f"{why}, and no E-to-H projection to trace its rows through"
+        weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
+        note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
+                "bias; the embedding LayerNorm before it is not applied)")
+    offset = position_offset(model)
+    return weight[offset: offset + model_max_length(model)], note
+
+
+def written_layers(model: nn.Module, name: str) -> list[int]:
+    """The hidden-state layers the module `name` writes: [l] for a module of transformer layer l - 1 (BERT's
+    encoder.layer.{l-1}, DistilBERT's transformer.layer.{l-1}), [0] outside the layers, and every layer that runs
+    the group for ALBERT's shared encoder.albert_layer_groups.{g} (layer i uses group i // (layers / groups))."""
+    group = re.search(r"layer_groups\.(\d+)\.", name + ".")
+    if group:
+        layers, groups = model.config.num_hidden_layers, model.config.num_hidden_groups
+        return [i + 1 for i in range(layers) if int(i / (layers / groups)) == int(group.group(1))]
+    match = re.search(r"layers?\.(\d+)\.", name + ".")
+    return [int(match.group(1)) + 1 if match else 0]
+
+
+def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.LayerNorm]]:
+    """(name, hidden-state layers it writes, module) for each LayerNorm over the hidden size, in model order."""
+    hidden = model.config.hidden_size
+    return [(name, written_layers(model, name), module) for name, module in model.named_modules()
+            if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,)]
+
+
+def short_name(source: str) -> str:
+    """A readable name for a model path: its last component that is not a generic folder name."""
+    for part in reversed(Path(str(source)).parts):
+        if part not in ("model", "export", "snapshots", "checkpoints", "/"):
+            return part
+    return str(source)

@@ -1,0 +1,122 @@
+"""Writing reports, exports and checkpoints without ever leaving anything half-written.
+
+    with staged_output("runs/x") as stage:                 # files land in runs/x only if the block succeeds
+        write_json(stage / "report.json", report)
+    with atomic_file("runs/x/checkpoints/last.ckpt") as handle: torch.save(state, handle)
+    check_writable("runs/x")                               # fail before a long computation, leave nothing behind
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from core.errors import UserError
+
+
+@contextlib.contextmanager
+def staged_output(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a staging directory whose files move into `output_dir` only if the block succeeds.
+
+    The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
+    `output_dir` and every parent directory this call created, if they are left empty. Each file lands with an atomic
+    `os.replace`.
+    """
+    output = Path(output_dir)
+    created = missing_directories(output)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=output))
+    except OSError as error:
+        remove_empty(created)
+        raise UserError(f"cannot write to output directory {output}: {error.strerror or error}") from None
+    try:
+        yield stage
+        for path in sorted(stage.rglob("*")):
+            if path.is_file():
+                target = output / path.relative_to(stage)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+    except OSError as error:
+        raise UserError(f"cannot write report to {output}: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        remove_empty(created)
+
+
+def missing_directories(path: str | os.PathLike) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first (what a mkdir -p would create)."""
+    missing = []
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove the given directories, deepest first, as long as they are empty (never anything with a file in it)."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty (or not ours to remove): neither are its parents
+            return
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
+    """Open a temporary file beside `path` for binary writing; on success it is flushed, fsynced and renamed onto
+    `path` (`os.replace`, atomic on POSIX), so a reader or a crash sees the old file or the new one, never a part.
+
+    On any error (or a kill: the temporary name `.NAME.*.tmp` is never read) `path` keeps its old content.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    try:
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)  # as open() would have created it (mkstemp uses 0600)
+        os.replace(handle.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def publish_directory(staged: Path, target: Path) -> None:
+    """Move a finished directory into place atomically; if another process won the race, keep theirs."""
+    try:
+        os.replace(staged, target)
+    except OSError:
+        if not target.exists():
+            raise
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def check_writable(output_dir: str | os.PathLike) -> None:
+    """Fail early, before any long computation, when `output_dir` cannot be created or written (leaving no
+    directory behind that was not there before)."""
+    with staged_output(output_dir):
+        pass

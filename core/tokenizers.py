@@ -1,0 +1,76 @@
+"""Tokenizers: loading one (hub id or local directory), its identity, and embedding it in a checkpoint as data.
+
+    tokenizer = load_tokenizer("roberta-base")          # hub id or local directory; fast, with <mask> and <pad>
+    fingerprint(tokenizer)                              # sha256 of its full definition
+    files = tokenizer_files(tokenizer); tokenizer_from_files(files)   # {name: text}: JSON and text, never a pickle
+    boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+
+from core.errors import UserError, first_line
+from core.sources import local_path
+
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
+
+
+def load_tokenizer(source: str | Path):
+    """An existing tokenizer by hub id or local directory; it must be fast and have <mask> and <pad> tokens."""
+    from transformers import AutoTokenizer
+
+    path = local_path(source, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
+    for name in ("mask_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is None:
+            raise UserError(f"tokenizer {source} has no {name.removesuffix('_token_id')} token, needed for MLM")
+    if not tokenizer.is_fast:
+        raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
+    return tokenizer
+
+
+def check_special_ids(tokenizer, name: str) -> None:
+    """RoBERTa's ids: <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4."""
+    got = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    if got != list(range(len(SPECIAL_TOKENS))):
+        raise UserError(f"{name} has special ids {dict(zip(SPECIAL_TOKENS, got))}, expected 0..4")
+
+
+def boundary_ids(tokenizer) -> tuple[int, int]:
+    """The ids opening and closing a block: <s> and </s>, or [CLS] and [SEP] for a tokenizer without bos/eos."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    return bos, eos
+
+
+def vocab_limit(tokenizer) -> int:
+    """One more than the largest id the tokenizer can produce (the rows a model's embedding needs)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's full definition (vocabulary, merges, special tokens, normalisation)."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+
+
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """The files `save_pretrained` writes, as {name: text}, to embed a tokenizer in a checkpoint."""
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)
+        return {path.name: path.read_text(encoding="utf-8") for path in Path(directory).iterdir() if path.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, str]):
+    """Inverse of `tokenizer_files`."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as directory:
+        for name, text in files.items():
+            (Path(directory) / name).write_text(text, encoding="utf-8")
+        return AutoTokenizer.from_pretrained(directory)

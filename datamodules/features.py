@@ -1,0 +1,243 @@
+"""Frozen-encoder features for the probes, extracted in one pass and cached: every layer of every sentence, once.
+
+    extractor = FeatureExtractor(layers=[0, ..., L], batch_size=32, max_memory_gb=4.0)
+    result = extractor.extract([encoder, random_twin], texts, labels, task)   # per split; task: what an item is
+    result.stores["train"].gather(rows)                 # [slots, items, hidden] float32
+    result.statistics                                   # NeuronStatistics of the training split's hidden states
+
+The encoders run exactly once per sentence in total, over all splits sorted by length (little padding); each batch's
+rows are routed to their split's FeatureStore. A store lives in memory while all splits' features together fit
+`max_memory_gb`; the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
+Slots: the first encoder's layers, then the next encoder's (the random-init twin's), in `layers` order.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from lightning_modules.encoder import FrozenEncoder
+from metrics.neuron_stats import NeuronStatistics
+
+SPLITS = ("train", "val", "test")
+GIB = 1024 ** 3
+
+
+class FeatureStore:
+    """Features of one split: [items, slots, hidden] float32, in memory or in a memory-mapped file.
+
+    Items of one sentence are contiguous: sentence s owns items offsets[s]:offsets[s + 1].
+    """
+
+    def __init__(self, items: int, slots: int, hidden: int, sentences: int, path: Path | None = None) -> None:
+        self.path = path
+        if path is None:  # slot-major in memory: a batch gather is one index_select, already contiguous
+            self.array = torch.empty(slots, items, hidden)
+        else:  # item-major on disk: a batch reads whole rows
+            self.array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(items, slots, hidden))
+        self.labels = torch.empty(items, dtype=torch.long)
+        self.offsets = torch.zeros(sentences + 1, dtype=torch.long)
+        self.items = 0
+        self.sentences = 0
+
+    def append(self, features: Tensor, labels: Tensor, per_sentence: Tensor) -> None:
+        """features [slots, n, hidden], labels [n], per_sentence [sentences in this batch] (items of each)."""
+        n, start = features.shape[1], self.items
+        if self.path is None:
+            self.array[:, start:start + n] = features.float().cpu()
+        else:
+            self.array[start:start + n] = features.float().cpu().transpose(0, 1).numpy()
+        self.labels[start:start + n] = labels.cpu()
+        count = len(per_sentence)
+        self.offsets[self.sentences + 1:self.sentences + 1 + count] = start + per_sentence.cpu().cumsum(0)
+        self.items += n
+        self.sentences += count
+
+    def rows(self, sentences: Tensor) -> Tensor:
+        """The item indices of the given sentences, in order."""
+        starts, ends = self.offsets[sentences], self.offsets[sentences + 1]
+        lengths = ends - starts
+        base = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)
+        return base + torch.arange(int(lengths.sum()))
+
+    def gather(self, rows: Tensor) -> Tensor:
+        """[slots, len(rows), hidden]."""
+        if self.path is None:
+            return self.array.index_select(1, rows)
+        return torch.from_numpy(np.ascontiguousarray(self.array[rows.numpy()])).transpose(0, 1).contiguous()
+
+    def features(self) -> Tensor:
+        """All features [slots, items, hidden] (a copy when memory-mapped)."""
+        return self.gather(torch.arange(self.items))
+
+
+class SentenceBatches(Dataset):
+    """Indexed by a list of sentence ids (from a BatchSampler): (features [slots, items, hidden], labels [items])."""
+
+    def __init__(self, store: FeatureStore) -> None:
+        self.store = store
+
+    def __len__(self) -> int:
+        return self.store.sentences
+
+    def __getitem__(self, sentences: list[int]) -> tuple[Tensor, Tensor]:
+        rows = self.store.rows(torch.as_tensor(sorted(sentences), dtype=torch.long))
+        return self.store.gather(rows), self.store.labels[rows]
+
+
+class ProbeTask(Protocol):
+    """What an item and its label are (the position probe: tokens and positions; classifiers: pooled sentences)."""
+
+    item_name: str | None
+
+    def items_of(self, mask: Tensor) -> Tensor:
+        """mask [batch, seq] (the tokens that count) → [batch, seq] bool: the tokens that make the items."""
+
+    def item_counts(self, keep: Tensor) -> Tensor:
+        """keep [rows, seq] → [rows]: items per sentence."""
+
+    def pool(self, hidden: Tensor, keep: Tensor, rows: Tensor, sentence_labels: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [layers, batch, seq, hidden], keep [batch, seq] (False outside `rows`), rows [sentences] of the
+        batch, their labels → (features [layers, n, hidden], labels [n], items per sentence [sentences])."""
+
+    def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
+        """Extra counts of some rows: mask [rows, seq] (counted tokens), keep [rows, seq] (the items' tokens)."""
+
+
+@dataclass
+class Extracted:
+    stores: dict[str, FeatureStore]
+    texts: dict[str, list[str]]  # per split, in the stores' sentence order
+    labels: dict[str, Tensor]  # per split (classification), in the same order
+    counts: dict[str, dict]  # per split: sentences, items (under the task's item name), and the task's counts
+    num_truncated: int
+    statistics: NeuronStatistics  # of the first encoder's hidden states on the training split
+
+
+class FeatureExtractor:
+    """One pass of every encoder over all sentences of all splits into FeatureStores (see the module docstring)."""
+
+    def __init__(self, layers: list[int], batch_size: int = 32, max_length: int | None = None,
+                 exclude_special: bool = False, max_memory_gb: float = 4.0, cache_root: str | Path | None = None,
+                 progress: bool = True) -> None:
+        self.layers, self.batch_size, self.max_length = layers, batch_size, max_length
+        self.exclude_special, self.max_memory_gb, self.cache_root = exclude_special, max_memory_gb, cache_root
+        self.progress = progress
+        self._cleanups: list[weakref.finalize] = []  # memory-mapped files live as long as this extractor
+
+    def close(self) -> None:
+        """Remove the memory-mapped files, if any (also done at interpreter exit)."""
+        for cleanup in self._cleanups:
+            cleanup()
+        self._cleanups = []
+
+    def mask(self, batch: dict) -> Tensor:
+        """[batch, seq] bool: tokens that count (not padding; not special tokens when excluded)."""
+        mask = batch["attention_mask"].bool()
+        if self.exclude_special and "special_tokens_mask" in batch:
+            mask &= ~batch["special_tokens_mask"].bool()
+        return mask
+
+    @torch.no_grad()
+    def extract(self, encoders: Sequence[FrozenEncoder], texts: dict[str, list[str]], labels: dict[str, Tensor],
+                task: ProbeTask) -> Extracted:
+        """Features of `texts` (per split) from every encoder; `labels` (per split, classification) are reordered with
+        the sentences (sorted by length)."""
+        primary, num_slots = encoders[0], len(encoders) * len(self.layers)
+        entries = sorted(((split, i) for split in SPLITS for i in range(len(texts[split]))),
+                         key=lambda entry: len(texts[entry[0]][entry[1]]))
+        ordered = [texts[split][i] for split, i in entries]
+        batches = [primary.tokenize(ordered[start:start + self.batch_size], self.max_length)
+                   for start in range(0, len(ordered), self.batch_size)]
+        routes = []  # per batch: {split: row indices in the batch}
+        for start in range(0, len(entries), self.batch_size):
+            chunk = [split for split, _ in entries[start:start + self.batch_size]]
+            routes.append({split: torch.tensor([r for r, s in enumerate(chunk) if s == split], dtype=torch.long)
+                           for split in SPLITS if split in chunk})
+        keeps = [task.items_of(self.mask(inputs)) for inputs, _ in batches]
+        counts = {split: {"sentences": len(texts[split])} for split in SPLITS}
+        for (inputs, _), keep, route in zip(batches, keeps, routes):
+            for split, rows in route.items():
+                extra = {"items": int(task.item_counts(keep[rows]).sum()),
+                         **task.split_counts(self.mask(inputs)[rows], keep[rows])}
+                for key, value in extra.items():
+                    counts[split][key] = counts[split].get(key, 0) + value
+        paths = self.store_paths({split: counts[split]["items"] * num_slots * primary.hidden_size * 4
+                                  for split in SPLITS})  # float32 features of all splits against one budget
+        stores, ordered_texts, ordered_labels = {}, {}, {}
+        for split in SPLITS:
+            order = [i for s, i in entries if s == split]
+            ordered_texts[split] = [texts[split][i] for i in order]
+            if split in labels:
+                ordered_labels[split] = labels[split][order]
+            stores[split] = FeatureStore(counts[split]["items"], num_slots, primary.hidden_size, len(order),
+                                         paths[split])
+        statistics = NeuronStatistics(len(self.layers), primary.hidden_size).to(primary.device)
+        done = dict.fromkeys(SPLITS, 0)  # sentences written per split
+        bar = tqdm(total=len(entries), unit="sent", desc=f"encoding ({primary.short_name})",
+                   disable=not self.progress, dynamic_ncols=True, leave=False)
+        with bar:
+            for (inputs, _), keep, route in zip(batches, keeps, routes):
+                hidden = [self.select(encoder(**inputs).hidden_states) for encoder in encoders]
+                for split, rows in route.items():
+                    split_keep = torch.zeros_like(keep)  # the items of this split's rows only: no row copies
+                    split_keep[rows] = keep[rows]
+                    split_keep = split_keep.to(primary.device)
+                    sentence_labels = ordered_labels[split][done[split]:done[split] + len(rows)] \
+                        if split in ordered_labels else None
+                    parts = []
+                    for states in hidden:
+                        features, item_labels, per_sentence = task.pool(states, split_keep, rows, sentence_labels)
+                        parts.append(features.float().cpu())
+                    if split == "train":
+                        statistics.update(hidden[0], split_keep)
+                    stores[split].append(parts[0] if len(parts) == 1 else torch.cat(parts), item_labels, per_sentence)
+                    done[split] += len(rows)
+                bar.update(len(inputs["input_ids"]))
+        for split in SPLITS:
+            items = counts[split].pop("items")
+            if task.item_name:
+                counts[split] = {"sentences": counts[split]["sentences"], task.item_name: items, **counts[split]}
+        return Extracted(stores, ordered_texts, ordered_labels, counts, sum(truncated for _, truncated in batches),
+                         statistics)
+
+    def select(self, hidden_states: Tensor) -> Tensor:
+        """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""
+        if self.layers == list(range(hidden_states.shape[0])):
+            return hidden_states
+        return hidden_states[self.layers]
+
+    def store_paths(self, nbytes: dict[str, int]) -> dict[str, Path | None]:
+        """Where each split's features live: None (memory) or a memory-mapped file. `max_memory_gb` bounds all
+        splits together: in SPLITS order (train, val, test: the most read first), a split stays in memory while the
+        running total of the in-memory splits fits the budget; the others stream from disk, with one warning."""
+        budget, total, paths = self.max_memory_gb * GIB, 0, {}
+        for split in SPLITS:
+            if total + nbytes[split] <= budget:
+                total += nbytes[split]
+                paths[split] = None
+        streamed = [split for split in SPLITS if split not in paths]
+        if not streamed:
+            return paths
+        root = Path(self.cache_root or tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        directory = Path(tempfile.mkdtemp(prefix=".features-", dir=root))
+        self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
+        sizes = ", ".join(f"{split} {nbytes[split] / GIB:.2f}" for split in SPLITS)
+        warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB ({sizes}), over --data.max_memory_gb "
+                      f"{self.max_memory_gb}: streaming {', '.join(streamed)} from a memory-mapped file in "
+                      f"{directory} (slower)", stacklevel=3)
+        return {**paths, **{split: directory / f"{split}.npy" for split in streamed}}

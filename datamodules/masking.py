@@ -1,0 +1,57 @@
+"""Dynamic masking, done in the loader's workers: BERT's 15% rule with randomness tied to each block, not to the run.
+
+    collator = MaskCollator(tokenizer, block_length=128, mlm_probability=0.15, seed=0)
+    batch = collator({"blocks": blocks [batch, seq], "keys": keys [batch]})
+    batch["input_ids"] [batch, seq], batch["positions"] [batch, k], batch["targets"] [batch, k]  (-100 = none)
+
+Exactly round(0.15 × (block_length - 2)) non-special positions of each block are predicted; of those 80% become
+<mask>, 10% a random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
+block's key is (epoch × blocks + index), so masks are the same whatever the device count, batch size, worker count
+or resume point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from core.tokenizers import vocab_limit
+
+
+class MaskCollator:
+    """Blocks [batch, seq] + their keys [batch] → input_ids, positions [batch, k] and targets [batch, k] (see module doc)."""
+
+    def __init__(self, tokenizer, block_length: int, mlm_probability: float = 0.15, seed: int = 0) -> None:
+        specials = sorted({int(i) for i in tokenizer.all_special_ids})
+        self.special = np.array(specials, dtype=np.int64)
+        self.mask_id = int(tokenizer.mask_token_id)
+        self.random_ids = np.setdiff1d(np.arange(vocab_limit(tokenizer)), self.special)
+        self.k = max(1, round(mlm_probability * (block_length - 2)))
+        self.seed = seed
+
+    def __call__(self, item: dict) -> dict[str, torch.Tensor]:
+        blocks = np.asarray(item["blocks"], dtype=np.int64)  # [batch, seq]
+        keys = np.asarray(item["keys"], dtype=np.int64)
+        batch, length = blocks.shape
+        k = min(self.k, length)
+        input_ids = blocks.copy()
+        positions = np.zeros((batch, k), dtype=np.int64)
+        targets = np.full((batch, k), -100, dtype=np.int64)
+        maskable = ~np.isin(blocks, self.special)
+        for row in range(batch):
+            rng = np.random.Generator(np.random.PCG64([self.seed, int(keys[row])]))
+            scores = rng.random(length)
+            scores[~maskable[row]] = np.inf
+            chosen = np.sort(np.argpartition(scores, k - 1)[:k])
+            chosen = chosen[maskable[row, chosen]]
+            count = len(chosen)
+            positions[row, :count] = chosen
+            targets[row, :count] = blocks[row, chosen]
+            action = rng.random(k)[:count]
+            replace = rng.choice(self.random_ids, size=k)[:count]
+            input_ids[row, chosen] = np.where(action < 0.8, self.mask_id, np.where(action < 0.9, replace, blocks[row, chosen]))
+        out = {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
+               "targets": torch.from_numpy(targets)}
+        if "stream_state" in item:  # where a streaming rank stands after this batch; the datamodule strips it
+            out["stream_state"] = item["stream_state"]
+        return out

@@ -1,0 +1,128 @@
+"""Linear probes on many layers at once: one weight [slots, hidden, classes], one batched matmul, one fused loss.
+
+    probe = StackedProbe([("encoder", 0), ("encoder", 1)], hidden=384, classes=300, seed=0)
+    loss = probe.loss(features, positions)       # features [slots, items, hidden], positions [items]
+    logits = probe(features)                     # [slots, items, classes]
+
+Used by the probe.py probes (lightning_modules/probes.py) and by the online probe of the ContributionVectors
+callback: training the slots together equals training each alone (each slot's own seeded initial weights, each
+slot's own mean loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+_INIT_KIND = {"encoder": 0, "clipped": 0, "random": 1}  # a clipped probe starts from its unclipped twin's weights
+
+
+def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:
+    """weight [slots, hidden, classes] → [slots, hidden, width]: with 64 classes or more the class dim is zero-padded
+    to a multiple of `multiple` (CPU BLAS runs 300 columns slower than 320)."""
+    slots, hidden, classes = weight.shape
+    width = -(-classes // multiple) * multiple if classes >= multiple else classes
+    if width == classes:
+        return weight
+    padded = weight.new_zeros(slots, hidden, width)
+    padded[:, :, :classes] = weight
+    return padded
+
+
+def padded_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, classes: int | None = None) -> Tensor:
+    """x [slots, items, hidden] @ weight [slots, hidden, classes] (+ bias [slots, classes]) → [slots, items, width].
+
+    The weight is padded by `pad_weight` (or already is, with `classes` its true number of classes) and the padding
+    columns of the logits are -inf, so a softmax over the padded logits is the true one.
+    """
+    padded = pad_weight(weight) if classes is None else weight
+    classes = weight.shape[2] if classes is None else classes
+    logits = torch.bmm(x.to(padded.dtype), padded)
+    if bias is not None:
+        logits[:, :, :classes] += bias.unsqueeze(1)
+    logits[:, :, classes:] = float("-inf")
+    return logits
+
+
+class StackedLinearCrossEntropy(torch.autograd.Function):
+    """Sum over slots of each slot's mean cross-entropy of x @ weight (+ bias), with the gradient formed in the
+    forward pass: chunk by chunk of items, the softmax is taken once, turned into the logits' gradient in place
+    (softmax - one-hot) and folded into the weight (and bias) gradient; the features' gradient is never formed.
+    Nothing of size [slots, items, classes] is kept for backward, and on CPU the chunks (`chunk_elements` logits,
+    4 MiB) reuse the same memory where whole-batch logits would fault in fresh pages every step. Equal to
+    F.cross_entropy through autograd (tested), faster on CPU. The returned loss saturates at -log(smallest float)
+    for a token whose gold probability underflows; the gradient is exact."""
+
+    # logits per chunk on CPU; None: the whole batch in one chunk, as always on GPUs (their allocator reuses memory)
+    chunk_elements: int | None = 2 ** 20
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
+        slots, items, classes = x.shape[0], x.shape[1], weight.shape[2]
+        padded = pad_weight(weight)  # [slots, hidden, width]
+        width = padded.shape[2]
+        chunk_elements = StackedLinearCrossEntropy.chunk_elements
+        one_piece = x.is_cuda or chunk_elements is None
+        rows = max(items, 1) if one_piece else max(1, chunk_elements // (slots * width))  # an empty batch: no chunk
+        grad_weight = torch.zeros(padded.shape, dtype=torch.float32, device=x.device)
+        grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
+        loss = torch.zeros((), device=x.device)
+        for start in range(0, items, rows):
+            chunk = x[:, start:start + rows].to(padded.dtype)  # [slots, rows, hidden]
+            probs = torch.softmax(padded_logits(chunk, padded, bias, classes), -1).float()  # [slots, rows, width]
+            index = target[start:start + rows].view(1, -1, 1).expand(slots, -1, 1)
+            loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
+            probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
+            with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
+                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs)
+            if grad_bias is not None:
+                grad_bias += probs.sum(1)
+        scale = 1.0 / max(items, 1)  # each slot's mean over items
+        ctx.save_for_backward(grad_weight[:, :, :classes] * scale,
+                              grad_bias[:, :classes] * scale if grad_bias is not None else None)
+        ctx.dtype = weight.dtype
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_weight, grad_bias = ctx.saved_tensors
+        return (None, (grad_weight * grad).to(ctx.dtype),
+                (grad_bias * grad).to(ctx.dtype) if grad_bias is not None else None, None)
+
+
+def slot_seed(seed: int, kind: str, layer: int) -> int:
+    """The initial-weight seed of one probe: the same whichever other probes train beside it."""
+    return (seed * 1_000_003 + _INIT_KIND[kind] * 10_007 + layer) % (2 ** 63)
+
+
+class StackedProbe(nn.Module):
+    """One linear probe per slot, stacked: weight [slots, hidden, classes] (+ bias [slots, classes]).
+
+    Each slot's initial weights come from its own seeded generator (nn.Linear's range, seeds by `slot_seed`), so a
+    probe starts the same whichever other probes train beside it. `loss` is the sum over slots of each slot's mean
+    cross-entropy, so every slot gets exactly the gradient it would get alone.
+    """
+
+    def __init__(self, slots: Sequence[tuple[str, int]], hidden: int, classes: int, seed: int = 0,
+                 bias: bool = False) -> None:
+        super().__init__()
+        bound = 1.0 / math.sqrt(hidden)  # nn.Linear's default initialisation range
+        weights, biases = [], []
+        for kind, layer in slots:
+            generator = torch.Generator().manual_seed(slot_seed(seed, kind, layer))
+            weights.append(torch.empty(hidden, classes).uniform_(-bound, bound, generator=generator))
+            biases.append(torch.empty(classes).uniform_(-bound, bound, generator=generator))
+        self.weight = nn.Parameter(torch.stack(weights))  # [slots, hidden, classes]
+        self.bias = nn.Parameter(torch.stack(biases)) if bias else None  # [slots, classes]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [slots, items, hidden] → logits [slots, items, classes]."""
+        return padded_logits(x, self.weight, self.bias)[:, :, :self.weight.shape[2]]
+
+    def loss(self, x: Tensor, target: Tensor) -> Tensor:
+        """The sum over slots of each slot's mean cross-entropy of x [slots, items, hidden] against target [items]
+        (StackedLinearCrossEntropy: the gradient is formed in the forward pass, x's is never made)."""
+        return StackedLinearCrossEntropy.apply(x, self.weight, self.bias, target)
