@@ -78,6 +78,8 @@ class PretrainCLI(LightningCLI):
         data.check_trainer(trainer, apply=False)
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
+        if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
+            trainer.checkpoint_callback.check_settings()
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

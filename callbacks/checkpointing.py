@@ -2,6 +2,7 @@
 
     python train.py fit --config configs/pretrain/tiny.yaml --ckpt_path last     # resume exactly (check_resume first)
     kill -TERM <pid>        # last.ckpt after the current optimizer step, then exit status 143 (PREEMPTED_EXIT)
+    ... --checkpoint.sigterm_every_n_steps 10    # several processes: the ranks agree every 10 steps (the default)
 
 Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.every_n_train_steps and at the end),
 written atomically (a kill mid-write keeps the previous one).
@@ -40,14 +41,32 @@ class PretrainCheckpoint(ModelCheckpoint):
 
     During training SIGTERM only sets a flag (Lightning's own handler is replaced: it would stop after any
     micro-batch, even inside a gradient-accumulation window that a checkpoint cannot resume exactly, and it runs a
-    collective inside the signal handler). At the next optimizer-step boundary the ranks agree (any rank signalled
-    stops all of them), last.ckpt is saved, and `Preempted` ends the run before the next micro-batch. A SIGTERM
-    during the export at the end is ignored: the run is finished then.
+    collective inside the signal handler). One process reads its flag at every optimizer-step boundary (no device
+    work); several agree at every `sigterm_every_n_steps`-th step boundary (one small all-reduce and a read, not one
+    per step; any rank signalled stops all of them), so a run stops at most N steps after the signal. Then
+    last.ckpt is saved and `Preempted` ends the run before the next micro-batch. Lightning's own per-micro-batch
+    SIGTERM broadcast (a collective and a host synchronisation every micro-batch) is switched off: with its handler
+    replaced it could only ever broadcast "no". A SIGTERM during the export at the end is ignored: the run is
+    finished then.
+
+    Args:
+        sigterm_every_n_steps: with several processes, optimizer steps between two SIGTERM agreements (default 10:
+            well inside SLURM's usual 30 s to 2 min between SIGTERM and SIGKILL at roberta-base step times).
+        everything else: ModelCheckpoint's.
     """
 
     _sigterm = False
     _previous_handler = None
     _stop: Preempted | None = None
+
+    def __init__(self, *args, sigterm_every_n_steps: int = 10, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sigterm_every_n_steps = sigterm_every_n_steps
+
+    def check_settings(self) -> None:
+        """train.py's before_fit (here, not in __init__: jsonargparse would bury the message in its own)."""
+        if self.sigterm_every_n_steps < 1:
+            raise UserError(f"--checkpoint.sigterm_every_n_steps must be at least 1, got {self.sigterm_every_n_steps}")
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -57,6 +76,9 @@ class PretrainCheckpoint(ModelCheckpoint):
         self._pid = os.getpid()
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if not trainer.received_sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+                epoch_loop._broadcast_sigterm_tensor = _no_broadcast  # (a set-up SIGTERM keeps Lightning's path)
 
     def _on_sigterm(self, signum, frame) -> None:
         if os.getpid() != self._pid:  # a forked loader worker: the training process decides
@@ -70,7 +92,13 @@ class PretrainCheckpoint(ModelCheckpoint):
         if trainer.global_step == self._step_seen:
             return  # inside a gradient-accumulation window: only a whole optimizer step resumes exactly
         self._step_seen = trainer.global_step
-        if trainer.strategy.reduce_boolean_decision(self._sigterm, all=False):  # the same decision on every rank
+        if trainer.world_size == 1:
+            stop = self._sigterm
+        elif trainer.global_step % self.sigterm_every_n_steps == 0:
+            stop = trainer.strategy.reduce_boolean_decision(self._sigterm, all=False)  # the same on every rank
+        else:
+            stop = False
+        if stop:
             if not self._should_skip_saving_checkpoint(trainer):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             self._stop = Preempted(trainer.global_step, self.last_model_path, trainer.global_rank)
@@ -97,6 +125,10 @@ class PretrainCheckpoint(ModelCheckpoint):
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
         self._previous_handler = None
+
+
+def _no_broadcast() -> None:
+    """Stands in for Lightning's per-micro-batch SIGTERM broadcast (PretrainCheckpoint agrees every N steps)."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

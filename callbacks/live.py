@@ -5,16 +5,19 @@
     class MyStatistic(LiveCallback):        # build(trainer, module), update(stage, captured, ...), finish(stage, ...)
         ...
 
-Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l
-(core.models.encoder_layers finds them; core.capture.HiddenStateCapture hooks them, with no extra forward pass).
+Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l.
+No extra forward pass: a module with a `hidden_state_tap` (core.capture.HiddenStateTap: MLMModule, eager or compiled)
+returns them from its own forward when a callback requests them; any other encoder is hooked for the captured batch
+(core.models.encoder_layers finds the modules, core.capture.HiddenStateCapture hooks them).
 
 LiveCallback is the schedule the callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
 hooks are on for every micro-batch of that step on every rank (so the step's whole global batch is seen, however it
 is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
-step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs.
+step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs. Other
+steps touch nothing on the device (no request, no hook, no synchronisation).
 Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end. The
 sanity check is skipped. Hooks hold references to the layer outputs only until the batch ends and are removed at
-batch end, on an exception and at teardown. Training states come from the training forward pass itself: dropout on,
+batch end, on an exception and at teardown; a tap request is released at the same points. Training states come from the training forward pass itself: dropout on,
 15% of the tokens masked; validation states from the eval-mode validation pass.
 
 In probe.py runs (a PositionProbe over cached features), the captured states are the batch's features of the chosen
@@ -29,7 +32,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from core.capture import HiddenStateCapture
+from core.capture import HiddenStateCapture, HiddenStateTap
 from core.errors import UserError
 from core.models import encoder_layers, find_encoder, hidden_size
 
@@ -86,6 +89,8 @@ class LiveCallback(pl.Callback):
         self._modules: list[nn.Module] | None = None  # hook targets; None: the batch holds probe features
         self._slots: list[int] = []  # probe features: the feature slot of each chosen layer
         self._capture: HiddenStateCapture | None = None
+        self._tap: HiddenStateTap | None = None  # the module's own hidden-state output, when it has one
+        self._tapped = False  # a tap request of this callback is open
         self._step: int | None = None  # the optimizer step being captured
         self._validating = False
         self.hidden_size = 0
@@ -108,6 +113,7 @@ class LiveCallback(pl.Callback):
 
     def _resolve_source(self, trainer, pl_module) -> None:
         if find_encoder(pl_module) is not None or not self.supports_probe_features:
+            self._tap = getattr(pl_module, "hidden_state_tap", None)
             self._modules = encoder_layers(pl_module)
             self.layers = resolve_layers(self.requested_layers, len(self._modules), type(self).__name__)
             self.hidden_size = hidden_size(find_encoder(pl_module).config)
@@ -142,20 +148,32 @@ class LiveCallback(pl.Callback):
 
     # ---- capture around a batch ----
     def _open(self) -> None:
-        if self._modules is not None:
+        if self._tap is not None:
+            self._tap.request(self)
+            self._tapped = True
+        elif self._modules is not None:
             self._capture = HiddenStateCapture(self._modules, self.layers).__enter__()
 
     def _close(self, batch) -> Captured:
         if self._modules is None:
             features, labels = batch
             return Captured(hidden=None, mask=None, features=features[self._slots], labels=labels)
-        capture, self._capture = self._capture, None
-        capture.__exit__(None, None, None)
-        hidden = capture.stack()
+        if self._tap is not None:
+            try:
+                hidden = self._tap.stack(self.layers)
+            finally:
+                self._drop()
+        else:
+            capture, self._capture = self._capture, None
+            capture.__exit__(None, None, None)
+            hidden = capture.stack()
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         return Captured(hidden=hidden, mask=mask.bool() if mask is not None else None)
 
     def _drop(self) -> None:
+        if self._tapped:
+            self._tap.release(self)
+            self._tapped = False
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
             self._capture = None

@@ -1,10 +1,18 @@
-"""Forward hooks that keep the hidden states a model computes anyway (no extra forward pass), always removed.
+"""The hidden states a model computes anyway (no extra forward pass), by one of two routes.
 
-    with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:
+    tap = HiddenStateTap()                    # a model that returns its own hidden states when asked (MLMModule)
+    tap.request(owner)                        # before the forward: the model's next forward returns them...
+    tap.keep(out.hidden_states)               # ...and hands them over (the model's code does this)
+    tap.stack([0, 2, 4]); tap.release(owner)  # [layers, batch, seq, hidden], detached
+
+    with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:   # any other encoder: hooks
         model(input_ids)
     capture.stack()                           # [layers, batch, seq, hidden], detached
 
-Layer l is the output of `modules[l]` (core.models.encoder_layers: 0 = the embedding module, l = transformer layer l).
+Layer l is the output of `modules[l]` (core.models.encoder_layers: 0 = the embedding module, l = transformer layer l),
+the same as transformers' `hidden_states[l]`. The tap is what a compiled model needs: the request is a Python flag
+the model passes into its (compiled) forward, so the graph returns the states itself, where forward hooks added
+after compilation would be silently skipped (dynamo does not re-guard on hooks).
 """
 
 from __future__ import annotations
@@ -59,3 +67,40 @@ class HiddenStateCapture:
         if missing:
             raise UserError(f"layers {missing} produced no output during the captured forward pass")
         return torch.stack([self.outputs[i] for i in range(len(self.layers))])
+
+
+class HiddenStateTap:
+    """The switch and mailbox between a model that can return its own hidden states and whoever wants them.
+
+    Owners (live-statistics callbacks, a regulariser) `request` the states of the next forward passes; the model
+    reads `active` before each forward (a Python bool: a compiled model has one graph with and one without hidden
+    states, never a recompile per capture), passes what its forward returned to `keep` (all layers, detached), and
+    owners read `stack(layers)` and `release` once done. The states are dropped when the last owner releases.
+    """
+
+    def __init__(self) -> None:
+        self.owners: set[int] = set()
+        self.hidden: tuple[Tensor, ...] | None = None  # all layers of the last forward: (embeddings, layer 1, ...)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.owners)
+
+    def request(self, owner: object) -> None:
+        self.owners.add(id(owner))
+
+    def release(self, owner: object) -> None:
+        self.owners.discard(id(owner))
+        if not self.owners:
+            self.hidden = None
+
+    def keep(self, hidden) -> None:
+        """The forward's hidden states [batch, seq, hidden] per layer (transformers' `hidden_states`)."""
+        self.hidden = tuple(h.detach() for h in hidden)
+
+    def stack(self, layers: list[int]) -> Tensor:
+        """[layers, batch, seq, hidden] in the order of `layers`, from the last forward."""
+        if self.hidden is None:
+            raise UserError(f"layers {list(layers)} produced no output during the captured forward pass (the model "
+                            "ran no forward pass since the states were requested)")
+        return torch.stack([self.hidden[layer] for layer in layers])

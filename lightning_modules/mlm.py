@@ -8,15 +8,25 @@ embeddings its position table is all zeros and frozen (no gradient, not in the o
 positional signal at all while keeping `position_embedding_type="absolute"`, i.e. transformers' fast SDPA attention;
 an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free.
 
-The loss projects only the masked positions through the LM head (`mlm_loss`): the batch holds `positions`
-[batch, k] and `targets` [batch, k], so no [batch, seq, vocab] logits are ever made.
+The loss projects only the masked positions through the LM head (`mlm_step`): the batch holds `positions`
+[batch, k] and `targets` [batch, k], so no [batch, seq, vocab] logits are ever made. With `pad_vocab_to_multiple_of`
+the embedding and LM head get extra rows (a matmul-friendly size) that no input uses and no loss predicts (their
+logits are cut off); the export drops them again.
+
+`--model.compile true` compiles `mlm_step` whole (embeddings, encoder, LM head, loss; fullgraph) into two graphs, one
+that also returns every layer's hidden states (the steps a live-statistics callback captures, through
+`hidden_state_tap`) and one that does not; validation runs eagerly. An ordinary training step never synchronises with
+the host: the loss is summed on the device and logged at the logging interval, and a non-finite step is skipped on
+the device by the fused AdamW and reported at the next logging step, checkpoint or end (lightning_modules/monitor.py).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytorch_lightning as pl
 import torch
@@ -25,26 +35,52 @@ from pytorch_lightning.utilities import rank_zero_only
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from core.capture import HiddenStateTap
 from core.errors import UserError
 from core.output import staged_output
+from lightning_modules.monitor import StepMonitor
 
 ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "max_position_embeddings", "position_embeddings")
+                "max_position_embeddings", "position_embeddings", "pad_vocab_to_multiple_of")
 
 
-def mlm_loss(model, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy over the masked positions, and their count.
+class MLMOutput(NamedTuple):
+    loss: Tensor  # mean cross-entropy over the masked positions
+    count: Tensor  # masked positions
+    hidden: tuple[Tensor, ...] | None  # every layer's [batch, seq, hidden] (detached), when asked for
+
+
+def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab_size: int | None = None) -> MLMOutput:
+    """The MLM loss of a batch, and (`hidden_states`) the hidden states of every layer of the same forward pass.
 
     batch: input_ids [batch, seq]; positions [batch, k] (indices into seq); targets [batch, k] (-100 = none).
-    Only the [batch, k, hidden] masked hidden states go through the LM head (the same result as the full logits).
+    Only the [batch, k, hidden] masked hidden states go through the LM head (the same result as the full logits);
+    logits past `vocab_size` (padding rows of the LM head) are cut off, so they are never predicted. The hidden states
+    are transformers' own `hidden_states` (0 = embedding output), detached: a regulariser that needs their gradient
+    reads them here, before the detach, from the same single forward.
     """
-    hidden = model.roberta(input_ids=batch["input_ids"]).last_hidden_state  # [batch, seq, hidden]
+    out = model.roberta(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
+    hidden = out.last_hidden_state  # [batch, seq, hidden]
     positions = batch["positions"]
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [batch, k, hidden]
-    logits = model.lm_head(picked)  # [batch, k, vocab]
+    logits = model.lm_head(picked)  # [batch, k, vocab rows]
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]
     targets = batch["targets"]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-    return loss, (targets != -100).sum()
+    states = tuple(state.detach() for state in out.hidden_states) if hidden_states else None
+    return MLMOutput(loss, (targets != -100).sum(), states)
+
+
+def mlm_loss(model, batch: dict[str, Tensor], vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Mean cross-entropy over the masked positions, and their count (`mlm_step` without hidden states)."""
+    loss, count, _ = mlm_step(model, batch, False, vocab_size)
+    return loss, count
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """Embedding rows: the vocabulary rounded up to a multiple of `multiple` (1: unchanged)."""
+    return -(-vocab_size // max(multiple, 1)) * max(multiple, 1)
 
 
 def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
@@ -91,8 +127,11 @@ class MLMModule(pl.LightningModule):
         lr, betas, eps, weight_decay: AdamW (fused on CUDA); no decay on biases, LayerNorms, or a frozen table.
         warmup_steps, decay_steps, end_lr, power: linear warm-up to `lr`, then (1 - progress)^power decay to
             `end_lr` at `decay_steps` (default: the trainer's max_steps).
-        compile: torch.compile the loss computation.
+        compile: torch.compile the forward pass and the loss together (two graphs: with and without the hidden
+            states the live-statistics callbacks capture); validation runs eagerly.
         attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging).
+        pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
+            matmuls); the extra rows are never input nor predicted, and the export drops them.
         pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
     """
 
@@ -119,19 +158,24 @@ class MLMModule(pl.LightningModule):
         pad_token_id: int = 1,
         bos_token_id: int = 0,
         eos_token_id: int = 2,
+        pad_vocab_to_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if hidden_size % num_attention_heads:
             raise UserError(f"--model.hidden_size {hidden_size} is not a multiple of num_attention_heads "
                             f"{num_attention_heads}")
-        self.model = build_model(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+        if pad_vocab_to_multiple_of < 1:
+            raise UserError(f"--model.pad_vocab_to_multiple_of must be at least 1, got {pad_vocab_to_multiple_of}")
+        rows = padded_vocab(vocab_size, pad_vocab_to_multiple_of)
+        self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
                                  pad_token_id, bos_token_id, eos_token_id)
         self.val_loss = MeanMetric()
-        self._loss_fn = torch.compile(mlm_loss) if compile else mlm_loss
+        self.hidden_state_tap = HiddenStateTap()  # live-statistics callbacks (and regularisers) ask for hidden states
+        self.monitor: StepMonitor | None = None  # made at the start of each fit, on the device
+        self._compiled = compile_step(self.model) if compile else None
         self._seed = 0
-        self._last_loss: Tensor | None = None
 
     # -- facts the datamodule and the CLI check against --
 
@@ -146,14 +190,18 @@ class MLMModule(pl.LightningModule):
 
     # -- steps --
 
-    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        return self._loss_fn(self.model, batch)
+    def forward(self, batch: dict[str, Tensor], hidden_states: bool = False) -> MLMOutput:
+        """The loss (and every layer's hidden states when asked); compiled in training when `compile` is on."""
+        step = self._compiled if self._compiled is not None and self.training else mlm_step
+        return step(self.model, batch, hidden_states, self.hparams.vocab_size)
 
     def _shared_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
-        loss, count = self(batch)
+        tap = self.hidden_state_tap
+        loss, count, hidden = self(batch, hidden_states=tap.active)
+        if hidden is not None:
+            tap.keep(hidden)
         if stage == "train":
-            self._last_loss = loss.detach()
-            self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+            self.monitor.add_loss(loss)  # summed on the device; logged at the logging interval (no sync here)
         else:
             self.val_loss.update(loss.detach(), count)
         return loss
@@ -174,6 +222,25 @@ class MLMModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         self._seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
 
+    def on_train_start(self) -> None:
+        self.monitor = StepMonitor(self.device, self.trainer.global_step)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """At a logging step (every `log_every_n_steps` optimizer steps, the same on every rank): the mean loss over
+        all ranks and micro-batches since the last one, the last gradient norm, and the non-finite check."""
+        monitor, trainer = self.monitor, self.trainer
+        if monitor is None or monitor.batches == 0 or trainer.global_step % max(trainer.log_every_n_steps, 1):
+            return
+        values = monitor.flush(trainer.strategy)  # one all-reduce, one read; raises after a non-finite step
+        self.log_dict({"train/loss": torch.tensor(values["loss"]), "train/grad_norm": torch.tensor(values["grad_norm"])})
+        # the progress bar reads plain floats (a logged tensor with prog_bar=True would be read every batch)
+        trainer.progress_bar_metrics["train/loss"] = round(values["loss"], 4)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """No checkpoint holds a run past a non-finite step (every rank; a collective)."""
+        if self.monitor is not None:
+            self.monitor.check(self.trainer.strategy)
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.hparams.dropout > 0:
             index = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # micro-batches so far, restored on resume
@@ -189,24 +256,25 @@ class MLMModule(pl.LightningModule):
             (no_decay if parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(parameter)
         h = self.hparams
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps,
-                                      fused=self.device.type == "cuda")
+        fused = self.device.type in ("cuda", "cpu")  # the fused kernels skip a step on the device (found_inf)
+        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps, fused=fused)
         end = schedule_end(h.decay_steps, None if h.decay_steps else self.trainer.max_steps)  # a trainer if needed
         schedule = PolynomialSchedule(h.warmup_steps, end, h.end_lr / h.lr, h.power)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip by global norm and stop on a non-finite loss or gradient before the optimizer step touches anything."""
+        """Clip by global norm; a non-finite loss or gradient never reaches the weights. The check stays on the
+        device: the fused AdamW skips the update (weights, moments, step count) when `found_inf` is 1, and the run
+        stops at the next logging step, checkpoint or end, naming the step (lightning_modules/monitor.py). An
+        optimizer that cannot skip on the device (not fused) is checked here, with a host synchronisation."""
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val or math.inf, foreach=True)
-        loss = self._last_loss
-        bad = not torch.isfinite(norm) or (loss is not None and not torch.isfinite(loss))
-        if bad:
-            raise UserError(f"non-finite training loss ({float(loss) if loss is not None else float('nan')}) or "
-                            f"gradient norm ({float(norm)}) at step {self.global_step}: stopped before the optimizer "
-                            "step; the last checkpoint is the last good one")
-        self.log("train/grad_norm", norm, sync_dist=False)
+        found_inf = self.monitor.end_step(norm)
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = found_inf  # read by the fused kernel, on the device
+        else:
+            self.monitor.check(self.trainer.strategy)
 
     # -- checkpoints and export --
 
@@ -217,10 +285,25 @@ class MLMModule(pl.LightningModule):
             data.adapt_checkpoint(checkpoint)
 
     def on_fit_end(self) -> None:
+        if self.monitor is not None:
+            self.monitor.check(self.trainer.strategy)  # a run that ends past a non-finite step exports nothing
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
         directory = Path(self.trainer.default_root_dir) / "export"
         export(self, tokenizer, directory)
         self.trainer.strategy.barrier("export")
+
+
+def compile_step(model):
+    """`mlm_step` compiled whole for `model` (fullgraph, static shapes): one graph with hidden states, one without.
+
+    transformers installs its hidden-state hooks lazily, at the first forward that asks for hidden states, which
+    cannot happen inside a graph: one eager two-token forward installs them now (inactive until asked for)."""
+    training = model.training
+    with torch.no_grad():
+        model.eval()
+        model.roberta(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), output_hidden_states=True)
+    model.train(training)
+    return torch.compile(mlm_step, fullgraph=True, dynamic=False)
 
 
 def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:
@@ -264,8 +347,12 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
     if tokenizer is None:
         raise UserError("no tokenizer to export with the model (train with MLMDataModule)")
     tokenizer.model_max_length = module.max_length
+    model = module.model
+    if model.config.vocab_size != module.vocab_size:  # padding rows dropped: the tokenizer's size, the same logits
+        model = copy.deepcopy(model).cpu()
+        model.resize_token_embeddings(module.vocab_size, mean_resizing=False)
     with staged_output(directory) as stage:
-        module.model.save_pretrained(stage)
+        model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         umask = os.umask(0)
         os.umask(umask)

@@ -1,0 +1,126 @@
+"""The training hot path on CPU: no host synchronisation on an ordinary optimizer step (one process with accumulation,
+and 2-process DDP), and the deferred non-finite check (a bad step never reaches the weights, is named, and no
+checkpoint is written past it).
+
+    .venv/bin/pytest tests/test_hot_path.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import train
+from tests.test_train import checkpoint, fit, tiny_args
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+LIVE_EVERY, LOG_EVERY, SAVE_EVERY = 4, 5, 5  # captures at 0, 4, 8; logs and checkpoints after steps 4 and 9
+
+
+class SyncCounter(pl.Callback):
+    """Test helper: counts the calls of Tensor methods that synchronise a device with the host (`SYNCS`) in each
+    optimizer step, from its first micro-batch's start to the next step's, with what else happened in that window
+    (a capture, a logging step, a checkpoint, a validation, an epoch end). Writes {step: [count, events, where]} per
+    rank to `output` (rank appended) at the end of training."""
+
+    def __init__(self, output: str, every_n_steps: int = LIVE_EVERY) -> None:
+        self.output, self.every = output, every_n_steps
+        self.windows: dict[int, list] = {}
+        self.step: int | None = None
+        self.originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def _patch(self) -> None:
+        for name, original in self.originals.items():
+            def counting(tensor, *args, _name=name, _original=original, **kwargs):
+                window = self.windows[self.step]
+                window[0] += 1
+                if len(window[2]) < 3:
+                    frame = traceback.extract_stack(limit=3)[0]
+                    window[2].append(f"{_name} at {Path(frame.filename).name}:{frame.lineno}")
+                return _original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, counting)
+
+    def _unpatch(self) -> None:
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def _event(self, name: str) -> None:
+        if self.step is not None:
+            self.windows[self.step][1].append(name)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.step == trainer.global_step:
+            return  # the next micro-batch of the same optimizer step
+        self._unpatch()
+        self.step = trainer.global_step
+        self.windows[self.step] = [0, [], []]
+        if self.step % self.every == 0:
+            self._event("capture")
+        if (self.step + 1) % trainer.log_every_n_steps == 0:
+            self._event("log")
+        self._patch()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._event("checkpoint")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._event("validation")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._event("epoch end")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._event("end")
+        self._unpatch()
+        self.step = None
+        Path(f"{self.output}.{trainer.global_rank}").write_text(json.dumps(self.windows))
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._unpatch()
+
+
+def live_callbacks(every: int = LIVE_EVERY) -> list[str]:
+    specs = [{"class_path": f"callbacks.{module}.{name}", "init_args": {"every_n_steps": every,
+                                                                         "image_every_n_steps": 0}}
+             for module, name in (("outlier_statistics", "OutlierStatistics"),
+                                  ("contribution_vectors", "ContributionVectors"))]
+    return [arg for spec in specs for arg in ("--trainer.callbacks+", json.dumps(spec))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_ordinary_optimizer_step_never_synchronises_with_the_host(corpus, cache, tmp_path, devices):
+    """1 process × 2 micro-batches a step, and 2 DDP processes (gloo) × 1: the live-statistics callbacks on (every
+    4 steps), the progress bar on, logging and checkpoints every 5 steps. Every step whose window holds none of
+    those (nor a validation or an epoch end) calls no synchronising Tensor method at all; the steps that do hold
+    one are seen to synchronise (the counter works)."""
+    root, output = tmp_path / "run", tmp_path / "syncs"
+    counter = json.dumps({"class_path": "tests.test_hot_path.SyncCounter", "init_args": {"output": str(output)}})
+    args = tiny_args(root, corpus, cache, "--data.batch_size", "4", *live_callbacks(), "--trainer.callbacks+", counter,
+                     "--trainer.log_every_n_steps", str(LOG_EVERY), "--checkpoint.every_n_train_steps",
+                     str(SAVE_EVERY), "--trainer.enable_progress_bar", "true",
+                     *(("--trainer.devices", "2", "--trainer.strategy", "ddp") if devices == 2 else ()))
+    if devices == 1:
+        assert train.cli_main(args) == 0
+    else:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(devices):
+        windows = {int(step): value for step, value in json.loads(Path(f"{output}.{rank}").read_text()).items()}
+        assert sorted(windows) == list(range(10))
+        ordinary = {step: (count, where) for step, (count, events, where) in windows.items() if not events}
+        assert sorted(ordinary) == [1, 2, 3, 6, 7], windows  # 0/4/8 capture, 4/9 log + checkpoint, 5 epoch end
+        assert all(count == 0 for count, _ in ordinary.values()), ordinary
+        assert windows[4][0] > 0 and windows[8][0] > 0, windows  # a capture and a logging step do synchronise
