@@ -255,9 +255,15 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
                             text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = single[0], wandb_run(root)
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
+                ("val_position_probe", (STEPS,)))
+    assert same_statistics(one, two, prefixes) > 200
+
+
+def same_statistics(one, two, prefixes) -> int:
+    """Assert two runs logged the same statistics (integers exactly, floats to float tolerance); how many."""
     compared = 0
-    for prefix, steps in (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                          ("val_position_probe", (STEPS,))):
+    for prefix, steps in prefixes:
         for step in steps:
             a, b = logged(one, prefix, step), logged(two, prefix, step)
             keys = sorted(k for k in a if k.startswith(prefix + "/"))
@@ -268,7 +274,28 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
                 else:
                     assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
                 compared += 1
-    assert compared > 200
+    return compared
+
+
+@pytest.mark.slow
+def test_compiled_run_captures_every_step_and_logs_what_the_eager_run_logs(single, corpus, cache, tmp_path):
+    """--model.compile true (inductor, CPU): the encoder and the loss in two graphs, one returning the hidden states
+    (steps 0, 2, 4) and one not, never recompiled; every capture step and the validation log the eager run's
+    statistics and each step's loss, to float tolerance."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    root = tmp_path / "compiled"
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(record=False), "--model.compile", "true")) == 0
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
+    one, two = single[0], wandb_run(root)
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
+                ("val_position_probe", (STEPS,)))
+    assert same_statistics(one, two, prefixes) > 200
+    losses = [{row["trainer/global_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
+              for run in (one, two)]
+    assert sorted(losses[0]) == list(range(STEPS))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -476,7 +503,7 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
 
 class FailInCapturedStep(pl.Callback):
     """Test helper: raises inside training step `step` (a captured one), after its forward pass and before its
-    backward, and remembers what the live callbacks held at that moment. Instances register in `made`."""
+    backward, and remembers what the module's hidden-state tap held at that moment. Instances register in `made`."""
 
     made: list[FailInCapturedStep] = []
 
@@ -487,29 +514,49 @@ class FailInCapturedStep(pl.Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_step == self.step:
             self.module, self.live = pl_module, [c for c in trainer.callbacks if isinstance(c, LiveCallback)]
-            self.captures = [callback._capture for callback in self.live]
+            tap = pl_module.hidden_state_tap
+            self.owners, self.kept = set(tap.owners), tap.hidden
             self.hooks = [len(module._forward_hooks) for module in encoder_layers(pl_module)]
             raise RuntimeError(f"planted failure in step {self.step}")
 
 
-def test_an_error_inside_a_captured_step_removes_every_hook(corpus, cache, tmp_path):
+def test_an_error_inside_a_captured_step_releases_the_hidden_states(corpus, cache, tmp_path):
     FailInCapturedStep.made.clear()
     fail = json.dumps({"class_path": "tests.test_callbacks.FailInCapturedStep", "init_args": {"step": EVERY}})
     with pytest.raises(RuntimeError, match=f"planted failure in step {EVERY}"):
         train.cli_main(tiny_args(tmp_path / "run", corpus, cache, *callbacks(record=False), "--trainer.callbacks+",
                                  fail, logger="csv"))
     (failed,) = FailInCapturedStep.made
-    modules = encoder_layers(failed.module)  # embeddings and each transformer layer
-    assert len(modules) == LAYERS and len(failed.live) == 2
-    assert failed.hooks == [2] * LAYERS  # when it failed: both callbacks had a hook on every module...
-    assert all(len(capture.outputs) == LAYERS for capture in failed.captures)  # ...holding that forward's outputs
-    assert [len(module._forward_hooks) for module in modules] == [0] * LAYERS
-    assert [callback._capture for callback in failed.live] == [None, None]
-    for capture in failed.captures:
-        capture.outputs.clear()
-    with torch.no_grad():  # a later forward pass: nothing keeps its outputs
-        failed.module.model.roberta(input_ids=torch.randint(5, 100, (2, 8)))
-    assert [capture.outputs for capture in failed.captures] == [{}, {}]
+    tap = failed.module.hidden_state_tap
+    assert len(failed.live) == 2 and failed.owners == {id(callback) for callback in failed.live}  # both had asked...
+    assert len(failed.kept) == LAYERS and all(h.shape == (8, 32, 32) for h in failed.kept)  # ...and got the forward's
+    assert failed.hooks == [len(module._forward_hooks) for module in encoder_layers(failed.module)]  # no hook added
+    assert tap.owners == set() and tap.hidden is None and not any(callback._tapped for callback in failed.live)
+    batch = {"input_ids": torch.randint(5, 100, (2, 8)), "positions": torch.tensor([[1], [2]]),
+             "targets": torch.tensor([[7], [9]])}
+    with torch.no_grad():  # a later forward pass: nobody asks, nothing is kept
+        failed.module._shared_step(batch, "val")
+    assert tap.hidden is None
+
+
+def test_hooks_of_an_encoder_without_a_tap_keep_its_hidden_states_and_go_on_error(bert_tok, tmp_path):
+    """Encoders other than MLMModule's are hooked for a captured batch: the states equal transformers' own
+    `hidden_states`, and the hooks are removed even when the forward pass fails."""
+    from transformers import AutoModel
+
+    from core.capture import HiddenStateCapture
+    from tests.tiny import save_tiny_encoder
+
+    model = AutoModel.from_pretrained(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)).eval()
+    modules, ids = encoder_layers(model), torch.randint(5, 100, (2, 9))
+    with torch.no_grad(), HiddenStateCapture(modules, [0, 2, 3]) as capture:
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(capture.stack(), torch.stack([expected[0], expected[2], expected[3]]), rtol=0, atol=0)
+    hooks = [len(module._forward_hooks) for module in modules]  # transformers' own (inactive) hidden-state hooks
+    with pytest.raises(RuntimeError, match="planted"), HiddenStateCapture(modules, [1, 2]):
+        assert [len(module._forward_hooks) for module in modules] == [hooks[0], hooks[1] + 1, hooks[2] + 1, hooks[3]]
+        raise RuntimeError("planted")
+    assert [len(module._forward_hooks) for module in modules] == hooks
 
 
 class LoggerSpy(pl.Callback):

@@ -124,3 +124,54 @@ def test_an_ordinary_optimizer_step_never_synchronises_with_the_host(corpus, cac
         assert sorted(ordinary) == [1, 2, 3, 6, 7], windows  # 0/4/8 capture, 4/9 log + checkpoint, 5 epoch end
         assert all(count == 0 for count, _ in ordinary.values()), ordinary
         assert windows[4][0] > 0 and windows[8][0] > 0, windows  # a capture and a logging step do synchronise
+
+
+class NaNGradientAt(pl.Callback):
+    """Test helper: one gradient entry NaN in optimizer step `step` (after the backward, before clipping); records
+    the weights and the optimizer's step counts before that step and when the run stops. Instances register in
+    `made`."""
+
+    made: list[NaNGradientAt] = []
+
+    def __init__(self, step: int = 2) -> None:
+        self.step, self.before, self.after = step, None, None
+        NaNGradientAt.made.append(self)
+
+    @staticmethod
+    def snapshot(trainer, pl_module) -> tuple[dict, list]:
+        weights = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
+        state = trainer.optimizers[0].state
+        return weights, sorted({float(value["step"]) for value in state.values()})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self.before is None:
+            self.before = self.snapshot(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.step:
+            pl_module.model.lm_head.dense.weight.grad[0, 0] = float("nan")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.after = self.snapshot(trainer, pl_module)
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_is_skipped_on_the_device_and_named_at_the_next_logging_step(corpus, cache, tmp_path, capsys):
+    """Step 2's gradient is NaN; the check is read every 5 steps: the run stops after step 4 naming step 2, and
+    neither step 2 nor the finite steps 3 and 4 after it changed a weight or the optimizer's state."""
+    NaNGradientAt.made.clear()
+    root = tmp_path / "run"
+    spec = json.dumps({"class_path": "tests.test_hot_path.NaNGradientAt", "init_args": {"step": 2}})
+    assert fit(root, corpus, cache, "--trainer.log_every_n_steps", "5", "--checkpoint.every_n_train_steps", "100",
+               "--trainer.callbacks+", spec) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("train.py: error: non-finite training loss (") and "or gradient norm (nan) at step 2: " \
+        "stopped before the optimizer step (found at step 4: no update since reached the weights); the last " \
+        "checkpoint is the last good one" in err, err
+    (planted,) = NaNGradientAt.made
+    (before, steps_before), (after, steps_after) = planted.before, planted.after
+    assert steps_before == steps_after == [2.0]  # AdamW's step count: steps 0 and 1 only
+    for name, value in before.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+    assert all(torch.isfinite(value).all() for value in after.values())
+    assert not (root / "checkpoints" / "last.ckpt").exists() and not (root / "export").exists()

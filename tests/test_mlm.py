@@ -317,7 +317,7 @@ def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path
     batch = random_batch()
     clip = 1e-4  # far below the gradient norm, and small enough that Adam's eps makes the update depend on it
 
-    def by_hand(max_norm: float) -> tuple[dict, float]:
+    def by_hand(max_norm: float) -> tuple[dict, float, float]:
         twin = MLMModule(**TINY, lr=1e-2, warmup_steps=0, decay_steps=10)
         twin.load_state_dict(initial)
         optimizer = twin.configure_optimizers()["optimizer"]  # lr × schedule(0) = lr
@@ -326,16 +326,17 @@ def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path
         parameters = [p for p in twin.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         optimizer.step()
-        return twin.state_dict(), float(norm)
+        return twin.state_dict(), float(norm), float(loss)
 
-    clipped, norm = by_hand(clip)
-    unclipped, _ = by_hand(float("inf"))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, gradient_clip_val=clip, logger=False,
+    clipped, norm, loss = by_hand(clip)
+    unclipped, _, _ = by_hand(float("inf"))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, gradient_clip_val=clip, logger=False, log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
     assert norm > 100 * clip
     assert float(trainer.callback_metrics["train/grad_norm"]) == pytest.approx(norm, rel=1e-5)  # logged before clipping
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(loss, rel=1e-6)  # logged at the interval
     weights = module.state_dict()
     for name, value in clipped.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -338,10 +338,11 @@ class PoisonAt(pl.Callback):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys):
+@pytest.mark.parametrize("log_every", [1, 50])  # checked at step 5's logging step, or at the checkpoint after it
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys, log_every):
     root = tmp_path / "run"
     poison = '{"class_path": "tests.test_train.PoisonAt", "init_args": {"step": 5}}'
-    assert fit(root, corpus, cache, "--trainer.callbacks+", poison) == 2
+    assert fit(root, corpus, cache, "--trainer.callbacks+", poison, "--trainer.log_every_n_steps", str(log_every)) == 2
     err = capsys.readouterr().err
     assert "non-finite training loss (nan)" in err and "at step 5" in err
     saved = checkpoint(root)
