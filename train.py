@@ -76,6 +76,7 @@ class PretrainCLI(LightningCLI):
         check_block_length(data.hparams.block_length, model)
         schedule_end(model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
+        check_static_graph(trainer, data.accumulation(trainer.world_size))
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
         if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
@@ -104,6 +105,15 @@ class PretrainCLI(LightningCLI):
             if isinstance(launcher, _SubprocessScriptLauncher) and not isinstance(error, Preempted):
                 launcher.kill(getattr(signal, "SIGKILL", signal.SIGTERM))
             raise
+
+
+def check_static_graph(trainer, accumulation: int) -> None:
+    """DDP's static_graph breaks under gradient accumulation (no_sync): an internal assert on the first backward, or,
+    patched past it, gradients no longer all-reduced (pytorch/pytorch#143580). Refused before anything runs."""
+    if accumulation > 1 and getattr(trainer.strategy, "_ddp_kwargs", {}).get("static_graph"):
+        raise UserError(f"DDP static_graph does not work with gradient accumulation (here {accumulation} micro-batches "
+                        "a step; pytorch/pytorch#143580): set --data.batch_size to the global batch / (devices × "
+                        "nodes), or --trainer.strategy.init_args.static_graph false")
 
 
 def cli_main(args: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from core.errors import UserError
 from core.tokenizers import load_tokenizer, tokenizer_from_files
-from lightning_modules.mlm import build_model
+from lightning_modules.mlm import build_model, padded_vocab
 
 
 def read_checkpoint(path: str | Path) -> dict:
@@ -42,7 +42,8 @@ def load_checkpoint_model(path: str | Path):
             "max_position_embeddings")
     specials = {key: hparams.get(key, default) for key, default in
                 (("pad_token_id", 1), ("bos_token_id", 0), ("eos_token_id", 2))}  # older checkpoints: RoBERTa's
-    model = build_model(**{key: hparams[key] for key in keys}, dropout=0.0,
+    rows = padded_vocab(hparams["vocab_size"], hparams.get("pad_vocab_to_multiple_of", 1))
+    model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows, dropout=0.0,
                         position_embeddings=hparams["position_embeddings"], **specials)
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()
              if key.startswith("model.")}
@@ -50,6 +51,8 @@ def load_checkpoint_model(path: str | Path):
     if unexpected or set(missing) - {"lm_head.decoder.weight", "lm_head.decoder.bias"}:
         raise UserError(f"{path}: weights do not fit the model its hyper-parameters describe "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if rows != hparams["vocab_size"]:  # the padding rows of the fast recipe: dropped, as in the export
+        model.resize_token_embeddings(hparams["vocab_size"], mean_resizing=False)
     files = next((value.get("tokenizer_files") for value in checkpoint.values()
                   if isinstance(value, dict) and "tokenizer_files" in value), None)
     tokenizer = tokenizer_from_files(files) if files else _tokenizer_beside(Path(path))

@@ -348,17 +348,20 @@ def test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank(tmp_pat
 
 @pytest.mark.slow
 def test_sigterm_to_one_ddp_rank_stops_both_at_the_same_step(corpus, cache, tmp_path):
+    """The ranks agree on a SIGTERM every --checkpoint.sigterm_every_n_steps (4 here) optimizer steps, not every
+    step: signalled before step 3, both stop at the step boundary after 4 steps."""
     root = tmp_path / "ddp-run"
     spec, ready, go = pause(tmp_path, at=2, where="batch_start")  # both ranks wait before step 3's micro-batch
     process = spawn("train", tiny_args(root, corpus, cache, "--data.batch_size", "4", "--trainer.devices", "2",
-                                       "--trainer.strategy", "ddp", "--trainer.callbacks+", spec))
+                                       "--trainer.strategy", "ddp", "--trainer.callbacks+", spec,
+                                       "--checkpoint.sigterm_every_n_steps", "4"))
     wait_for(ready, process)
     process.send_signal(signal.SIGTERM)  # only rank 0 (Lightning's launcher process) is signalled
     go.touch()
     err = finish(process, timeout=120)
     assert process.returncode == train.PREEMPTED_EXIT, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("train.py: stopped by SIGTERM after step 3: saved ")
-    assert checkpoint(root)["global_step"] == 3  # rank 1 stopped at the same step boundary (else rank 0 would hang)
+    assert err.strip().splitlines()[-1].startswith("train.py: stopped by SIGTERM after step 4: saved ")
+    assert checkpoint(root)["global_step"] == 4  # rank 1 stopped at the same step boundary (else rank 0 would hang)
     assert alive_with(str(root)) == []
 
 

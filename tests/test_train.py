@@ -125,6 +125,41 @@ def test_export_gives_the_module_hidden_states_and_stays_position_free(runs, pe)
 
 
 @pytest.mark.slow
+def test_a_padded_vocabulary_is_never_predicted_and_the_export_has_the_tokenizers_size(corpus, cache, tmp_path):
+    """--model.pad_vocab_to_multiple_of 64: 600 tokenizer ids, 640 embedding and LM-head rows in training; the padding
+    rows get no gradient (the LM-head bias stays zero there) and the loss is the cross-entropy over the 600 real
+    logits. The export and the .ckpt load in plain transformers with 600 rows and the module's logits for every real
+    token."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from lightning_modules.checkpoints import load_checkpoint_model
+    from lightning_modules.mlm import MLMModule
+
+    root = tmp_path / "padded"
+    assert fit(root, corpus, cache, "--model.pad_vocab_to_multiple_of", "64", "--trainer.max_steps", "3") == 0
+    module = MLMModule.load_from_checkpoint(root / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+    assert module.vocab_size == 600 and module.model.config.vocab_size == 640
+    bias = module.model.lm_head.bias.detach()
+    assert bool((bias[600:] == 0).all()) and bool((bias[:600] != 0).any())  # trained rows moved, padding rows not
+    exported = AutoModelForMaskedLM.from_pretrained(root / "export").eval()
+    tokenizer = AutoTokenizer.from_pretrained(root / "export")
+    assert exported.config.vocab_size == len(tokenizer) == 600
+    from_ckpt, _ = load_checkpoint_model(root / "checkpoints" / "last.ckpt")
+    ids = torch.randint(5, 600, (3, 20))
+    with torch.no_grad():
+        ours = module.model(input_ids=ids).logits  # [3, 20, 640]
+        for other in (exported, from_ckpt):
+            torch.testing.assert_close(other(input_ids=ids).logits, ours[..., :600], rtol=0, atol=1e-5)
+    batch = {"input_ids": ids, "positions": torch.tensor([[1, 4], [2, 7], [3, 9]]),
+             "targets": torch.tensor([[7, 590], [9, -100], [11, 12]])}
+    with torch.no_grad():
+        loss = module(batch).loss
+        picked = ours[torch.arange(3)[:, None], batch["positions"]][..., :600]  # the real logits only
+        expected = torch.nn.functional.cross_entropy(picked.flatten(0, 1), batch["targets"].flatten())
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_analyze_outliers_reads_the_no_pe_run(runs, tmp_path):
     import analyze
 
@@ -241,14 +276,19 @@ def test_two_process_streaming_run_resumes_exactly(corpus, cache, tmp_path):
 
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp_path):
+    """1 process × batch 8; 1 × 4 × 2 micro-batches; 2 DDP processes × 4 with the fast recipe's DDP settings (static
+    graph, 100 MB buckets, configs/pretrain/roberta-base-fast.yaml): the same losses and weights."""
     no_dropout = ("--model.dropout", "0.0", "--trainer.max_steps", "4")
     one, accumulated, ddp = tmp_path / "one", tmp_path / "accumulated", tmp_path / "ddp"
     assert fit(one, corpus, cache, *no_dropout) == 0
     assert fit(accumulated, corpus, cache, *no_dropout, "--data.batch_size", "4") == 0  # 2 micro-batches a step
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    fast = yaml.safe_load((ROOT / "configs" / "pretrain" / "roberta-base-fast.yaml").read_text())["trainer"]["strategy"]
+    assert fast["init_args"]["static_graph"] is True
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *tiny_args(ddp, corpus, cache, *no_dropout, "--data.batch_size", "4",
-                                                            "--trainer.devices", "2", "--trainer.strategy", "ddp")],
+                                                            "--trainer.devices", "2", "--trainer.strategy",
+                                                            json.dumps(fast))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     reference = train_losses(one)
@@ -274,12 +314,17 @@ def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp
      "--data.block_length 64 exceeds the model's 33 positions (--model.max_position_embeddings 34 minus "
      "(pad id 0 + 1))"),
     (("--trainer.accumulate_grad_batches", "3"), "contradicts --data.global_batch_size"),
+    (("--trainer.strategy", "FAST", "--trainer.devices", "2", "--data.batch_size", "2"),
+     "DDP static_graph does not work with gradient accumulation (here 2 micro-batches a step; "
+     "pytorch/pytorch#143580)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(corpus, cache, tmp_path, capsys, bert_tok, extra, message):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     bert_tok.save_pretrained(tmp_path / "bert")
-    extra = tuple({"EMPTY": str(empty), "BERT": str(tmp_path / "bert")}.get(e, e) for e in extra)
+    fast = yaml.safe_load((ROOT / "configs" / "pretrain" / "roberta-base-fast.yaml").read_text())["trainer"]["strategy"]
+    extra = tuple({"EMPTY": str(empty), "BERT": str(tmp_path / "bert"), "FAST": json.dumps(fast)}.get(e, e)
+                  for e in extra)
     root = tmp_path / "run"
     assert fit(root, corpus, cache, *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -406,6 +451,36 @@ def test_roberta_base_configs_hold_table_4_and_differ_only_in_position_embedding
     assert pe.keys() == nope.keys()
     differ = {key for key in pe if pe[key] != nope[key]}
     assert differ == {"model.position_embeddings", "trainer.default_root_dir", "trainer.logger.init_args.name"}
+
+
+FAST_CHANGES = {"model.dropout": 0.0, "model.compile": True, "model.pad_vocab_to_multiple_of": 64, "data.batch_size": 64,
+                "trainer.strategy.init_args.static_graph": True, "trainer.strategy.init_args.bucket_cap_mb": 100}
+
+
+def test_the_fast_recipe_changes_only_what_the_docs_list_and_its_twin_only_the_position_embeddings(capsys):
+    """roberta-base.yaml + roberta-base-fast.yaml (+ roberta-base-fast-nope.yaml) parsed by train.py's CLI: the fast
+    recipe differs from Table 4 in exactly the settings docs/pretraining.md explains (and its run directory and W&B
+    name), keeps the global batch without accumulation on the base config's devices, and its no-PE twin differs from
+    it only in the position embeddings (and directory and name)."""
+    folder, parsed = ROOT / "configs" / "pretrain", {}
+    for name, files in (("base", ["roberta-base"]), ("fast", ["roberta-base", "roberta-base-fast"]),
+                        ("fast-nope", ["roberta-base", "roberta-base-fast", "roberta-base-fast-nope"])):
+        configs = [argument for file in files for argument in ("--config", str(folder / f"{file}.yaml"))]
+        with pytest.raises(SystemExit) as stop:
+            train.cli_main(["fit", *configs, "--print_config"])
+        assert stop.value.code in (0, None)
+        parsed[name] = flatten(yaml.safe_load(capsys.readouterr().out))
+    base, fast, nope = parsed["base"], parsed["fast"], parsed["fast-nope"]
+    assert base.keys() == fast.keys() == nope.keys()
+    named = {"trainer.default_root_dir", "trainer.logger.init_args.name"}
+    assert {key for key in base if base[key] != fast[key]} == set(FAST_CHANGES) | named
+    assert {key: fast[key] for key in FAST_CHANGES} == FAST_CHANGES
+    assert fast["data.global_batch_size"] == fast["data.batch_size"] * fast["trainer.devices"] * fast["trainer.num_nodes"]
+    assert {key for key in fast if fast[key] != nope[key]} == {"model.position_embeddings"} | named
+    assert nope["model.position_embeddings"] is False
+    docs = (ROOT / "docs" / "pretraining.md").read_text()
+    section = docs[docs.index("## The fast recipe"):]
+    assert all(f"`{key.rsplit('.', 1)[1]}`" in section for key in FAST_CHANGES)
 
 
 @pytest.mark.parametrize("kind", ["bert", "trained"])
