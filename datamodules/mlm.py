@@ -47,9 +47,10 @@ class MLMDataModule(pl.LightningDataModule):
             derived from it (global / (batch_size × devices × nodes)). None: no accumulation.
         val_fraction, max_val_blocks: the held-out split (a fraction of the blocks, at most this many).
         streaming: make training blocks on the fly (no cache of the whole corpus); the first `val_texts` texts are
-            held out and cached for validation.
+            held out and cached for validation. Each loader worker tokenises its own shard of the texts.
         cache_dir: where tokenizers and blocks are cached (default $POSART_CACHE or ~/.cache/positional-artefacts).
-        num_workers: loader worker processes per device (masking runs there).
+        num_workers: loader worker processes per device (masking runs there; streaming: tokenising too, one shard
+            of the stream each, so a streaming run resumes with the same number).
         num_proc: processes for tokenising in prepare_data (default: one; the tokenizer itself is multi-threaded).
         seed: shuffling and masking seed.
     """
@@ -83,7 +84,7 @@ class MLMDataModule(pl.LightningDataModule):
         self.tokenizer = None
         self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
         self.train_blocks = self.val_blocks = None
-        self.position = DataPosition(batch_size, global_batch_size, streaming)
+        self.position = DataPosition(batch_size, global_batch_size, streaming, num_workers if streaming else 1)
 
     def _validate_arguments(self) -> None:
         h = self.hparams
@@ -96,8 +97,6 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:
             raise UserError(f"--data.val_fraction must lie in (0, 1), got {h.val_fraction}")
-        if h.streaming and h.num_workers > 1:
-            raise UserError("--data.streaming takes --data.num_workers 0 or 1 (one reader per device)")
         if looks_local(h.corpus):
             path = Path(h.corpus).expanduser()
             if not path.exists():
@@ -188,7 +187,8 @@ class MLMDataModule(pl.LightningDataModule):
         resume = self.position.begin(world)
         if h.streaming:
             dataset = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, h.batch_size, rank,
-                                      world, skip_texts=h.val_texts, start=self.position.stream)
+                                      world, skip_texts=h.val_texts, start=self.position.stream,
+                                      workers=self.position.workers)
             return self._loader(dataset, None, self.collator)
         self.check_blocks(len(self.train_blocks), world)
         sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True,

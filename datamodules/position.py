@@ -10,7 +10,8 @@
 The position is counted in global blocks (micro-batches × batch_size × world size), with the epoch and the blocks
 into it, the world size, batch size and global batch, so a run resumes on another device count too whenever the
 global batch is unchanged (a step then sees the same blocks). A streaming run saves every rank's stream state
-instead (texts skipped unread on resume, one chunk re-tokenised) and resumes on its own device count only.
+instead (each of its shards, one per loader worker: texts skipped unread on resume, one chunk re-tokenised) and
+resumes on its own device count and worker count only.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from core.errors import UserError
 class DataPosition:
     """The data position after the last training batch consumed (see the module docstring)."""
 
-    def __init__(self, batch_size: int, global_batch_size: int | None, streaming: bool) -> None:
+    def __init__(self, batch_size: int, global_batch_size: int | None, streaming: bool, workers: int = 1) -> None:
         self.batch_size, self.global_batch_size, self.streaming = batch_size, global_batch_size, streaming
+        self.workers = max(1, workers)  # streaming: shards of the stream per rank (loader workers)
         self.pending: dict | None = None  # a checkpoint's position, converted to this run (restore)
         self.current: dict | None = None  # {"blocks", "epoch", "in_epoch"} after the last training batch consumed
         self.stream: dict | None = None  # streaming: this rank's stream state after that batch
@@ -57,7 +59,8 @@ class DataPosition:
         """One training micro-batch consumed (over all ranks); `stream_state`: where a streaming rank stands now."""
         if self.current is None:
             return
-        self.stream = stream_state if stream_state is not None else self.stream
+        if stream_state is not None:
+            self.stream = merge_stream_state(self.stream, stream_state, self.workers)
         current = self.current
         current["blocks"] += self.step
         current["in_epoch"] += self.step
@@ -74,6 +77,7 @@ class DataPosition:
         state = {"position": {**self.current, "world": world, "batch_size": self.batch_size,
                               "global_batch": self.global_batch(world), "streaming": self.streaming}}
         if self.streaming:
+            state["position"]["workers"] = self.workers
             state["stream"] = gather_objects(self.stream, world)
         return state
 
@@ -114,6 +118,10 @@ class DataPosition:
             raise UserError(f"cannot resume a streaming run saved at world size {position['world']} at world size "
                             f"{world} (devices × nodes; each rank reads its own share of the texts): resume with "
                             f"world size {position['world']}")
+        if self.streaming and position.get("workers", 1) != self.workers:
+            raise UserError(f"cannot resume a streaming run read by {position.get('workers', 1)} loader workers per "
+                            f"rank with --data.num_workers giving {self.workers} (each worker reads its own shard of "
+                            f"the texts): resume with --data.num_workers {position.get('workers', 1)}")
         saved, current = position.get("global_batch"), self.global_batch(world)
         if saved is not None and saved != current:
             raise UserError(f"cannot resume: {source} was trained with global batch {saved} but the config gives "
@@ -150,3 +158,32 @@ def gather_objects(value, world: int) -> list:
         dist.all_gather_object(values, value)
         return values
     return [value]
+
+
+# ---- a streaming rank's state: one per shard (loader worker) ----
+
+def fresh_state() -> dict:
+    return {"epoch": 0, "text": 0, "carry": [], "done": 0, "counter": 0}
+
+
+def stream_start(state: dict | None, workers: int) -> dict:
+    """A rank's stream state {"shards": [...], "next"} from a saved one (None: the start; a single shard's state, as
+    checkpoints from before the shards held: shard 0 of one)."""
+    if not state:
+        return {"shards": [None] * workers, "next": 0}
+    if "shards" not in state:
+        state = {"shards": [state], "next": 0}
+    if len(state["shards"]) != workers:
+        raise UserError(f"the stream was read by {len(state['shards'])} loader workers per rank, this run has "
+                        f"{workers}: resume with --data.num_workers {len(state['shards'])}")
+    return state
+
+
+def merge_stream_state(state: dict | None, batch_state: dict, workers: int) -> dict:
+    """The rank's stream state once a batch of shard `batch_state["shard"]` is consumed: that shard's state replaced,
+    and the next batch comes from the next shard."""
+    state = stream_start(state, workers)
+    shard = int(batch_state.get("shard", 0))
+    shards = list(state["shards"])
+    shards[shard] = {key: value for key, value in batch_state.items() if key != "shard"}
+    return {"shards": shards, "next": (shard + 1) % workers}

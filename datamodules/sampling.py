@@ -2,11 +2,12 @@
 
     sampler = BlockSampler(num_blocks, batch_size=16, rank=0, world=2, seed=0, group=32)  # batches of block keys
     dataset = BlockDataset(blocks)                  # cached Arrow blocks; dataset[keys] -> {"blocks", "keys"}
-    stream = StreamingBlocks(corpus, None, tokenizer, 128, 16, rank=0, world=2, skip_texts=2000)  # no cache
+    stream = StreamingBlocks(corpus, None, tokenizer, 128, 16, rank=0, world=2, skip_texts=2000, workers=4)  # no cache
 
 Every rank walks one seeded permutation of the blocks per epoch; rank r of w takes its items r, r + w, ... so a
 global batch holds the same blocks for any (devices × nodes × per-device batch × accumulation). A streaming rank
-reads texts r, r + w, ... of the corpus and packs its own blocks.
+reads its own shards of the texts and packs its own blocks: with n loader workers a rank has n shards, shard
+s = r + w j (worker j) reading texts s, s + w n, s + 2 w n, ..., each tokenised in its own worker process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from core.errors import UserError
 from core.tokenizers import boundary_ids
 from datamodules.blocks import pack_blocks, tokenize_texts
+from datamodules.position import fresh_state, stream_start
 from datamodules.text import iter_texts
 
 STREAM_KEY_BITS = 36  # streaming block keys: (pass, rank) in the high bits, the block counter in the low bits
@@ -87,27 +89,39 @@ class BlockDataset(torch.utils.data.Dataset):
 
 
 class StreamingBlocks(IterableDataset):
-    """Blocks made on the fly from a corpus too big to cache: this rank's texts (r, r + w, ...), packed, batched.
+    """Blocks made on the fly from a corpus too big to cache: this rank's shards of the texts, packed, batched.
 
-    Texts are tokenised `chunk` at a time. Each batch carries `stream_state`, where this rank's stream stands after
-    it: {"epoch", "text": this rank's index of the text opening the current chunk, "carry": the tokens left over from
-    the chunks before, "done": blocks of the chunk already in batches, "counter": blocks of the epoch before the
-    chunk}. Started from such a state (`start`), the stream skips the texts before the chunk without tokenising
-    them, re-tokenises that one chunk and goes on with the same blocks and keys as an uninterrupted run.
+    A rank has `workers` shards (one per loader worker, 1 for none), shard s = rank + world × worker reading texts
+    s, s + world × workers, ...: the loader's workers tokenise in parallel, and it hands their batches on in turn
+    (worker 0, 1, ..., 0, ...). Texts are tokenised `chunk` at a time. Each batch carries `stream_state`, where its
+    shard stands after it: {"shard": the worker's shard index 0..workers-1, "epoch", "text": the shard's index of
+    the text opening the current chunk, "carry": the tokens left over from the chunks before, "done": blocks of the
+    chunk already in batches, "counter": blocks of the epoch before the chunk}. `start` is the rank's stream state
+    ({"shards": [each shard's state or None], "next": the shard whose batch comes next}, `merge_stream_state`);
+    started from it, each shard skips the texts before its chunk without tokenising them, re-tokenises that one
+    chunk and goes on with the same blocks and keys as an uninterrupted run, the loader's worker 0 playing shard
+    `next`, so the batches come in the same order too.
     """
 
     def __init__(self, source: str, text_column: str | None, tokenizer, block_length: int, batch_size: int,
-                 rank: int, world: int, skip_texts: int, start: dict | None = None, chunk: int = 1000) -> None:
+                 rank: int, world: int, skip_texts: int, start: dict | None = None, chunk: int = 1000,
+                 workers: int = 1) -> None:
         self.source, self.text_column, self.tokenizer = source, text_column, tokenizer
         self.block_length, self.batch_size, self.rank, self.world = block_length, batch_size, rank, world
-        self.skip_texts, self.chunk = skip_texts, chunk
-        self.start = start or {"epoch": 0, "text": 0, "carry": [], "done": 0, "counter": 0}
+        self.skip_texts, self.chunk, self.workers = skip_texts, chunk, max(1, workers)
+        self.start = stream_start(start, self.workers)
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise UserError("--data.streaming takes --data.num_workers 0 or 1")
-        start = self.start
+        loaders = info.num_workers if info is not None else 1
+        if loaders != self.workers:
+            raise UserError(f"a stream of {self.workers} shards per rank read by {loaders} loader workers")
+        shard = ((info.id if info is not None else 0) + int(self.start["next"])) % self.workers
+        yield from self._shard(shard, self.start["shards"][shard] or fresh_state())
+
+    def _shard(self, shard: int, start: dict) -> Iterator[dict]:
+        shards = self.world * self.workers
+        position = self.rank + self.world * shard  # this shard's first text, among all shards of all ranks
         skip = int(start["done"])  # blocks of the first chunk already consumed (legacy checkpoints: of the epoch)
         bos, eos = boundary_ids(self.tokenizer)
         for epoch in itertools.count(int(start["epoch"])):
@@ -116,8 +130,8 @@ class StreamingBlocks(IterableDataset):
             carry: list[int] = [int(t) for t in start["carry"]] if first else []
             counter = int(start["counter"]) if first else 0
             texts = itertools.islice(iter_texts(self.source, self.text_column),
-                                     self.skip_texts + self.rank + index * self.world, None, self.world)
-            base = (epoch * self.world + self.rank) << STREAM_KEY_BITS
+                                     self.skip_texts + position + index * shards, None, shards)
+            base = (epoch * shards + position) << STREAM_KEY_BITS
             pending: list[list[int]] = []
             keys: list[int] = []
             while chunk := list(itertools.islice(texts, self.chunk)):
@@ -129,13 +143,14 @@ class StreamingBlocks(IterableDataset):
                     pending.append(block)
                     keys.append(base + counter + i)
                     if len(pending) == self.batch_size:
-                        state = {"epoch": epoch, "text": index, "carry": carry, "done": i + 1, "counter": counter}
+                        state = {"shard": shard, "epoch": epoch, "text": index, "carry": carry, "done": i + 1,
+                                 "counter": counter}
                         yield {"blocks": np.array(pending), "keys": np.array(keys), "stream_state": state}
                         pending, keys = [], []
                 index, carry, counter = index + len(chunk), rest, counter + len(blocks)
             if counter == 0:
                 raise UserError(f"corpus {self.source} gives no full block of {self.block_length} tokens on rank "
-                                f"{self.rank}")
+                                f"{self.rank}" + (f", stream shard {shard}" if self.workers > 1 else ""))
 
 
 def ignore_sigterm(worker_id: int) -> None:

@@ -19,7 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 import train
-from tests.test_train import checkpoint, fit, tiny_args
+from tests.test_train import fit, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import UserError
 from core.tokenizers import SPECIAL_TOKENS, fingerprint, load_tokenizer
 from datamodules.blocks import pack_blocks, tokenize_texts
 from datamodules.masking import MaskCollator
@@ -102,7 +103,6 @@ def test_sampler_global_batches_do_not_depend_on_world_size_and_resume_skips():
 
 
 def test_position_saves_the_global_batch_and_another_one_is_refused_unless_the_checkpoint_predates_it(tmp_path):
-    from core.errors import UserError
     from datamodules.mlm import MLMDataModule
 
     corpus = tmp_path / "corpus.txt"
@@ -180,6 +180,45 @@ def test_streaming_resume_tokenises_one_chunk_not_the_consumed_texts(bpe, tmp_pa
         masked_a, masked_b = collate(a), collate(b)
         assert masked_a["stream_state"] == masked_b["stream_state"]  # passed through for the datamodule
         assert all(torch.equal(masked_a[k], masked_b[k]) for k in ("input_ids", "positions", "targets"))
+
+
+def test_streaming_with_several_workers_shards_the_texts_and_resumes_in_the_same_order(bpe, tmp_path):
+    """Rank 1 of 2 with 3 loader workers: worker j packs texts 1 + 2 j, + 6, + 12, ... (each text in one shard); the
+    loader hands the workers' batches on in turn. Resumed from the state after 7 consumed batches (merged batch by
+    batch, as the datamodule does), with fresh workers, it yields the same batches in the same order; a checkpoint
+    read by another worker count is refused in one line."""
+    from datamodules.position import DataPosition
+
+    texts = corpus_sentences(240)
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+
+    def loader(start=None):
+        dataset = StreamingBlocks(str(path), None, bpe, block_length=16, batch_size=2, rank=1, world=2, skip_texts=10,
+                                  start=start, chunk=7, workers=3)
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=3)
+
+    straight = list(itertools.islice(iter(loader()), 12))
+    for worker in range(3):
+        expected, _ = pack_blocks(tokenize_texts(texts[10 + 1 + 2 * worker::6], bpe), 16, bos=0, eos=2)
+        got = [row.tolist() for batch in straight[worker::3] for row in batch["blocks"]]
+        assert got == expected[:len(got)] and [b["stream_state"]["shard"] for b in straight[worker::3]] == [worker] * 4
+    keys = [int(k) for batch in straight for k in batch["keys"]]
+    assert len(set(keys)) == len(keys)
+    position = DataPosition(2, None, streaming=True, workers=3)
+    position.current = {"blocks": 0, "epoch": 0, "in_epoch": 0}
+    for batch in straight[:7]:
+        position.advance(batch["stream_state"])
+    assert position.stream["next"] == 1  # batch 8 comes from shard 1
+    resumed = list(itertools.islice(iter(loader(start=position.stream)), 5))
+    for a, b in zip(resumed, straight[7:], strict=True):
+        assert np.array_equal(a["blocks"], b["blocks"]) and np.array_equal(a["keys"], b["keys"])
+    saved = position.state(world=1)
+    with pytest.raises(UserError) as error:
+        DataPosition(2, None, streaming=True, workers=2).check(saved, world=1)
+    assert str(error.value) == ("cannot resume a streaming run read by 3 loader workers per rank with "
+                                "--data.num_workers giving 2 (each worker reads its own shard of the texts): resume "
+                                "with --data.num_workers 3")
 
 
 def test_polynomial_schedule_by_hand():

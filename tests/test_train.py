@@ -197,20 +197,28 @@ def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop, legacy)
 
 
 @pytest.mark.slow
-def test_streaming_run_resumes_exactly(corpus, cache, tmp_path, capsys):
-    """The resumed halves read through a loader worker that prefetches 4 batches: the checkpoint must hold the
-    stream state of the last batch a step consumed, not of the last one fetched."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_streaming_run_resumes_exactly(corpus, cache, tmp_path, capsys, workers):
+    """The resumed halves read through loader workers that prefetch 4 batches each: the checkpoint must hold the
+    stream state of the last batch a step consumed, not of the last one fetched. One worker: the same stream as no
+    worker at all; two: two shards of the texts, tokenised in parallel, each resumed where it stood, in turn."""
     streaming = ("--data.streaming", "true", "--data.val_texts", "4", "--trainer.val_check_interval", "3",
                  "--model.decay_steps", "4")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert fit(straight, corpus, cache, *streaming, "--trainer.max_steps", "4") == 0
-    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "2", "--data.num_workers", "1") == 0
-    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "4", "--data.num_workers", "1",
+    same = ("--data.num_workers", "2") if workers == 2 else ()  # two shards differ from one: the same in both runs
+    assert fit(straight, corpus, cache, *streaming, *same, "--trainer.max_steps", "4") == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "2", "--data.num_workers", str(workers)) == 0
+    if workers == 2:  # the state of both shards, the next batch from shard 0 (steps 0, 1: shards 0, 1)
+        stream = checkpoint(resumed)["MLMDataModule"]["stream"][0]
+        assert [shard["done"] for shard in stream["shards"]] == [8, 8] and stream["next"] == 0
+    assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "4", "--data.num_workers", str(workers),
                "--ckpt_path", "last") == 0
     assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4
     for name, value in checkpoint(straight)["state_dict"].items():
         torch.testing.assert_close(checkpoint(resumed)["state_dict"][name], value, rtol=0, atol=0, msg=name)
 
+    if workers == 2:
+        return
     before = (resumed / "checkpoints" / "last.ckpt").read_bytes()  # streaming resumes on its own device count only
     assert fit(resumed, corpus, cache, *streaming, "--trainer.max_steps", "6", "--data.batch_size", "4",
                "--trainer.devices", "2", "--trainer.strategy", "ddp", "--ckpt_path", "last") == 2
@@ -267,7 +275,8 @@ def test_two_process_streaming_run_resumes_exactly(corpus, cache, tmp_path):
     run(straight, "--trainer.max_steps", "4")
     run(resumed, "--trainer.max_steps", "2")
     states = checkpoint(resumed)["MLMDataModule"]["stream"]
-    assert [(state["text"], state["done"]) for state in states] == [(0, 8), (0, 8)]  # each rank: 2 steps × 4 blocks
+    assert [[(shard["text"], shard["done"]) for shard in state["shards"]] for state in states] == \
+        [[(0, 8)], [(0, 8)]]  # each rank (one shard): 2 steps × 4 blocks
     run(resumed, "--trainer.max_steps", "4", "--ckpt_path", "last")
     assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4
     for name, value in checkpoint(straight)["state_dict"].items():

@@ -37,8 +37,8 @@ def written(root: Path) -> list[str]:
     (("--data.global_batch_size", "4"), "--data.global_batch_size 4 is below --data.batch_size 8"),
     (("--data.mlm_probability", "1.0"), "--data.mlm_probability must lie in (0, 1), got 1.0"),
     (("--data.val_fraction", "0"), "--data.val_fraction must lie in (0, 1), got 0.0"),
-    (("--data.streaming", "true", "--data.num_workers", "2"),
-     "--data.streaming takes --data.num_workers 0 or 1 (one reader per device)"),
+    (("--model.pad_vocab_to_multiple_of", "0"), "--model.pad_vocab_to_multiple_of must be at least 1, got 0"),
+    (("--checkpoint.sigterm_every_n_steps", "0"), "--checkpoint.sigterm_every_n_steps must be at least 1, got 0"),
     (("--data.vocab_size", "100"), "--data.vocab_size must be at least 261 for a byte-level BPE, got 100"),
     (("--data.corpus", "EMPTY"), "data file is empty: EMPTY"),
 ])  # 261: the 5 special tokens and the 256 bytes
