@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py            # tiny config (configs/pretrain/tiny.yaml) on the bundled corpus
     python benchmarks/bench_train.py --quick    # small sizes, one round
     python benchmarks/bench_train.py --smoke    # smallest sizes, seconds (the test suite runs this)
-    python benchmarks/bench_train.py --gpu_only # only the roberta-base tokens/s and MFU lines (needs CUDA)
+    python benchmarks/bench_train.py --gpu_only # only the roberta-base GPU lines (needs CUDA; benchmarks/gpu_train.py)
 
 All three run side by side in one process, interleaved over --rounds; each ratio is the median over rounds of the
 paired per-round ratio (robust to load from other jobs on a shared machine):
@@ -12,11 +12,13 @@ paired per-round ratio (robust to load from other jobs on a shared machine):
   the same loss function (the framework-overhead limit), target >= 0.95x;
 - hf_trainer: transformers.Trainer + DataCollatorForLanguageModeling on the same packed blocks and model config
   (the usual baseline), target >= 1.0x.
-With CUDA it also trains the model of configs/pretrain/roberta-base.yaml and its no-PE override (Table 4 sizes,
-bf16-mixed, SDPA, fused AdamW) at sequence lengths 128 and 512 on synthetic blocks and prints tokens/s and
-model-FLOPs utilisation: FLOPs per token 6 N (N = the encoder's weight matrices) + 12 L d T (attention scores and
-values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions of T), times tokens/s, over the device's dense
-bf16 peak (looked up by device name, or --peak_tflops). Without CUDA it prints a note instead.
+With CUDA it also runs benchmarks/gpu_train.py: the model of configs/pretrain/roberta-base-fast.yaml (or
+--gpu_config) at sequence lengths 128 and 512 on synthetic blocks, the bare loop and the production configuration
+side by side, eager and compiled: tokens/s per GPU, model-FLOPs utilisation (FLOPs per token 6 N (N = the encoder's
+weight matrices) + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on the k masked
+positions of T), times tokens/s, over the device's dense bf16 peak, looked up by device name or --peak_tflops), the
+synchronisation warnings of ordinary steps and the projected hours of the paper's run on 4 and 8 such GPUs.
+Without CUDA it prints a note instead.
 Output: one `RATIO <name> <value> target >=<x>` line per ratio, and `METRIC <name> <value>` lines for the rest.
 """
 
@@ -41,12 +43,10 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from datamodules.masking import MaskCollator  # noqa: E402
+from benchmarks.gpu_train import CONFIGS, PEAK_BF16_TFLOPS, model_flops_per_token, peak_tflops, run_gpu  # noqa: E402,F401
 from datamodules.mlm import MLMDataModule  # noqa: E402
-from datamodules.sampling import BlockDataset, BlockSampler  # noqa: E402
 from lightning_modules.mlm import MLMModule, mlm_loss  # noqa: E402
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
 QUICK = {"model": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
                    "max_position_embeddings": 34},
          "data": {"vocab_size": 600, "block_length": 32, "batch_size": 8, "global_batch_size": 8, "max_texts": 400}}
@@ -77,10 +77,10 @@ def overrides(config: dict, root: Path, cache: Path, steps: int) -> list[str]:
 
 
 class StepTimer(pl.Callback):
-    """Wall time from the start of optimizer step `warmup` to the end of the last step."""
+    """Wall time from the start of optimizer step `warmup` to the end of step `stop - 1`, synchronised only there."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.start, self.end = warmup, None, None
+    def __init__(self, warmup: int, stop: int) -> None:
+        self.warmup, self.stop, self.start, self.end = warmup, stop, None, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.start is None and trainer.global_step == self.warmup:
@@ -88,8 +88,9 @@ class StepTimer(pl.Callback):
             self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        _sync()
-        self.end = time.perf_counter()
+        if self.end is None and trainer.global_step == self.stop:
+            _sync()
+            self.end = time.perf_counter()
 
 
 def _sync() -> None:
@@ -105,7 +106,7 @@ def run_lightning(config_path: Path, config: dict, root: Path, cache: Path, warm
                             trainer_defaults=train.TRAINER_DEFAULTS, save_config_kwargs={"overwrite": True},
                             args=["--config", str(config_path), *overrides(config, root, cache, warmup + steps),
                                   "--trainer.enable_progress_bar", "false"])
-    timer = StepTimer(warmup)
+    timer = StepTimer(warmup, warmup + steps)
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return tokens_per_step(config) * steps / (timer.end - timer.start)
@@ -183,95 +184,6 @@ def run_hf_trainer(config: dict, cache: Path, root: Path, warmup: int, steps: in
     return tokens_per_step(config) * steps / (times[warmup + steps - 1] - times[warmup - 1])
 
 
-# ---- GPU: roberta-base tokens/s and MFU ----
-
-class SyntheticTokenizer:
-    """What MaskCollator needs of a tokenizer, for random blocks of a RoBERTa-sized vocabulary."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.all_special_ids, self.mask_token_id, self._vocab = [0, 1, 2, 3, 4], 4, vocab_size
-
-    def get_vocab(self) -> dict:
-        return {"<last>": self._vocab - 1}
-
-
-class SyntheticData(pl.LightningDataModule):
-    def __init__(self, vocab_size: int, block_length: int, batch_size: int, num_blocks: int = 4096) -> None:
-        super().__init__()
-        import datasets
-
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(5, vocab_size, (num_blocks, block_length), generator=generator)
-        ids[:, 0], ids[:, -1] = 0, 2
-        self.blocks = BlockDataset(datasets.Dataset.from_dict({"input_ids": ids.numpy()}))
-        self.collator = MaskCollator(SyntheticTokenizer(vocab_size), block_length)
-        self.batch_size = batch_size
-
-    def train_dataloader(self):
-        sampler = BlockSampler(len(self.blocks), self.batch_size, group=self.batch_size)
-        return torch.utils.data.DataLoader(self.blocks, sampler=sampler, batch_size=None, collate_fn=self.collator,
-                                           num_workers=4, pin_memory=True, persistent_workers=True)
-
-
-def model_flops_per_token(module: MLMModule, seq: int, k: int) -> float:
-    """Training FLOPs per input token: 6 N (the encoder's weight matrices, forward 2 + backward 4 per weight)
-    + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions)."""
-    h = module.hparams
-    body = sum(p.numel() for p in module.model.roberta.encoder.parameters() if p.ndim >= 2)
-    attention = 12 * h.num_hidden_layers * h.hidden_size * seq
-    lm_head = 6 * (h.hidden_size ** 2 + h.hidden_size * h.vocab_size) * k / seq
-    return 6 * body + attention + lm_head
-
-
-def peak_tflops(name: str, override: float | None) -> float | None:
-    if override:
-        return override
-    return next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
-
-
-def gpu_configs() -> dict[str, dict]:
-    """The two roberta-base pretraining configs: with PE, and the base with the no-PE override merged in."""
-    folder = ROOT / "configs" / "pretrain"
-    base = yaml.safe_load((folder / "roberta-base.yaml").read_text())
-    nope = yaml.safe_load((folder / "roberta-base-nope.yaml").read_text())
-    return {"roberta-base": base, "roberta-base-nope": {**base, "model": {**base["model"], **nope["model"]}}}
-
-
-def run_gpu(args) -> None:
-    device = torch.cuda.get_device_name(0)
-    peak = peak_tflops(device, args.peak_tflops)
-    if peak is None:
-        print(f"note: no bf16 peak known for {device}: pass --peak_tflops for the MFU lines")
-    for seq, batch in ((128, args.gpu_batch_128), (512, args.gpu_batch_512)):
-        for config_name, config in gpu_configs().items():
-            pl.seed_everything(0, verbose=False)
-            model_args = {**config["model"], "warmup_steps": 10, "decay_steps": 1000, "vocab_size": 50265}
-            if args.compile:
-                model_args["compile"] = True
-            module = MLMModule(**model_args)
-            assert seq <= module.max_length and module.model.config._attn_implementation == "sdpa"
-            data = SyntheticData(module.vocab_size, seq, batch)
-            timer = StepTimer(args.gpu_warmup)
-            with tempfile.TemporaryDirectory() as root:
-                trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
-                                     gradient_clip_val=config["trainer"].get("gradient_clip_val"),
-                                     max_steps=args.gpu_warmup + args.gpu_steps, logger=False,
-                                     enable_checkpointing=False, enable_progress_bar=False,
-                                     enable_model_summary=False, default_root_dir=root, callbacks=[timer],
-                                     use_distributed_sampler=False)
-                module.on_fit_end = lambda: None  # no export of a throughput run
-                trainer.fit(module, datamodule=data)
-            tokens = batch * seq * args.gpu_steps / (timer.end - timer.start)
-            flops = model_flops_per_token(module, seq, data.collator.k)
-            name = f"{config_name.replace('-', '_')}_seq{seq}"
-            print(f"METRIC {name}_tokens_per_s {tokens:.0f}  (batch {batch}, {device})")
-            if peak:
-                print(f"METRIC {name}_mfu {tokens * flops / (peak * 1e12):.3f}  ({flops / 1e6:.0f} MFLOP/token, "
-                      f"peak {peak:.0f} TFLOP/s bf16)")
-            del module, trainer, data
-            torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
@@ -283,15 +195,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for all three runs (1 keeps timings stable on a shared machine; 0: torch's default)")
     parser.add_argument("--gpu_only", action="store_true")
+    parser.add_argument("--gpu_config", choices=sorted(CONFIGS), default="fast",
+                        help="fast: roberta-base.yaml + roberta-base-fast.yaml; table4: roberta-base.yaml (+ -nope)")
     parser.add_argument("--gpu_warmup", type=int, default=10)
-    parser.add_argument("--gpu_steps", type=int, default=30)
-    parser.add_argument("--gpu_batch_128", type=int, default=128)
-    parser.add_argument("--gpu_batch_512", type=int, default=32)
+    parser.add_argument("--gpu_steps", type=int, default=100, help="timed steps (one capture in 100 at the default)")
+    parser.add_argument("--gpu_batch_512", type=int, default=64,
+                        help="micro-batch at length 512 (the fast config's); length 128 takes 4x as many blocks")
     parser.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the loss in the GPU runs")
     args = parser.parse_args()
     if args.quick or args.smoke:
         args.rounds, args.warmup, args.steps = (1, 1, 2) if args.smoke else (1, 2, 4)
+        args.gpu_warmup, args.gpu_steps = (2, 4) if args.smoke else (5, 20)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.gpu_only:
@@ -299,8 +213,8 @@ def main() -> None:
     if torch.cuda.is_available():
         run_gpu(args)
     else:
-        print("note: no CUDA device: roberta-base tokens/s and MFU (with and without PE, sequence lengths 128 and 512) "
-              "are measured on a GPU only")
+        print("note: no CUDA device: roberta-base tokens/s and MFU (bare loop and production configuration, eager and "
+              "compiled, sequence lengths 128 and 512) are measured on a GPU only")
 
 
 def run_cpu_comparison(args) -> None:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RATIO = re.compile(r"^RATIO (\S+) (\S+) target (<=|>=)(\S+)$")
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+(<=|>=)(\S+)\s+(ok|MISSED)$")
 OPS = {"<=": operator.le, ">=": operator.ge}
-GPU_METRIC = re.compile(r"^METRIC (roberta_base\w*_seq\d+_(?:tokens_per_s|mfu)) (\S+)", re.M)
+GPU_METRIC = re.compile(r"^METRIC (fast_seq\d+_\w+?_(?:tokens_per_s|mfu|sync_warnings)) (\S+)", re.M)
 
 
 @pytest.mark.slow
@@ -53,11 +53,14 @@ def test_bench_smoke_runs_every_script_and_tabulates_what_each_printed():
     if not torch.cuda.is_available():  # the GPU lines are replaced by a note, not left out silently
         assert "note: no CUDA device: roberta-base tokens/s and MFU" in printed["bench_train.py"] and gpu == {}
         return
-    # on a GPU: tokens/s of both roberta-base configs at lengths 128 and 512, and MFU wherever the peak is known
-    names = [f"{config}_seq{seq}" for seq in (128, 512) for config in ("roberta_base", "roberta_base_nope")]
+    # on a GPU (smoke: length 128, eager): tokens/s of the bare loop and of the production configuration of the fast
+    # config, MFU wherever the peak is known, and no synchronisation warning over the production run's ordinary steps
+    names = [f"fast_seq128_{kind}_eager" for kind in ("bare", "production")]
     with_mfu = _bench_train().peak_tflops(torch.cuda.get_device_name(0), None) is not None
     assert with_mfu or "note: no bf16 peak known" in printed["bench_train.py"]
-    assert sorted(gpu) == sorted([f"{name}_tokens_per_s" for name in names] + [f"{name}_mfu" for name in names] * with_mfu)
+    assert sorted(gpu) == sorted([f"{name}_tokens_per_s" for name in names] + [f"{name}_mfu" for name in names] *
+                                 with_mfu + ["fast_seq128_production_eager_sync_warnings"])
+    assert gpu.pop("fast_seq128_production_eager_sync_warnings") == 0, printed["bench_train.py"]
     assert all(math.isfinite(value) and value > 0 for value in gpu.values()), gpu
     assert all(gpu[f"{name}_mfu"] < 1 for name in names if with_mfu)  # a utilisation: a share of the peak
     measured = {row.split()[1] for row in out[table_at:].splitlines() if row.startswith("bench_train ")}
