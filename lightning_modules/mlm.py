@@ -256,8 +256,10 @@ class MLMModule(pl.LightningModule):
             (no_decay if parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(parameter)
         h = self.hparams
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = self.device.type in ("cuda", "cpu")  # the fused kernels skip a step on the device (found_inf)
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps, fused=fused)
+        try:  # fused: one kernel for all parameters, and it skips a non-finite step on the device (found_inf)
+            optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps, fused=True)
+        except RuntimeError:  # a device without fused AdamW kernels: the non-fused step, checked on the host
+            optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps)
         end = schedule_end(h.decay_steps, None if h.decay_steps else self.trainer.max_steps)  # a trainer if needed
         schedule = PolynomialSchedule(h.warmup_steps, end, h.end_lr / h.lr, h.power)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -175,3 +175,25 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_named_at_the_next_loggin
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
     assert all(torch.isfinite(value).all() for value in after.values())
     assert not (root / "checkpoints" / "last.ckpt").exists() and not (root / "export").exists()
+
+
+@pytest.mark.slow
+def test_without_fused_adamw_a_non_finite_step_is_stopped_at_once(corpus, cache, tmp_path, capsys, monkeypatch):
+    """A device without fused AdamW kernels (stood in for by an AdamW refusing fused=True): the step cannot be skipped
+    on the device, so the check synchronises in that step and stops before its update, naming it."""
+    class NoFused(torch.optim.AdamW):
+        def __init__(self, *args, fused=None, **kwargs):
+            if fused:
+                raise RuntimeError("no fused kernels here")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", NoFused)
+    NaNGradientAt.made.clear()
+    spec = json.dumps({"class_path": "tests.test_hot_path.NaNGradientAt", "init_args": {"step": 2}})
+    assert fit(tmp_path / "run", corpus, cache, "--trainer.log_every_n_steps", "50", "--trainer.callbacks+", spec) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("or gradient norm (nan) at step 2: stopped before the optimizer step; the last checkpoint is "
+                        "the last good one"), err
+    (planted,) = NaNGradientAt.made
+    assert planted.after[1] == [2.0]  # AdamW's step count: steps 0 and 1 only
+    assert all(torch.equal(planted.after[0][name], value) for name, value in planted.before[0].items())
