@@ -10,8 +10,10 @@
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
-Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, clips the dimensions that
-the outlier analysis detects on the same data; `--clip none`; or given dimensions, `--clip 5,17`) and, with
+Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
+dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
+outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+and, with
 `--normalize whiten` or `standardize`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
 analyses/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
@@ -31,7 +33,7 @@ from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
 from metrics.outliers import OutlierRule
-from metrics.transforms import NORMALIZATIONS
+from metrics.transforms import NORMALIZATIONS, parse_clip
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
@@ -56,14 +58,18 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
 
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
-                        help="argmax/argmin share that makes a dimension an outlier")
-    parser.add_argument("--sigma", type=float, default=OutlierRule.sigma,
-                        help="robust z-score of a dimension's mean that makes it an outlier")
+                        help="share of the token vectors whose max or min a dimension must hold to be an outlier "
+                             "(the paper's rule; default 0.2)")
+    parser.add_argument("--sigma", type=float, default=None,
+                        help="opt-in, ours: also an outlier when the robust z-score of the dimension's mean exceeds "
+                             "this (default: off)")
 
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (the outlier dims detected on the same data), none, or dims d1,d2,... (0-indexed)")
+                        help="auto (default: the persistent outlier dims, detected on the same data, zeroed in every "
+                             "non-input layer), per-layer (each layer's own outliers in that layer), none, dims "
+                             "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
@@ -120,19 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_clip(text: str) -> str | list[int]:
-    text = text.strip().lower()
-    if text in ("auto", "none"):
-        return text
-    try:
-        dims = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--clip must be auto, none or comma-separated dimensions, got {text!r}") from None
-    if not dims:
-        raise UserError("--clip got no dimensions")
-    return dims
-
-
 def parse_range(text: str) -> tuple[float, float]:
     try:
         low, high = (float(part) for part in text.split(","))
@@ -153,8 +146,14 @@ def validate(args) -> None:
         raise UserError(f"--min_sentences must be at least 2, got {args.min_sentences}")
     if not 0 <= getattr(args, "zeta", 0) <= 1:
         raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
+    if getattr(args, "sigma", None) is not None and args.sigma <= 0:
+        raise UserError(f"--sigma must be positive, got {args.sigma}")
+    if not 0 < getattr(args, "min_share", 0.2) <= 1:
+        raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
     if hasattr(args, "clip"):
         args.clip = parse_clip(args.clip)
+        for note in args.clip.notes:
+            print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
     if args.encoder is None:
