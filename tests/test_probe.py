@@ -397,3 +397,65 @@ def test_split_and_label_errors(tmp_path, bert_tok):
     classes, tensors = ints.set_classes({"train": [10, 2, 2], "val": [10], "test": [2]})
     assert classes == [2, 10] and tensors["train"].tolist() == [1, 0, 0]  # ints sort as numbers
 
+
+
+def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
+    """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
+    token once per epoch."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=700))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=16,
+                            random_baseline=False, progress=False)
+    dm.prepare_data()
+    store = dm.stores["train"]
+    sentence_of = torch.repeat_interleave(torch.arange(store.sentences), store.offsets.diff())  # item -> sentence
+    epochs = []
+    loader = dm.train_dataloader()  # made once per fit, iterated once per epoch
+    for _ in range(2):
+        generator = loader.sampler.sampler.generator  # BatchSampler(RandomSampler(items, seeded generator))
+        state = generator.get_state()
+        batches = [list(ids) for ids in loader.sampler]
+        generator.set_state(state)  # the loader then draws the same permutation
+        features = list(loader)
+        assert [len(ids) for ids in batches[:-1]] == [16] * (len(batches) - 1)
+        assert sorted(i for ids in batches for i in ids) == list(range(store.items))  # each token once
+        assert all(len(set(sentence_of[ids].tolist())) > 1 for ids in batches[:-1])  # across sentences
+        for ids, (x, y) in zip(batches, features):
+            rows = torch.tensor(sorted(ids))
+            assert torch.equal(x, store.gather(rows)) and torch.equal(y, store.labels[rows])
+        epochs.append(batches)
+    assert epochs[0] != epochs[1]  # shuffled again each epoch
+
+
+def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_path, bert_tok):
+    """Validation after every epoch; per layer the epoch of best validation accuracy (the earliest on ties) is the one
+    whose weights are tested, checked against weights recorded at every validation."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=800))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=8,
+                            random_baseline=False, progress=False)
+    model = PositionProbe(lr=0.05)
+    seen = []
+
+    class Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, module):
+            seen.append(module.probe.weight.detach().clone())
+
+    trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Record()])
+    trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm, verbose=False)
+    val, test = dm.stores["val"], dm.stores["test"]
+
+    def accuracy(weight, store):
+        return (torch.bmm(store.features(), weight).argmax(-1) == store.labels).double().mean(1)
+
+    by_epoch = torch.stack([accuracy(w, val) for w in seen])  # [epochs, layers]
+    best = by_epoch.argmax(0)  # the first maximum: the earliest best epoch
+    assert model.results["best_epoch"].tolist() == best.tolist()
+    torch.testing.assert_close(model.results["val_accuracy"], by_epoch.max(0).values)
+    tested = torch.stack([seen[int(epoch)][layer] for layer, epoch in enumerate(best)])
+    torch.testing.assert_close(model.results["accuracy"].double(), accuracy(tested, test))
+    report = model.report()
+    assert [row["best_epoch"] for row in report["layers"]] == best.tolist()
