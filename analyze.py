@@ -8,10 +8,13 @@
     python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
     python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
+    python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
-Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, clips the dimensions that
-the outlier analysis detects on the same data; `--clip none`; or given dimensions, `--clip 5,17`) and, with
+Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
+dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
+outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+and, with
 `--normalize whiten` or `standardize`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
 analyses/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
@@ -24,6 +27,7 @@ import argparse
 import sys
 
 from analyses.outliers import run_outliers
+from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
 from analyses.session import distributed
 from core.errors import UserError
@@ -31,17 +35,19 @@ from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
 from metrics.outliers import OutlierRule
-from metrics.transforms import NORMALIZATIONS
+from metrics.transforms import NORMALIZATIONS, parse_clip
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
                          max_sentences: int = 2000) -> None:
     parser.add_argument("--encoder", default=None,
                         help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
-    parser.add_argument("--data", default=data, required=data is None,
-                        help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
-                             "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)" if data else
-                        "the pairs: a file, a datasets directory or NAME[:CONFIG][:SPLIT] (formats: docs/analyses.md)")
+    if data is not False:
+        parser.add_argument("--data", default=data, required=data is None,
+                            help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
+                                 "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)" if data else
+                            "the pairs: a file, a datasets directory or NAME[:CONFIG][:SPLIT] (formats: "
+                            "docs/analyses.md)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}")
     parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
@@ -56,14 +62,18 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
 
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
-                        help="argmax/argmin share that makes a dimension an outlier")
-    parser.add_argument("--sigma", type=float, default=OutlierRule.sigma,
-                        help="robust z-score of a dimension's mean that makes it an outlier")
+                        help="share of the token vectors whose max or min a dimension must hold to be an outlier "
+                             "(the paper's rule; default 0.2)")
+    parser.add_argument("--sigma", type=float, default=None,
+                        help="opt-in, ours: also an outlier when the robust z-score of the dimension's mean exceeds "
+                             "this (default: off)")
 
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (the outlier dims detected on the same data), none, or dims d1,d2,... (0-indexed)")
+                        help="auto (default: the persistent outlier dims, detected on the same data, zeroed in every "
+                             "non-input layer), per-layer (each layer's own outliers in that layer), none, dims "
+                             "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
@@ -102,15 +112,33 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"STS data sets (files or presets {', '.join(STS_PRESETS)}); skipped when not given")
     everything.add_argument("--pool_sentences", type=int, default=5000,
                             help="sentences searched for the self-similarity words (0: all; default 5000)")
-    for sub in (sts, everything):
+    paper = command("paper", run_paper, "the paper's experiments on one encoder (§3 outliers, origins, position "
+                    "probe; §4 anisotropy, self-similarity, WiC, STS, classifiers; raw and clipped) -> paper.md",
+                    "paper", data=False)
+    for option, default, what in (("--sst2", "glue/sst2", "SST-2 (outliers, anisotropy, self-similarity, the position "
+                                   "probe on its splits, a classifier)"),
+                                  ("--qqp", "glue/qqp", "QQP sentences (anisotropy, self-similarity)"),
+                                  ("--wic", "super_glue:wic:validation", "WiC pairs (Table 1)"),
+                                  ("--imdb", "imdb", "IMDB (a classifier)"), ("--sst5", "SetFit/sst5", "SST-5")):
+        paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
+                           f"none (default {default})")
+    paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
+    paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; default the "
+                       "seven of Table 2: " + " ".join(STS_SETS) + ")")
+    paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "
+                       "split for the probes (0: all)")
+    paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")
+    paper.add_argument("--pool_sentences", type=int, default=5000,
+                       help="sentences searched for the self-similarity words (0: all; default 5000)")
+    for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
         sub.add_argument("--static", default=None, help="GloVe-format text file: a static-vector STS baseline")
-    for sub in (selfsim, everything):
+    for sub in (selfsim, everything, paper):
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    for sub in (anisotropy, isotropy, everything):
+    for sub in (anisotropy, isotropy, everything, paper):
         sub.add_argument("--num_pairs", type=int, default=1000,
                          help="token pairs: one random token from each of 2 x this many random sentences")
     for sub in (isotropy, everything):
@@ -118,19 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
         sub.add_argument("--minibatches", type=int, default=4, help="IsoScore* mini-batches (averaged)")
     return parser
-
-
-def parse_clip(text: str) -> str | list[int]:
-    text = text.strip().lower()
-    if text in ("auto", "none"):
-        return text
-    try:
-        dims = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--clip must be auto, none or comma-separated dimensions, got {text!r}") from None
-    if not dims:
-        raise UserError("--clip got no dimensions")
-    return dims
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -145,16 +160,22 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def validate(args) -> None:
     for name in ("batch_size", "max_sentences", "max_length", "num_words", "min_sentences", "minibatch",
-                 "minibatches", "pool_sentences", "num_pairs"):
+                 "minibatches", "pool_sentences", "num_pairs", "probe_sentences", "epochs"):
         value = getattr(args, name, None)
-        if value is not None and value < (0 if name in ("max_sentences", "pool_sentences") else 1):
+        if value is not None and value < (0 if name in ("max_sentences", "pool_sentences", "probe_sentences") else 1):
             raise UserError(f"--{name} must be positive, got {value}")
     if getattr(args, "min_sentences", 2) < 2:
         raise UserError(f"--min_sentences must be at least 2, got {args.min_sentences}")
     if not 0 <= getattr(args, "zeta", 0) <= 1:
         raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
+    if getattr(args, "sigma", None) is not None and args.sigma <= 0:
+        raise UserError(f"--sigma must be positive, got {args.sigma}")
+    if not 0 < getattr(args, "min_share", 0.2) <= 1:
+        raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
     if hasattr(args, "clip"):
         args.clip = parse_clip(args.clip)
+        for note in args.clip.notes:
+            print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
     if args.encoder is None:

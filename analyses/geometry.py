@@ -23,6 +23,7 @@ from metrics.geometry import (
     IsoScoreStar,
     MeanCosine,
     SelfSimilarity,
+    SequenceSpectrum,
     TokenSample,
     isoscore,
     spectrum_of_moments,
@@ -64,11 +65,13 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
             "layers": per_layer(values, setting.encoder.num_hidden_states)}
 
 
-def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatch: int = 250,
+def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
              minibatches: int = 4) -> dict:
     """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
-    tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; and
-    the singular-value spectrum of each layer's token matrix; per variant (moments transformed exactly)."""
+    tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; the
+    singular-value spectrum of each layer's corpus-wide token matrix (all sentences' tokens together: `corpus_*`,
+    moments transformed exactly); and tokenUni's per-sequence spectrum (`sequence_*`: each sentence's own token
+    matrix, one more pass over `sentences`); per variant."""
     stats, (vectors, filled) = reference.covariance, reference.sample
     layers, hidden = setting.encoder.num_hidden_states, setting.encoder.hidden_size
     points = vectors[filled.nonzero().flatten()].transpose(0, 1)  # [layers, sampled tokens, hidden]
@@ -90,12 +93,33 @@ def isotropy(setting: Setting, reference: Reference, zeta: float = 0.2, minibatc
             "isoscore": isoscore(cov),
             "isoscore_star": star.compute() if batches else torch.full((layers,), float("nan")),
             "isoscore_minibatch": plain.compute() if batches else torch.full((layers,), float("nan")),
-            **{key: spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
+            **{f"corpus_{key}": spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
         }
+    sequences = sequence_spectra(setting, sentences, reference.variants)
+    for key, result in sequences.items():
+        values[key].update(sequence_energy_top1=result["energy_top1"], sequence_cdf_auc=result["cdf_auc"])
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens, "zeta": zeta,
-            "minibatch_tokens": minibatch, "num_minibatches": len(batches), "layers": rows, "spectra": spectra}
+            "minibatch_tokens": minibatch, "num_minibatches": len(batches), "layers": rows,
+            "corpus_spectra": spectra,
+            "sequence_spectra": {key: [[round(float(v), 6) for v in row] for row in result["spectrum"]]
+                                 for key, result in sequences.items()},
+            "spectra_note": "corpus_*: the singular values of each layer's token matrix of all sentences together "
+                            "(uncentred); sequence_*: of each sentence's own token matrix, divided by its largest and "
+                            "pooled over sentences (tokenUni, Yan et al. 2022); sequence_spectra[variant][layer][k] "
+                            "is the mean k-th normalised singular value over the sentences that have one"}
+
+
+def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Variant]) -> dict[str, dict]:
+    """{variant key: SequenceSpectrum result} over `sentences` (this rank's shard; synced)."""
+    encoder = setting.encoder
+    max_rank = min(setting.max_length or encoder.max_length, encoder.hidden_size)
+    metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device) for v in variants}
+    for batch in setting.batches(sentences, desc="per-sequence spectra"):
+        for variant in variants:
+            metrics[variant.key].update(variant.apply(batch.hidden_states), batch.mask)
+    return {key: metric.compute() for key, metric in metrics.items()}
 
 
 def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant]) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from analyses.reference import reference_pass
 from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_truncation
 from core.errors import UserError
-from core.figures import mean_vectors_figure
+from core.figures import mean_vectors_figure, position_rows_figure
+from core.models import position_rows
 from lightning_modules.encoder import FrozenEncoder
 from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.origins import summarise_origins, trace_origins
@@ -21,7 +22,7 @@ from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, per
 
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tuple[NeuronStatisticsResult, int, int]:
     """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
-    reference = reference_pass(setting_of(args, encoder), sentences, clip="auto", desc="outlier statistics")
+    reference = reference_pass(setting_of(args, encoder), sentences, statistics=True, desc="outlier statistics")
     return reference.statistics, reference.num_sentences, reference.num_truncated
 
 
@@ -50,11 +51,29 @@ def mean_vectors_png(report: dict, result: NeuronStatisticsResult, encoder: Froz
     return mean_vectors_figure(result.mean, outliers, title=f"average vector per layer: {encoder.short_name}")
 
 
+def position_rows_png(report: dict, encoder: FrozenEncoder):
+    """The paper's Figures 3-4: the positional-embedding rows, the outlier dims marked; None without a table."""
+    rows, note = position_rows(encoder.model)
+    if rows is None:
+        return None
+    dims = report["persistent_dims"] or sorted({d for layer in report["layers"] for d in layer["outlier_dims"]})
+    return position_rows_figure(rows, dims, title=f"position-embedding rows: {encoder.short_name} (outlier dims "
+                                f"{dims or 'none'}){'; ' + note if note else ''}")
+
+
+def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: FrozenEncoder) -> dict:
+    """mean_vectors.png (Figures 1-2) and, for a model with an absolute position table, position_embeddings.png."""
+    figures = {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)}
+    if position_rows(encoder.model)[0] is not None:
+        figures["position_embeddings.png"] = lambda: position_rows_png(report, encoder)
+    return figures
+
+
 def run_outliers(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
     result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
     report = outliers_report(args, encoder, result, num_sentences, num_truncated)
-    finish(args, rank, {"outliers.json": report}, {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)})
+    finish(args, rank, {"outliers.json": report}, outlier_figures(report, result, encoder))
     if rank == 0:
         print_outliers(report)
         warn_truncation({"outliers": report})
@@ -69,7 +88,8 @@ def print_outliers(report: dict) -> None:
         print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "
               f"{layer['argmin_dim']:>10} ({layer['argmin_share']:6.1%})  "
               f"{', '.join(map(str, layer['outlier_dims'])) or '-'}")
-    print(f"persistent outlier dims (in at least half the layers): {report['persistent_dims'] or 'none'}")
+    print(f"persistent outlier dims (in at least half of the non-input layers 1..{report['num_layers']}): "
+          f"{report['persistent_dims'] or 'none'}")
     origins = report["origins"]
     if origins["position_embeddings"] is None:
         print(f"positional embeddings: none to trace ({origins['position_embeddings_note']})")

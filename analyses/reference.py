@@ -1,7 +1,7 @@
 """What every evaluation protocol starts from: the encoder setting, and one reference pass over the sentences.
 
     setting = Setting(encoder, batch_size=32, max_length=None, seed=0, rank=0, world=1)
-    reference = reference_pass(setting, sentences, clip="auto", normalize="none", rule=OutlierRule(), sample=2000)
+    reference = reference_pass(setting, sentences, parse_clip("auto"), normalize="none", sample=2000)
     reference.variants                               # raw, clipped, normalised: what the protocols apply
     reference_pass(setting, pair_sentences, normalize="whiten", fit="sentences")   # STS: fit on pooled sentences
     refit_on_sentences(setting, reference, pair_sentences)   # the same normalisation, refit for STS in `all`
@@ -10,7 +10,7 @@ Under DDP (torchrun), every rank holds the same sentence or pair list and encode
 i % world); the Metrics sync on compute(), so every rank returns the same report.
 
 The reference pass encodes the reference sentences once and yields what the other protocols apply: the outlier
-dimensions (`--clip auto`: NeuronStatistics + detect_outliers), the token covariance (for --normalize and IsoScore)
+dimensions (`--clip auto` / `per-layer`: NeuronStatistics + detect_outliers), the token covariance (--normalize, IsoScore)
 and one seeded random token per sentence (anisotropy, IsoScore* mini-batches). The variants are then applied to the
 vectors each protocol keeps (clipping and the normalisations commute with averaging), so one forward pass serves
 raw, clipped and normalised results alike. --normalize is estimated from token vectors for the token-level
@@ -33,8 +33,20 @@ from lightning_modules.encoder import EncodedBatch, FrozenEncoder
 from lightning_modules.pooling import mean_pool, random_tokens
 from metrics.geometry import Covariance, CovarianceResult, TokenSample
 from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
-from metrics.outliers import LayerOutliers, OutlierRule, all_outlier_dims, detect_outliers
-from metrics.transforms import RAW, REPORT_KEYS, Clipping, Variant, normalization
+from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers
+from metrics.transforms import (
+    RAW,
+    REPORT_KEYS,
+    Clipping,
+    ClipRequest,
+    Variant,
+    clipped_dims,
+    normalization,
+    parse_clip,
+    per_layer_report,
+)
+
+NO_CLIP = parse_clip("none")
 
 
 @dataclass
@@ -74,8 +86,8 @@ class Reference:
     """What the reference sentences give the other protocols."""
 
     variants: list[Variant]
-    clip: str  # "auto" | "given" | "none"
-    clipped_dims: list[int] | None  # None when --clip none
+    clip: str  # --clip as given: "auto", "per-layer", "none", dims or the explicit per-layer form
+    clipped: dict[int, list[int]] | None  # {layer: dims} zeroed; None when --clip none
     normalize: str
     num_sentences: int
     num_truncated: int
@@ -88,7 +100,8 @@ class Reference:
     normalize_warning: str | None = None
 
     def header(self) -> dict:
-        header = {"clip": self.clip, "clipped_dims": self.clipped_dims or [], "normalize": self.normalize,
+        header = {"clip": self.clip, "clipped_dims": clipped_dims(self.clipped or {}),
+                  "clipped_dims_per_layer": per_layer_report(self.clipped or {}), "normalize": self.normalize,
                   "normalize_fit": self.normalize_fit, "normalize_fit_count": self.normalize_fit_count,
                   "variants": [variant.key for variant in self.variants]}
         return {**header, "normalize_warning": self.normalize_warning} if self.normalize_warning else header
@@ -109,11 +122,11 @@ def counter(device) -> SumMetric:
     return SumMetric().to(device)
 
 
-def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int] = "auto", normalize: str = "none",
+def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = NO_CLIP, normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
                    sample: int = 0, desc: str = "reference pass", fit: str = "tokens") -> Reference:
     """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
-    `sample` seeded random sentences (all when fewer), as far as `clip` ("auto", "none" or dims), `normalize` and
+    `sample` seeded random sentences (all when fewer), as far as `clip` (metrics.transforms.parse_clip), `normalize` and
     `statistics`, `covariance`, `sample` need them. `normalize` is estimated from the token vectors (`fit="tokens"`)
     or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS). Memory: fixed-size states plus the
     [sample, layers, hidden] token sample, whatever the number of sentences."""
@@ -122,7 +135,7 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
     encoder = setting.encoder
     device, layers, hidden = encoder.device, encoder.num_hidden_states, encoder.hidden_size
     normalizing = normalize != "none"
-    stats = NeuronStatistics(layers, hidden).to(device) if clip == "auto" or statistics else None
+    stats = NeuronStatistics(layers, hidden).to(device) if clip.needs_outliers or statistics else None
     cov = Covariance(layers, hidden).to(device) if covariance or normalizing and fit == "tokens" else None
     pooled = Covariance(layers, hidden).to(device) if normalizing and fit == "sentences" else None
     chosen = range(len(sentences)) if sample >= len(sentences) else sorted(
@@ -147,17 +160,14 @@ def reference_pass(setting: Setting, sentences: list[str], clip: str | list[int]
                               vectors[:, wanted])
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
-    reference = Reference([RAW], "none", None, normalize, *((int(counted.compute()), int(truncated.compute()))
-                                                            if encode else (0, 0)))
+    reference = Reference([RAW], clip.text, None, normalize, *((int(counted.compute()), int(truncated.compute()))
+                                                               if encode else (0, 0)))
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)
-    if clip == "auto":
-        reference.clip, reference.clipped_dims = "auto", all_outlier_dims(reference.outliers)
-    elif clip != "none":
-        reference.clip, reference.clipped_dims = "given", sorted(set(clip))
-    if reference.clipped_dims is not None:
-        reference.variants.append(Clipping(reference.clipped_dims, layers))
+    if clip.mode != "none":
+        reference.clipped = clip.resolve(reference.outliers, layers, hidden)
+        reference.variants.append(Clipping(reference.clipped, layers))
     if cov is not None:
         reference.covariance = cov.compute()
     if normalizing:

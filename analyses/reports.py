@@ -1,7 +1,7 @@
 """Terminal tables, figures and the summary (markdown + JSON) of analyze.py's evaluation reports.
 
     print_report("anisotropy", report)                  # per-layer table on the terminal
-    figures = figures_of("isotropy", report, "MiniLM")  # {"isotropy.png": maker, "spectrum.png": maker}
+    figures = figures_of("isotropy", report, "MiniLM")  # isotropy.png, spectrum.png, sequence_spectrum.png
     summary = summarise(reports, notes)                 # the paper's Tables 1-2 and Figure 6 as JSON
     summary_markdown(summary); summary_figure(summary, "MiniLM")
 
@@ -18,10 +18,12 @@ VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized")
 
 
 def figures_of(name: str, report: dict, model: str) -> dict:
-    """{file name: figure maker} of one report (isotropy has two: the scores and the spectra)."""
+    """{file name: figure maker} of one report (isotropy has three: the scores, the corpus-wide spectra and the
+    per-sequence spectra)."""
     figures = {f"{name}.png": lambda: figure_of(name, report, model)}
     if name == "isotropy":
         figures["spectrum.png"] = lambda: figure_of("spectrum", report, model)
+        figures["sequence_spectrum.png"] = lambda: figure_of("sequence_spectrum", report, model)
     return figures
 
 
@@ -52,7 +54,9 @@ def panels_of(name: str, report: dict) -> list[dict]:
     if name == "isotropy":
         return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
                 panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
-                      "IsoScore*", "isoscore_star")]
+                      "IsoScore*", "isoscore_star"),
+                panel(report, "token uniformity per sentence: mean sigma_1^2 / sum sigma^2 (tokenUni)", "share",
+                      "sequence_energy_top1")]
     if name == "self_similarity":
         return [panel(report, "self-similarity", "mean cosine", "self_similarity"),
                 panel(report, "self-similarity - anisotropy", "adjusted", "adjusted")]
@@ -66,7 +70,11 @@ def panels_of(name: str, report: dict) -> list[dict]:
 
 def figure_of(name: str, report: dict, model: str):
     if name == "spectrum":
-        return spectrum_figure(report["spectra"], title=f"singular values per layer: {model}")
+        return spectrum_figure(report["corpus_spectra"], title=f"singular values of the corpus-wide token matrix per "
+                               f"layer: {model}")
+    if name == "sequence_spectrum":
+        return spectrum_figure(report["sequence_spectra"], title=f"singular values of each sentence's token matrix, "
+                               f"normalised and averaged per rank (tokenUni): {model}")
     return layer_panels_figure(panels_of(name, report), title=f"{name.replace('_', ' ')}: {model} "
                                f"(clipped dims {report.get('clipped_dims') or 'none'})")
 
@@ -79,7 +87,8 @@ def print_report(name: str, report: dict) -> None:
     rows = report["layers"]
     columns = {"anisotropy": [("", ())],
                "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
-                            ("top-1 energy", ("energy_top1",))],
+                            ("top-1 energy", ("corpus_energy_top1",)),
+                            ("seq top-1", ("sequence_energy_top1",))],
                "self_similarity": [("self-sim", ("self_similarity",)), ("adjusted", ("adjusted",))],
                "wic": [("accuracy", ("accuracy",))],
                "sts": [("Spearman", ())]}["sts" if name.startswith("sts") else name]

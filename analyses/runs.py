@@ -41,7 +41,7 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
     report = {**run_header(args, encoder, reference),
-              **geometry.isotropy(setting, reference, args.zeta, args.minibatch, args.minibatches)}
+              **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches)}
     return publish(args, rank, "isotropy", report, encoder)
 
 
@@ -96,7 +96,7 @@ def run_all(args, rank: int, world: int) -> dict:
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated),
                "anisotropy": {**header, **geometry.anisotropy(setting, reference)},
-               "isotropy": {**header, **geometry.isotropy(setting, reference, args.zeta, args.minibatch,
+               "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants)}}
     if wic_data is not None:

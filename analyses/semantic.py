@@ -53,7 +53,8 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
 def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict:
     """Luo et al. (2021) §4.3 / Pilehvar & Camacho-Collados (2019): same sense iff the cosine of the target word's
     vectors (sub-word pieces averaged) in the two sentences reaches a threshold; the best threshold of 0.1..0.9 and
-    the best layer, searched on the given data (an oracle choice, as in the paper)."""
+    the best layer of 1..L (the embedding output is reported, not searched), on the given data (an oracle choice, as
+    in the paper)."""
     texts = [s for item in items for s in (item.sentence1, item.sentence2)]
     spans = [span for item in items for span in (item.span1, item.span2)]
 
@@ -74,7 +75,7 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         best_t = accuracy.argmax(1)
         per_variant[variant.key] = [{"accuracy": round(float(accuracy[layer, t]), 6), "threshold": THRESHOLDS[t]}
                                     for layer, t in enumerate(best_t.tolist())]
-        layer = int(accuracy.max(1).values.argmax())
+        layer = 1 + int(accuracy[1:].max(1).values.argmax())  # the best of layers 1..L (0: the embeddings)
         key = "best" if variant.key == "raw" else f"best_{variant.key}"
         report[key] = {"accuracy": round(float(accuracy[layer].max()), 6), "layer": layer,
                        "threshold": THRESHOLDS[int(best_t[layer])]}
@@ -101,7 +102,7 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
         cosines, seen = metrics[variant.key].compute()
         rho = 100 * spearman(cosines.cpu(), gold)
         per_variant[variant.key] = rho
-        layer = int(rho.nan_to_num(float("-inf")).argmax())
+        layer = 1 + int(rho[1:].nan_to_num(float("-inf")).argmax())  # the best of layers 1..L
         key = "best" if variant.key == "raw" else f"best_{variant.key}"
         report[key] = {"spearman": number(rho[layer]), "layer": layer}
     report["layers"] = per_layer(per_variant, setting.encoder.num_hidden_states)

@@ -31,7 +31,6 @@ from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from metrics.outliers import OutlierRule
-from metrics.transforms import clip_spec
 
 T = TypeVar("T")
 
@@ -83,8 +82,9 @@ def open_encoder(args) -> FrozenEncoder:
         device = f"cuda:{torch.cuda.current_device()}"
     encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special)
     encoder.check_max_length(args.max_length)
-    if isinstance(getattr(args, "clip", None), list):  # given dimensions: check them against this model
-        clip_spec(args.clip, encoder.num_hidden_states, encoder.hidden_size)
+    clip = getattr(args, "clip", None)
+    if clip is not None and not clip.needs_outliers:  # given dims or layers: check them against this model now
+        clip.resolve(None, encoder.num_hidden_states, encoder.hidden_size)
     return encoder
 
 

@@ -5,7 +5,7 @@
     python benchmarks/bench_probe.py --smoke    # MiniLM on 40 sentences, seconds (the test suite runs this)
 
 1. The full position probe as probe.py runs it (features of every layer extracted once, the stacked probes of all
-   layers trained 10 epochs with Adam at batch 128 sentences, validated each epoch, tested, contributions computed,
+   layers trained 10 epochs with Adam at batch 128 token vectors, validated each epoch, tested, contributions computed,
    report and figures written) against one plain encoder pass (FrozenEncoder.batches) over the same sentences:
    at most 2x. The random-encoder baseline is off here: it is a second encoder pass, by design.
 2. The naive way, re-running the encoder for every layer and epoch: one (layer, epoch) unit is measured for real
@@ -108,7 +108,7 @@ def measure(encoder, texts: list[str], naive: bool) -> dict:
     encode, probe_time, layers = min(encode_before, encode_after), sum(phases.values()), encoder.num_hidden_states
     tokens = sum(model.spec.counts[split]["tokens"] for split in model.spec.counts)
     print(f"\n{encoder.short_name}: {len(texts)} sentences, {tokens} tokens, {layers} layers x {encoder.hidden_size} "
-          f"dims, {MAX_POSITIONS} positions, {EPOCHS} epochs, batch {BATCH} sentences; CPU seconds, 1 thread")
+          f"dims, {MAX_POSITIONS} positions, {EPOCHS} epochs, batch {BATCH} token vectors; CPU seconds, 1 thread")
     print(f"one encoder pass {encode:.2f}s (runs {encode_before:.2f}s, {encode_after:.2f}s); full position probe "
           f"{probe_time:.2f}s")
     print("probe phases: " + ", ".join(f"{name} {seconds:.2f}s ({seconds / encode:.2f}x)"

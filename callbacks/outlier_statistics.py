@@ -69,14 +69,15 @@ class OutlierStatistics(LiveCallback):
             validation).
         layers: hidden-state layers to watch (default all, 0 = embedding output).
         top_k: dimensions of largest |mean| logged per layer.
-        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`.
+        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the paper's share
+            rule, and the opt-in robust z-score of ours (sigma, off by default).
         pairs_per_sequence: random token pairs per sequence for anisotropy.
         on_validation: also over the whole validation set at every validation.
         seed: draws the anisotropy pairs (with the step).
     """
 
     def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
-                 top_k: int = 3, min_share: float = 0.2, sigma: float = 10.0, pairs_per_sequence: int = 16,
+                 top_k: int = 3, min_share: float = 0.2, sigma: float | None = None, pairs_per_sequence: int = 16,
                  on_validation: bool = True, seed: int = 0) -> None:
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
         self.top_k, self.rule, self.pairs_per_sequence, self.seed = top_k, OutlierRule(min_share, sigma), \
@@ -122,7 +123,9 @@ class OutlierStatistics(LiveCallback):
         prefix = PREFIX[stage]
         result = replace(result, **{name: getattr(result, name).cpu() for name in ("mean", "var", "max_abs",
                                                                                     "argmax_count", "argmin_count")})
-        found = detect_outliers(result, self.rule)  # indexed 0..len(layers)-1
+        found = detect_outliers(result, self.rule)  # indexed 0..len(layers)-1: numbered as hidden-state layers below
+        for layer, outliers in zip(self.layers, found):
+            outliers.layer = layer
         dims, means = top_mean_dims(result.mean, self.top_k)
         ratio = max_median_ratio(result.mean)
         metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result.num_tokens)}

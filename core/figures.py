@@ -1,6 +1,7 @@
 """Matplotlib figures shared by analyze.py reports, the probes and the W&B callbacks (headless, Agg backend).
 
     fig = mean_vectors_figure(mean, outliers={layer: [dims]}, title="MiniLM")   # the paper's Figures 1-2
+    position_rows_figure(rows, dims=[d1, d2])                                    # Figures 3-4
     save_figure(fig, "runs/x/mean_vectors.png")                                 # or figure_array(fig): RGB for loggers
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
 """
@@ -44,6 +45,34 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
     axes[-1, 0].set_xlabel("dimension (0-indexed)")
     axes[-1, 0].set_xlim(-1, mean.shape[1])
     fig.suptitle(title or "average vector per layer (outlier dimensions in red)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
+    """The positional-embedding rows (the paper's Figures 3-4): a heatmap positions x dimensions with the outlier
+    dims marked, and each outlier dim's value against the position beside the mean |value| of all dims.
+
+    rows: [positions, hidden] (the rows a token can use, in the hidden space)."""
+    rows = np.asarray(rows.detach().cpu() if hasattr(rows, "detach") else rows, dtype=float)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), gridspec_kw={"height_ratios": [3, 2]})
+    limit = np.percentile(np.abs(rows), 99.5) or 1.0
+    image = top.imshow(rows, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
+    fig.colorbar(image, ax=top, fraction=0.025)
+    for d in dims:
+        top.axvline(d, color="black", linewidth=0.9, linestyle="--")
+    marks = top.secondary_xaxis("top")
+    marks.set_xticks(list(dims), labels=[str(d) for d in dims], fontsize=7)
+    top.set_xlabel("dimension (0-indexed; the outlier dims dashed, labelled above)")
+    top.set_ylabel("position")
+    positions = np.arange(rows.shape[0])
+    for d in list(dims)[:6]:
+        bottom.plot(positions, rows[:, d], linewidth=1, label=f"dim {d}")
+    bottom.plot(positions, np.abs(rows).mean(1), color="black", linestyle="--", linewidth=1, label="mean |value|")
+    bottom.set_xlabel("position (0-indexed)")
+    bottom.set_ylabel("value")
+    bottom.legend(fontsize=7, ncol=4)
+    fig.suptitle(textwrap.fill(title or "position-embedding rows", width=120), fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -2,12 +2,15 @@
 
     extractor = FeatureExtractor(layers=[0, ..., L], batch_size=32, max_memory_gb=4.0)
     result = extractor.extract([encoder, random_twin], texts, labels, task)   # per split; task: what an item is
-    result.stores["train"].gather(rows)                 # [slots, items, hidden] float32
+    result.stores["train"].gather(items)                # [slots, items, hidden] float32
     result.statistics                                   # NeuronStatistics of the training split's hidden states
+    result.storage                                      # how the features are held (dtype, memory or file per split)
 
 The encoders run exactly once per sentence in total, over all splits sorted by length (little padding); each batch's
-rows are routed to their split's FeatureStore. A store lives in memory while all splits' features together fit
-`max_memory_gb`; the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
+rows are routed to their split's FeatureStore. Within `max_memory_gb`: float32 when all splits' features fit it,
+else float16 (half the bytes; hidden states keep ~3 significant digits); a split stays in memory while the running
+total fits, and the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
+An SST-2-size position probe (0.7M tokens × 13 layers × 768) is ~14 GB in float16: it streams from disk.
 Slots: the first encoder's layers, then the next encoder's (the random-init twin's), in `layers` order.
 """
 
@@ -28,25 +31,28 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from datamodules.splits import SPLITS
 from lightning_modules.encoder import FrozenEncoder
 from metrics.neuron_stats import NeuronStatistics
 
-SPLITS = ("train", "val", "test")
 GIB = 1024 ** 3
 
 
 class FeatureStore:
-    """Features of one split: [items, slots, hidden] float32, in memory or in a memory-mapped file.
+    """Features of one split: [items, slots, hidden] in float32 or float16, in memory or in a memory-mapped file;
+    `gather` always returns float32.
 
     Items of one sentence are contiguous: sentence s owns items offsets[s]:offsets[s + 1].
     """
 
-    def __init__(self, items: int, slots: int, hidden: int, sentences: int, path: Path | None = None) -> None:
-        self.path = path
+    def __init__(self, items: int, slots: int, hidden: int, sentences: int, path: Path | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.path, self.dtype = path, dtype
         if path is None:  # slot-major in memory: a batch gather is one index_select, already contiguous
-            self.array = torch.empty(slots, items, hidden)
+            self.array = torch.empty(slots, items, hidden, dtype=dtype)
         else:  # item-major on disk: a batch reads whole rows
-            self.array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(items, slots, hidden))
+            numpy_dtype = np.float16 if dtype == torch.float16 else np.float32
+            self.array = np.lib.format.open_memmap(path, mode="w+", dtype=numpy_dtype, shape=(items, slots, hidden))
         self.labels = torch.empty(items, dtype=torch.long)
         self.offsets = torch.zeros(sentences + 1, dtype=torch.long)
         self.items = 0
@@ -56,44 +62,39 @@ class FeatureStore:
         """features [slots, n, hidden], labels [n], per_sentence [sentences in this batch] (items of each)."""
         n, start = features.shape[1], self.items
         if self.path is None:
-            self.array[:, start:start + n] = features.float().cpu()
+            self.array[:, start:start + n] = features.to(self.dtype).cpu()
         else:
-            self.array[start:start + n] = features.float().cpu().transpose(0, 1).numpy()
+            self.array[start:start + n] = features.to(self.dtype).cpu().transpose(0, 1).numpy()
         self.labels[start:start + n] = labels.cpu()
         count = len(per_sentence)
         self.offsets[self.sentences + 1:self.sentences + 1 + count] = start + per_sentence.cpu().cumsum(0)
         self.items += n
         self.sentences += count
 
-    def rows(self, sentences: Tensor) -> Tensor:
-        """The item indices of the given sentences, in order."""
-        starts, ends = self.offsets[sentences], self.offsets[sentences + 1]
-        lengths = ends - starts
-        base = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)
-        return base + torch.arange(int(lengths.sum()))
-
     def gather(self, rows: Tensor) -> Tensor:
-        """[slots, len(rows), hidden]."""
+        """[slots, len(rows), hidden] float32 of items `rows` (sorted rows read a memory-mapped file in order)."""
         if self.path is None:
-            return self.array.index_select(1, rows)
-        return torch.from_numpy(np.ascontiguousarray(self.array[rows.numpy()])).transpose(0, 1).contiguous()
+            return self.array.index_select(1, rows).float()
+        return torch.from_numpy(np.ascontiguousarray(self.array[rows.numpy()])).float().transpose(0, 1).contiguous()
 
     def features(self) -> Tensor:
         """All features [slots, items, hidden] (a copy when memory-mapped)."""
         return self.gather(torch.arange(self.items))
 
 
-class SentenceBatches(Dataset):
-    """Indexed by a list of sentence ids (from a BatchSampler): (features [slots, items, hidden], labels [items])."""
+class ItemBatches(Dataset):
+    """Indexed by a list of item ids (from a BatchSampler): (features [slots, items, hidden], labels [items]). An item
+    is a token vector for the position probe (a batch draws tokens across sentences), a pooled sentence for the
+    classifiers."""
 
     def __init__(self, store: FeatureStore) -> None:
         self.store = store
 
     def __len__(self) -> int:
-        return self.store.sentences
+        return self.store.items
 
-    def __getitem__(self, sentences: list[int]) -> tuple[Tensor, Tensor]:
-        rows = self.store.rows(torch.as_tensor(sorted(sentences), dtype=torch.long))
+    def __getitem__(self, items: list[int]) -> tuple[Tensor, Tensor]:
+        rows = torch.as_tensor(sorted(items), dtype=torch.long)
         return self.store.gather(rows), self.store.labels[rows]
 
 
@@ -125,6 +126,7 @@ class Extracted:
     counts: dict[str, dict]  # per split: sentences, items (under the task's item name), and the task's counts
     num_truncated: int
     statistics: NeuronStatistics  # of the first encoder's hidden states on the training split
+    storage: dict  # {"dtype", "gib", "splits": {split: "memory" | "memory-mapped file"}}: how the features are held
 
 
 class FeatureExtractor:
@@ -175,8 +177,8 @@ class FeatureExtractor:
                          **task.split_counts(self.mask(inputs)[rows], keep[rows])}
                 for key, value in extra.items():
                     counts[split][key] = counts[split].get(key, 0) + value
-        paths = self.store_paths({split: counts[split]["items"] * num_slots * primary.hidden_size * 4
-                                  for split in SPLITS})  # float32 features of all splits against one budget
+        numbers = {split: counts[split]["items"] * num_slots * primary.hidden_size for split in SPLITS}
+        paths, dtype = self.store_paths(numbers)  # all splits' features against one budget
         stores, ordered_texts, ordered_labels = {}, {}, {}
         for split in SPLITS:
             order = [i for s, i in entries if s == split]
@@ -184,7 +186,7 @@ class FeatureExtractor:
             if split in labels:
                 ordered_labels[split] = labels[split][order]
             stores[split] = FeatureStore(counts[split]["items"], num_slots, primary.hidden_size, len(order),
-                                         paths[split])
+                                         paths[split], dtype)
         statistics = NeuronStatistics(len(self.layers), primary.hidden_size).to(primary.device)
         done = dict.fromkeys(SPLITS, 0)  # sentences written per split
         bar = tqdm(total=len(entries), unit="sent", desc=f"encoding ({primary.short_name})",
@@ -211,8 +213,11 @@ class FeatureExtractor:
             items = counts[split].pop("items")
             if task.item_name:
                 counts[split] = {"sentences": counts[split]["sentences"], task.item_name: items, **counts[split]}
+        storage = {"dtype": str(dtype).removeprefix("torch."),
+                   "gib": round(sum(numbers.values()) * dtype.itemsize / GIB, 4),
+                   "splits": {split: "memory" if paths[split] is None else "memory-mapped file" for split in SPLITS}}
         return Extracted(stores, ordered_texts, ordered_labels, counts, sum(truncated for _, truncated in batches),
-                         statistics)
+                         statistics, storage)
 
     def select(self, hidden_states: Tensor) -> Tensor:
         """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""
@@ -220,10 +225,13 @@ class FeatureExtractor:
             return hidden_states
         return hidden_states[self.layers]
 
-    def store_paths(self, nbytes: dict[str, int]) -> dict[str, Path | None]:
-        """Where each split's features live: None (memory) or a memory-mapped file. `max_memory_gb` bounds all
-        splits together: in SPLITS order (train, val, test: the most read first), a split stays in memory while the
-        running total of the in-memory splits fits the budget; the others stream from disk, with one warning."""
+    def store_paths(self, numbers: dict[str, int]) -> tuple[dict[str, Path | None], torch.dtype]:
+        """(where each split's features live: None (memory) or a memory-mapped file; their dtype), for `numbers`
+        feature values per split. `max_memory_gb` bounds all splits together: float32 when all of them fit, else
+        float16; in SPLITS order (train, val, test: the most read first), a split stays in memory while the running
+        total of the in-memory splits fits the budget; the others stream from disk, with one warning."""
+        dtype = torch.float32 if sum(numbers.values()) * 4 <= self.max_memory_gb * GIB else torch.float16
+        nbytes = {split: number * dtype.itemsize for split, number in numbers.items()}
         budget, total, paths = self.max_memory_gb * GIB, 0, {}
         for split in SPLITS:
             if total + nbytes[split] <= budget:
@@ -231,13 +239,13 @@ class FeatureExtractor:
                 paths[split] = None
         streamed = [split for split in SPLITS if split not in paths]
         if not streamed:
-            return paths
+            return paths, dtype
         root = Path(self.cache_root or tempfile.gettempdir())
         root.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix=".features-", dir=root))
         self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
         sizes = ", ".join(f"{split} {nbytes[split] / GIB:.2f}" for split in SPLITS)
-        warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB ({sizes}), over --data.max_memory_gb "
-                      f"{self.max_memory_gb}: streaming {', '.join(streamed)} from a memory-mapped file in "
-                      f"{directory} (slower)", stacklevel=3)
-        return {**paths, **{split: directory / f"{split}.npy" for split in streamed}}
+        warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB in float16 ({sizes}), over "
+                      f"--data.max_memory_gb {self.max_memory_gb}: streaming {', '.join(streamed)} from a "
+                      f"memory-mapped file in {directory} (slower)", stacklevel=3)
+        return {**paths, **{split: directory / f"{split}.npy" for split in streamed}}, dtype

@@ -14,6 +14,7 @@ say is not an error: the item is skipped and counted.
 
 from __future__ import annotations
 
+import csv
 import math
 import random
 import re
@@ -29,10 +30,13 @@ from core.errors import UserError
 from datamodules.text import iter_records
 
 WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
+# name -> (datasets source, {column: value} a row must have). SICK-R: the SemEval-2014 Task 1 test portion of SICK
+# (the SemEval_set column; SentEval's SICK_test_annotated.txt, which it mirrors, can be passed as a file). STS12-16:
+# each year's subsets pooled into one set of pairs, as the mteb test splits hold them.
 STS_PRESETS = {
-    "stsb": "mteb/stsbenchmark-sts::test",
-    "sickr": "mteb/sickr-sts::test",
-    **{f"sts{year}": f"mteb/sts{year}-sts::test" for year in range(12, 17)},
+    "stsb": ("mteb/stsbenchmark-sts::test", {}),
+    "sickr": ("RobZamp/sick::test", {"SemEval_set": "TEST"}),
+    **{f"sts{year}": (f"mteb/sts{year}-sts::test", {}) for year in range(12, 17)},
 }
 STS_COLUMNS = {
     "sentence1": ("sentence1", "sentence_a", "sentence_A", "text1", "s1"),
@@ -238,9 +242,9 @@ def read_sts(source: str, gold: str | None = None, score_range: tuple[float, flo
     low, high = score_range
     path = Path(source)
     if path.is_file() and path.suffix.lower() == ".txt":
-        rows = _senteval_sts(path, gold)
+        rows = _column_sts(str(path), records=_sick_records(path)) if _is_sick(path) else _senteval_sts(path, gold)
     else:
-        rows = _column_sts(STS_PRESETS.get(source, source))
+        rows = _column_sts(*STS_PRESETS.get(source, (source, {})))
     pairs, unscored = [], 0
     for index, (sentence1, sentence2, raw) in enumerate(rows):
         if raw is None or str(raw).strip() == "":
@@ -275,9 +279,27 @@ def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str 
         yield fields[0], fields[1], score.strip() or None
 
 
-def _column_sts(source: str) -> Iterator[tuple[str, str, object]]:
+def _is_sick(path: Path) -> bool:
+    """SICK's own release format (SemEval-2014 Task 1, as SentEval's SICK_*.txt): a tab-separated header row with
+    sentence_A, sentence_B and relatedness_score."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        header = handle.readline().rstrip("\r\n").split("\t")
+    return {"sentence_A", "sentence_B", "relatedness_score"} <= set(header)
+
+
+def _sick_records(path: Path) -> Iterator[dict]:
+    with path.open(encoding="utf-8", newline="") as handle:
+        yield from csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+
+
+def _column_sts(source: str, where: dict | None = None, records: Iterator[dict] | None = None
+                ) -> Iterator[tuple[str, str, object]]:
+    """(sentence1, sentence2, score) of a table with those columns (or their aliases, STS_COLUMNS); `where` keeps the
+    rows whose columns have the given values (when the table has those columns)."""
     names = None
-    for row in iter_records(source):
+    for row in records if records is not None else iter_records(source):
+        if any(column in row and row[column] != value for column, value in (where or {}).items()):
+            continue
         if names is None:
             names = {}
             for role, candidates in STS_COLUMNS.items():

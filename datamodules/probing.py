@@ -9,15 +9,18 @@
 The encoder runs exactly once per sentence in total (datamodules/features.py); every probe of every layer and epoch
 reads the cache. With `random_baseline`, a randomly initialised encoder of the same architecture (seeded) runs once
 too, and its layers are appended as extra slots, so its probes train in the same run. Outlier dimensions are
-detected with NeuronStatistics + detect_outliers on the training split's hidden states, unless `outlier_dims` are
+detected with NeuronStatistics + detect_outliers (the paper's rule) on the training split's hidden states, and the
+persistent ones (an outlier in at least half the non-input layers) are the spec's `outlier_dims`, unless they are
 given.
 
-Splits are by sentence: `val_fraction` and `test_fraction` of `source` (seeded), or, for a `datasets` name, the held
-out split `test_split` (glue/sst2's test labels are hidden, so its config tests on `validation`). A batch is
-`batch_size` sentences: for positions, all their tokens; for classification, their mean-pooled vectors.
-Position labels are token indices in the input (0-indexed, special tokens included unless `exclude_special`);
-tokens at positions >= `max_positions` are dropped from the probe and counted. Layers 0..L, 0 = embedding output.
-This data module works on one device (the cache lives in this process).
+Splits (datamodules/splits.py): the source's own train / validation / test splits when it has them (glue/sst2, a
+datasets directory), what is missing carved out of train by sentence (seeded; an unlabelled test split, as GLUE's, is
+replaced by validation); a single file is split 80/10/10 (`val_fraction`, `test_fraction`). A training batch is
+`batch_size` items drawn at random across sentences, shuffled each epoch: token vectors for the position probe (the
+paper's batches of 128 vectors), mean-pooled sentence vectors for classification. Position labels are token indices
+in the input (0-indexed, special tokens included unless `exclude_special`); tokens at positions >= `max_positions`
+are dropped from the probe and counted. Layers 0..L, 0 = embedding output. This data module works on one device
+(the cache lives in this process).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from core.errors import UserError
-from core.sources import looks_local
-from datamodules.features import SPLITS, FeatureExtractor, SentenceBatches
-from datamodules.text import DEFAULT_CORPUS, iter_records, pick_text, sample_texts
+from datamodules.features import FeatureExtractor, ItemBatches
+from datamodules.splits import SPLITS, Splits, read_splits
+from datamodules.text import DEFAULT_CORPUS, iter_records, pick_text
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.pooling import mean_pool
 from lightning_modules.probes import FeatureSpec
-from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers
+from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 
 
 class ProbeDataModule(pl.LightningDataModule):
@@ -57,7 +60,9 @@ class ProbeDataModule(pl.LightningDataModule):
         encode_batch_size: int = 32,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
+        val_split: str | None = None,
         test_split: str | None = None,
+        eval_batch_size: int = 4096,
         layers: list[int] | None = None,
         random_baseline: bool = True,
         outlier_dims: list[int] | None = None,
@@ -102,6 +107,10 @@ class ProbeDataModule(pl.LightningDataModule):
     def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
         return {}
 
+    def labelled(self, labels: list) -> bool:
+        """Whether a split's raw labels are real (GLUE's test splits hide them: -1); positions need none."""
+        return True
+
     def describe(self) -> dict:
         return {}
 
@@ -118,19 +127,22 @@ class ProbeDataModule(pl.LightningDataModule):
         self._prepare()
 
     def train_dataloader(self) -> DataLoader:
+        """Batches of `batch_size` items (token vectors drawn across sentences, or pooled sentences), shuffled each
+        epoch by a seeded generator."""
         generator = torch.Generator().manual_seed(self.hparams.seed)
-        return self._loader("train", RandomSampler(range(self.stores["train"].sentences), generator=generator))
+        sampler = RandomSampler(range(self.stores["train"].items), generator=generator)
+        return self._loader("train", sampler, self.hparams.batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", SequentialSampler(range(self.stores["val"].sentences)))
+        return self._loader("val", SequentialSampler(range(self.stores["val"].items)), self.hparams.eval_batch_size)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", SequentialSampler(range(self.stores["test"].sentences)))
+        return self._loader("test", SequentialSampler(range(self.stores["test"].items)), self.hparams.eval_batch_size)
 
-    def _loader(self, split: str, sampler) -> DataLoader:
+    def _loader(self, split: str, sampler, batch_size: int) -> DataLoader:
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(SentenceBatches(self.stores[split]), batch_size=None,
-                          sampler=BatchSampler(sampler, self.hparams.batch_size, drop_last=False),
+        return DataLoader(ItemBatches(self.stores[split]), batch_size=None,
+                          sampler=BatchSampler(sampler, batch_size, drop_last=False),
                           num_workers=self.hparams.num_workers, pin_memory=on_cuda)
 
     # ---- the one pass ---------------------------------------------------------------------------------------------
@@ -142,35 +154,37 @@ class ProbeDataModule(pl.LightningDataModule):
                             "use --trainer.devices 1")
         h = self.hparams
         self._check_arguments()
-        texts, raw_labels = self.read_splits()
-        classes, labels = self.set_classes(raw_labels)
+        splits = self.read_splits()
+        classes, labels = self.set_classes(splits.labels)
         encoders = self._encoders()
         primary = encoders[0]
         layers = self._layers(primary)
         root = h.cache_dir or (self.trainer.default_root_dir if self.trainer is not None else None)
         self.extractor = FeatureExtractor(layers, h.encode_batch_size, h.max_length, h.exclude_special,
                                           h.max_memory_gb, root, h.progress)
-        extracted = self.extractor.extract(encoders, texts, labels, self)
+        extracted = self.extractor.extract(encoders, splits.texts, labels, self)
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
+        for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
+            layer.layer = layers[layer.layer]
         if h.outlier_dims is not None:
             bad = [d for d in h.outlier_dims if not 0 <= d < primary.hidden_size]
             if bad:
                 raise UserError(f"outlier dims {bad} out of range 0..{primary.hidden_size - 1}")
             outlier_dims, outlier_source = sorted(set(h.outlier_dims)), "given"
-        else:
-            outlier_dims, outlier_source = all_outlier_dims(outlier_layers), "detected"
-        for layer in outlier_layers:  # report the hidden-state layer, not the index into the cached subset
-            layer.layer = layers[layer.layer]
+        else:  # the persistent outliers of the paper's rule, over the cached non-input layers
+            outlier_dims, outlier_source = persistent_dims(outlier_layers), "detected"
         self.spec = FeatureSpec(
             encoder=primary.name, layers=layers, hidden_size=primary.hidden_size, num_classes=len(classes),
+            num_hidden_states=primary.num_hidden_states,
             classes=classes, slots=[(kind, layer) for kind in ("encoder", "random")[:len(encoders)] for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed,
-            data={"source": str(h.source), "test_split": h.test_split if self._held_out() else None,
+            data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
-                  "special_tokens": "excluded" if h.exclude_special else "included", **self.describe()},
+                  "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
+                  **self.describe()},
         )
         del encoders
         if torch.cuda.is_available():
@@ -178,7 +192,7 @@ class ProbeDataModule(pl.LightningDataModule):
 
     def _check_arguments(self) -> None:
         h = self.hparams
-        for name in ("batch_size", "encode_batch_size"):
+        for name in ("batch_size", "encode_batch_size", "eval_batch_size"):
             if h[name] < 1:
                 raise UserError(f"--data.{name} must be at least 1, got {h[name]}")
         if h.max_sentences < 0:
@@ -189,47 +203,14 @@ class ProbeDataModule(pl.LightningDataModule):
         if h.max_memory_gb <= 0:
             raise UserError(f"--data.max_memory_gb must be positive, got {h.max_memory_gb}")
 
-    def read_splits(self) -> tuple[dict[str, list[str]], dict[str, list]]:
-        """Texts and raw labels per split: a held-out `test_split` of a datasets name, else seeded fractions."""
+    def read_splits(self) -> Splits:
+        """Texts and raw labels per split: the source's own splits when it has them, else seeded fractions
+        (datamodules/splits.py)."""
         h = self.hparams
         if h.source is None:
             raise UserError("no data source: pass --data.source (a file, a datasets directory or a datasets name)")
-        source = str(h.source)
-        held_out = h.test_split is not None and self._held_out()
-        if h.test_split is not None and not held_out:
-            warnings.warn(f"--data.test_split {h.test_split!r} applies to datasets names only; the test set is "
-                          f"carved out of {source} by --data.test_fraction", stacklevel=2)
-        texts, labels = self._sample(*self.read_split(source, None))
-        n = len(texts)
-        permutation = torch.randperm(n, generator=torch.Generator().manual_seed(h.seed)).tolist()
-        n_test = 0 if held_out else round(n * h.test_fraction)
-        n_val = round(n * h.val_fraction)
-        parts = {"test": permutation[:n_test], "val": permutation[n_test:n_test + n_val],
-                 "train": permutation[n_test + n_val:]}
-        split_texts = {name: [texts[i] for i in sorted(rows)] for name, rows in parts.items()}
-        split_labels = {name: [labels[i] for i in sorted(rows)] for name, rows in parts.items()}
-        if held_out:
-            name, config, _ = (source.split(":") + [None, None])[:3]
-            test_source = f"{name}:{config or ''}:{h.test_split}"
-            split_texts["test"], split_labels["test"] = self._sample(*self.read_split(test_source, h.test_split))
-        for split in SPLITS:
-            if not split_texts[split]:
-                raise UserError(f"the {split} split is empty: {n} sentences in {source} with "
-                                f"val_fraction={h.val_fraction}, test_fraction={h.test_fraction}"
-                                + (f", test split {h.test_split!r}" if held_out else ""))
-        return split_texts, split_labels
-
-    def _held_out(self) -> bool:
-        """Whether the source is a datasets name without a split, whose `test_split` is read as the test set."""
-        source = str(self.hparams.source)
-        return not looks_local(source) and len(source.split(":")) < 3
-
-    def _sample(self, texts: list[str], labels: list) -> tuple[list[str], list]:
-        limit = self.hparams.max_sentences
-        if not limit or len(texts) <= limit:
-            return texts, labels
-        keep = sample_texts(iter(range(len(texts))), limit, self.hparams.seed)
-        return [texts[i] for i in keep], [labels[i] for i in keep]
+        return read_splits(str(h.source), self.read_split, self.labelled, h.val_fraction, h.test_fraction, h.seed,
+                           h.max_sentences, h.val_split, h.test_split)
 
     def _encoders(self) -> list[FrozenEncoder]:
         h = self.hparams
@@ -275,7 +256,7 @@ class PositionDataModule(ProbeDataModule):
 
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
         texts = []
-        for record in iter_records(source):
+        for record in iter_records(source, split=split):
             text = pick_text(record, self.hparams.text_column, source)
             if isinstance(text, str) and text.strip():
                 texts.append(text.strip())
@@ -321,7 +302,7 @@ class ClassificationDataModule(ProbeDataModule):
 
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
         texts, labels, blank = [], [], 0
-        for row, record in enumerate(iter_records(source), 1):
+        for row, record in enumerate(iter_records(source, split=split), 1):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
                                 "pass --data.label_column")
@@ -338,6 +319,9 @@ class ClassificationDataModule(ProbeDataModule):
         if not texts:
             raise UserError(f"no labelled texts in {source}")
         return texts, labels
+
+    def labelled(self, labels: list) -> bool:
+        return any(label != -1 for label in labels)  # GLUE's hidden test labels are all -1
 
     def set_classes(self, labels: dict[str, list]) -> tuple[list, dict[str, Tensor]]:
         if self.classes is not None:

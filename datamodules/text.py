@@ -38,18 +38,38 @@ def iter_texts(source: str | os.PathLike, text_column: str | None = None) -> Ite
             yield text.strip()
 
 
-def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = None) -> Iterator[dict]:
-    """Yield the rows of `source` as dicts (a plain text file gives {"text": line})."""
+def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = None, split: str | None = None
+                 ) -> Iterator[dict]:
+    """Yield the rows of `source` as dicts (a plain text file gives {"text": line}); `split` picks a split of a
+    datasets directory or name (default: the name's own `:SPLIT`, else "train", else the first)."""
     path = Path(source)
     if path.is_file():
+        if split is not None:
+            raise UserError(f"{source} is a single file: it has no split {split!r}")
         yield from _file_records(path)
     elif path.is_dir():
-        yield from _datasets_records(str(path), None, None, local=True)
+        yield from _datasets_records(str(path), None, split, local=True)
     elif looks_local(source):
         raise UserError(f"data path not found: {source}")
     else:
-        name, config, split = _parse_hub_name(str(source))
-        yield from _datasets_records(name, config, split, local=False)
+        name, config, named = _parse_hub_name(str(source))
+        if named is not None and split is not None and split != named:
+            raise UserError(f"{source} names split {named!r}, not {split!r}")
+        yield from _datasets_records(name, config, split or named, local=False)
+
+
+def split_names(source: str | os.PathLike) -> list[str] | None:
+    """The splits of a datasets directory or name (["train", "validation", "test"], ...), or None for a single table:
+    a file, a saved single Dataset, or a NAME:CONFIG:SPLIT that names its split."""
+    path = Path(source)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return _open_datasets(str(path), None, local=True)[1]
+    if looks_local(source):
+        raise UserError(f"data path not found: {source}")
+    name, config, split = _parse_hub_name(str(source))
+    return None if split is not None else _open_datasets(name, config, local=False)[1]
 
 
 def pick_text(record: dict, text_column: str | None, source) -> str | None:
@@ -116,16 +136,16 @@ def _parse_hub_name(source: str) -> tuple[str, str | None, str | None]:
     return parts[0], parts[1] or None, parts[2] or None
 
 
-def _datasets_records(name: str, config: str | None, split: str | None, local: bool) -> Iterator[dict]:
+def _open_datasets(name: str, config: str | None, local: bool):
+    """(the loaded dataset or dict of splits, its split names or None for a single Dataset): a directory saved with
+    `save_to_disk` is read from disk; a hub name or a data-files directory is streamed (`glue/sst2` is tried as a
+    repository, then as name `glue` with config `sst2`)."""
     import datasets
 
     saved = local and any((Path(name) / marker).exists() for marker in ("dataset_info.json", "dataset_dict.json"))
     if saved:
         loaded = datasets.load_from_disk(name)
-        if isinstance(loaded, datasets.DatasetDict):
-            loaded = loaded[_choose_split(list(loaded), split, name)]
-        yield from _nonempty(iter(loaded), name)
-        return
+        return loaded, list(loaded) if isinstance(loaded, datasets.DatasetDict) else None
     attempts = [(name, config)]
     if config is None and "/" in name and not local:
         head, tail = name.rsplit("/", 1)
@@ -137,11 +157,20 @@ def _datasets_records(name: str, config: str | None, split: str | None, local: b
         except Exception as error:  # datasets raises many types: not found, offline, bad config
             errors.append(f"{type(error).__name__}: {first_line(error)}")
             continue
-        chosen = _choose_split(list(loaded), split, name)
-        yield from _nonempty(iter(loaded[chosen]), f"{name}:{chosen}")
-        return
+        return loaded, list(loaded)
     offline = " (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set)" if _offline() else ""
     raise UserError(f"cannot load dataset {name!r}{offline}: {errors[-1]}")
+
+
+def _datasets_records(name: str, config: str | None, split: str | None, local: bool) -> Iterator[dict]:
+    loaded, splits = _open_datasets(name, config, local)
+    if splits is None:
+        if split is not None:
+            raise UserError(f"dataset {name} has no split {split!r} (it is a single table)")
+        yield from _nonempty(iter(loaded), name)
+        return
+    chosen = _choose_split(splits, split, name)
+    yield from _nonempty(iter(loaded[chosen]), f"{name}:{chosen}")
 
 
 def _choose_split(splits: list[str], wanted: str | None, name: str) -> str:

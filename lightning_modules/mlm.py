@@ -124,7 +124,10 @@ class MLMModule(pl.LightningModule):
         hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings: the
             RoBERTa architecture (max_position_embeddings includes RoBERTa's 2 offset rows).
         dropout: hidden and attention dropout.
-        lr, betas, eps, weight_decay: AdamW (fused on CUDA); no decay on biases, LayerNorms, or a frozen table.
+        lr, betas, eps, weight_decay: AdamW (fused wherever the device has the kernels); every trained parameter
+            is decayed, as fairseq (the paper's trainer) does; a frozen table is not trained at all.
+        decay_bias_and_norm: False keeps biases and LayerNorm weights out of weight decay (BERT's and transformers'
+            convention; not the paper's).
         warmup_steps, decay_steps, end_lr, power: linear warm-up to `lr`, then (1 - progress)^power decay to
             `end_lr` at `decay_steps` (default: the trainer's max_steps).
         compile: torch.compile the forward pass and the loss together (two graphs: with and without the hidden
@@ -149,6 +152,7 @@ class MLMModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-6,
         weight_decay: float = 0.01,
+        decay_bias_and_norm: bool = True,
         warmup_steps: int = 10_000,
         decay_steps: int | None = None,
         end_lr: float = 0.0,
@@ -253,7 +257,8 @@ class MLMModule(pl.LightningModule):
         for name, parameter in self.model.named_parameters():
             if not parameter.requires_grad:
                 continue  # the frozen zero position table of a no-PE model
-            (no_decay if parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(parameter)
+            exempt = parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name
+            (no_decay if exempt and not self.hparams.decay_bias_and_norm else decay).append(parameter)
         h = self.hparams
         groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         try:  # fused: one kernel for all parameters, and it skips a non-finite step on the device (found_inf)

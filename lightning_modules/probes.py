@@ -25,13 +25,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.errors import UserError
-from core.figures import accuracy_by_layer_figure, heatmap_figure, heatmap_grid_figure, save_figure
+from core.figures import (
+    accuracy_by_layer_figure,
+    heatmap_figure,
+    heatmap_grid_figure,
+    layer_panels_figure,
+    save_figure,
+)
 from core.models import short_name
 from core.output import staged_output, write_json
 from lightning_modules.stacked import StackedProbe
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
 from metrics.outliers import LayerOutliers
-from metrics.transforms import keep_mask, zero_dims
+from metrics.transforms import clipped_dims, keep_mask, parse_clip, per_layer_report, zero_dims
 
 INDEXING = "0-indexed dimensions and positions; layer 0 = embedding output"
 
@@ -53,6 +59,7 @@ class FeatureSpec:
     majority: dict = field(default_factory=dict)  # majority and chance baselines
     data: dict = field(default_factory=dict)  # source, max_length, special tokens, ... for the report
     seed: int = 0
+    num_hidden_states: int = 0  # the encoder's hidden states (layers 0..L), whichever are cached
 
     @property
     def encoder_slots(self) -> int:
@@ -92,6 +99,12 @@ class LinearProbes(pl.LightningModule):
                                   bias=self.use_bias)
         self.val_accuracy = LayerAccuracy(len(self.probe_slots))
         self.test_accuracy = LayerAccuracy(len(self.probe_slots))
+        slots = len(self.probe_slots)  # each slot's epoch of best validation accuracy and its weights (tested)
+        self.register_buffer("best_val_accuracy", torch.full((slots,), -1.0, dtype=torch.float64), persistent=False)
+        self.register_buffer("best_epoch", torch.full((slots,), -1, dtype=torch.long), persistent=False)
+        self.register_buffer("best_weight", self.probe.weight.detach().clone(), persistent=False)
+        if self.probe.bias is not None:
+            self.register_buffer("best_bias", self.probe.bias.detach().clone(), persistent=False)
 
     @property
     def weight(self) -> Tensor:
@@ -136,13 +149,33 @@ class LinearProbes(pl.LightningModule):
         self._shared_step(batch, "test")
 
     def on_validation_epoch_end(self) -> None:
-        self._log_accuracy("val", self.val_accuracy.compute())
+        accuracy = self.val_accuracy.compute()
+        self._log_accuracy("val", accuracy)
         self.val_accuracy.reset()
+        if self.trainer.sanity_checking:
+            return
+        improved = accuracy.to(self.best_val_accuracy) > self.best_val_accuracy  # strictly: the earliest best
+        self.best_val_accuracy[improved] = accuracy.to(self.best_val_accuracy)[improved]
+        self.best_epoch[improved] = self.current_epoch
+        with torch.no_grad():
+            self.best_weight[improved] = self.probe.weight[improved]
+            if self.probe.bias is not None:
+                self.best_bias[improved] = self.probe.bias[improved]
+
+    def on_test_start(self) -> None:
+        """Each slot is tested with its weights of the epoch of best validation accuracy (the final weights when
+        no validation ran)."""
+        chosen = self.best_epoch >= 0
+        with torch.no_grad():
+            self.probe.weight[chosen] = self.best_weight[chosen]
+            if self.probe.bias is not None:
+                self.probe.bias[chosen] = self.best_bias[chosen]
 
     def on_test_epoch_end(self) -> None:
         accuracy = self.test_accuracy.compute()
         self._log_accuracy("test", accuracy)
-        self.results["accuracy"] = accuracy.cpu()
+        self.results.update(accuracy=accuracy.cpu(), val_accuracy=self.best_val_accuracy.cpu(),
+                            best_epoch=self.best_epoch.cpu())
         self.test_accuracy.reset()
 
     def _log_accuracy(self, stage: str, accuracy: Tensor) -> None:
@@ -154,10 +187,17 @@ class LinearProbes(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
     # ---- results --------------------------------------------------------------------------------------------------
-    def accuracy_of(self, kind: str) -> list[float]:
-        """Test accuracy per layer of one kind of slot ("encoder", "random", "clipped")."""
-        accuracy = self.results["accuracy"]
-        return [float(accuracy[i]) for i, (k, _) in enumerate(self.probe_slots) if k == kind]
+    def accuracy_of(self, kind: str, result: str = "accuracy") -> list:
+        """Test accuracy (or "val_accuracy" / "best_epoch" of the tested weights) per layer of one kind of slot
+        ("encoder", "random", "clipped")."""
+        values = self.results[result]
+        return [values[i].item() for i, (k, _) in enumerate(self.probe_slots) if k == kind]
+
+    def selection(self, kind: str = "encoder") -> list[dict]:
+        """Per layer: the epoch whose weights were tested (best validation accuracy) and that accuracy."""
+        epochs, accuracies = self.accuracy_of(kind, "best_epoch"), self.accuracy_of(kind, "val_accuracy")
+        return [{"best_epoch": int(epoch) if epoch >= 0 else None, "val_accuracy": accuracy if epoch >= 0 else None}
+                for epoch, accuracy in zip(epochs, accuracies)]
 
     def baselines(self) -> dict:
         spec = self.spec
@@ -215,9 +255,9 @@ class PositionProbe(LinearProbes):
         """position_probe.json: per layer the accuracy, top contributing dims, and each outlier dim's rank."""
         spec, top_k = self.spec, self.hparams.top_k
         layers = []
-        for i, (layer, accuracy) in enumerate(zip(spec.layers, self.accuracy_of("encoder"))):
+        for i, (layer, accuracy, chosen) in enumerate(zip(spec.layers, self.accuracy_of("encoder"), self.selection())):
             ranking = rank_dims(self.results["contributions"][i], spec.outlier_dims, top_k)
-            layers.append({"layer": layer, "accuracy": accuracy, "top_contribution_dims": ranking["top_dims"],
+            layers.append({"layer": layer, "accuracy": accuracy, **chosen, "top_contribution_dims": ranking["top_dims"],
                            "mean_contribution": ranking["mean_contribution"],
                            "outlier_dims": {str(d): v for d, v in ranking["dims"].items()}})
         return {
@@ -225,7 +265,8 @@ class PositionProbe(LinearProbes):
             **spec.data,
             "seed": spec.seed,
             "indexing": INDEXING,
-            "batch": "batch_size sentences, all their tokens",
+            "batch": "batch_size token vectors drawn across sentences, shuffled each epoch; each layer tested with its "
+                     "weights of the epoch of best validation accuracy",
             "splits": spec.counts,
             "outlier_dims": spec.outlier_dims,
             "outlier_dims_source": spec.outlier_source,
@@ -235,10 +276,20 @@ class PositionProbe(LinearProbes):
             "baselines": self.baselines(),
         }
 
+    def outlier_figure(self, title: str):
+        """The paper's Figure 5b/5c: each outlier neuron's contribution against the mean contribution, per layer."""
+        contributions, spec = self.results["contributions"], self.spec  # [layers, hidden]
+        series = {f"dim {d}": contributions[:, d].tolist() for d in spec.outlier_dims[:8]}
+        series["mean over neurons"] = contributions.mean(1).tolist()
+        return layer_panels_figure([{"title": "contribution c(i) = |w_i v_i| of the outlier neurons", "ylabel":
+                                     "mean contribution", "layers": spec.layers, "series": series}], title=title,
+                                   columns=1)
+
     def write_outputs(self, output_dir) -> dict:
         """position_probe.json, contributions.npy [layers, hidden], contributions_by_position.npy
-        [layers, positions, hidden], accuracy_by_layer.png, contributions_by_layer.png (layer x dimension) and
-        contributions_by_position.png (position x dimension, a panel per layer); all or nothing."""
+        [layers, positions, hidden], accuracy_by_layer.png, contributions_by_layer.png (layer x dimension),
+        contributions_by_position.png (position x dimension, a panel per layer) and outlier_contributions.png (each
+        outlier neuron's contribution against the mean, per layer: Figure 5b/5c); all or nothing."""
         report, spec = self.report(), self.spec
         name = short_name(spec.encoder)
         seen = int(self.results["position_counts"].nonzero().max()) + 1 if self.results["position_counts"].any() else 1
@@ -254,34 +305,45 @@ class PositionProbe(LinearProbes):
                                             [f"layer {layer}" for layer in spec.layers], "dimension (0-indexed)",
                                             "position", f"contribution |w_i v_i| by position: {name}"),
                         stage / "contributions_by_position.png")
+            save_figure(self.outlier_figure(f"outlier neurons vs the mean contribution: {name} (outlier dims "
+                                            f"{spec.outlier_dims or 'none'})"), stage / "outlier_contributions.png")
         return report
 
 
 class SentenceClassifier(LinearProbes):
-    """Linear classifiers hidden → classes on every layer's mean-pooled vectors, with and without the outlier
-    dimensions clipped (zeroed), all trained in one run."""
+    """Linear classifiers hidden → classes on every layer's mean-pooled vectors (bias-free, W ∈ R^{hidden×classes} as
+    the paper's §4.4, unless `bias`), with and without the outlier dimensions clipped (zeroed), all in one run."""
 
-    use_bias = True
-
-    def __init__(self, encoder: str | None = None, lr: float = 1e-3, clip: bool = True, seed: int = 0) -> None:
-        """clip: also train classifiers on the features with the outlier dims (detected or --data.outlier_dims)
-        zeroed; encoder: the encoder whose features are classified (probe.py links it to --data.encoder; checked
-        against the data module's at setup)."""
+    def __init__(self, encoder: str | None = None, lr: float = 1e-3, clip: str = "auto", bias: bool = False,
+                 seed: int = 0) -> None:
+        """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
+        "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
+        non-input layer), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
+        the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
+        --data.encoder; checked against the data module's at setup)."""
         super().__init__()
         self.save_hyperparameters()
+        self.clip_request = parse_clip(clip)
+        self.use_bias = bias
+        self.clipped: dict[int, list[int]] = {}
 
     def slots(self, spec: FeatureSpec) -> list[tuple[str, int]]:
-        clipped = [("clipped", layer) for layer in spec.layers] if self.hparams.clip else []
+        clipped = [("clipped", layer) for layer in spec.layers] if self.clip_request.mode != "none" else []
         return list(spec.slots) + clipped
 
     def build(self, spec: FeatureSpec) -> None:
         super().build(spec)
-        slots = spec.encoder_slots  # the encoder's slots, the outlier dims zeroed in each
-        self.register_buffer("keep", keep_mask(dict.fromkeys(range(slots), spec.outlier_dims), slots, spec.hidden_size),
-                             persistent=False)  # [slots, hidden]
+        request = self.clip_request
+        if request.mode == "auto" and spec.outlier_source == "given":  # the given dims, in every non-input layer
+            request = parse_clip(",".join(map(str, spec.outlier_dims)) or "none")
+        self.clipped = request.resolve(spec.outlier_layers, spec.num_hidden_states or max(spec.layers) + 1,
+                                       spec.hidden_size)
+        slots = spec.encoder_slots  # the encoder's cached layers, each with that layer's clipped dims zeroed
+        spec_by_slot = {i: self.clipped.get(layer, []) for i, layer in enumerate(spec.layers)}
+        self.register_buffer("keep", keep_mask(spec_by_slot, slots, spec.hidden_size), persistent=False)
 
     def inputs(self, features: Tensor) -> Tensor:
-        if not self.hparams.clip:
+        if self.clip_request.mode == "none":
             return features
         return torch.cat([features, zero_dims(features[:self.spec.encoder_slots], self.keep)])
 
@@ -299,10 +361,14 @@ class SentenceClassifier(LinearProbes):
             "splits": spec.counts,
             "majority_baseline": baselines["majority"],
             "chance_baseline": baselines["chance"],
-            "clipped_dims": spec.outlier_dims if self.hparams.clip else None,
-            "clipped_dims_source": spec.outlier_source if self.hparams.clip else None,
-            "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip}
-                       for layer, accuracy, clip in zip(spec.layers, self.accuracy_of("encoder"), clipped)],
+            "bias": self.use_bias,
+            "clip": self.clip_request.text,
+            "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
+            "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
+            "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",
+            "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip, **chosen}
+                       for layer, accuracy, clip, chosen in zip(spec.layers, self.accuracy_of("encoder"), clipped,
+                                                                self.selection())],
             "baselines": baselines,
         }
 

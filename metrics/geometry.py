@@ -308,6 +308,62 @@ def spectrum_of_moments(mean: Tensor, cov: Tensor, num_tokens: int) -> dict[str,
     return spectrum(cov + mean.unsqueeze(2) * mean.unsqueeze(1), num_tokens)
 
 
+class SequenceSpectrum(Metric):
+    """Token uniformity per sequence, as tokenUni measures it (Yan et al. 2022): the singular values of each
+    sentence's own token matrix [its tokens, hidden] per layer (padding excluded), divided by the sentence's largest,
+    pooled over sentences. States (sums, fixed size): per layer and rank k the sum of the k-th normalised singular
+    value over the sentences that have one, the sum of sigma_1^2 / sum sigma^2, and the sum of all normalised values.
+
+    compute() -> {"spectrum" [layers, ranks] (mean normalised sigma_k over sentences with at least k + 1 of them),
+    "energy_top1" [layers] (mean over sentences of sigma_1^2 / sum sigma^2), "cdf_auc" [layers] (area under the
+    empirical CDF of all pooled normalised values on [0, 1], i.e. 1 - their mean), "num_sentences"}.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, num_layers: int, max_rank: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_layers, self.max_rank = num_layers, max_rank
+        self.add_state("rank_sum", torch.zeros(num_layers, max_rank, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("rank_count", torch.zeros(max_rank, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("energy_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("value_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("value_count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sentences", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, hidden_states: Tensor, mask: Tensor) -> None:
+        """hidden_states [layers, batch, seq, hidden], mask [batch, seq] (the tokens that count)."""
+        if hidden_states.dim() != 4 or hidden_states.shape[0] != self.num_layers:
+            raise ValueError(f"hidden states {tuple(hidden_states.shape)} are not [{self.num_layers}, batch, seq, "
+                             "hidden]")
+        counts = mask.sum(1)  # [batch]
+        keep = counts > 0
+        if not bool(keep.any()):
+            return
+        tokens = hidden_states[:, keep].float() * mask[keep].to(hidden_states.device)[None, :, :, None]
+        sigma = _one_thread(torch.linalg.svdvals, tokens).double()  # [layers, sentences, min(seq, hidden)], descending
+        ranks = min(sigma.shape[-1], self.max_rank)
+        sigma = sigma[..., :ranks]
+        valid = torch.arange(ranks, device=sigma.device)[None, :] < counts[keep].to(sigma.device)[:, None]  # [s, k]
+        normalised = sigma / sigma[..., :1].clamp_min(1e-300) * valid
+        squares = sigma.pow(2) * valid
+        self.rank_sum[:, :ranks] += normalised.sum(1)
+        self.rank_count[:ranks] += valid.sum(0).double()
+        self.energy_sum += (squares[..., 0] / squares.sum(-1).clamp_min(1e-300)).sum(1)
+        self.value_sum += normalised.sum((1, 2))
+        self.value_count += valid.sum().double()
+        self.sentences += int(keep.sum())
+
+    def compute(self) -> dict:
+        seen = int((self.rank_count > 0).sum())
+        return {"spectrum": self.rank_sum[:, :seen] / self.rank_count[:seen].clamp_min(1),
+                "energy_top1": self.energy_sum / self.sentences.clamp_min(1),
+                "cdf_auc": 1 - self.value_sum / self.value_count.clamp_min(1),
+                "num_sentences": int(self.sentences.item())}
+
+
 class TokenSample(Metric):
     """A fixed-size sample of vectors gathered across ranks: slot i is written by the rank that holds item i, and the
     sum reduction assembles the full [slots, layers, hidden] sample on every rank (unwritten slots stay zero)."""

@@ -1,16 +1,17 @@
-"""Outlier-dimension detection from NeuronStatistics, by one documented rule.
+"""Outlier-dimension detection from NeuronStatistics, by the paper's rule (and one opt-in addition of ours).
 
-    layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2, sigma=10.0))
+    layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2))      # the paper's rule
+    persistent_dims(layers)                                                    # outliers of most non-input layers
     dims, means = top_mean_dims(result.mean, k=5); ratio = max_median_ratio(result.mean)   # [layers, k], [layers]
 
-The rule. In layer l, dimension d is an outlier when either
-  (a) d holds the maximum or the minimum value of at least `min_share` of the counted token vectors
-      (the paper's "persistent outlier neurons"), or
-  (b) d's mean lies more than `sigma` robust standard deviations from the median of the layer's mean vector,
-      the robust standard deviation being 1.4826 × the median absolute deviation (so the outliers themselves
-      cannot inflate it; "|mean| above k standard deviations" of Kovaleva et al. 2021, made robust).
-A dimension is *persistent* when it is an outlier in at least half of the hidden-state layers.
-Nothing here knows any model's dimensions: everything is read off the statistics.
+The rule (Luo et al. 2021, §3: a neuron that bears the largest or the smallest value of most vectors). In layer l,
+dimension d is an outlier when it holds the maximum or the minimum value of at least `min_share` (0.2) of the
+counted token vectors. Opt-in, ours (`sigma`, off by default): d is also an outlier when its mean lies more than
+`sigma` robust standard deviations from the median of the layer's mean vector, the robust standard deviation being
+1.4826 × the median absolute deviation ("|mean| above k standard deviations" of Kovaleva et al. 2021, made robust).
+A dimension is *persistent* when it is an outlier in at least half of the non-input layers 1..L: layer 0 (the
+embedding output) is reported but never counted. Nothing here knows any model's dimensions: everything is read off
+the statistics.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from metrics.neuron_stats import NeuronStatisticsResult
 @dataclass(frozen=True)
 class OutlierRule:
     min_share: float = 0.2
-    sigma: float = 10.0
+    sigma: float | None = None  # opt-in (ours): also a robust z-score of the dimension's mean above sigma
 
     def describe(self) -> str:
-        return (
-            f"argmax or argmin share >= {self.min_share}, or |mean - median(mean)| > {self.sigma} x 1.4826 MAD "
-            "of the layer's mean vector"
-        )
+        text = f"argmax or argmin share >= {self.min_share} (Luo et al. 2021)"
+        if self.sigma is not None:
+            text += f", or |mean - median(mean)| > {self.sigma} x 1.4826 MAD of the layer's mean vector (opt-in, ours)"
+        return text
 
 
 @dataclass
@@ -62,7 +63,9 @@ def detect_outliers(result: NeuronStatisticsResult, rule: OutlierRule = OutlierR
     """Per layer: the dominant argmax/argmin dimensions with their shares, and the outlier dimensions."""
     max_share, min_share = result.argmax_share, result.argmin_share  # [layers, hidden]
     z = robust_z(result.mean.double())
-    flagged = (max_share >= rule.min_share) | (min_share >= rule.min_share) | (z > rule.sigma)
+    flagged = (max_share >= rule.min_share) | (min_share >= rule.min_share)
+    if rule.sigma is not None:
+        flagged |= z > rule.sigma
     layers = []
     for layer in range(result.mean.shape[0]):
         dims = flagged[layer].nonzero().flatten().tolist()
@@ -83,12 +86,14 @@ def detect_outliers(result: NeuronStatisticsResult, rule: OutlierRule = OutlierR
 
 
 def persistent_dims(layers: list[LayerOutliers]) -> list[int]:
-    """Dimensions that are outliers in at least half of the layers, most frequent first."""
+    """Dimensions that are outliers in at least half of the non-input layers among `layers` (layer 0, the embedding
+    output, never counts), most frequent first."""
+    counted = [layer for layer in layers if layer.layer >= 1]
     counts: dict[int, int] = {}
-    for layer in layers:
+    for layer in counted:
         for dim in layer.outlier_dims:
             counts[dim] = counts.get(dim, 0) + 1
-    needed = (len(layers) + 1) // 2
+    needed = (len(counted) + 1) // 2
     return sorted((d for d, c in counts.items() if c >= needed), key=lambda d: (-counts[d], d))
 
 

@@ -1,11 +1,15 @@
 """The variants every evaluation reports side by side: raw, clipped, and a post-hoc normalisation.
 
-    variants = [RAW, Clipping(outlier_dims, num_layers=7), whitening(cov.compute())]
+    spec = parse_clip("auto").resolve(outliers, num_layers=7, hidden_size=384)   # {layer: dims}: --clip
+    variants = [RAW, Clipping(spec, num_layers=7), whitening(cov.compute())]
     vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
     mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
 
-- Clipping zeroes the given dimensions in every layer (`zero_dims`, the one way this project zeroes dimensions:
-  analyses, classifiers and callbacks alike), applied to hidden states after the forward pass.
+- Clipping zeroes dimensions per layer (`zero_dims`, the one way this project zeroes dimensions: analyses,
+  classifiers and callbacks alike), applied to hidden states after the forward pass. Which ones is --clip's choice
+  (`parse_clip`, the same option everywhere): by default (`auto`, the paper's §4) the persistent outlier dims in every
+  non-input layer; `per-layer` each layer's own outliers in that layer only (the paper's Appendix D); given dims; or
+  an explicit per-layer form such as 1-10:896,10-17:678.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
   the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions
@@ -25,12 +29,14 @@ Both normalisations are affine per layer, so they commute with averaging sub-wor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from core.errors import UserError
 from metrics.geometry import CovarianceResult, eigh
+from metrics.outliers import LayerOutliers, persistent_dims
 
 NORMALIZATIONS = ("none", "whiten", "standardize")
 REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}
@@ -79,21 +85,120 @@ def clip_spec(clip: Sequence[int] | Mapping[int, Sequence[int]] | None, num_laye
         spec = {layer: dims for layer in range(num_layers)} if dims else {}
     for layer, dims in spec.items():
         if not 0 <= layer < num_layers:
-            raise UserError(f"clip layer {layer} out of range 0..{num_layers - 1}")
+            raise UserError(f"--clip layer {layer} is outside the model's layers 0..{num_layers - 1}")
         bad = [d for d in dims if not 0 <= d < hidden_size]
         if bad:
-            raise UserError(f"clip dimensions {bad} out of range 0..{hidden_size - 1}")
+            raise UserError(f"--clip dimensions {bad} are outside the model's dimensions 0..{hidden_size - 1}")
     return {layer: dims for layer, dims in spec.items() if dims}
 
 
+CLIP_MODES = ("auto", "per-layer", "none")
+
+
+@dataclass(frozen=True)
+class ClipRequest:
+    """What --clip asks for, before it meets a model and its outliers (see `parse_clip`)."""
+
+    text: str  # as given, for the report
+    mode: str  # "auto" | "per-layer" | "none" | "dims" (every non-input layer) | "layers" (explicit per layer)
+    dims: tuple[int, ...] = ()
+    layers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (layer, dims) for mode "layers"
+    notes: tuple[str, ...] = ()  # what parsing merged, to be said
+
+    @property
+    def needs_outliers(self) -> bool:
+        return self.mode in ("auto", "per-layer")
+
+    def resolve(self, outliers: Sequence[LayerOutliers] | None, num_layers: int, hidden_size: int
+                ) -> dict[int, list[int]]:
+        """{layer: dims} to zero, for a model with `num_layers` hidden states (0 = the embedding output) and the
+        outliers detected on the data (needed by "auto" and "per-layer"). "auto": the persistent dims in every
+        non-input layer (§4); "per-layer": each non-input layer's own outliers in that layer only (Appendix D);
+        given dims: every non-input layer; the explicit form: the layers it names."""
+        upper = range(1, num_layers)
+        if self.mode == "none":
+            return {}
+        if self.needs_outliers:
+            if outliers is None:
+                raise ValueError(f"--clip {self.text} needs the outliers detected on the data")
+            if self.mode == "auto":
+                return clip_spec(dict.fromkeys(upper, persistent_dims(list(outliers))), num_layers, hidden_size)
+            return clip_spec({layer.layer: layer.outlier_dims for layer in outliers if layer.layer >= 1},
+                             num_layers, hidden_size)
+        if self.mode == "dims":
+            return clip_spec(dict.fromkeys(upper, self.dims), num_layers, hidden_size)
+        return clip_spec(dict(self.layers), num_layers, hidden_size)
+
+
+def parse_clip(text: str) -> ClipRequest:
+    """--clip: auto | per-layer | none | d1,d2,... (those dims in every non-input layer) | an explicit per-layer form
+    L1-L2:d1+d2,L3:d3,... (layer ranges inclusive; dims of one item joined by '+'). Overlapping ranges that name
+    other dims for the same layer are merged (the union), and a note says so. Syntax only: ranges are checked
+    against the model by ClipRequest.resolve."""
+    raw = str(text).strip()
+    lowered = raw.lower()
+    if lowered in CLIP_MODES:
+        return ClipRequest(raw, lowered)
+    if not raw:
+        raise UserError("--clip is empty: give auto, per-layer, none, dims (557 or 77,588) or layers:dims (1-10:896)")
+    items = [item.strip() for item in raw.split(",")]
+    if any(":" in item for item in items):
+        return _parse_per_layer(raw, items)
+    try:
+        dims = tuple(sorted({int(item) for item in items}))
+    except ValueError:
+        raise UserError(f"--clip must be auto, per-layer, none, dims (557 or 77,588) or layers:dims "
+                        f"(1-10:896,10-17:678), got {raw!r}") from None
+    if any(d < 0 for d in dims):
+        raise UserError(f"--clip dimensions must be 0 or more, got {raw!r}")
+    return ClipRequest(raw, "dims", dims=dims)
+
+
+def _parse_per_layer(raw: str, items: list[str]) -> ClipRequest:
+    chosen: dict[int, set[int]] = {}
+    named: dict[int, str] = {}  # layer -> the item that first named it
+    notes = []
+    for item in items:
+        layers_text, _, dims_text = item.partition(":")
+        if ":" not in item or not layers_text.strip() or not dims_text.strip():
+            raise UserError(f"--clip item {item!r} is empty: each item is LAYERS:DIMS, e.g. 1-10:896 or 3:77+588")
+        try:
+            first, _, last = layers_text.strip().partition("-")
+            start, stop = int(first), int(last or first)
+            dims = {int(d) for d in dims_text.split("+")}
+        except ValueError:
+            raise UserError(f"--clip item {item!r} is not LAYERS:DIMS (e.g. 1-10:896 or 3:77+588)") from None
+        if start < 0 or stop < start or any(d < 0 for d in dims):
+            raise UserError(f"--clip item {item!r}: layers run low-high and dimensions are 0 or more")
+        for layer in range(start, stop + 1):
+            if layer in chosen and chosen[layer] != dims:
+                notes.append(f"layer {layer} is in {named[layer]!r} and {item!r}: its dims are merged")
+            chosen.setdefault(layer, set()).update(dims)
+            named.setdefault(layer, item)
+    layers = tuple((layer, tuple(sorted(dims))) for layer, dims in sorted(chosen.items()))
+    return ClipRequest(raw, "layers", layers=layers, notes=tuple(dict.fromkeys(notes)))
+
+
+def clipped_dims(spec: Mapping[int, Sequence[int]]) -> list[int]:
+    """The union of the dims a {layer: dims} spec zeroes."""
+    return sorted({int(d) for dims in spec.values() for d in dims})
+
+
+def per_layer_report(spec: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
+    """{"<layer>": [dims]} for a report (JSON keys are strings)."""
+    return {str(layer): sorted(int(d) for d in dims) for layer, dims in sorted(spec.items())}
+
+
 class Clipping(Variant):
-    """Zero `dims` in every layer (0-indexed)."""
+    """Zero dimensions per layer: `spec` {layer: dims} (0-indexed), or a plain list of dims for every layer."""
 
     key = "clipped"
 
-    def __init__(self, dims: Sequence[int], num_layers: int) -> None:
-        self.dims = sorted({int(d) for d in dims})
-        self.spec = {layer: self.dims for layer in range(num_layers)} if self.dims else {}
+    def __init__(self, spec: Sequence[int] | Mapping[int, Sequence[int]], num_layers: int) -> None:
+        if not isinstance(spec, Mapping):
+            spec = dict.fromkeys(range(num_layers), spec)
+        self.spec = {int(layer): sorted({int(d) for d in dims}) for layer, dims in spec.items() if len(dims)}
+        self.dims = clipped_dims(self.spec)
         self.num_layers = num_layers
 
     def keep(self, hidden_size: int) -> Tensor:

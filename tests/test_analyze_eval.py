@@ -118,9 +118,10 @@ def direct_anisotropy(vectors: torch.Tensor, seed: int, transforms: dict) -> dic
 
 
 def clipping(dims: list[int]):
+    """--clip auto / given dims: zeroed in every non-input layer (x is [layers, ..., hidden]); layer 0 untouched."""
     def clip(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
-        x[..., dims] = 0
+        x[1:, ..., dims] = 0
         return x
     return clip
 
@@ -176,8 +177,11 @@ def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computat
     args = ["--data", data["sentences"], "--max_sentences", 0, "--batch_size", 7, "--seed", 3]
     report = run("anisotropy", *args, "--normalize", "whiten", "--output_dir", tmp_path / "a")
     outliers = run("outliers", *args, "--output_dir", tmp_path / "o")
-    detected = sorted({d for layer in outliers["layers"] for d in layer["outlier_dims"]})
+    detected = sorted(outliers["persistent_dims"])  # --clip auto: the persistent dims, in every non-input layer
     assert report["clip"] == "auto" and report["clipped_dims"] == detected and detected
+    assert report["clipped_dims_per_layer"] == {str(layer): detected for layer in range(1, 7)}
+    union = sorted({d for layer in outliers["layers"] for d in layer["outlier_dims"]})
+    assert set(detected) < set(union)  # not every layer's outliers: only the persistent ones
     assert report["num_sentences"] == 40 and report["num_pairs"] == 20 and report["num_truncated"] == 0
     assert report["normalize_fit"] == "tokens" and report["variants"] == ["raw", "clipped", "whitened"]
     whiten = fitted(token_matrix(direct, data["sentence_list"]), "whiten")  # all tokens of all 40 sentences
@@ -219,7 +223,8 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
         points = tokens[layer].numpy()
         assert row["raw"]["isoscore"] == pytest.approx(isoscore_reference(points), abs=1e-4)
         clipped = points.copy()
-        clipped[:, dims] = 0
+        if layer > 0:  # --clip auto leaves the embedding output as it is
+            clipped[:, dims] = 0
         assert row["clipped"]["isoscore"] == pytest.approx(isoscore_reference(clipped), abs=1e-4)
         mean = points.mean(0)
         eigenvalues, vectors = (t.numpy() for t in one_thread(torch.linalg.eigh, torch.from_numpy(
@@ -228,13 +233,25 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
         whitened = (points - mean) @ vectors[:, keep] / np.sqrt(eigenvalues[keep])
         assert row["whitened"]["isoscore"] == pytest.approx(isoscore_reference(
             np.pad(whitened, ((0, 0), (0, (~keep).sum())))), abs=1e-3)
-        sigma = one_thread(torch.linalg.svdvals, tokens[layer])
-        np.testing.assert_allclose(report["spectra"]["raw"][layer][:20], (sigma / sigma[0])[:20].numpy(), atol=1e-5)
-        assert row["raw"]["energy_top1"] == pytest.approx((sigma[0] ** 2 / sigma.pow(2).sum()).item(), abs=1e-5)
+        sigma = one_thread(torch.linalg.svdvals, tokens[layer])  # the corpus-wide token matrix
+        np.testing.assert_allclose(report["corpus_spectra"]["raw"][layer][:20], (sigma / sigma[0])[:20].numpy(),
+                                   atol=1e-5)
+        assert row["raw"]["corpus_energy_top1"] == pytest.approx((sigma[0] ** 2 / sigma.pow(2).sum()).item(), abs=1e-5)
+        # tokenUni's per-sequence spectrum: each sentence's own token matrix, alone (no padding), pooled
+        for key, transform in (("raw", identity), ("clipped", clipping(dims))):
+            per_sentence = [one_thread(torch.linalg.svdvals, transform(direct(text)[0])[layer])
+                            for text in data["sentence_list"]]
+            energy = np.mean([(v[0] ** 2 / v.pow(2).sum()).item() for v in per_sentence])
+            assert row[key]["sequence_energy_top1"] == pytest.approx(energy, abs=1e-4)
+            pooled = torch.cat([v / v[0] for v in per_sentence])
+            assert row[key]["sequence_cdf_auc"] == pytest.approx(1 - pooled.mean().item(), abs=1e-4)
+            for k in (0, 1, 5):
+                mean_k = np.mean([(v[k] / v[0]).item() for v in per_sentence if len(v) > k])
+                assert report["sequence_spectra"][key][layer][k] == pytest.approx(mean_k, abs=1e-4)
         full = torch.cov(tokens[layer].T, correction=0)
         star = torch.stack([isoscore_star(sample[layer, order[i:i + 8]], 0.2, full) for i in range(0, 32, 8)])
         assert row["raw"]["isoscore_star"] == pytest.approx(star.mean().item(), abs=1e-4)
-    for name in ("isotropy.png", "spectrum.png"):
+    for name in ("isotropy.png", "spectrum.png", "sequence_spectrum.png"):
         assert (tmp_path / "i" / name).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -242,7 +259,8 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
 def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
     report = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
                  "--min_sentences", 3, "--clip", "5,17", "--normalize", "standardize", "--output_dir", tmp_path / "s")
-    assert report["clip"] == "given" and report["clipped_dims"] == [5, 17]
+    assert report["clip"] == "5,17" and report["clipped_dims"] == [5, 17]
+    assert report["clipped_dims_per_layer"] == {str(layer): [5, 17] for layer in range(1, 7)}
     contexts = word_contexts(data["sentence_list"], 6, 3, seed=0)
     assert report["words"] == contexts.words and report["num_words"] == 6
     per_word = {w: [] for w in range(6)}
@@ -293,7 +311,7 @@ def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, dire
             t = int(np.argmax(accuracies))
             assert report["layers"][layer][key] == {"accuracy": pytest.approx(accuracies[t]),
                                                     "threshold": report["thresholds"][t]}
-            if accuracies[t] > best[0]:
+            if layer >= 1 and accuracies[t] > best[0]:  # the best of layers 1..L; layer 0 is reported only
                 best = (accuracies[t], layer, report["thresholds"][t])
         found = report["best" if key == "raw" else f"best_{key}"]
         assert (found["accuracy"], found["layer"], found["threshold"]) == (pytest.approx(best[0]), best[1], best[2])
@@ -329,7 +347,7 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
                                    "standardized": sentence_fit(direct, "standardize")})
     for key in ("raw", "clipped", "standardized"):
         np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=1e-3, err_msg=key)
-        layer = int(expected[key].argmax())
+        layer = 1 + int(expected[key][1:].argmax())  # the best of layers 1..L
         assert report["best" if key == "raw" else f"best_{key}"]["layer"] == layer
     vectors = {line.split()[0]: torch.tensor([float(v) for v in line.split()[1:]])
                for line in data["glove"].read_text().splitlines()}
@@ -356,7 +374,7 @@ def test_all_writes_the_summary_and_equals_the_single_subcommands(data, direct, 
     for name in ("anisotropy", "isotropy", "self_similarity", "wic", "sts_sts"):
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG" and (out / "mean_vectors.png").exists()
-    detected = sorted({d for layer in reports["outliers"]["layers"] for d in layer["outlier_dims"]})
+    detected = sorted(reports["outliers"]["persistent_dims"])
     assert summary["clipped_dims"] == detected == reports["wic"]["clipped_dims"]
     single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "standardize",
                  "--output_dir", tmp_path / "a")

@@ -78,7 +78,11 @@ def test_clipping_a_planted_outlier_lowers_anisotropy(planted, sentences, tmp_pa
     assert PLANTED in report["clipped_dims"] and report["num_pairs"] == 30
     for layer in report["layers"]:
         assert layer["raw"] > 0.5  # every token shares the planted direction
-        assert layer["clipped"] < layer["raw"] - 0.15  # what stays: random deep layers make tokens alike
+        if layer["layer"] == 0:  # --clip auto zeroes the non-input layers only
+            assert layer["clipped"] == layer["raw"] and "0" not in report["clipped_dims_per_layer"]
+        else:
+            assert layer["clipped"] < layer["raw"] - 0.15  # what stays: random deep layers make tokens alike
+            assert PLANTED in report["clipped_dims_per_layer"][str(layer["layer"])]
     assert analyze.main(["anisotropy", "--no_progress", "--encoder", str(planted), "--data", str(sentences),
                          "--max_sentences", "0", "--num_pairs", "7", "--output_dir", str(tmp_path / "few")]) == 0
     few = json.loads((tmp_path / "few" / "anisotropy.json").read_text())
@@ -304,8 +308,13 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
         "words too few": (["self-similarity", "--data", sentences], "only "),
         "empty sentences": (["anisotropy", "--data", tmp_path / "empty.jsonl"], "data file is empty"),
         "one sentence": (["anisotropy", "--data", one], "anisotropy needs at least 2 sentences with a token, got 1"),
-        "clip text": (["anisotropy", "--data", sentences, "--clip", "big"], "--clip must be auto, none"),
-        "clip range": (["isotropy", "--data", sentences, "--clip", "3,99"], "clip dimensions [99] out of range 0..31"),
+        "clip text": (["anisotropy", "--data", sentences, "--clip", "big"], "--clip must be auto, per-layer, none"),
+        "clip range": (["isotropy", "--data", sentences, "--clip", "3,99"],
+                       "--clip dimensions [99] are outside the model's dimensions 0..31"),
+        "clip layer range": (["isotropy", "--data", sentences, "--clip", "2-9:3"],
+                             "--clip layer 4 is outside the model's layers 0..3"),
+        "clip empty item": (["anisotropy", "--data", sentences, "--clip", "1-2:"], "--clip item '1-2:' is empty"),
+        "clip empty": (["anisotropy", "--data", sentences, "--clip", " "], "--clip is empty"),
         "zeta": (["isotropy", "--data", sentences, "--zeta", "2"], "--zeta must lie in [0, 1]"),
         "all bad wic": (["all", "--data", sentences, "--num_words", "5", "--wic", shifted], "no WiC item of"),
     }

@@ -77,9 +77,9 @@ def test_clipping_global_and_per_layer(tmp_path, bert_tok):
     assert per_layer[2, ..., 11].abs().sum() == 0
     torch.testing.assert_close(per_layer[1], reference[1])
     torch.testing.assert_close(per_layer[2, ..., :11], reference[2, ..., :11])
-    with pytest.raises(UserError, match="out of range"):
+    with pytest.raises(UserError, match="outside the model's dimensions"):
         clip_spec([HIDDEN], layers, HIDDEN)
-    with pytest.raises(UserError, match="out of range"):
+    with pytest.raises(UserError, match="outside the model's layers"):
         clip_spec({layers: [0]}, layers, HIDDEN)
 
 

@@ -524,6 +524,9 @@ ERROR_ROW_TESTS = {
         "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
     ],
     ("probe.py", "an empty split"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "a dataset without the split asked for"): [
+        "test_paper.py::test_splits_come_from_a_local_dataset_with_its_own_splits",
+    ],
     ("probe.py", "a missing label"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "a label outside `--data.classes`"): [
         "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
@@ -606,6 +609,10 @@ ERROR_ROW_TESTS = {
     ],
     ("analyze.py", "`--clip` outside the model"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "an empty `--clip` item"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+        "test_clip.py::test_bad_clip_text_is_one_line",
     ],
     ("analyze.py", "`--zeta` outside [0, 1]"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",

@@ -283,12 +283,19 @@ def test_both_variants_run_sdpa_and_no_pe_table_is_zero_frozen_and_not_optimised
     assert len(calls) == TINY["num_hidden_layers"]  # every layer's attention went through SDPA
 
     table = module.model.roberta.embeddings.position_embeddings.weight
-    optimizer = module.configure_optimizers()["optimizer"]
-    decayed, undecayed = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
-    assert (id(table) in decayed | undecayed) is position_embeddings
     names = {id(p): n for n, p in module.model.named_parameters()}
-    assert all(names[i].endswith("bias") or "LayerNorm" in names[i] or "layer_norm" in names[i] for i in undecayed)
+    trained = {id(p) for p in module.model.parameters() if p.requires_grad}
+    optimizer = module.configure_optimizers()["optimizer"]  # fairseq's way (the default): every parameter decays
+    decayed, undecayed = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
+    assert decayed == trained and not undecayed and (id(table) in decayed) is position_embeddings
     assert optimizer.param_groups[0]["weight_decay"] == TINY.get("weight_decay", 0.01)
+    module.hparams.decay_bias_and_norm = False  # the option: biases and LayerNorm weights exempt
+    decayed, undecayed = ({id(p) for p in group["params"]}
+                          for group in module.configure_optimizers()["optimizer"].param_groups)
+    assert decayed | undecayed == trained and (id(table) in decayed | undecayed) is position_embeddings
+    exempt = ("bias", "LayerNorm.weight", "layer_norm.weight")  # RoBERTa's LayerNorms and the LM head's layer_norm
+    assert undecayed == {i for i in trained if names[i].endswith(exempt)}
+    optimizer = module.configure_optimizers()["optimizer"]
 
     loss.backward()
     before = table.detach().clone()

@@ -10,7 +10,7 @@ import torch
 import analyze
 from analyses import outliers, session
 from metrics.neuron_stats import NeuronStatisticsResult
-from metrics.outliers import OutlierRule, detect_outliers, persistent_dims, robust_z
+from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers, persistent_dims, robust_z
 from metrics.ranks import rank_by_magnitude
 from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
 
@@ -102,7 +102,8 @@ def test_no_positional_embeddings_has_no_position_origin(tmp_path, roberta_tok, 
 
 
 def test_detection_rule_by_hand():
-    # 4 dims, 10 tokens. dim 0 holds 3 maxima, dim 1 holds 7; dim 2 holds all minima. Means: dim 3 far out.
+    # 8 dims, 10 tokens. dim 0 holds 3 maxima, dim 1 holds 7; dim 2 holds all minima. dim 3's mean is far out: an
+    # outlier by the opt-in robust z-score only (the paper's rule counts maxima and minima, not means).
     result = NeuronStatisticsResult(
         num_tokens=10,
         mean=torch.tensor([[0.1, 0.2, -0.1, 9.0, 0.0, 0.15, -0.05, 0.05]], dtype=torch.float64),
@@ -114,12 +115,28 @@ def test_detection_rule_by_hand():
     # median of the mean vector is 0.075; |dev| = [.025,.125,.175,8.925,.075,.075,.125,.025], MAD = 0.1
     z = robust_z(result.mean)
     assert z[0, 3].item() == pytest.approx(8.925 / (1.4826 * 0.1))
-    (layer,) = detect_outliers(result, OutlierRule(min_share=0.5, sigma=10.0))
+    (paper,) = detect_outliers(result)  # the default: the paper's rule, share >= 0.2, no mean criterion
+    assert paper.outlier_dims == [1, 0, 2]  # by |mean|: 0.2, 0.1, 0.1 (dim 0 holds 30% of the maxima)
+    assert 3 not in paper.outlier_dims  # planted only by its mean: no longer an outlier by default
+    (layer,) = detect_outliers(result, OutlierRule(min_share=0.5, sigma=10.0))  # ours, opt-in
     assert (layer.argmax_dim, layer.argmax_share, layer.argmin_dim, layer.argmin_share) == (1, 0.7, 2, 1.0)
     assert layer.outlier_dims == [3, 1, 2]  # by |mean|: 9.0, 0.2, 0.1; dim 0 (share 0.3) is not an outlier
     (strict,) = detect_outliers(result, OutlierRule(min_share=0.8, sigma=100.0))
     assert strict.outlier_dims == [2]
-    assert persistent_dims([layer, strict]) == [2, 1, 3]
+
+
+def test_persistence_counts_the_non_input_layers_only():
+    """A dim is persistent when it is an outlier in at least half of layers 1..L; layer 0 never counts."""
+    def layer(number: int, dims: list[int]) -> LayerOutliers:
+        return LayerOutliers(layer=number, argmax_dim=0, argmax_share=0.0, argmin_dim=0, argmin_share=0.0,
+                             outlier_dims=dims)
+
+    layers = [layer(0, [5, 9]), layer(1, [5, 7]), layer(2, [7]), layer(3, [5, 7]), layer(4, [8])]
+    # counts over layers 1..4 (half = 2): dim 5 twice, dim 7 three times, dim 9 never (only layer 0), dim 8 once
+    assert persistent_dims(layers) == [7, 5]
+    assert persistent_dims(layers[:1]) == []  # only the embedding output: nothing is persistent
+    odd = [layer(0, [1]), layer(1, [1]), layer(2, [2]), layer(3, [2])]  # 3 non-input layers: at least 2
+    assert persistent_dims(odd) == [2]
 
 
 def test_rank_by_magnitude():

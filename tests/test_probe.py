@@ -23,7 +23,7 @@ from lightning_modules.encoder import FrozenEncoder, load_encoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from lightning_modules.stacked import StackedLinearCrossEntropy, slot_seed
 from metrics.neuron_stats import NeuronStatistics
-from metrics.outliers import all_outlier_dims, detect_outliers
+from metrics.outliers import all_outlier_dims, detect_outliers, persistent_dims
 from tests.tiny import HIDDEN as TINY_HIDDEN
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -152,11 +152,15 @@ def test_probe_recovers_planted_position_and_contributions_single_out_its_dimens
         assert top2.indices[0] == dim and top2.values[0] > 3 * top2.values[1]
 
     report = model.write_outputs(tmp_path / "out")
-    assert set(PLANTED) <= set(report["outlier_dims"])  # detected: the planted dim holds most tokens' maximum
+    for layer, dim in enumerate(PLANTED):  # detected: each layer's planted dim holds most tokens' maximum there
+        assert dim in report["outlier_layers"][str(layer)]
+    assert report["outlier_dims"] == persistent_dims(dm.spec.outlier_layers)  # the persistent ones are reported
+    assert PLANTED[1] in report["outlier_dims"] and PLANTED[0] not in report["outlier_dims"]  # layer 0 never counts
     for entry, dim in zip(report["layers"], PLANTED):
         assert entry["top_contribution_dims"][0] == dim
-        assert entry["outlier_dims"][str(dim)]["rank"] == 1
-        assert entry["outlier_dims"][str(dim)]["contribution"] > 3 * entry["mean_contribution"]
+        if str(dim) in entry["outlier_dims"]:
+            assert entry["outlier_dims"][str(dim)]["rank"] == 1
+            assert entry["outlier_dims"][str(dim)]["contribution"] > 3 * entry["mean_contribution"]
 
 
 def test_classifier_learns_separable_task_and_clipping_its_dimension_leaves_the_majority(tmp_path, bert_tok):
@@ -293,31 +297,44 @@ def test_random_baseline_is_a_fresh_seeded_model_of_the_same_architecture(tmp_pa
             assert torch.equal(state[key], value), (name, key)
 
 
-def test_features_over_the_memory_budget_stream_from_disk_with_the_same_results(tmp_path, bert_tok):
+def test_features_over_the_memory_budget_go_float16_then_stream_from_disk_with_the_same_results(tmp_path, bert_tok):
+    """Within the budget: float32 in memory; over it, float16 (the report says so), in memory while the splits fit
+    together, the rest from a memory-mapped file, with results equal to float16 in memory."""
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=500))
     common = dict(source=str(data), encoder=str(encoder), max_length=16, batch_size=4, progress=False)
-    memory = PositionDataModule(**common)
-    model_memory = PositionProbe()
-    fit(model_memory, memory, 2)
-    assert all(memory.stores[split].path is None for split in SPLITS)
-    nbytes = {split: memory.stores[split].features().numel() * 4 for split in SPLITS}  # float32 features
+    full = PositionDataModule(**common)
+    fit(PositionProbe(), full, 1)
+    assert all(full.stores[split].path is None and full.stores[split].dtype == torch.float32 for split in SPLITS)
+    assert full.spec.data["features"]["dtype"] == "float32"
+    numbers = {split: full.stores[split].features().numel() for split in SPLITS}
+    half = {split: number * 2 for split, number in numbers.items()}  # float16 bytes
+    # float32 does not fit but float16 does: all in memory, in float16
+    in_half = PositionDataModule(max_memory_gb=sum(half.values()) / GIB, **common)
+    model_half = PositionProbe()
+    fit(model_half, in_half, 2)
+    assert in_half.spec.data["features"] == {"dtype": "float16", "gib": round(sum(half.values()) / GIB, 4),
+                                             "splits": dict.fromkeys(SPLITS, "memory")}
+    for split in SPLITS:
+        assert torch.equal(in_half.stores[split].features(), full.stores[split].features().half().float())
     # nothing fits; then each split fits alone but not all together: the budget bounds the sum, so some split streams
-    for name, budget in (("none", 1e-9), ("each alone", max(nbytes.values()) / GIB)):
-        assert name == "none" or sum(nbytes.values()) > budget * GIB >= max(nbytes.values())
+    for name, budget in (("none", 1e-9), ("each alone", max(half.values()) / GIB)):
+        assert name == "none" or sum(half.values()) > budget * GIB >= max(half.values())
         with pytest.warns(UserWarning, match="from a memory-mapped file"):
             disk = PositionDataModule(max_memory_gb=budget, cache_dir=str(tmp_path / name), **common)
             model_disk = PositionProbe()
             fit(model_disk, disk, 2)
         in_memory = [split for split in SPLITS if disk.stores[split].path is None]
-        assert len(in_memory) < len(SPLITS) and sum(nbytes[split] for split in in_memory) <= budget * GIB
+        assert len(in_memory) < len(SPLITS) and sum(half[split] for split in in_memory) <= budget * GIB
         assert name == "none" or in_memory  # the budget is used, not given up on
+        assert disk.spec.data["features"]["splits"] == {split: "memory" if split in in_memory else
+                                                        "memory-mapped file" for split in SPLITS}
         for split in SPLITS:
-            assert torch.equal(disk.stores[split].features(), memory.stores[split].features())
-            assert torch.equal(disk.stores[split].labels, memory.stores[split].labels)
-        torch.testing.assert_close(model_disk.weight, model_memory.weight, rtol=0, atol=0)
-        assert torch.equal(model_disk.results["accuracy"], model_memory.results["accuracy"])
-        torch.testing.assert_close(model_disk.results["contributions"], model_memory.results["contributions"])
+            assert torch.equal(disk.stores[split].features(), in_half.stores[split].features())
+            assert torch.equal(disk.stores[split].labels, in_half.stores[split].labels)
+        torch.testing.assert_close(model_disk.weight, model_half.weight, rtol=0, atol=0)
+        assert torch.equal(model_disk.results["accuracy"], model_half.results["accuracy"])
+        torch.testing.assert_close(model_disk.results["contributions"], model_half.results["contributions"])
         cache = next(disk.stores[split].path for split in SPLITS if split not in in_memory).parent
         assert cache.exists()
         disk.close()
@@ -358,7 +375,7 @@ def test_outliers_are_detected_by_neuron_statistics_on_the_cached_training_featu
 def test_split_and_label_errors(tmp_path, bert_tok):
     encoder = str(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
     few = write_lines(tmp_path / "few.txt", corpus_sentences(3))
-    with pytest.raises(UserError, match="the val split is empty: 3 sentences"):
+    with pytest.raises(UserError, match="the val split is empty"):
         PositionDataModule(source=str(few), encoder=encoder, progress=False).prepare_data()
 
     labelled = tmp_path / "l.csv"
@@ -380,3 +397,65 @@ def test_split_and_label_errors(tmp_path, bert_tok):
     classes, tensors = ints.set_classes({"train": [10, 2, 2], "val": [10], "test": [2]})
     assert classes == [2, 10] and tensors["train"].tolist() == [1, 0, 0]  # ints sort as numbers
 
+
+
+def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
+    """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
+    token once per epoch."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=700))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=16,
+                            random_baseline=False, progress=False)
+    dm.prepare_data()
+    store = dm.stores["train"]
+    sentence_of = torch.repeat_interleave(torch.arange(store.sentences), store.offsets.diff())  # item -> sentence
+    epochs = []
+    loader = dm.train_dataloader()  # made once per fit, iterated once per epoch
+    for _ in range(2):
+        generator = loader.sampler.sampler.generator  # BatchSampler(RandomSampler(items, seeded generator))
+        state = generator.get_state()
+        batches = [list(ids) for ids in loader.sampler]
+        generator.set_state(state)  # the loader then draws the same permutation
+        features = list(loader)
+        assert [len(ids) for ids in batches[:-1]] == [16] * (len(batches) - 1)
+        assert sorted(i for ids in batches for i in ids) == list(range(store.items))  # each token once
+        assert all(len(set(sentence_of[ids].tolist())) > 1 for ids in batches[:-1])  # across sentences
+        for ids, (x, y) in zip(batches, features):
+            rows = torch.tensor(sorted(ids))
+            assert torch.equal(x, store.gather(rows)) and torch.equal(y, store.labels[rows])
+        epochs.append(batches)
+    assert epochs[0] != epochs[1]  # shuffled again each epoch
+
+
+def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_path, bert_tok):
+    """Validation after every epoch; per layer the epoch of best validation accuracy (the earliest on ties) is the one
+    whose weights are tested, checked against weights recorded at every validation."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=800))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=8,
+                            random_baseline=False, progress=False)
+    model = PositionProbe(lr=0.05)
+    seen = []
+
+    class Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, module):
+            seen.append(module.probe.weight.detach().clone())
+
+    trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Record()])
+    trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm, verbose=False)
+    val, test = dm.stores["val"], dm.stores["test"]
+
+    def accuracy(weight, store):
+        return (torch.bmm(store.features(), weight).argmax(-1) == store.labels).double().mean(1)
+
+    by_epoch = torch.stack([accuracy(w, val) for w in seen])  # [epochs, layers]
+    best = by_epoch.argmax(0)  # the first maximum: the earliest best epoch
+    assert model.results["best_epoch"].tolist() == best.tolist()
+    torch.testing.assert_close(model.results["val_accuracy"], by_epoch.max(0).values)
+    tested = torch.stack([seen[int(epoch)][layer] for layer, epoch in enumerate(best)])
+    torch.testing.assert_close(model.results["accuracy"].double(), accuracy(tested, test))
+    report = model.report()
+    assert [row["best_epoch"] for row in report["layers"]] == best.tolist()

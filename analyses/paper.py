@@ -1,0 +1,183 @@
+"""The paper's experiments on one encoder, in one command: §3 outliers, origins and the position probe; §4
+anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and clipped; written as paper.md.
+
+    python analyze.py paper --encoder roberta-base --output_dir runs/paper/roberta-base
+    python analyze.py paper --encoder bert-base-uncased --sst2 data/sst2 --qqp qqp.csv --wic wic.jsonl \
+        --sts STS.input.x.txt sick.txt --imdb none --sst5 sst5/ --output_dir runs/paper/bert     # local stand-ins
+
+Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
+note. The outliers are detected once, on SST-2's sentences, and the clipping they give (--clip auto: the persistent
+dims in every non-input layer) is the one every evaluation and classifier uses. Everything is written to a staging
+directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytorch_lightning as pl
+
+from analyses import geometry, semantic
+from analyses.outliers import outlier_figures, outliers_report
+from analyses.paper_report import figure6, paper_markdown, paper_summary
+from analyses.reference import Setting
+from analyses.reports import figures_of
+from analyses.session import (
+    dataset_name,
+    open_encoder,
+    pair_sentences,
+    reference_of,
+    run_header,
+    setting_of,
+)
+from core.errors import UserError
+from core.figures import save_figure
+from core.output import check_writable, staged_output, write_json
+from datamodules.pairs import read_sts, read_wic, word_contexts
+from datamodules.probing import ClassificationDataModule, PositionDataModule
+from datamodules.text import iter_texts, sample_texts
+from lightning_modules.encoder import FrozenEncoder
+from lightning_modules.probes import PositionProbe, SentenceClassifier
+from metrics.transforms import parse_clip
+
+CLASSIFIERS = {"sst2": 768, "imdb": 128, "sst5": 1536}  # the paper's batch sizes (§4.4)
+STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
+
+
+@dataclass
+class Inputs:
+    """What is read before any encoder runs (a bad source fails here, before anything is written)."""
+
+    sst2: list[str]
+    qqp: list[str] | None
+    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}
+    wic: tuple | None = None  # (items, skipped)
+    sts: dict = field(default_factory=dict)  # {name: (pairs, unscored)}
+    notes: list[str] = field(default_factory=list)
+
+
+def sentences_of(source: str, column: str | None, limit: int, seed: int) -> list[str]:
+    texts = sample_texts(iter_texts(source, column), limit, seed)
+    if not texts:
+        raise UserError(f"no sentences in {source}")
+    return texts
+
+
+def read_inputs(args) -> Inputs:
+    skip = {name: getattr(args, name) in (None, "none") for name in ("qqp", "wic", "imdb", "sst5")}
+    inputs = Inputs(sentences_of(args.sst2, None, args.max_sentences, args.seed),
+                    None if skip["qqp"] else sentences_of(args.qqp, args.qqp_column, args.max_sentences, args.seed))
+    for name, source, column in (("sst2", args.sst2, None), ("qqp", args.qqp, args.qqp_column)):
+        if name == "sst2" or not skip["qqp"]:
+            pool = sentences_of(source, column, args.pool_sentences, args.seed)
+            inputs.contexts[name] = word_contexts(pool, args.num_words, args.min_sentences, args.seed)
+    inputs.wic = None if skip["wic"] else read_wic(args.wic, None)
+    for name in args.sts or []:
+        inputs.sts[name] = read_sts(name, None, (1.0, 5.0) if name == "sickr" else args.score_range)
+    inputs.notes = [f"{name} skipped (--{name} none)" for name, skipped in skip.items() if skipped]
+    if not args.sts:
+        inputs.notes.append("STS skipped (no --sts sets)")
+    return inputs
+
+
+def explicit_clip(clipped: dict[int, list[int]] | None) -> str:
+    """The resolved {layer: dims} as a --clip text every later step uses as it is ("none" when empty)."""
+    if not clipped:
+        return "none"
+    return ",".join(f"{layer}:{'+'.join(map(str, dims))}" for layer, dims in sorted(clipped.items()))
+
+
+def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str]:
+    """(reports, statistics of SST-2, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
+    encoder = setting.encoder
+    reports = {}
+    sst2 = reference_of(args, setting, inputs.sst2, statistics=True, sample=2 * args.num_pairs)
+    args.data = args.sst2
+    reports["outliers"] = outliers_report(args, encoder, sst2.statistics, sst2.num_sentences, sst2.num_truncated)
+    clip = explicit_clip(sst2.clipped)
+    args.clip, sst2.clip = parse_clip(clip), clip  # the outliers found on SST-2, everywhere after
+    for name, sentences, reference in (("sst2", inputs.sst2, sst2), ("qqp", inputs.qqp, None)):
+        if sentences is None:
+            continue
+        args.data = args.sst2 if name == "sst2" else args.qqp
+        reference = reference or reference_of(args, setting, sentences, sample=2 * args.num_pairs)
+        header = run_header(args, encoder, reference)
+        reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
+        reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(setting, inputs.contexts[name],
+                                                                                   reference.variants)}
+    if inputs.wic is not None:
+        args.data = args.wic
+        items, skipped = inputs.wic
+        reference = reference_of(args, setting, pair_sentences(items))
+        reports["wic"] = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+                          **semantic.wic(setting, items, reference.variants)}
+    for name, (pairs, unscored) in inputs.sts.items():
+        args.data = name
+        reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")
+        reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
+                                                         **semantic.sts(setting, pairs, reference.variants)}
+    return reports, sst2.statistics, clip
+
+
+def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, output_dir) -> dict:
+    """Fit (every epoch validated), test with each layer's best-validation weights, write the probe's report."""
+    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="gpu" if data.encoder.device.type == "cuda" else "cpu",
+                         devices=1, logger=False, enable_checkpointing=False, check_val_every_n_epoch=1,
+                         num_sanity_val_steps=0, enable_progress_bar=not args.no_progress, enable_model_summary=False,
+                         default_root_dir=str(output_dir))
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data, verbose=False)
+    report = model.write_outputs(output_dir)
+    data.close()
+    return report
+
+
+def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
+    """§3's position probe on SST-2's splits and §4.4's classifiers, raw and clipped (reports by name)."""
+    common = dict(encoder=encoder, max_length=args.max_length, max_sentences=args.probe_sentences,
+                  seed=args.seed, progress=not args.no_progress, exclude_special=args.exclude_special,
+                  cache_dir=str(stage))
+    reports = {"position_probe": train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
+                                             PositionDataModule(source=args.sst2, batch_size=128, **common),
+                                             stage / "position_probe")}
+    for name, batch_size in CLASSIFIERS.items():
+        source = getattr(args, name)
+        if source in (None, "none"):
+            continue
+        model = SentenceClassifier(lr=1e-3, clip=clip, seed=args.seed)
+        data = ClassificationDataModule(source=source, batch_size=batch_size, label_column="label", **common)
+        reports[f"classifier_{name}"] = train_probe(args, model, data, stage / f"classifier_{name}")
+    return reports
+
+
+def run_paper(args, rank: int, world: int) -> dict:
+    if world > 1:
+        raise UserError("analyze.py paper runs in one process (its probes train on one device): run it without "
+                        "torchrun")
+    inputs = read_inputs(args)
+    check_writable(args.output_dir)
+    encoder = open_encoder(args)
+    for note in inputs.notes:
+        print(f"note: {note}")
+    setting = setting_of(args, encoder)
+    with staged_output(args.output_dir) as stage:
+        reports, statistics, clip = evaluations(args, setting, inputs)
+        reports.update(probes(args, encoder, clip, stage))
+        summary = paper_summary(reports, args, clip, inputs.notes)
+        (stage / "outliers").mkdir()
+        write_json(stage / "outliers" / "outliers.json", reports["outliers"])
+        for file, make in outlier_figures(reports["outliers"], statistics, encoder).items():
+            save_figure(make(), stage / "outliers" / file)
+        for name, report in reports.items():
+            if name.startswith(("anisotropy", "self_similarity", "wic", "sts")):
+                write_json(stage / f"{name}.json", report)
+                kind = name.rsplit("_", 1)[0] if not name.startswith(("wic", "sts")) else name.split("_")[0]
+                for file, make in figures_of(kind, report, encoder.short_name).items():
+                    save_figure(make(), stage / file.replace(f"{kind}.png", f"{name}.png"))
+        save_figure(figure6(reports, encoder.short_name), stage / "figure6.png")
+        write_json(stage / "paper.json", summary)
+        markdown = paper_markdown(summary)
+        (stage / "paper.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"wrote {args.output_dir}/paper.md, paper.json and the reports and figures beside them")
+    return summary

@@ -1,0 +1,113 @@
+"""Train / validation / test splits for the probes: the source's own splits when it has them, else seeded fractions.
+
+    splits = read_splits(source, read, labelled, val_fraction=0.1, test_fraction=0.1, seed=0)
+    splits.texts["train"], splits.labels["val"], splits.described["test"]
+
+A source with splits (a `datasets` name such as glue/sst2, or a datasets directory) gives its own: "train", the
+validation split ("validation", "val" or "dev") and "test", or the ones `val_split` / `test_split` name. What is
+missing is carved, by sentence and seeded, out of train: a missing validation split is `val_fraction` of train; a
+test split that is missing or unlabelled (GLUE hides its test labels: `labelled` says no) is replaced by the
+validation split, and validation is then carved out of train. A single table (a file, or NAME:CONFIG:SPLIT) is split
+`1 - val_fraction - test_fraction` / `val_fraction` / `test_fraction`. `described` says where each split came from,
+for the report. `max_sentences` caps each split read (a seeded sample; 0: all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from core.errors import UserError
+from datamodules.text import sample_texts, split_names
+
+SPLITS = ("train", "val", "test")
+VAL_NAMES = ("validation", "val", "dev")
+
+Reader = Callable[[str, "str | None"], "tuple[list[str], list]"]  # (source, split) -> (texts, raw labels)
+
+
+@dataclass
+class Splits:
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    labels: dict[str, list] = field(default_factory=dict)
+    described: dict[str, str] = field(default_factory=dict)
+
+
+def read_splits(source: str, read: Reader, labelled: Callable[[list], bool], val_fraction: float = 0.1,
+                test_fraction: float = 0.1, seed: int = 0, max_sentences: int = 0, val_split: str | None = None,
+                test_split: str | None = None) -> Splits:
+    """The three splits of `source` (see the module docstring); an empty split is one line naming it."""
+    names = split_names(source)
+    splits = Splits()
+
+    def take(split_name: str | None) -> tuple[list[str], list]:
+        texts, labels = read(source, split_name)
+        return _sample(texts, labels, max_sentences, seed)
+
+    if names is None:
+        if val_split is not None or test_split is not None:
+            raise UserError(f"--data.val_split / --data.test_split need a source with splits; {source} is a single "
+                            "table (a file, or a datasets name with its split): its splits are carved by fraction")
+        texts, labels = take(None)
+        _carve(splits, texts, labels, {"test": test_fraction, "val": val_fraction}, seed, f"{source}")
+    else:
+        for option, wanted in (("val_split", val_split), ("test_split", test_split)):
+            if wanted is not None and wanted not in names:
+                raise UserError(f"dataset {source} has no split {wanted!r} (--data.{option}; splits: {names})")
+        if "train" not in names:
+            raise UserError(f"dataset {source} has no train split (splits: {names})")
+        val_name = val_split or next((name for name in VAL_NAMES if name in names), None)
+        test_name = test_split or ("test" if "test" in names else None)
+        carve: dict[str, float] = {}
+        why = ""
+        if test_name is not None:
+            splits.texts["test"], splits.labels["test"] = take(test_name)
+            splits.described["test"] = f"{source} split {test_name!r}"
+            if not labelled(splits.labels["test"]):
+                why, test_name = f" (its {test_name!r} split is unlabelled)", None
+        if test_name is None:
+            if val_name is not None:  # the validation split becomes the test set; validation is carved from train
+                splits.texts["test"], splits.labels["test"] = take(val_name)
+                splits.described["test"] = f"{source} split {val_name!r}{why}"
+                val_name = None
+            else:
+                carve["test"] = test_fraction
+        if val_name is not None:
+            splits.texts["val"], splits.labels["val"] = take(val_name)
+            splits.described["val"] = f"{source} split {val_name!r}"
+        else:
+            carve["val"] = val_fraction
+        texts, labels = take("train")
+        _carve(splits, texts, labels, carve, seed, f"{source} split 'train'")
+    for split in SPLITS:
+        if not splits.texts.get(split):
+            raise UserError(f"the {split} split is empty ({splits.described.get(split, split)}): a bigger source or "
+                            f"other --data.val_fraction / --data.test_fraction")
+    return splits
+
+
+def _carve(splits: Splits, texts: list[str], labels: list, fractions: dict[str, float], seed: int,
+           origin: str) -> None:
+    """Carve `fractions` of the sentences (seeded) into the named splits; the rest is train."""
+    permutation = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    start, taken = 0, 0.0
+    for name in ("test", "val"):
+        if name not in fractions:
+            continue
+        count = round(len(texts) * fractions[name])
+        rows = sorted(permutation[start:start + count])
+        splits.texts[name], splits.labels[name] = [texts[i] for i in rows], [labels[i] for i in rows]
+        splits.described[name] = f"{fractions[name]:.0%} of {origin} (seeded, by sentence)"
+        start, taken = start + count, taken + fractions[name]
+    rows = sorted(permutation[start:])
+    splits.texts["train"], splits.labels["train"] = [texts[i] for i in rows], [labels[i] for i in rows]
+    splits.described["train"] = f"{1 - taken:.0%} of {origin} (seeded, by sentence)" if taken else origin
+
+
+def _sample(texts: list[str], labels: list, limit: int, seed: int) -> tuple[list[str], list]:
+    if not limit or len(texts) <= limit:
+        return texts, labels
+    keep = sample_texts(iter(range(len(texts))), limit, seed)
+    return [texts[i] for i in keep], [labels[i] for i in keep]

@@ -1,0 +1,140 @@
+"""`analyze.py paper` end to end offline, with tiny local stand-ins for SST-2, QQP, WiC, STS, IMDB and SST-5, checked
+against the single subcommands and the probes' own reports; and the splits rule on a local dataset with splits."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+import analyze
+from datamodules.probing import ClassificationDataModule, PositionDataModule
+from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
+from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
+
+
+def save_splits(path: Path, splits: dict[str, list[dict]]) -> Path:
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(path)
+    return path
+
+
+def labelled(texts: list[str], classes: int, hidden: bool = False) -> list[dict]:
+    """A label the encoder can see (the sentence's length class), or GLUE's hidden -1."""
+    return [{"sentence": t, "label": -1 if hidden else min(len(t) // 40, classes - 1)} for t in texts]
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory, bert_tok) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("paper_data")
+    texts = corpus_sentences(120, start=300)
+    sources = {
+        "sst2": save_splits(root / "sst2", {"train": labelled(texts[:60], 2), "validation": labelled(texts[60:75], 2),
+                                            "test": labelled(texts[75:90], 2, hidden=True)}),
+        "imdb": save_splits(root / "imdb", {"train": [{"text": r["sentence"], "label": r["label"]}
+                                                      for r in labelled(texts[:50], 2)],
+                                            "test": [{"text": r["sentence"], "label": r["label"]}
+                                                     for r in labelled(texts[90:110], 2)]}),
+        "sst5": save_splits(root / "sst5", {"train": labelled(texts[10:70], 3), "validation": labelled(texts[70:85], 3),
+                                            "test": labelled(texts[85:105], 3)}),
+        "wic": write_wic(root / "wic.jsonl"), "sts": write_sts(root / "sts.tsv"),
+        "encoder": save_tiny_encoder(root / "planted", "bert", bert_tok, plant=plant)}
+    with (root / "qqp.csv").open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("question1", "question2", "label"),
+                                      *((a, b, 0) for a, b in zip(texts[:40], texts[40:80]))])
+    sources["qqp"] = root / "qqp.csv"
+    return sources
+
+
+@pytest.mark.slow
+def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tmp_path, capsys):
+    common = ["--encoder", stand_ins["encoder"], "--no_progress", "--seed", "1", "--max_sentences", "40"]
+    out = tmp_path / "paper"
+    code = analyze.main(["paper", *map(str, common), "--num_words", "4", "--min_sentences", "3", "--sst2", str(stand_ins["sst2"]), "--qqp", str(stand_ins["qqp"]),
+                         "--wic", str(stand_ins["wic"]), "--sts", str(stand_ins["sts"]), "--imdb",
+                         str(stand_ins["imdb"]), "--sst5", str(stand_ins["sst5"]), "--epochs", "2",
+                         "--output_dir", str(out)])
+    assert code == 0
+    summary = json.loads((out / "paper.json").read_text())
+    outliers = json.loads((out / "outliers" / "outliers.json").read_text())
+    assert PLANTED in outliers["persistent_dims"] == summary["section3_outliers"]["persistent_dims"]
+    # the clipping found on SST-2, written out per non-input layer, is the one every step used
+    expected_clip = ",".join(f"{layer}:{'+'.join(map(str, outliers['persistent_dims']))}"
+                             for layer in range(1, LAYERS + 1))
+    assert summary["clip"] == expected_clip
+    reports = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json") if path.stem != "paper"}
+    assert {name for name in reports} == {"anisotropy_sst2", "self_similarity_sst2", "anisotropy_qqp",
+                                          "self_similarity_qqp", "wic", "sts_sts"}
+    for name, report in reports.items():
+        assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
+    # each report equals the single subcommand run on the same data with the same clipping
+    single = tmp_path / "single"
+    assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", "auto",
+                         "--output_dir", str(single / "anisotropy")]) == 0  # SST-2's train split, the same sample
+    alone = json.loads((single / "anisotropy" / "anisotropy.json").read_text())
+    assert alone["layers"] == reports["anisotropy_sst2"]["layers"]
+    assert analyze.main(["wic", *map(str, common), "--data", str(stand_ins["wic"]), "--clip", expected_clip,
+                         "--output_dir", str(single / "wic")]) == 0
+    wic = json.loads((single / "wic" / "wic.json").read_text())
+    assert wic["layers"] == reports["wic"]["layers"] and summary["table1_wic"]["raw"] == wic["best"]
+
+    # §3's position probe on SST-2's own splits, the classifiers with the paper's clipping
+    probe = json.loads((out / "position_probe" / "position_probe.json").read_text())
+    assert probe["splits_from"] == {split: f"{stand_ins['sst2']} split {name!r}" for split, name in
+                                    (("train", "train"), ("val", "validation"), ("test", "test"))}
+    assert probe["splits"]["test"]["sentences"] == 15 and probe["splits"]["train"]["sentences"] == 60  # all of it
+    sst2 = json.loads((out / "classifier_sst2" / "classifier.json").read_text())
+    assert "(its 'test' split is unlabelled)" in sst2["splits_from"]["test"]
+    assert sst2["splits"]["test"]["sentences"] == 15 and sst2["clip"] == expected_clip
+    assert sst2["clipped_dims_per_layer"] == {str(layer): outliers["persistent_dims"] for layer in range(1, LAYERS + 1)}
+    imdb = json.loads((out / "classifier_imdb" / "classifier.json").read_text())
+    assert imdb["splits_from"]["val"].startswith("10% of") and imdb["splits"]["test"]["sentences"] == 20
+    for task, report in (("sst2", sst2), ("imdb", imdb)):
+        row = summary["table3_classifiers"][task]
+        best = max((r for r in report["layers"] if r["layer"] >= 1), key=lambda r: (r["val_accuracy"], -r["layer"]))
+        assert (row["best_layer"], row["raw"], row["clipped"]) == (best["layer"], best["accuracy"],
+                                                                   best["accuracy_clipped"])
+    markdown = (out / "paper.md").read_text()
+    for heading in ("## §3 Outlier neurons", "## §3 Position probe", "## §4.1 Anisotropy", "## Table 1: WiC",
+                    "## Table 2: STS", "## Table 3"):
+        assert heading in markdown
+    for figure in ("outliers/mean_vectors.png", "outliers/position_embeddings.png", "figure6.png",
+                   "position_probe/outlier_contributions.png", "anisotropy_sst2.png", "wic.png"):
+        assert (out / figure).read_bytes()[:4] == b"\x89PNG", figure
+        assert figure.split("/")[-1] in markdown or figure in ("anisotropy_sst2.png", "wic.png")
+
+
+def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
+    out = tmp_path / "paper"
+    for argv, message in ((["--sst2", tmp_path / "missing"], "data path not found"),
+                          (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
+                          (["--wic", stand_ins["sts"]], "is not in WiC format")):
+        code = analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
+                             "--min_sentences", "3", "--sst2", str(stand_ins["sst2"]), "--qqp", "none", "--sts",
+                             "--imdb", "none", "--sst5", "none", "--wic", "none",
+                             *map(str, argv), "--output_dir", str(out)])
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (argv, errors)
+        assert not out.exists()
+
+
+def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_path):
+    """train / validation / test as the dataset has them; GLUE's hidden test labels make the classifier test on
+    validation and carve its validation out of train; a dataset without validation gets 10% of train."""
+    encoder = str(stand_ins["encoder"])
+    positions = PositionDataModule(source=str(stand_ins["sst2"]), encoder=encoder, progress=False)
+    split = positions.read_splits()
+    rows = datasets.load_from_disk(str(stand_ins["sst2"]))
+    assert {name: split.texts[name] for name in ("train", "val", "test")} == {
+        "train": rows["train"]["sentence"], "val": rows["validation"]["sentence"], "test": rows["test"]["sentence"]}
+    classes = ClassificationDataModule(source=str(stand_ins["sst2"]), encoder=encoder, progress=False).read_splits()
+    assert classes.texts["test"] == rows["validation"]["sentence"]  # the unlabelled test split is replaced
+    assert sorted(classes.texts["train"] + classes.texts["val"]) == sorted(rows["train"]["sentence"])
+    assert len(classes.texts["val"]) == round(0.1 * 60)
+    imdb = ClassificationDataModule(source=str(stand_ins["imdb"]), encoder=encoder, progress=False).read_splits()
+    imdb_rows = datasets.load_from_disk(str(stand_ins["imdb"]))
+    assert imdb.texts["test"] == imdb_rows["test"]["text"] and len(imdb.texts["val"]) == 5
+    with pytest.raises(Exception, match="has no split 'dev'"):
+        PositionDataModule(source=str(stand_ins["sst2"]), encoder=encoder, val_split="dev").read_splits()
