@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from core.errors import UserError, first_line
 from core.models import model_max_length, position_embedding, short_name
 from core.sources import local_path
+from core.tokenizers import check_tokenizer_files
 
 Span = tuple[int, int]
 
@@ -45,7 +46,8 @@ class EncodedBatch:
 
 def resolve_model_dir(source: str | Path) -> str:
     """A hub id passes through; a local run directory of this project resolves to its `export/` (or, before the
-    export exists, to `checkpoints/last.ckpt`); a `.ckpt` file of this project's pretraining passes through."""
+    export exists, to `checkpoints/last.ckpt`, with a warning saying so); a `.ckpt` file of this project's
+    pretraining passes through."""
     path = local_path(source, "encoder")
     if path is None:
         return str(source)
@@ -55,8 +57,11 @@ def resolve_model_dir(source: str | Path) -> str:
         for candidate in (path, path / "export"):
             if (candidate / "config.json").exists():
                 return str(candidate)
-        if (path / "checkpoints" / "last.ckpt").is_file():
-            return str(path / "checkpoints" / "last.ckpt")
+        last = path / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
+                          f"{last}", stacklevel=2)
+            return str(last)
     raise UserError(f"not a model directory (no config.json): {source}")
 
 
@@ -82,16 +87,28 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
     check_is_encoder(config, source)
+    if Path(model_dir).is_dir():
+        check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         with _quiet_transformers():
             model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
+    except Exception as error:  # a truncated or corrupt file of the user's: OSError, ValueError, SafetensorError,
+        # the tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error)}") from None
     _warn_about_loading(source, info)
     return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
+
+
+def load_failure(error: Exception) -> str:
+    """A library's loading error as one line; a torn weights file (safetensors' "incomplete metadata, file not fully
+    covered" and the like) says which file and that it is truncated or corrupt."""
+    text = first_line(error)
+    if type(error).__name__ == "SafetensorError":
+        return f"model.safetensors is truncated or corrupt ({text})"
+    return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
 
 
 @contextlib.contextmanager
