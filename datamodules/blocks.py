@@ -27,7 +27,7 @@ import numpy as np
 from core.errors import UserError
 from core.output import publish_directory
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, vocab_limit
-from datamodules.text import iter_texts
+from datamodules.text import DATA_OPTION, iter_texts
 from datamodules.tokenizer import train_tokenizer
 
 CACHE_VERSION = 1
@@ -38,7 +38,7 @@ CACHE_VERSION = 1
 def corpus_records(source: str, text_column: str | None, max_texts: int | None, skip_texts: int = 0):
     """Yield {"text": ...} for texts skip_texts .. skip_texts + max_texts of the corpus."""
     stop = None if max_texts is None else skip_texts + max_texts
-    for text in itertools.islice(iter_texts(source, text_column), skip_texts, stop):
+    for text in itertools.islice(iter_texts(source, text_column, DATA_OPTION), skip_texts, stop):
         yield {"text": text}
 
 

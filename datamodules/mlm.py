@@ -28,7 +28,7 @@ from datamodules.blocks import BlockCache, build_blocks
 from datamodules.masking import MaskCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
-from datamodules.text import DEFAULT_CORPUS, iter_texts
+from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -78,10 +78,12 @@ class MLMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
+        if self._existing_tokenizer is not None:  # ignored, so set to the model's (linked): loggers merge both hparams
+            self.hparams["vocab_size"] = self._hparams_initial["vocab_size"] = vocab_limit(self._existing_tokenizer)
         self._validate_arguments()
         self.cache = BlockCache(corpus, text_column, max_texts, cache_dir)
         self.tokenizer = None
-        self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
         self.train_blocks = self.val_blocks = None
         self.position = DataPosition(batch_size, global_batch_size, streaming)
 
@@ -103,7 +105,7 @@ class MLMDataModule(pl.LightningDataModule):
             if not path.exists():
                 raise UserError(f"corpus not found: {h.corpus}")
             if path.is_file():
-                next(iter_texts(path, h.text_column), None)  # empty, binary or not UTF-8: one clear line
+                next(iter_texts(path, h.text_column, DATA_OPTION), None)  # empty, binary or not UTF-8: one clear line
 
     # -- sizes the model needs before any data work --
 

@@ -117,12 +117,15 @@ def _quiet_transformers():
     `_warn_about_loading` says what matters instead."""
     from transformers.utils import logging
 
-    level = logging.get_verbosity()
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()
+    logging.disable_progress_bar()  # "Loading weights" for a few milliseconds: noise before a report or an error
     try:
         yield
     finally:
         logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _warn_about_loading(source, info: Mapping) -> None:
@@ -237,6 +240,11 @@ class FrozenEncoder(nn.Module):
             raise UserError(f"--max_length {max_length} exceeds the {self.max_length} positions of {self.name}")
         if max_length < 2:
             raise UserError(f"--max_length must be at least 2, got {max_length}")
+        specials = self.tokenizer.num_special_tokens_to_add(pair=False)
+        if self.exclude_special and max_length <= specials:
+            raise UserError(f"--max_length {max_length} leaves no token to count: the {specials} special tokens of "
+                            f"each sentence fill it and --exclude_special drops them; use --max_length {specials + 1} "
+                            "or more")
         return max_length
 
     def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
