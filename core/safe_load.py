@@ -56,7 +56,7 @@ def refusal(path: Path, error: Exception, what: str = "checkpoint") -> str:
     found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"unrecognized function ([^\s.]+(?:\.\w+)*)", text)
     if found is None and "Unsupported operand" in text:  # random bytes, or a plain pickle torch.save did not write
         return f"cannot read {what} {path}: truncated or corrupt (not a checkpoint torch.save wrote)"
-    needs = f"`{found.group(1)}`" if found else "an object that is not plain data"
+    needs = f"{found.group(1)!r}" if found else "an object that is not plain data"
     return (f"refused to load {what} {path}: it needs {needs}, which is code, not data (checkpoints load "
             "weights-only: tensors, numbers, strings and plain containers); nothing in it was run")
 

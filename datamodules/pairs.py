@@ -99,7 +99,14 @@ def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipp
             items.append(item)
     if not items:
         raise UserError(f"no WiC item of {source} has its target word at its offsets ({skipped.count} skipped)")
-    if len(items) < 2:  # a threshold chosen on one pair is that pair's label: no accuracy to report
+    return items, skipped
+
+
+def scorable_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipped]:
+    """`read_wic` for the WiC protocol, which needs two pairs at least: a threshold chosen on one pair is that pair's
+    label, no accuracy at all."""
+    items, skipped = read_wic(source, gold)
+    if len(items) < 2:
         raise UserError(f"WiC needs at least 2 scorable pairs, but only 1 item of {source} has its target word at "
                         f"its offsets ({skipped.count} skipped)")
     return items, skipped

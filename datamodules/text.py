@@ -27,6 +27,7 @@ TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
+MAX_FIELD = 2**31 - 1
 TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
 
 
@@ -109,6 +110,7 @@ def _file_records(path: Path) -> Iterator[dict]:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
+                csv.field_size_limit(MAX_FIELD)  # a long document is one field: no 128 KiB limit
                 rows = csv.DictReader(handle, delimiter=TABULAR_SUFFIXES[suffix], quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
@@ -133,6 +135,8 @@ def _file_records(path: Path) -> Iterator[dict]:
                         yield {"text": line.rstrip("\r\n")}
     except UnicodeDecodeError as error:
         raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
+    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
+        raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
 

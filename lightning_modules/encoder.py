@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,25 +90,31 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     check_is_encoder(config, source)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
+    # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
+    # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
+    try:
         with _quiet_transformers():
             model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
-    except Exception as error:  # a truncated or corrupt file of the user's: OSError, ValueError, SafetensorError,
-        # the tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin
-        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error)}") from None
+    except Exception as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
     _warn_about_loading(source, info)
     return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
 
 
-def load_failure(error: Exception) -> str:
-    """A library's loading error as one line; a torn weights file (safetensors' "incomplete metadata, file not fully
-    covered" and the like) says which file and that it is truncated or corrupt."""
+def load_failure(error: Exception, what: str) -> str:
+    """A library's loading error as one line; a torn file (safetensors' "incomplete metadata, file not fully
+    covered", a JSON file cut short) says what it belongs to and that it is truncated or corrupt."""
     text = first_line(error)
     if type(error).__name__ == "SafetensorError":
         return f"model.safetensors is truncated or corrupt ({text})"
+    if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
+        return f"{what}: a JSON file is truncated or corrupt ({text})"
     return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
 
 
