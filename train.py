@@ -62,8 +62,9 @@ class PretrainCLI(ProjectCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(PretrainCheckpoint, "checkpoint")
+        # last.ckpt is replaced in place (the one before kept as previous.ckpt), never versioned as last-v1.ckpt
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
-                             "checkpoint.every_n_train_steps": 1000})
+                             "checkpoint.every_n_train_steps": 1000, "checkpoint.enable_version_counter": False})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)

@@ -247,7 +247,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
     options = set()
     for action in parser._actions:
         options.update(option for option in action.option_strings if option.startswith("--"))
-        for sub in getattr(action, "choices", None) or {}:
-            if isinstance(action.choices[sub], argparse.ArgumentParser):
-                options |= _options(action.choices[sub])
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= _options(sub)
     return options

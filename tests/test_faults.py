@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,21 @@ def test_atomic_file_keeps_the_old_content_when_the_writer_dies(tmp_path):
     assert target.read_bytes() == b"old checkpoint"
     assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]  # the temporary file is gone too
     assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_atomic_file_keeps_the_file_it_replaces_as_the_previous_one(tmp_path):
+    target, previous = tmp_path / "last.ckpt", tmp_path / "previous.ckpt"
+    with atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step 2")
+    assert not previous.exists()
+    with atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step 4")
+    assert (target.read_bytes(), previous.read_bytes()) == (b"step 4", b"step 2")
+    with pytest.raises(OSError), atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (target.read_bytes(), previous.read_bytes()) == (b"step 4", b"step 2")  # a failed write renames nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "previous.ckpt"]
 
 
 def _umask() -> int:
@@ -156,11 +172,11 @@ def test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one(straight, corpu
     torn = list(folder.glob(".last.ckpt.*.tmp"))
     assert len(torn) == 1 and torn[0].stat().st_size > 0
     with pytest.raises(RuntimeError, match="zip archive"):  # really torn (and no resume ever looks at it)
-        torch.load(torn[0], map_location="cpu", weights_only=False)
+        torch.load(torn[0], map_location="cpu", weights_only=True)
     assert last_checkpoint(folder) == folder / "last.ckpt"
     assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
     assert_same_weights(root, straight["plain"])
-    assert [p.name for p in folder.iterdir()] == ["last.ckpt"]  # the torn leftover was cleaned up
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "previous.ckpt"]  # the torn leftover is gone
 
 
 @pytest.mark.slow
@@ -232,6 +248,58 @@ def test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it(str
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"train.py: error: cannot read checkpoint {root / 'checkpoints' / 'last.ckpt'}: truncated")
     assert sorted(p.name for p in root.rglob("*")) == ["checkpoints", "last.ckpt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["torn", "missing"])
+def test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_so(straight, corpus, cache, tmp_path,
+                                                                                  capsys, damage):
+    root = tmp_path / "run"
+    folder = root / "checkpoints"
+    shutil.copytree(straight["plain"] / "checkpoints", folder)
+    last, previous = folder / "last.ckpt", folder / "previous.ckpt"
+    assert torch.load(previous, map_location="cpu", weights_only=True)["global_step"] == STEPS - 2
+    if damage == "torn":  # e.g. a disk error after the save, or a copy by hand cut short
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 3])
+        reason = (f"cannot read checkpoint {last}: truncated or corrupt (PytorchStreamReader failed reading zip "
+                  "archive: failed finding central directory)")
+    else:  # a kill between the save's two renames (last.ckpt -> previous.ckpt, the new file -> last.ckpt)
+        last.unlink()
+        reason = f"{last} is missing"
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {reason}; resuming from the checkpoint before it, {previous} (step {STEPS - 2})"]
+    resumed, reference = checkpoint(root), checkpoint(straight["plain"])
+    assert resumed["global_step"] == STEPS
+    for name, value in reference["state_dict"].items():  # the two steps again, bit for bit
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    losses = train_losses(straight["plain"])
+    assert train_losses(root) == {step: losses[step] for step in (STEPS - 2, STEPS - 1)}
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before(corpus, cache, tmp_path, capsys,
+                                                                                    monkeypatch):
+    real_save, calls = torch.save, []
+
+    def full_disk_from_the_second_save(obj, handle, *args, **kwargs):
+        calls.append(handle)
+        if len(calls) < 2:
+            return real_save(obj, handle, *args, **kwargs)
+        handle.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk_from_the_second_save)
+    root = tmp_path / "run"
+    assert fit(root, corpus, cache, "--trainer.max_steps", "6", "--model.decay_steps", "6") == 2
+    monkeypatch.undo()
+    last = root / "checkpoints" / "last.ckpt"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: error: cannot save checkpoint {last}: No space left on device; the one saved before is kept "
+        "(resume with --ckpt_path last once there is room)")
+    assert checkpoint(root)["global_step"] == 2  # whole, weights-only
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no torn temporary file, nothing renamed
+    assert not (root / "export").exists() and not (root / ".run.lock").exists()
 
 
 # ---- a full disk while an analysis writes its report ----
