@@ -24,6 +24,7 @@ import importlib
 import inspect
 import logging
 import re
+import sys
 from pathlib import Path
 
 from pytorch_lightning.callbacks import Callback
@@ -162,6 +163,19 @@ class ProjectCLI(LightningCLI):
             raise
         self._held.release(emit=True)
 
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's, after a look at each --config file: one that is not UTF-8 text is one line (jsonargparse
+        would raise UnicodeDecodeError)."""
+        argv = sys.argv[1:] if args is None else args
+        for path in config_paths(argv) if isinstance(argv, (list, tuple)) else []:
+            try:
+                Path(path).read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {error.start})") from None
+            except OSError:
+                continue  # missing or unreadable: jsonargparse names it
+        super().parse_arguments(parser, args)
+
     def instantiate_classes(self) -> None:
         """Lightning's; a UserError raised by a class's __init__ (a bad argument) comes out as itself, not inside
         jsonargparse's report of every type it tried."""
@@ -229,6 +243,18 @@ class ProjectCLI(LightningCLI):
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+
+def config_paths(argv) -> list[str]:
+    """The files given with --config / -c (also --config=FILE)."""
+    paths = []
+    for flag, value in zip(argv, [*argv[1:], None]):
+        flag = str(flag)
+        if flag in ("--config", "-c") and value is not None:
+            paths.append(str(value))
+        elif flag.startswith("--config="):
+            paths.append(flag.split("=", 1)[1])
+    return paths
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -104,8 +104,8 @@ class MLMDataModule(pl.LightningDataModule):
             path = Path(h.corpus).expanduser()
             if not path.exists():
                 raise UserError(f"corpus not found: {h.corpus}")
-            if path.is_file():
-                next(iter_texts(path, h.text_column, DATA_OPTION), None)  # empty, binary or not UTF-8: one clear line
+            if path.is_file() and next(iter_texts(path, h.text_column, DATA_OPTION), None) is None:  # empty, binary,
+                raise UserError(f"no text in {h.corpus}: every row's text is empty")  # not UTF-8: one line each
 
     # -- sizes the model needs before any data work --
 
