@@ -73,7 +73,8 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         seen = seen.reshape(-1).cpu()  # torchmetrics squeezes a one-pair state
         if int(seen.sum()) < 2:
             raise UserError(f"only {int(seen.sum())} WiC pair{'' if int(seen.sum()) == 1 else 's'} could be scored "
-                            f"({lost} lost their target word to truncation): WiC needs at least 2")
+                            f"({lost} sentences lost their target word to truncation; a larger --max_length keeps "
+                            "it): WiC needs at least 2")
         cosines, gold = cosines.reshape(len(items), -1)[seen].cpu(), labels[seen]
         accuracy = threshold_accuracy(cosines, gold, thresholds)  # [layers, thresholds]
         best_t = accuracy.argmax(1)

@@ -58,6 +58,7 @@ class RunLock:
             raise
 
     def _take(self) -> None:
+        owner: dict = {}
         for _ in range(20):  # another run may replace or remove the file between our open and our lock
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -87,7 +88,7 @@ class RunLock:
                         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job": os.environ.get("SLURM_JOB_ID")})
             self._fd = fd
             return
-        raise UserError(f"cannot lock {self.directory}: its lock file keeps changing (another run starting?)")
+        raise UserError(in_use(self.directory, owner))  # its lock file kept changing hands: other runs are starting
 
     def release(self) -> None:
         """Remove the lock file (while still holding it) and the directories acquire created, if left empty."""

@@ -67,8 +67,6 @@ class WeightsOnlyCheckpointIO(TorchCheckpointIO):
     weights_only=None, which torch reads as False when that variable is set)."""
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
-        if "://" in str(path):
-            raise UserError(f"cannot resume from {path}: only local checkpoint files are read (weights-only)")
-        if not Path(path).is_file():
+        if not Path(path).is_file():  # a URL too: only local files are read
             raise UserError(f"checkpoint not found: {path}")
         return load_weights_only(path)

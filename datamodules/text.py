@@ -27,7 +27,7 @@ TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
-MAX_FIELD = 2**31 - 1
+MAX_FIELD = 16 * 2**20  # characters in one csv/tsv field: a long document, not csv's default 128 KiB
 TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
 
 
@@ -110,7 +110,7 @@ def _file_records(path: Path) -> Iterator[dict]:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
-                csv.field_size_limit(MAX_FIELD)  # a long document is one field: no 128 KiB limit
+                csv.field_size_limit(MAX_FIELD)
                 rows = csv.DictReader(handle, delimiter=TABULAR_SUFFIXES[suffix], quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")

@@ -66,6 +66,10 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
     (bare / "tokenizer_config.json").write_text('{"tokenizer_class": "RobertaTokenizer"}')
     lacking = foreign_checkpoint(tmp / "other-project.ckpt", drop="vocab_size")
     alien = foreign_checkpoint(tmp / "alien.ckpt", state={"model.encoder.weight": torch.zeros(3)})
+    latin1 = tmp / "latin1.yaml"
+    latin1.write_bytes("model:\n  hidden_size: 32  # größer\n".encode("latin-1"))
+    blank = tmp / "blank.csv"
+    blank.write_text("id,text\n1,\n2, \n")
     return {
         "negative learning rate": (("--model.lr", "-1"), "--model.lr must be a positive number, got -1.0"),
         "end learning rate above the peak": (("--model.end_lr", "1"), "--model.end_lr must be between 0 and "
@@ -100,6 +104,10 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
         "a fresh start over an earlier run": (("EARLIER",), "ROOT holds an earlier run (last.ckpt): resume it with "
                                               "--ckpt_path last, or start this one in another "
                                               "--trainer.default_root_dir (or remove that run first)"),
+        "a config file that is not UTF-8": (("--config", str(latin1)),
+                                            f"config file {latin1} is not UTF-8 text (bad byte at offset 30)"),
+        "a corpus whose texts are all empty": (("--data.corpus", str(blank)),
+                                               f"no text in {blank}: every row's text is empty"),
         "a corpus too small for the global batch (found in prepare_data)": (
             ("--data.global_batch_size", "64"), "55 training blocks make no full global batch of 64"),
     }
@@ -110,7 +118,8 @@ TRAIN_CASES = [
     "default_root_dir is a file", "default_root_dir under a file", "a typo in a YAML key",
     "a typo on the command line", "no text column", "a directory that is no dataset",
     "a tokenizer directory without tokenizer files", "a checkpoint whose hyper-parameters lack vocab_size",
-    "a checkpoint whose weights do not fit", "a fresh start over an earlier run",
+    "a checkpoint whose weights do not fit", "a fresh start over an earlier run", "a config file that is not UTF-8",
+    "a corpus whose texts are all empty",
     "a corpus too small for the global batch (found in prepare_data)"]
 
 
@@ -231,6 +240,17 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
     shutil.copy(encoder / "config.json", bare / "config.json")
     (bare / "tokenizer_config.json").write_text("{}")
     data = ["--data", str(sentences)]
+    words = "one two three four five six seven eight nine ten by the bank"  # the target after --max_length 8
+    at = words.index("bank")
+    far = {"word": "bank", "sentence1": words, "sentence2": words.replace(" by ", " at "), "start1": at,
+           "end1": at + 4, "start2": at, "end2": at + 4, "label": True}
+    lost = tmp / "lost.jsonl"
+    lost.write_text(json.dumps(far) + "\n" + json.dumps({**far, "label": False}) + "\n")
+    nonsense = tmp / "nonsense.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {**ARCHITECTURE, "hidden_size": 30}}, nonsense)
+    torn_tokenizer = truncated_copy(encoder, tmp / "torn-tokenizer", "tokenizer.json")
+    wide = tmp / "wide.csv"
+    wide.write_text("text\n" + "x" * (16 * 2**20 + 1) + "\n")
     return {
         "a truncated model.safetensors": (["outliers", "--encoder", str(torn), *data],
                                           f"cannot load encoder '{torn}': model.safetensors is truncated or corrupt "
@@ -251,6 +271,19 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
             ["anisotropy", "--encoder", str(encoder), *data, "--max_length", "2", "--exclude_special"],
             "--max_length 2 leaves no token to count: the 2 special tokens of each sentence fill it and "
             "--exclude_special drops them; use --max_length 3 or more"),
+        "WiC targets all lost to truncation": (["wic", "--encoder", str(encoder), "--data", str(lost),
+                                                "--max_length", "8"],
+                                               "only 0 WiC pairs could be scored (4 sentences lost their target word "
+                                               "to truncation; a larger --max_length keeps it): WiC needs at least 2"),
+        "a checkpoint whose hyper-parameters describe no model": (
+            ["outliers", "--encoder", str(nonsense), *data], f"{nonsense}: its hyper-parameters describe no model "
+                                                             "(The hidden size (30) is not a multiple of the number "
+                                                             "of attention heads (4))"),
+        "a torn tokenizer.json": (["outliers", "--encoder", str(torn_tokenizer), *data],
+                                  f"cannot load encoder '{torn_tokenizer}': its tokenizer: a JSON file is truncated or "
+                                  "corrupt ("),
+        "a csv field over 16 MiB": (["outliers", "--encoder", str(encoder), "--data", str(wide)],
+                                    f"{wide}: row 1 is not csv (field larger than field limit (16777216))"),
         "an encoder directory without tokenizer files": (
             ["outliers", "--encoder", str(bare), *data],
             f"cannot load encoder '{bare}': {bare} holds no tokenizer files (tokenizer.json, vocab.json + "
@@ -260,7 +293,9 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
 
 ANALYZE_CASES = ["a truncated model.safetensors", "a checkpoint whose hyper-parameters lack vocab_size",
                  "a WiC file with one scorable pair", "a directory that is no dataset",
-                 "--max_length that only the special tokens fill", "an encoder directory without tokenizer files"]
+                 "--max_length that only the special tokens fill", "an encoder directory without tokenizer files",
+                 "WiC targets all lost to truncation", "a checkpoint whose hyper-parameters describe no model",
+                 "a torn tokenizer.json", "a csv field over 16 MiB"]
 
 
 @pytest.mark.parametrize("case", ANALYZE_CASES)
@@ -269,7 +304,10 @@ def test_analyze_failures_are_one_line_exit_2_and_write_nothing(case, encoder, s
     out = tmp_path / "out"
     before = files_under(tmp_path)
     assert analyze.main([*argv, "--output_dir", str(out), "--no_progress"]) == 2
-    assert stderr_lines(capfd) == [f"analyze.py {argv[0]}: error: {message}"]
+    lines = stderr_lines(capfd)
+    if case == "a torn tokenizer.json":  # the tokenizers library's own words follow
+        lines = [line[:len(f"analyze.py {argv[0]}: error: {message}")] for line in lines]
+    assert lines == [f"analyze.py {argv[0]}: error: {message}"]
     assert files_under(tmp_path) == before
 
 

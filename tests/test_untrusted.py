@@ -112,6 +112,11 @@ def test_lightnings_own_resume_reads_weights_only_whatever_it_is_asked(tmp_path,
     torch.save(state, good)
     loaded = WeightsOnlyCheckpointIO().load_checkpoint(good)
     assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["betas"] == (0.9, 0.98)
+    noise = tmp_path / "noise.ckpt"
+    noise.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(UserError) as refused:
+        WeightsOnlyCheckpointIO().load_checkpoint(noise)
+    assert str(refused.value) == f"cannot read checkpoint {noise}: truncated or corrupt (not a checkpoint torch.save wrote)"
 
 
 def test_weights_only_false_is_refused_on_the_command_line(tmp_path, corpus, cache, capsys):
