@@ -78,7 +78,7 @@ def check_datasets_directory(path: Path) -> None:
         seen += len(files) + len(folders)
         if seen > 10_000 or Path(directory).relative_to(path).parts[2:]:
             break
-    raise UserError(f"data directory {path} is not a `datasets` directory (save_to_disk output, or parquet, arrow, "
+    raise UserError(f"data directory {path} is not a datasets directory (save_to_disk output, or parquet, arrow, "
                     "csv, tsv or jsonl data files); give a text, csv, tsv or jsonl file instead")
 
 

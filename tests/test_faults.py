@@ -570,6 +570,58 @@ ERROR_ROW_TESTS = {
     ("train.py", "an online probe of under 2 positions"): [
         "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "a checkpoint that needs code to unpickle (a crafted `.ckpt`, given as `--ckpt_path FILE` or found by `--ckpt_path last`)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+        "test_untrusted.py::test_a_refusal_names_what_the_checkpoint_would_have_built",
+    ],
+    ("train.py", "`--weights_only false`"): [
+        "test_untrusted.py::test_weights_only_false_is_refused_on_the_command_line",
+    ],
+    ("train.py", "a checkpoint of another project whose hyper-parameters lack an architecture key"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a checkpoint whose weights do not fit the model"): [
+        "test_refusals.py::test_a_checkpoint_whose_weights_do_not_fit_names_them",
+    ],
+    ("train.py", "a run directory that a live run holds"): [
+        "test_lock.py::test_train_and_probe_refuse_a_directory_another_run_holds",
+        "test_lock.py::test_two_runs_into_one_directory_cannot_both_proceed",
+    ],
+    ("train.py", "a fresh start (no `--ckpt_path`) in the directory of an earlier run"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_lock.py::test_two_runs_into_one_directory_cannot_both_proceed",
+    ],
+    ("train.py", "a learning rate or another optimiser argument out of range"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a warm-up that does not end before the learning-rate schedule"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_refusals.py::test_a_run_that_stops_inside_its_warm_up_warns",
+    ],
+    ("train.py", "a `default_root_dir` that is a file or cannot be written"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_refusals.py::test_a_directory_that_cannot_be_written_is_one_line",
+    ],
+    ("train.py", "an unknown key in a config file or on the command line"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a config file that is not UTF-8"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_train_checkpoints_and_configs",
+    ],
+    ("train.py", "a corpus directory that is no `datasets` directory"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a corpus table without a text column"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a corpus whose texts are all empty"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_train_and_probe_data",
+    ],
+    ("train.py", "a tokenizer directory without tokenizer files"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("a Trainer with the live callbacks", "a model whose hidden states cannot be captured"): [
         "test_callbacks.py::test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error",
     ],
@@ -586,6 +638,32 @@ ERROR_ROW_TESTS = {
     ("probe.py", "no label column"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "disk full while writing the report"): [
         "test_faults.py::test_disk_full_while_probe_writes_its_report",
+    ],
+    ("probe.py", "a learning rate that is not positive"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a checkpoint that needs code to unpickle (`--model.encoder FILE.ckpt`, a run directory without export/, `--ckpt_path`)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+    ],
+    ("probe.py", "a run directory that a live run holds"): [
+        "test_lock.py::test_train_and_probe_refuse_a_directory_another_run_holds",
+    ],
+    ("probe.py", "a `default_root_dir` that is a file or cannot be written"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a truncated `model.safetensors`"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("probe.py", "an unknown key in a config file or on the command line"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_probe_configs",
+    ],
+    ("probe.py", "a data table without a text column"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a data directory that is no `datasets` directory"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
     ],
     ("analyze.py", "unknown hub id (offline or not found)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
@@ -665,6 +743,48 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "`--zeta` outside [0, 1]"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
+    ("analyze.py", "a checkpoint that needs code to unpickle (`--encoder FILE.ckpt`, or a run directory without export/)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+    ],
+    ("analyze.py", "a checkpoint of another project whose hyper-parameters lack an architecture key"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a checkpoint whose hyper-parameters describe no model"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a checkpoint whose embedded tokenizer files are not plain names and texts"): [
+        "test_untrusted.py::test_an_embedded_tokenizer_cannot_write_outside_its_temporary_directory",
+    ],
+    ("analyze.py", "a truncated `model.safetensors`"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("analyze.py", "a truncated tokenizer or config JSON of the encoder"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("analyze.py", "an encoder directory without tokenizer files"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a data directory that is no `datasets` directory"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a csv/tsv field over 16 MiB (or another row the csv reader cannot read)"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_data",
+    ],
+    ("analyze.py", "`--max_length` that only the special tokens fill, with `--exclude_special`"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: a single scorable pair"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: targets lost to truncation, under 2 pairs left"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "an unknown option"): [
+        "test_refusals.py::test_an_unknown_analyze_option_is_one_line_with_the_closest",
+    ],
 }
 FAULT_ROW_TESTS = {
     "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],
@@ -685,6 +805,16 @@ FAULT_ROW_TESTS = {
         "test_faults.py::test_disk_full_while_analyze_writes_its_report",
         "test_faults.py::test_disk_full_while_probe_writes_its_report",
         "test_faults.py::test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing",
+    ],
+    "disk full while saving a checkpoint (train.py)": [
+        "test_faults.py::test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before",
+        "test_faults.py::test_atomic_file_keeps_the_file_it_replaces_as_the_previous_one",
+    ],
+    "a torn or missing `last.ckpt` beside `previous.ckpt`": [
+        "test_faults.py::test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_so",
+    ],
+    "a run killed while it held its directory's lock": [
+        "test_lock.py::test_a_live_runs_lock_refuses_another_and_a_killed_runs_lock_is_taken_over",
     ],
 }
 
@@ -741,3 +871,11 @@ def test_every_row_of_the_docs_error_tables_is_tied_to_tests_that_exist():
         pieces = [piece for piece in re.split(r"<[^>]*>|\.\.\.", message) if piece.strip()]
         shared = max(longest_shared(piece, "\n".join(sources.values())) for piece in pieces)
         assert shared >= min(10, max(len(piece.strip()) for piece in pieces)), (row, shared)
+
+
+def test_every_test_docs_guarantees_names_exists():
+    text = (ROOT / "docs" / "guarantees.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", text))
+    assert len(named) > 20
+    for file, name in sorted(named):
+        assert re.search(rf"^def {name}\(", (ROOT / "tests" / file).read_text(encoding="utf-8"), re.M), (file, name)

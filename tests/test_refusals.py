@@ -89,7 +89,7 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
         "no text column": (("--data.corpus", str(table)),
                            f"no text column in {table} (columns: ['id', 'score']); pass --data.text_column"),
         "a directory that is no dataset": (("--data.corpus", str(not_a_dataset(tmp / "notes"))),
-                                           f"data directory {tmp / 'notes'} is not a `datasets` directory "
+                                           f"data directory {tmp / 'notes'} is not a datasets directory "
                                            "(save_to_disk output, or parquet, arrow, csv, tsv or jsonl data files); "
                                            "give a text, csv, tsv or jsonl file instead"),
         "a tokenizer directory without tokenizer files": (
@@ -202,7 +202,7 @@ def probe_cases(tmp: Path, encoder: Path) -> dict[str, tuple[tuple, str]]:
         "no text column": (("--data.source", table),
                            f"no text column in {table} (columns: ['id', 'score']); pass --data.text_column"),
         "a directory that is no dataset": (("--data.source", not_a_dataset(tmp / "notes")),
-                                           f"data directory {tmp / 'notes'} is not a `datasets` directory "
+                                           f"data directory {tmp / 'notes'} is not a datasets directory "
                                            "(save_to_disk output, or parquet, arrow, csv, tsv or jsonl data files); "
                                            "give a text, csv, tsv or jsonl file instead"),
         "missing data (found in prepare_data)": (("--data.source", tmp / "nope.txt"),
@@ -264,7 +264,7 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
                                               "its target word at its offsets (1 skipped)"),
         "a directory that is no dataset": (["outliers", "--encoder", str(encoder), "--data",
                                             str(not_a_dataset(tmp / "notes"))],
-                                           f"data directory {tmp / 'notes'} is not a `datasets` directory "
+                                           f"data directory {tmp / 'notes'} is not a datasets directory "
                                            "(save_to_disk output, or parquet, arrow, csv, tsv or jsonl data files); "
                                            "give a text, csv, tsv or jsonl file instead"),
         "--max_length that only the special tokens fill": (
