@@ -47,8 +47,8 @@ class EncodedBatch:
 
 def resolve_model_dir(source: str | Path) -> str:
     """A hub id passes through; a local run directory of this project resolves to its `export/` (or, before the
-    export exists, to `checkpoints/last.ckpt`, with a warning saying so); a `.ckpt` file of this project's
-    pretraining passes through."""
+    export exists, to `checkpoints/last.ckpt`: load_encoder says so); a `.ckpt` file of this project's pretraining
+    passes through."""
     path = local_path(source, "encoder")
     if path is None:
         return str(source)
@@ -58,11 +58,8 @@ def resolve_model_dir(source: str | Path) -> str:
         for candidate in (path, path / "export"):
             if (candidate / "config.json").exists():
                 return str(candidate)
-        last = path / "checkpoints" / "last.ckpt"
-        if last.is_file():
-            warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
-                          f"{last}", stacklevel=2)
-            return str(last)
+        if (path / "checkpoints" / "last.ckpt").is_file():
+            return str(path / "checkpoints" / "last.ckpt")
     raise UserError(f"not a model directory (no config.json): {source}")
 
 
@@ -81,6 +78,9 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         from lightning_modules.checkpoints import load_checkpoint_model
 
         masked_lm, tokenizer = load_checkpoint_model(model_dir)
+        if Path(source).expanduser().is_dir():
+            warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
+                          f"{model_dir}", stacklevel=2)
         return FrozenEncoder(masked_lm.roberta, tokenizer, name=str(source),
                              exclude_special=exclude_special).to(device=device, dtype=dtype)
     try:
