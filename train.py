@@ -49,7 +49,7 @@ from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.mlm import MLMDataModule, check_block_length
-from lightning_modules.mlm import MLMModule, check_warmup
+from lightning_modules.mlm import MLMModule, check_warmup, schedule_end
 
 TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
                     "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
@@ -72,13 +72,17 @@ class PretrainCLI(ProjectCLI):
                                   apply_on="instantiate")
 
     def before_fit(self) -> None:
-        """Cheap checks before any process group, cache or file: global batch, block length, schedule and warm-up, a
+        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (warning about
+        a warm-up that does not end before it), a
         cached tokenizer's ids and block count, then the run directory's lock and the resume target (a fresh start
         never overwrites an earlier run). A tokenizer or blocks not cached yet are checked by prepare_data once
         made, which Lightning runs before its loggers and callbacks write anything."""
         data, model, trainer = self.datamodule, self.model, self.trainer
         check_block_length(data.hparams.block_length, model)
-        check_warmup(model.hparams.warmup_steps, model.hparams.decay_steps, trainer.max_steps)
+        if trainer.fast_dev_run:  # a smoke test: the schedule's end, no warm-up warning
+            schedule_end(model.hparams.decay_steps, trainer.max_steps)
+        else:
+            check_warmup(model.hparams.warmup_steps, model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid

@@ -6,7 +6,7 @@ weights-only checkpoints, and the run directory's lock.
         def before_fit(self):
             ...                   # the run's own checks: nothing is written yet
             self.lock_run()       # then weights-only checkpoint IO and the lock (rank 0); Lightning's held lines
-                                  # print once before_fit returns
+                                  # print once the data module is prepared and set up
 
     python train.py fit --config c.yaml      # c.yaml: `model: {hiden_size: 32}` →
     train.py: error: unknown option 'model.hiden_size' (did you mean 'model.hidden_size'?)

@@ -254,14 +254,16 @@ def check_optimisation(h) -> None:
 
 
 def check_warmup(warmup_steps: int, decay_steps: int | None, max_steps: int | None) -> None:
-    """A warm-up that reaches the end of the schedule is an error (the rate would peak at the last step and never
-    decay); a run that stops inside the warm-up (a longer --model.decay_steps, to be resumed) is a warning."""
+    """One warning (not an error: a short smoke run of a full-size config is a fair thing to start) when the warm-up
+    does not end before the schedule does (the rate never decays), or when the run stops inside the warm-up of a
+    longer schedule (to be resumed). The schedule must have an end."""
     end = schedule_end(decay_steps, max_steps)
     if warmup_steps >= end:
         source = "--model.decay_steps" if decay_steps else "--trainer.max_steps"
-        raise UserError(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
-                        f"(step {end}, {source}): the rate would never decay; lower --model.warmup_steps")
-    if max_steps is not None and 0 < max_steps <= warmup_steps:
+        warnings.warn(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
+                      f"(step {end}, {source}): the rate never decays; lower --model.warmup_steps for a whole "
+                      "schedule", stacklevel=2)
+    elif max_steps is not None and 0 < max_steps <= warmup_steps:
         warnings.warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
                       f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on",
                       stacklevel=2)

@@ -594,10 +594,6 @@ ERROR_ROW_TESTS = {
     ("train.py", "a learning rate or another optimiser argument out of range"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
-    ("train.py", "a warm-up that does not end before the learning-rate schedule"): [
-        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
-        "test_refusals.py::test_a_run_that_stops_inside_its_warm_up_warns",
-    ],
     ("train.py", "a `default_root_dir` that is a file or cannot be written"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
         "test_refusals.py::test_a_directory_that_cannot_be_written_is_one_line",

@@ -74,9 +74,6 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
         "negative learning rate": (("--model.lr", "-1"), "--model.lr must be a positive number, got -1.0"),
         "end learning rate above the peak": (("--model.end_lr", "1"), "--model.end_lr must be between 0 and "
                                              "--model.lr, got 1.0"),
-        "warm-up as long as the schedule": (("--model.warmup_steps", "10"), "--model.warmup_steps 10 does not end "
-                                            "before the learning-rate schedule does (step 10, --model.decay_steps): "
-                                            "the rate would never decay; lower --model.warmup_steps"),
         "default_root_dir is a file": (("--trainer.default_root_dir", str(tmp / "a-file")),
                                        f"cannot write to output directory {tmp / 'a-file'}: File exists"),
         "default_root_dir under a file": (("--trainer.default_root_dir", str(tmp / "a-file" / "run")),
@@ -114,7 +111,7 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
 
 
 TRAIN_CASES = [
-    "negative learning rate", "end learning rate above the peak", "warm-up as long as the schedule",
+    "negative learning rate", "end learning rate above the peak",
     "default_root_dir is a file", "default_root_dir under a file", "a typo in a YAML key",
     "a typo on the command line", "no text column", "a directory that is no dataset",
     "a tokenizer directory without tokenizer files", "a checkpoint whose hyper-parameters lack vocab_size",
@@ -159,7 +156,12 @@ def test_a_directory_that_cannot_be_written_is_one_line(corpus, cache, tmp_path,
     assert stderr_lines(capfd) == [f"train.py: error: cannot write to output directory {root}: Permission denied"]
 
 
-def test_a_run_that_stops_inside_its_warm_up_warns():
+def test_a_warm_up_as_long_as_the_schedule_or_the_run_warns():
+    with pytest.warns(UserWarning) as said:
+        check_warmup(10, decay_steps=10, max_steps=10)
+    assert [str(w.message) for w in said] == [
+        "--model.warmup_steps 10 does not end before the learning-rate schedule does (step 10, --model.decay_steps): "
+        "the rate never decays; lower --model.warmup_steps for a whole schedule"]
     with pytest.warns(UserWarning, match=r"this run stops at step 100 \(--trainer.max_steps\), inside the warm-up of "
                                          r"500 steps: the learning rate stays below --model.lr"):
         check_warmup(500, decay_steps=10_000, max_steps=100)
