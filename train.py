@@ -72,9 +72,9 @@ class PretrainCLI(ProjectCLI):
                                   apply_on="instantiate")
 
     def before_fit(self) -> None:
-        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (warning about
-        a warm-up that does not end before it), a
-        cached tokenizer's ids and block count, then the run directory's lock and the resume target (a fresh start
+        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
+        for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
+        directory's lock and the resume target (weights-only; previous.ckpt when last.ckpt is torn; a fresh start
         never overwrites an earlier run). A tokenizer or blocks not cached yet are checked by prepare_data once
         made, which Lightning runs before its loggers and callbacks write anything."""
         data, model, trainer = self.datamodule, self.model, self.trainer
