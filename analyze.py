@@ -30,7 +30,8 @@ from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
 from analyses.session import distributed
-from core.errors import UserError
+from core.cli import OneLineArgumentParser
+from core.errors import UserError, plain_warnings
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
@@ -82,8 +83,8 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="analyze.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="analyze.py", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
@@ -183,6 +184,7 @@ def validate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_warnings()
     args = build_parser().parse_args(argv)
     try:
         validate(args)

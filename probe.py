@@ -19,22 +19,23 @@ import warnings
 
 import torch.distributed as dist
 from pytorch_lightning import LightningDataModule, LightningModule
-from pytorch_lightning.cli import LightningCLI
 
-from core.errors import UserError
-from core.output import check_writable
+from core.cli import ProjectCLI
+from core.errors import UserError, plain_warnings
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")  # features are cached: workers would not help
 
 
-class ProbeCLI(LightningCLI):
+class ProbeCLI(ProjectCLI):
+    program = "probe.py"
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.encoder", "data.init_args.encoder")
         parser.link_arguments("seed_everything", "model.init_args.seed")
         parser.link_arguments("seed_everything", "data.init_args.seed")
 
     def before_fit(self) -> None:
-        check_writable(self.trainer.default_root_dir)
+        self.lock_run()  # rank 0: one live run per directory (a directory that cannot be written: one line)
 
     def after_fit(self) -> None:
         """Test the trained probes once, then write the report (rank zero) and print a summary."""
@@ -63,6 +64,7 @@ def print_summary(report: dict, output_dir) -> None:
 def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:
     """Run the CLI; a UserError prints one line and exits with status 2. run=False parses the arguments (no
     subcommand) and builds the model, data module and trainer without running anything."""
+    plain_warnings()
     try:
         return ProbeCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                         seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args, run=run)

@@ -28,53 +28,61 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from jsonargparse import lazy_instance
-from pytorch_lightning.cli import LightningCLI
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from callbacks.checkpointing import (
+    LAST,
     PREEMPTED_EXIT,
+    PREVIOUS,
     AtomicCheckpointIO,
     Preempted,
     PretrainCheckpoint,
+    check_fresh_start,
     check_resume,
     checkpoint_dir,
     last_checkpoint,
+    resume_target,
 )
 from callbacks.live import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
-from core.errors import UserError
+from core.cli import ProjectCLI
+from core.errors import UserError, plain_warnings
 from datamodules.mlm import MLMDataModule, check_block_length
-from lightning_modules.mlm import MLMModule, schedule_end
+from lightning_modules.mlm import MLMModule, check_warmup, schedule_end
 
 TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
                     "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
 
 
-class PretrainCLI(LightningCLI):
+class PretrainCLI(ProjectCLI):
+    program = "train.py"
+    checkpoint_io_class = AtomicCheckpointIO
+    apply_checkpoint_hparams = False  # the config stays authoritative: before_fit refuses a checkpoint that differs
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(PretrainCheckpoint, "checkpoint")
+        # last.ckpt is replaced in place (the one before kept as previous.ckpt), never versioned as last-v1.ckpt
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
-                             "checkpoint.every_n_train_steps": 1000})
+                             "checkpoint.every_n_train_steps": 1000, "checkpoint.enable_version_counter": False})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
             parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
                                   apply_on="instantiate")
 
-    def _parse_ckpt_path(self) -> None:
-        """Keep the config authoritative. Lightning 2.6 loads an explicit --ckpt_path file whole (on every rank) and
-        silently replaces the config's model arguments with the checkpoint's (not for `last`); here before_fit
-        refuses a checkpoint whose architecture differs from the config, whichever way it is named."""
-
     def before_fit(self) -> None:
-        """Cheap checks before any process group, cache or file: global batch, block length, schedule end, a cached
-        tokenizer's ids and block count, resume target. A tokenizer or blocks not cached yet are checked by
-        prepare_data once made, which Lightning runs before its loggers and callbacks write anything."""
+        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
+        for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
+        directory's lock and the resume target (weights-only; previous.ckpt when last.ckpt is torn; a fresh start
+        never overwrites an earlier run). A tokenizer or blocks not cached yet are checked by prepare_data once
+        made, which Lightning runs before its loggers and callbacks write anything."""
         data, model, trainer = self.datamodule, self.model, self.trainer
         check_block_length(data.hparams.block_length, model)
-        schedule_end(model.hparams.decay_steps, trainer.max_steps)
+        if trainer.fast_dev_run:  # a smoke test: the schedule's end, no warm-up warning
+            schedule_end(model.hparams.decay_steps, trainer.max_steps)
+        else:
+            check_warmup(model.hparams.warmup_steps, model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
         check_static_graph(trainer, data.accumulation(trainer.world_size))
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
@@ -82,11 +90,12 @@ class PretrainCLI(LightningCLI):
         if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
             trainer.checkpoint_callback.check_settings()
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        self.lock_run()  # rank 0: one live run per directory
+        arguments = self.config_init[self.subcommand]
+        ckpt_path = arguments.get("ckpt_path")
         if ckpt_path == "last":
-            path = last_checkpoint(trainer.checkpoint_callback.dirpath)
+            folder = Path(trainer.checkpoint_callback.dirpath)
+            path = last_checkpoint(folder) or (folder / LAST if (folder / PREVIOUS).is_file() else None)
         elif ckpt_path and ckpt_path not in ("best", "hpc", "registry"):
             path = Path(ckpt_path)
             if not path.is_file():
@@ -94,7 +103,12 @@ class PretrainCLI(LightningCLI):
         else:
             path = None
         if path is not None:
+            path = resume_target(path)  # a torn last.ckpt: previous.ckpt, saying so
             check_resume(path, model, data, trainer.world_size)
+            arguments["ckpt_path"] = str(path)
+        elif ckpt_path in (None, "last"):
+            check_fresh_start(trainer.default_root_dir)
+            arguments["ckpt_path"] = None
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -117,6 +131,7 @@ def check_static_graph(trainer, accumulation: int) -> None:
 
 
 def cli_main(args: list[str] | None = None) -> int:
+    plain_warnings()
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
     try:

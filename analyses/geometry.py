@@ -60,7 +60,9 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
     (the reference pass's token sample, paired by a seeded permutation)."""
     values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed)
     if pairs == 0:
-        raise UserError(f"anisotropy needs at least 2 sentences with a token, got {reference.num_sentences}")
+        got, total = int(reference.sample[1].sum()), reference.num_sentences
+        raise UserError(f"anisotropy needs at least 2 sentences with a token, got {got}"
+                        + (f" of {total} sentences" if got != total else ""))
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
             "layers": per_layer(values, setting.encoder.num_hidden_states)}
 

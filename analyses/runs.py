@@ -25,7 +25,7 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
-from datamodules.pairs import read_sts, read_wic, word_contexts
+from datamodules.pairs import read_sts, scorable_wic, word_contexts
 
 
 def run_anisotropy(args, rank: int, world: int) -> dict:
@@ -59,7 +59,7 @@ def run_self_similarity(args, rank: int, world: int) -> dict:
 
 
 def run_wic(args, rank: int, world: int) -> dict:
-    (items, skipped), encoder = prepare(args, rank, lambda: read_wic(args.data, args.gold))
+    (items, skipped), encoder = prepare(args, rank, lambda: scorable_wic(args.data, args.gold))
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, pair_sentences(items))
     report = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
@@ -81,7 +81,7 @@ def run_all(args, rank: int, world: int) -> dict:
     def read():
         sentences = read_sentences(args)
         contexts = read_contexts(args, args.pool_sentences)
-        wic_data = read_wic(args.wic, None) if args.wic else None
+        wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
         return sentences, contexts, wic_data, sts_data
 

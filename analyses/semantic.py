@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from analyses.reference import Setting, counter, number, per_layer
+from core.errors import UserError
 from datamodules.pairs import StsPair, WicItem, read_static_vectors, sentence_words, static_sentence_vector
 from lightning_modules.pooling import mean_pool, span_vectors
 from metrics.geometry import cosine
@@ -70,7 +71,12 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
     per_variant = {}
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()
-        cosines, gold = cosines[seen.cpu()].cpu(), labels[seen.cpu()]
+        seen = seen.reshape(-1).cpu()  # torchmetrics squeezes a one-pair state
+        if int(seen.sum()) < 2:
+            raise UserError(f"only {int(seen.sum())} WiC pair{'' if int(seen.sum()) == 1 else 's'} could be scored "
+                            f"({lost} sentences lost their target word to truncation; a larger --max_length keeps "
+                            "it): WiC needs at least 2")
+        cosines, gold = cosines.reshape(len(items), -1)[seen].cpu(), labels[seen]
         accuracy = threshold_accuracy(cosines, gold, thresholds)  # [layers, thresholds]
         best_t = accuracy.argmax(1)
         per_variant[variant.key] = [{"accuracy": round(float(accuracy[layer, t]), 6), "threshold": THRESHOLDS[t]}
@@ -100,7 +106,7 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
     per_variant = {}
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()
-        rho = 100 * spearman(cosines.cpu(), gold)
+        rho = 100 * spearman(cosines.reshape(len(pairs), -1).cpu(), gold)
         per_variant[variant.key] = rho
         layer = 1 + int(rho[1:].nan_to_num(float("-inf")).argmax())  # the best of layers 1..L
         key = "best" if variant.key == "raw" else f"best_{variant.key}"

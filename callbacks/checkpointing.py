@@ -5,26 +5,29 @@
     ... --checkpoint.sigterm_every_n_steps 10    # several processes: the ranks agree every 10 steps (the default)
 
 Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.every_n_train_steps and at the end),
-written atomically (a kill mid-write keeps the previous one).
+written atomically (a kill mid-write keeps the previous one), the last.ckpt before kept as previous.ckpt; they are
+read weights-only, and --ckpt_path last falls back to previous.ckpt (saying so) when last.ckpt cannot be read.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.output import atomic_file
+from core.safe_load import WeightsOnlyCheckpointIO
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.mlm import check_architecture
 
+LAST, PREVIOUS = "last.ckpt", "previous.ckpt"  # the newest checkpoint and the one before it (AtomicCheckpointIO)
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
 
 
@@ -131,14 +134,21 @@ def _no_broadcast() -> None:
     """Stands in for Lightning's per-micro-batch SIGTERM broadcast (PretrainCheckpoint agrees every N steps)."""
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
+class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
     """torch.save into a temporary file beside the checkpoint, fsync, os.replace: a kill or a full disk mid-write
-    leaves the previous checkpoint in place and loadable.
+    leaves the previous checkpoint in place and loadable; with `keep_previous`, the last.ckpt it replaces stays as
+    previous.ckpt beside it (a last.ckpt corrupted later, on disk or by hand, then resumes from the one before).
+    Reading is weights-only (core/safe_load.py).
 
     Lightning's own `_atomic_save` builds the whole file in memory, writes it under the system temp directory and
     moves it, which is a plain (non-atomic) copy onto the target whenever that directory is another filesystem (a
     node's /tmp vs the cluster's scratch), and it never fsyncs. Leftovers of a killed write are removed at the next.
+    A full disk (or any other write error) is one line, and the checkpoint saved before stays in place.
     """
+
+    def __init__(self, keep_previous: bool = True) -> None:
+        super().__init__()
+        self.keep_previous = keep_previous
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
@@ -146,8 +156,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
             stale.unlink(missing_ok=True)
-        with atomic_file(path) as handle:
-            torch.save(checkpoint, handle)
+        previous = path.with_name(PREVIOUS) if self.keep_previous and path.name == LAST else None
+        kept = "the one saved before is kept (resume with --ckpt_path last once there is room)" if path.exists() \
+            else "no checkpoint of this run was saved before"
+        try:
+            with atomic_file(path, keep_previous=previous) as handle:
+                torch.save(checkpoint, handle)
+        except OSError as error:
+            raise UserError(f"cannot save checkpoint {path}: {error.strerror or first_line(error)}; {kept}") from None
 
 
 def checkpoint_dir(root: str | None) -> str:
@@ -160,15 +176,61 @@ def last_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resume_target(path: Path) -> Path:
+    """`path`, or, when it is a run's last.ckpt that is missing or cannot be read and previous.ckpt beside it can be,
+    that one (with a line saying so): the insurance AtomicCheckpointIO keeps."""
+    previous = path.with_name(PREVIOUS)
+    if not path.exists() and path.name == LAST and previous.is_file():  # a save killed between its two renames
+        reason = f"{path} is missing"
+    else:
+        try:
+            read_checkpoint(path)
+            return path
+        except UserError as error:
+            if path.name != LAST or not previous.is_file():
+                raise
+            reason = str(error)
+    try:
+        step = read_checkpoint(previous).get("global_step")
+    except UserError:
+        raise UserError(reason) from None
+    print(f"note: {reason}; resuming from the checkpoint before it, {previous} (step {step})", file=sys.stderr)
+    return previous
+
+
+def check_fresh_start(root: str | Path) -> None:
+    """A run started without --ckpt_path must not overwrite the checkpoints and export of an earlier run."""
+    root = Path(root)
+    earlier = sorted(p.name for p in (root / "checkpoints").glob("*.ckpt")) if (root / "checkpoints").is_dir() else []
+    if (root / "export" / "config.json").is_file():
+        earlier.append("export/")
+    if earlier:
+        raise UserError(f"{root} holds an earlier run ({', '.join(earlier)}): resume it with --ckpt_path last, or "
+                        "start this one in another --trainer.default_root_dir (or remove that run first)")
+
+
 def check_resume(path: Path, model, data, world_size: int) -> None:
-    """Before anything is written: a whole checkpoint of this project, whose architecture (PE or not, sizes) and
-    tokenizer match the config (`model`, an MLMModule), and whose data position continues on `world_size` devices
-    (`data`, an MLMDataModule)."""
+    """Before anything is written: a whole checkpoint of this project, read weights-only, whose architecture (PE or
+    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule), and whose data position continues
+    on `world_size` devices (`data`, an MLMDataModule)."""
     checkpoint = read_checkpoint(path)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
+    check_weights(checkpoint["state_dict"], model.state_dict(), path)
     data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
     tokenizer = data.cached_tokenizer()
     if saved is not None and tokenizer is not None and fingerprint(tokenizer) != saved:
         raise UserError(f"the tokenizer does not match checkpoint {path} (its vocabulary or merges differ); "
                         "resume with the tokenizer the run was started with")
+
+
+def check_weights(saved: dict, expected: dict, path) -> None:
+    """One line when a checkpoint's weights are not the model's (other names or shapes), as a foreign checkpoint
+    with plausible hyper-parameters would have; Lightning's strict load would print every mismatch."""
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    shapes = [key for key in expected if key in saved and hasattr(saved[key], "shape")
+              and tuple(saved[key].shape) != tuple(expected[key].shape)]
+    if missing or unexpected or shapes:
+        raise UserError(f"checkpoint {path}: its weights do not fit the model (missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]}, other shapes {shapes[:3]})")

@@ -1,10 +1,13 @@
 """The one exception a user's input raises, printed by every entry point as one line with exit status 2.
 
     raise UserError(f"data path not found: {source}")      # train.py / probe.py / analyze.py print it, exit 2
-    first_line(error)                                      # a library's message, cut to one line
+    first_line(error)                                      # a library's message, cut to one (whole) line
+    plain_warnings()                                       # warnings print as "warning: <message>"
 """
 
 from __future__ import annotations
+
+import warnings
 
 
 class UserError(Exception):
@@ -12,6 +15,24 @@ class UserError(Exception):
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, or its type name when it has none."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The first line of an exception's message (or its type name when it has none), with the lines that complete it
+    when it ends in ':', ',' or ';' ("... from one of:" followed by a list), whitespace collapsed."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0]
+    for more in lines[1:]:
+        if not text.endswith((":", ",", ";", " or", " and")) or len(text) > 300:
+            break
+        text = f"{text} {more}"
+    return " ".join(text.split())
+
+
+def plain_warnings() -> None:
+    """Show warnings as one line each, `warning: <message>`, as the entry points' own warnings are (they call this:
+    a user reads these lines, not a developer; the file and line of the code that warned are left out)."""
+    warnings.formatwarning = _one_line
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"

@@ -2,7 +2,8 @@
 
     with staged_output("runs/x") as stage:                 # files land in runs/x only if the block succeeds
         write_json(stage / "report.json", report)
-    with atomic_file("runs/x/checkpoints/last.ckpt") as handle: torch.save(state, handle)
+    with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
+        torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
 """
 
@@ -21,7 +22,7 @@ from core.errors import UserError
 
 
 @contextlib.contextmanager
-def staged_output(output_dir: str | os.PathLike) -> Iterator[Path]:
+def staged_output(output_dir: str | os.PathLike, what: str = "report") -> Iterator[Path]:
     """Yield a staging directory whose files move into `output_dir` only if the block succeeds.
 
     The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
@@ -44,7 +45,7 @@ def staged_output(output_dir: str | os.PathLike) -> Iterator[Path]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, target)
     except OSError as error:
-        raise UserError(f"cannot write report to {output}: {error.strerror or error}") from None
+        raise UserError(f"cannot write {what} to {output}: {error.strerror or error}") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         remove_empty(created)
@@ -72,11 +73,12 @@ def remove_empty(directories: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
+def atomic_file(path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> Iterator[Any]:
     """Open a temporary file beside `path` for binary writing; on success it is flushed, fsynced and renamed onto
     `path` (`os.replace`, atomic on POSIX), so a reader or a crash sees the old file or the new one, never a part.
 
-    On any error (or a kill: the temporary name `.NAME.*.tmp` is never read) `path` keeps its old content.
+    On any error (or a kill: the temporary name `.NAME.*.tmp` is never read) `path` keeps its old content. With
+    `keep_previous`, the old `path` (whole: it was written this way) is renamed there just before the new one lands.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +91,8 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(handle.name, 0o666 & ~umask)  # as open() would have created it (mkstemp uses 0600)
+        if keep_previous is not None and path.exists():
+            os.replace(path, keep_previous)
         os.replace(handle.name, path)
     except BaseException:
         with contextlib.suppress(OSError):

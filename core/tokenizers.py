@@ -23,9 +23,11 @@ def load_tokenizer(source: str | Path):
     from transformers import AutoTokenizer
 
     path = local_path(source, "tokenizer")
+    if path is not None:
+        check_tokenizer_files(path, f"tokenizer {str(source)!r}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
-    except (OSError, ValueError) as error:
+    except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
         raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
     for name in ("mask_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is None:
@@ -33,6 +35,18 @@ def load_tokenizer(source: str | Path):
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(directory: Path, what: str) -> None:
+    """One line when a local directory holds none of the files a tokenizer is built from (transformers would build
+    an empty one from a bare tokenizer_config.json, or fail with a message that ends in "from one of:")."""
+    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"cannot load {what}: {directory} holds no tokenizer files (tokenizer.json, vocab.json + "
+                        "merges.txt, vocab.txt, or a SentencePiece model)")
 
 
 def check_special_ids(tokenizer, name: str) -> None:
@@ -66,11 +80,20 @@ def tokenizer_files(tokenizer) -> dict[str, str]:
         return {path.name: path.read_text(encoding="utf-8") for path in Path(directory).iterdir() if path.is_file()}
 
 
-def tokenizer_from_files(files: dict[str, str]):
-    """Inverse of `tokenizer_files`."""
+def tokenizer_from_files(files: dict[str, str], what: str = "the embedded tokenizer"):
+    """Inverse of `tokenizer_files`. The files come from a user's checkpoint: only plain names and text are written
+    (no path outside the temporary directory), and a tokenizer that cannot be built from them is one line."""
     from transformers import AutoTokenizer
 
+    if not isinstance(files, dict) or not all(isinstance(name, str) and isinstance(text, str) and
+                                              name not in ("", ".", "..") and Path(name).name == name
+                                              for name, text in files.items()):
+        raise UserError(f"cannot load {what}: its files are not plain names and texts")
     with tempfile.TemporaryDirectory() as directory:
         for name, text in files.items():
             (Path(directory) / name).write_text(text, encoding="utf-8")
-        return AutoTokenizer.from_pretrained(directory)
+        check_tokenizer_files(Path(directory), what)
+        try:
+            return AutoTokenizer.from_pretrained(directory)
+        except Exception as error:  # OSError, ValueError, the tokenizers library's plain Exception
+            raise UserError(f"cannot load {what}: {first_line(error)}") from None

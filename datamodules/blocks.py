@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.output import publish_directory
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, vocab_limit
-from datamodules.text import iter_texts
+from datamodules.text import DATA_OPTION, iter_texts
 from datamodules.tokenizer import train_tokenizer
 
 CACHE_VERSION = 1
@@ -38,7 +38,7 @@ CACHE_VERSION = 1
 def corpus_records(source: str, text_column: str | None, max_texts: int | None, skip_texts: int = 0):
     """Yield {"text": ...} for texts skip_texts .. skip_texts + max_texts of the corpus."""
     stop = None if max_texts is None else skip_texts + max_texts
-    for text in itertools.islice(iter_texts(source, text_column), skip_texts, stop):
+    for text in itertools.islice(iter_texts(source, text_column, DATA_OPTION), skip_texts, stop):
         yield {"text": text}
 
 
@@ -66,6 +66,14 @@ def tokenize_and_pack(batch: dict, tokenizer, block_length: int) -> dict:
     return {"input_ids": blocks}
 
 
+def reader_error(error: BaseException, source: str) -> str:
+    """The reader's own one line (a UserError) inside datasets' "An error occurred while generating the dataset"."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, UserError):
+        cause = cause.__cause__ or cause.__context__
+    return str(cause) if cause is not None else f"no text in {source} (every row's text is empty?): {first_line(error)}"
+
+
 def build_blocks(output: Path, source: str, text_column: str | None, max_texts: int | None, tokenizer,
                  block_length: int, val_fraction: float, max_val_blocks: int, num_proc: int | None,
                  skip_texts: int = 0, only_val: bool = False) -> dict:
@@ -77,9 +85,13 @@ def build_blocks(output: Path, source: str, text_column: str | None, max_texts: 
     try:
         dtype = "uint16" if vocab_limit(tokenizer) <= 65536 else "int32"
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype), length=block_length)})
-        texts = datasets.Dataset.from_generator(
-            corpus_records, cache_dir=str(stage / "hf"), num_proc=None,
-            gen_kwargs={"source": source, "text_column": text_column, "max_texts": max_texts, "skip_texts": skip_texts})
+        try:
+            texts = datasets.Dataset.from_generator(
+                corpus_records, cache_dir=str(stage / "hf"), num_proc=None,
+                gen_kwargs={"source": source, "text_column": text_column, "max_texts": max_texts,
+                            "skip_texts": skip_texts})
+        except datasets.exceptions.DatasetGenerationError as error:  # wraps what the reader raised, or no texts
+            raise UserError(reader_error(error, source)) from None
         blocks = texts.map(tokenize_and_pack, batched=True, batch_size=2000, remove_columns=texts.column_names,
                            fn_kwargs={"tokenizer": tokenizer, "block_length": block_length}, features=features,
                            num_proc=num_proc, desc=f"tokenising and packing into {block_length}-token blocks")

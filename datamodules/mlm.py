@@ -28,7 +28,7 @@ from datamodules.blocks import BlockCache, build_blocks
 from datamodules.masking import MaskCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
-from datamodules.text import DEFAULT_CORPUS, iter_texts
+from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -79,10 +79,12 @@ class MLMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
+        if self._existing_tokenizer is not None:  # ignored, so set to the model's (linked): loggers merge both hparams
+            self.hparams["vocab_size"] = self._hparams_initial["vocab_size"] = vocab_limit(self._existing_tokenizer)
         self._validate_arguments()
         self.cache = BlockCache(corpus, text_column, max_texts, cache_dir)
         self.tokenizer = None
-        self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
         self.train_blocks = self.val_blocks = None
         self.position = DataPosition(batch_size, global_batch_size, streaming, num_workers if streaming else 1)
 
@@ -101,8 +103,8 @@ class MLMDataModule(pl.LightningDataModule):
             path = Path(h.corpus).expanduser()
             if not path.exists():
                 raise UserError(f"corpus not found: {h.corpus}")
-            if path.is_file():
-                next(iter_texts(path, h.text_column), None)  # empty, binary or not UTF-8: one clear line
+            if path.is_file() and next(iter_texts(path, h.text_column, DATA_OPTION), None) is None:  # empty, binary,
+                raise UserError(f"no text in {h.corpus}: every row's text is empty")  # not UTF-8: one line each
 
     # -- sizes the model needs before any data work --
 

@@ -18,6 +18,7 @@ import csv
 import math
 import random
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,16 @@ def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipp
             items.append(item)
     if not items:
         raise UserError(f"no WiC item of {source} has its target word at its offsets ({skipped.count} skipped)")
+    return items, skipped
+
+
+def scorable_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipped]:
+    """`read_wic` for the WiC protocol, which needs two pairs at least: a threshold chosen on one pair is that pair's
+    label, no accuracy at all."""
+    items, skipped = read_wic(source, gold)
+    if len(items) < 2:
+        raise UserError(f"WiC needs at least 2 scorable pairs, but only 1 item of {source} has its target word at "
+                        f"its offsets ({skipped.count} skipped)")
     return items, skipped
 
 
@@ -262,6 +273,13 @@ def read_sts(source: str, gold: str | None = None, score_range: tuple[float, flo
         pairs.append(StsPair(index, str(sentence1), str(sentence2), score))
     if not pairs:
         raise UserError(f"no scored pairs in {source}")
+    if len(pairs) < 3:
+        warnings.warn(f"{source} has only {len(pairs)} scored pair{'s' if len(pairs) > 1 else ''}: a Spearman "
+                      f"correlation needs at least 3 to mean anything" +
+                      ("; every value is reported as null" if len(pairs) == 1 else ""), stacklevel=2)
+    elif len({pair.score for pair in pairs}) == 1:
+        warnings.warn(f"the gold scores of {source} are all {pairs[0].score:g}: Spearman correlation is undefined "
+                      "for constant scores; every value is reported as null", stacklevel=2)
     return pairs, unscored
 
 

@@ -36,7 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from core.errors import UserError
 from datamodules.features import FeatureExtractor, ItemBatches
 from datamodules.splits import SPLITS, Splits, read_splits
-from datamodules.text import DEFAULT_CORPUS, iter_records, pick_text
+from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_records, pick_text
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.pooling import mean_pool
 from lightning_modules.probes import FeatureSpec
@@ -257,7 +257,7 @@ class PositionDataModule(ProbeDataModule):
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
         texts = []
         for record in iter_records(source, split=split):
-            text = pick_text(record, self.hparams.text_column, source)
+            text = pick_text(record, self.hparams.text_column, source, DATA_OPTION)
             if isinstance(text, str) and text.strip():
                 texts.append(text.strip())
         if not texts:
@@ -306,7 +306,7 @@ class ClassificationDataModule(ProbeDataModule):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
                                 "pass --data.label_column")
-            text, label = pick_text(record, self.hparams.text_column, source), normalise_label(record[self.label_column])
+            text, label = pick_text(record, self.hparams.text_column, source, DATA_OPTION), normalise_label(record[self.label_column])
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {self.label_column!r})")
             if not isinstance(text, str) or not text.strip():

@@ -24,7 +24,7 @@ from core.errors import UserError
 from core.tokenizers import boundary_ids
 from datamodules.blocks import pack_blocks, tokenize_texts
 from datamodules.position import fresh_state, stream_start
-from datamodules.text import iter_texts
+from datamodules.text import DATA_OPTION, iter_texts
 
 STREAM_KEY_BITS = 36  # streaming block keys: (pass, rank) in the high bits, the block counter in the low bits
 
@@ -129,7 +129,7 @@ class StreamingBlocks(IterableDataset):
             index = int(start["text"]) if first else 0
             carry: list[int] = [int(t) for t in start["carry"]] if first else []
             counter = int(start["counter"]) if first else 0
-            texts = itertools.islice(iter_texts(self.source, self.text_column),
+            texts = itertools.islice(iter_texts(self.source, self.text_column, DATA_OPTION),
                                      self.skip_texts + position + index * shards, None, shards)
             base = (epoch * shards + position) << STREAM_KEY_BITS
             pending: list[list[int]] = []

@@ -14,6 +14,7 @@ import csv
 import json
 import os
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,19 +22,26 @@ from core.errors import UserError, first_line
 from core.sources import looks_local
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
+DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 JSON_SUFFIXES = {".jsonl", ".json"}
+SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
+MAX_FIELD = 16 * 2**20  # characters in one csv/tsv field: a long document, not csv's default 128 KiB
+TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
 
 
-def iter_texts(source: str | os.PathLike, text_column: str | None = None) -> Iterator[str]:
+def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
+               ) -> Iterator[str]:
     """Yield the texts of `source` lazily: a txt/csv/tsv/jsonl file, a `datasets` directory, or a hub name.
 
     `source` that is not an existing path is read as `NAME[:CONFIG][:SPLIT]` with `datasets` (streaming);
     `glue/sst2` is tried as a repository first and then as name `glue`, config `sst2`. Blank lines are skipped.
+    `option` is the entry point's name for the text column, named when none is found (train.py and probe.py:
+    `--data.text_column`).
     """
     for record in iter_records(source, columns=None):
-        text = pick_text(record, text_column, source)
+        text = pick_text(record, text_column, source, option)
         if text is not None and text.strip():
             yield text.strip()
 
@@ -48,6 +56,7 @@ def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = No
             raise UserError(f"{source} is a single file: it has no split {split!r}")
         yield from _file_records(path)
     elif path.is_dir():
+        check_datasets_directory(path)
         yield from _datasets_records(str(path), None, split, local=True)
     elif looks_local(source):
         raise UserError(f"data path not found: {source}")
@@ -72,7 +81,28 @@ def split_names(source: str | os.PathLike) -> list[str] | None:
     return None if split is not None else _open_datasets(name, config, local=False)[1]
 
 
-def pick_text(record: dict, text_column: str | None, source) -> str | None:
+def check_datasets_directory(path: Path) -> None:
+    """A directory is data only when it is a `datasets` directory: save_to_disk's output, or a dataset repository
+    (table files: parquet, arrow, csv, tsv, json, jsonl; or a dataset card declaring its configs). Any other folder
+    (a project, a folder of notes) would be read by `datasets` as loose text, a readme line for a sentence."""
+    if any((path / marker).is_file() for marker in SAVED_MARKERS):
+        return
+    card = path / "README.md"
+    if card.is_file() and re.match(r"---\s*\n(?:.*\n)*?(?:configs|dataset_info):", card.read_text("utf-8", "replace")):
+        return
+    seen = 0
+    for directory, folders, files in os.walk(path):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        if any(Path(name).suffix.lower() in TABLE_SUFFIXES for name in files):
+            return
+        seen += len(files) + len(folders)
+        if seen > 10_000 or Path(directory).relative_to(path).parts[2:]:
+            break
+    raise UserError(f"data directory {path} is not a datasets directory (save_to_disk output, or parquet, arrow, "
+                    "csv, tsv or jsonl data files); give a text, csv, tsv or jsonl file instead")
+
+
+def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column") -> str | None:
     if text_column is not None:
         if text_column not in record:
             raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
@@ -83,7 +113,7 @@ def pick_text(record: dict, text_column: str | None, source) -> str | None:
     strings = [key for key, value in record.items() if isinstance(value, str)]
     if len(strings) == 1:
         return record[strings[0]]
-    raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass --text_column")
+    raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
 
 
 def _file_records(path: Path) -> Iterator[dict]:
@@ -100,6 +130,7 @@ def _file_records(path: Path) -> Iterator[dict]:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
+                csv.field_size_limit(MAX_FIELD)
                 rows = csv.DictReader(handle, delimiter=TABULAR_SUFFIXES[suffix], quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
@@ -124,6 +155,8 @@ def _file_records(path: Path) -> Iterator[dict]:
                         yield {"text": line.rstrip("\r\n")}
     except UnicodeDecodeError as error:
         raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
+    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
+        raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
 
@@ -142,7 +175,7 @@ def _open_datasets(name: str, config: str | None, local: bool):
     repository, then as name `glue` with config `sst2`)."""
     import datasets
 
-    saved = local and any((Path(name) / marker).exists() for marker in ("dataset_info.json", "dataset_dict.json"))
+    saved = local and any((Path(name) / marker).exists() for marker in SAVED_MARKERS[:2])
     if saved:
         loaded = datasets.load_from_disk(name)
         return loaded, list(loaded) if isinstance(loaded, datasets.DatasetDict) else None

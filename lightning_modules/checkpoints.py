@@ -1,36 +1,35 @@
 """Reading this project's MLM checkpoints back: a .ckpt as a RobertaForMaskedLM with its tokenizer.
 
-    checkpoint = read_checkpoint("runs/tiny/checkpoints/last.ckpt")      # or one line naming what is wrong
+    checkpoint = read_checkpoint("runs/tiny/checkpoints/last.ckpt")      # weights-only, or one line naming what is wrong
     masked_lm, tokenizer = load_checkpoint_model("runs/tiny/checkpoints/last.ckpt")   # weights + embedded tokenizer
 
-A checkpoint embeds its tokenizer as files (JSON and text), so a .ckpt alone is a complete encoder.
+A checkpoint embeds its tokenizer as files (JSON and text), so a .ckpt alone is a complete encoder. It is read
+weights-only (core/safe_load.py): a crafted checkpoint is refused before any of it runs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from core.errors import UserError
+from core.errors import UserError, first_line
+from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
-from lightning_modules.mlm import build_model, padded_vocab
+from lightning_modules.mlm import ARCHITECTURE, build_model, padded_vocab
 
 
 def read_checkpoint(path: str | Path) -> dict:
-    """A .ckpt of this project's MLM pretraining (memory-mapped), or one line naming the file and what is wrong."""
-    if Path(path).is_file() and Path(path).stat().st_size == 0:
-        raise UserError(f"cannot read checkpoint {path}: the file is empty")
-    try:
-        checkpoint = torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
-    except Exception as error:  # torch raises many types for a bad file; its messages run over several sentences
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        reason = "not a torch.save zip archive" if "mmap can only be used" in text else text.split(". ")[0]
-        raise UserError(f"cannot read checkpoint {path}: truncated or corrupt ({reason})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or \
-            "position_embeddings" not in (checkpoint.get("hyper_parameters") or {}):
+    """A .ckpt of this project's MLM pretraining, read weights-only (memory-mapped), or one line naming the file and
+    what is wrong: empty, truncated or corrupt, needing code to unpickle, or not this project's (hyper-parameters
+    without the architecture)."""
+    checkpoint = load_weights_only(path, mmap=True)
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    if not isinstance(hparams, dict) or "state_dict" not in checkpoint or "position_embeddings" not in hparams:
         raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining (no MLMModule "
                         "hyper-parameters and state_dict)")
+    missing = [key for key in ARCHITECTURE if key not in hparams]
+    if missing:
+        raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining: its hyper-parameters lack "
+                        f"{', '.join(missing)}")
     return checkpoint
 
 
@@ -38,16 +37,23 @@ def load_checkpoint_model(path: str | Path):
     """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters, weights, embedded tokenizer."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "max_position_embeddings")
+    keys = [key for key in ARCHITECTURE if key != "position_embeddings"]
     specials = {key: hparams.get(key, default) for key, default in
                 (("pad_token_id", 1), ("bos_token_id", 0), ("eos_token_id", 2))}  # older checkpoints: RoBERTa's
     rows = padded_vocab(hparams["vocab_size"], hparams.get("pad_vocab_to_multiple_of", 1))
-    model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows, dropout=0.0,
-                        position_embeddings=hparams["position_embeddings"], **specials)
+    try:
+        model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
+                            dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials)
+    except (TypeError, ValueError, RuntimeError) as error:  # sizes that describe no model (a hand-edited file)
+        raise UserError(f"{path}: its hyper-parameters describe no model ({first_line(error)})") from None
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()
              if key.startswith("model.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a weight of another shape
+        raise UserError(f"{path}: weights do not fit the model its hyper-parameters describe "
+                        f"({first_line(error).removeprefix('Error(s) in loading state_dict for RobertaForMaskedLM:')})"
+                        ) from None
     if unexpected or set(missing) - {"lm_head.decoder.weight", "lm_head.decoder.bias"}:
         raise UserError(f"{path}: weights do not fit the model its hyper-parameters describe "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -55,7 +61,7 @@ def load_checkpoint_model(path: str | Path):
         model.resize_token_embeddings(hparams["vocab_size"], mean_resizing=False)
     files = next((value.get("tokenizer_files") for value in checkpoint.values()
                   if isinstance(value, dict) and "tokenizer_files" in value), None)
-    tokenizer = tokenizer_from_files(files) if files else _tokenizer_beside(Path(path))
+    tokenizer = tokenizer_from_files(files, f"the tokenizer embedded in {path}") if files else _tokenizer_beside(Path(path))
     tokenizer.model_max_length = hparams["max_position_embeddings"] - (model.config.pad_token_id + 1)
     return model.eval(), tokenizer
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from core.errors import UserError, first_line
 from core.models import model_max_length, position_embedding, short_name
 from core.sources import local_path
+from core.tokenizers import check_tokenizer_files
 
 Span = tuple[int, int]
 
@@ -45,7 +47,8 @@ class EncodedBatch:
 
 def resolve_model_dir(source: str | Path) -> str:
     """A hub id passes through; a local run directory of this project resolves to its `export/` (or, before the
-    export exists, to `checkpoints/last.ckpt`); a `.ckpt` file of this project's pretraining passes through."""
+    export exists, to `checkpoints/last.ckpt`: load_encoder says so); a `.ckpt` file of this project's pretraining
+    passes through."""
     path = local_path(source, "encoder")
     if path is None:
         return str(source)
@@ -75,6 +78,9 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         from lightning_modules.checkpoints import load_checkpoint_model
 
         masked_lm, tokenizer = load_checkpoint_model(model_dir)
+        if Path(source).expanduser().is_dir():
+            warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
+                          f"{model_dir}", stacklevel=2)
         return FrozenEncoder(masked_lm.roberta, tokenizer, name=str(source),
                              exclude_special=exclude_special).to(device=device, dtype=dtype)
     try:
@@ -82,16 +88,34 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
     check_is_encoder(config, source)
+    if Path(model_dir).is_dir():
+        check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
+    # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
+    # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
+    try:
         with _quiet_transformers():
             model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
+    except Exception as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
     _warn_about_loading(source, info)
     return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
+
+
+def load_failure(error: Exception, what: str) -> str:
+    """A library's loading error as one line; a torn file (safetensors' "incomplete metadata, file not fully
+    covered", a JSON file cut short) says what it belongs to and that it is truncated or corrupt."""
+    text = first_line(error)
+    if type(error).__name__ == "SafetensorError":
+        return f"model.safetensors is truncated or corrupt ({text})"
+    if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
+        return f"{what}: a JSON file is truncated or corrupt ({text})"
+    return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
 
 
 @contextlib.contextmanager
@@ -100,12 +124,15 @@ def _quiet_transformers():
     `_warn_about_loading` says what matters instead."""
     from transformers.utils import logging
 
-    level = logging.get_verbosity()
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()
+    logging.disable_progress_bar()  # "Loading weights" for a few milliseconds: noise before a report or an error
     try:
         yield
     finally:
         logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _warn_about_loading(source, info: Mapping) -> None:
@@ -220,6 +247,11 @@ class FrozenEncoder(nn.Module):
             raise UserError(f"--max_length {max_length} exceeds the {self.max_length} positions of {self.name}")
         if max_length < 2:
             raise UserError(f"--max_length must be at least 2, got {max_length}")
+        specials = self.tokenizer.num_special_tokens_to_add(pair=False)
+        if self.exclude_special and max_length <= specials:
+            raise UserError(f"--max_length {max_length} leaves no token to count: the {specials} special tokens of "
+                            f"each sentence fill it and --exclude_special drops them; use --max_length {specials + 1} "
+                            "or more")
         return max_length
 
     def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,

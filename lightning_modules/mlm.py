@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -166,6 +167,7 @@ class MLMModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_optimisation(self.hparams)
         if hidden_size % num_attention_heads:
             raise UserError(f"--model.hidden_size {hidden_size} is not a multiple of num_attention_heads "
                             f"{num_attention_heads}")
@@ -321,6 +323,42 @@ def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:
     return end
 
 
+def check_optimisation(h) -> None:
+    """The optimiser's and schedule's arguments, before any logger or directory exists (AdamW, made when training
+    starts, would otherwise stop the run with a traceback after its files are written)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+
+    checks = [("lr", number(h.lr) and h.lr > 0, "a positive number"),
+              ("end_lr", number(h.end_lr) and 0 <= h.end_lr <= h.lr, "between 0 and --model.lr"),
+              ("eps", number(h.eps) and h.eps > 0, "a positive number"),
+              ("weight_decay", number(h.weight_decay) and h.weight_decay >= 0, "at least 0"),
+              ("dropout", number(h.dropout) and 0 <= h.dropout < 1, "in [0, 1)"),
+              ("power", number(h.power) and h.power > 0, "a positive number"),
+              ("betas", len(h.betas) == 2 and all(number(b) and 0 <= b < 1 for b in h.betas), "two numbers in [0, 1)"),
+              ("warmup_steps", h.warmup_steps >= 0, "at least 0"),
+              ("decay_steps", h.decay_steps is None or h.decay_steps > 0, "positive (or null: --trainer.max_steps)")]
+    for name, good, expected in checks:
+        if not good:
+            raise UserError(f"--model.{name} must be {expected}, got {getattr(h, name)}")
+
+
+def check_warmup(warmup_steps: int, decay_steps: int | None, max_steps: int | None) -> None:
+    """One warning (not an error: a short smoke run of a full-size config is a fair thing to start) when the warm-up
+    does not end before the schedule does (the rate never decays), or when the run stops inside the warm-up of a
+    longer schedule (to be resumed). The schedule must have an end."""
+    end = schedule_end(decay_steps, max_steps)
+    if warmup_steps >= end:
+        source = "--model.decay_steps" if decay_steps else "--trainer.max_steps"
+        warnings.warn(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
+                      f"(step {end}, {source}): the rate never decays; lower --model.warmup_steps for a whole "
+                      "schedule", stacklevel=2)
+    elif max_steps is not None and 0 < max_steps <= warmup_steps:
+        warnings.warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
+                      f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on",
+                      stacklevel=2)
+
+
 class PolynomialSchedule:
     """LR multiplier: step/warmup during warm-up, then end + (1 - end)(1 - progress)^power, held at `end` after."""
 
@@ -358,7 +396,7 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
     if model.config.vocab_size != module.vocab_size:  # padding rows dropped: the tokenizer's size, the same logits
         model = copy.deepcopy(model).cpu()
         model.resize_token_embeddings(module.vocab_size, mean_resizing=False)
-    with staged_output(directory) as stage:
+    with staged_output(directory, "the export") as stage:
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         umask = os.umask(0)

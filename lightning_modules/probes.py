@@ -16,6 +16,7 @@ are 0-indexed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,12 @@ class FeatureSpec:
     @property
     def encoder_slots(self) -> int:
         return sum(kind == "encoder" for kind, _ in self.slots)
+
+
+def check_learning_rate(lr: float) -> None:
+    """Before any logger or directory exists (the optimizer, made later, would raise a traceback mid-run)."""
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise UserError(f"--model.lr must be a positive number, got {lr}")
 
 
 class LinearProbes(pl.LightningModule):
@@ -232,6 +239,7 @@ class PositionProbe(LinearProbes):
         data module's at setup); top_k: contributing dims listed."""
         super().__init__()
         self.save_hyperparameters()
+        check_learning_rate(lr)
 
     def build(self, spec: FeatureSpec) -> None:
         super().build(spec)
@@ -323,6 +331,7 @@ class SentenceClassifier(LinearProbes):
         --data.encoder; checked against the data module's at setup)."""
         super().__init__()
         self.save_hyperparameters()
+        check_learning_rate(lr)
         self.clip_request = parse_clip(clip)
         self.use_bias = bias
         self.clipped: dict[int, list[int]] = {}

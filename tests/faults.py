@@ -2,6 +2,7 @@
 
     python -m tests.faults train [train.py arguments]                  # train.py as is (callbacks below via CLI)
     python -m tests.faults train --die-in-save 2 [train.py arguments]  # SIGKILL half-way through the 2nd torch.save
+    python -m tests.faults train --full-disk-in-save 2 [train.py ...]  # the disk is full from the 2nd torch.save on
     torchrun --nproc_per_node 2 -m tests.faults analyze --fail-rank 1 outliers ...   # that rank raises mid-run
 
 The callbacks are given to train.py with `--trainer.callbacks+ '{"class_path": "tests.faults.Pause", ...}'`.
@@ -9,6 +10,7 @@ The callbacks are given to train.py with `--trainer.callbacks+ '{"class_path": "
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import signal
@@ -79,6 +81,24 @@ def die_in_save(count: int) -> None:
     torch.save = save
 
 
+def full_disk_in_save(count: int) -> None:
+    """Make the `count`-th torch.save (and every later one) write half its bytes and find the disk full."""
+    import torch
+
+    real_save, calls = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] < count:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[: buffer.tell() // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    torch.save = save
+
+
 def fail_on_rank(rank: int) -> None:
     """analyze.py: the outlier statistics raise RuntimeError on `rank` (after the collective start-up checks)."""
     from analyses import outliers
@@ -97,6 +117,9 @@ def main(argv: list[str]) -> int:
     program, argv = argv[0], argv[1:]
     if argv[:1] == ["--die-in-save"]:
         die_in_save(int(argv[1]))
+        argv = argv[2:]
+    if argv[:1] == ["--full-disk-in-save"]:
+        full_disk_in_save(int(argv[1]))
         argv = argv[2:]
     if argv[:1] == ["--fail-rank"]:
         fail_on_rank(int(argv[1]))

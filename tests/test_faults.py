@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,21 @@ def test_atomic_file_keeps_the_old_content_when_the_writer_dies(tmp_path):
     assert target.read_bytes() == b"old checkpoint"
     assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]  # the temporary file is gone too
     assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_atomic_file_keeps_the_file_it_replaces_as_the_previous_one(tmp_path):
+    target, previous = tmp_path / "last.ckpt", tmp_path / "previous.ckpt"
+    with atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step 2")
+    assert not previous.exists()
+    with atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step 4")
+    assert (target.read_bytes(), previous.read_bytes()) == (b"step 4", b"step 2")
+    with pytest.raises(OSError), atomic_file(target, keep_previous=previous) as handle:
+        handle.write(b"step")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (target.read_bytes(), previous.read_bytes()) == (b"step 4", b"step 2")  # a failed write renames nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "previous.ckpt"]
 
 
 def _umask() -> int:
@@ -156,11 +172,11 @@ def test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one(straight, corpu
     torn = list(folder.glob(".last.ckpt.*.tmp"))
     assert len(torn) == 1 and torn[0].stat().st_size > 0
     with pytest.raises(RuntimeError, match="zip archive"):  # really torn (and no resume ever looks at it)
-        torch.load(torn[0], map_location="cpu", weights_only=False)
+        torch.load(torn[0], map_location="cpu", weights_only=True)
     assert last_checkpoint(folder) == folder / "last.ckpt"
     assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
     assert_same_weights(root, straight["plain"])
-    assert [p.name for p in folder.iterdir()] == ["last.ckpt"]  # the torn leftover was cleaned up
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "previous.ckpt"]  # the torn leftover is gone
 
 
 @pytest.mark.slow
@@ -232,6 +248,58 @@ def test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it(str
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"train.py: error: cannot read checkpoint {root / 'checkpoints' / 'last.ckpt'}: truncated")
     assert sorted(p.name for p in root.rglob("*")) == ["checkpoints", "last.ckpt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["torn", "missing"])
+def test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_so(straight, corpus, cache, tmp_path,
+                                                                                  capsys, damage):
+    root = tmp_path / "run"
+    folder = root / "checkpoints"
+    shutil.copytree(straight["plain"] / "checkpoints", folder)
+    last, previous = folder / "last.ckpt", folder / "previous.ckpt"
+    assert torch.load(previous, map_location="cpu", weights_only=True)["global_step"] == STEPS - 2
+    if damage == "torn":  # e.g. a disk error after the save, or a copy by hand cut short
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 3])
+        reason = (f"cannot read checkpoint {last}: truncated or corrupt (PytorchStreamReader failed reading zip "
+                  "archive: failed finding central directory)")
+    else:  # a kill between the save's two renames (last.ckpt -> previous.ckpt, the new file -> last.ckpt)
+        last.unlink()
+        reason = f"{last} is missing"
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {reason}; resuming from the checkpoint before it, {previous} (step {STEPS - 2})"]
+    resumed, reference = checkpoint(root), checkpoint(straight["plain"])
+    assert resumed["global_step"] == STEPS
+    for name, value in reference["state_dict"].items():  # the two steps again, bit for bit
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    losses = train_losses(straight["plain"])
+    assert train_losses(root) == {step: losses[step] for step in (STEPS - 2, STEPS - 1)}
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before(corpus, cache, tmp_path, capsys,
+                                                                                    monkeypatch):
+    real_save, calls = torch.save, []
+
+    def full_disk_from_the_second_save(obj, handle, *args, **kwargs):
+        calls.append(handle)
+        if len(calls) < 2:
+            return real_save(obj, handle, *args, **kwargs)
+        handle.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk_from_the_second_save)
+    root = tmp_path / "run"
+    assert fit(root, corpus, cache, "--trainer.max_steps", "6", "--model.decay_steps", "6") == 2
+    monkeypatch.undo()
+    last = root / "checkpoints" / "last.ckpt"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: error: cannot save checkpoint {last}: No space left on device; the one saved before is kept "
+        "(resume with --ckpt_path last once there is room)")
+    assert checkpoint(root)["global_step"] == 2  # whole, weights-only
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no torn temporary file, nothing renamed
+    assert not (root / "export").exists() and not (root / ".run.lock").exists()
 
 
 # ---- a full disk while an analysis writes its report ----
@@ -515,6 +583,54 @@ ERROR_ROW_TESTS = {
     ("train.py", "an online probe of under 2 positions"): [
         "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "a checkpoint that needs code to unpickle (a crafted `.ckpt`, given as `--ckpt_path FILE` or found by `--ckpt_path last`)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+        "test_untrusted.py::test_a_refusal_names_what_the_checkpoint_would_have_built",
+    ],
+    ("train.py", "`--weights_only false`"): [
+        "test_untrusted.py::test_weights_only_false_is_refused_on_the_command_line",
+    ],
+    ("train.py", "a checkpoint of another project whose hyper-parameters lack an architecture key"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a checkpoint whose weights do not fit the model"): [
+        "test_refusals.py::test_a_checkpoint_whose_weights_do_not_fit_names_them",
+    ],
+    ("train.py", "a run directory that a live run holds"): [
+        "test_lock.py::test_train_and_probe_refuse_a_directory_another_run_holds",
+        "test_lock.py::test_two_runs_into_one_directory_cannot_both_proceed",
+    ],
+    ("train.py", "a fresh start (no `--ckpt_path`) in the directory of an earlier run"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_lock.py::test_two_runs_into_one_directory_cannot_both_proceed",
+    ],
+    ("train.py", "a learning rate or another optimiser argument out of range"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a `default_root_dir` that is a file or cannot be written"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_refusals.py::test_a_directory_that_cannot_be_written_is_one_line",
+    ],
+    ("train.py", "an unknown key in a config file or on the command line"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a config file that is not UTF-8"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_train_checkpoints_and_configs",
+    ],
+    ("train.py", "a corpus directory that is no `datasets` directory"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a corpus table without a text column"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "a corpus whose texts are all empty"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_train_and_probe_data",
+    ],
+    ("train.py", "a tokenizer directory without tokenizer files"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("a Trainer with the live callbacks", "a model whose hidden states cannot be captured"): [
         "test_callbacks.py::test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error",
     ],
@@ -534,6 +650,32 @@ ERROR_ROW_TESTS = {
     ("probe.py", "no label column"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "disk full while writing the report"): [
         "test_faults.py::test_disk_full_while_probe_writes_its_report",
+    ],
+    ("probe.py", "a learning rate that is not positive"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a checkpoint that needs code to unpickle (`--model.encoder FILE.ckpt`, a run directory without export/, `--ckpt_path`)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+    ],
+    ("probe.py", "a run directory that a live run holds"): [
+        "test_lock.py::test_train_and_probe_refuse_a_directory_another_run_holds",
+    ],
+    ("probe.py", "a `default_root_dir` that is a file or cannot be written"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a truncated `model.safetensors`"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("probe.py", "an unknown key in a config file or on the command line"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_probe_configs",
+    ],
+    ("probe.py", "a data table without a text column"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "a data directory that is no `datasets` directory"): [
+        "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
     ],
     ("analyze.py", "unknown hub id (offline or not found)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
@@ -617,6 +759,48 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "`--zeta` outside [0, 1]"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
+    ("analyze.py", "a checkpoint that needs code to unpickle (`--encoder FILE.ckpt`, or a run directory without export/)"): [
+        "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
+    ],
+    ("analyze.py", "a checkpoint of another project whose hyper-parameters lack an architecture key"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a checkpoint whose hyper-parameters describe no model"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a checkpoint whose embedded tokenizer files are not plain names and texts"): [
+        "test_untrusted.py::test_an_embedded_tokenizer_cannot_write_outside_its_temporary_directory",
+    ],
+    ("analyze.py", "a truncated `model.safetensors`"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("analyze.py", "a truncated tokenizer or config JSON of the encoder"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_and_probe_encoders",
+    ],
+    ("analyze.py", "an encoder directory without tokenizer files"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a data directory that is no `datasets` directory"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "a csv/tsv field over 16 MiB (or another row the csv reader cannot read)"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+        "test_fuzz.py::test_analyze_data",
+    ],
+    ("analyze.py", "`--max_length` that only the special tokens fill, with `--exclude_special`"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: a single scorable pair"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "WiC: targets lost to truncation, under 2 pairs left"): [
+        "test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "an unknown option"): [
+        "test_refusals.py::test_an_unknown_analyze_option_is_one_line_with_the_closest",
+    ],
 }
 FAULT_ROW_TESTS = {
     "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],
@@ -637,6 +821,16 @@ FAULT_ROW_TESTS = {
         "test_faults.py::test_disk_full_while_analyze_writes_its_report",
         "test_faults.py::test_disk_full_while_probe_writes_its_report",
         "test_faults.py::test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing",
+    ],
+    "disk full while saving a checkpoint (train.py)": [
+        "test_faults.py::test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before",
+        "test_faults.py::test_atomic_file_keeps_the_file_it_replaces_as_the_previous_one",
+    ],
+    "a torn or missing `last.ckpt` beside `previous.ckpt`": [
+        "test_faults.py::test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_so",
+    ],
+    "a run killed while it held its directory's lock": [
+        "test_lock.py::test_a_live_runs_lock_refuses_another_and_a_killed_runs_lock_is_taken_over",
     ],
 }
 
@@ -693,3 +887,11 @@ def test_every_row_of_the_docs_error_tables_is_tied_to_tests_that_exist():
         pieces = [piece for piece in re.split(r"<[^>]*>|\.\.\.", message) if piece.strip()]
         shared = max(longest_shared(piece, "\n".join(sources.values())) for piece in pieces)
         assert shared >= min(10, max(len(piece.strip()) for piece in pieces)), (row, shared)
+
+
+def test_every_test_docs_guarantees_names_exists():
+    text = (ROOT / "docs" / "guarantees.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", text))
+    assert len(named) > 20
+    for file, name in sorted(named):
+        assert re.search(rf"^def {name}\(", (ROOT / "tests" / file).read_text(encoding="utf-8"), re.M), (file, name)

@@ -62,7 +62,7 @@ def train_losses(root: Path) -> dict[int, float]:
 
 
 def checkpoint(root: Path) -> dict:
-    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,279 @@
+"""What train.py and probe.py share as LightningCLI programs: one-line parse errors, no banner before an error,
+weights-only checkpoints, and the run directory's lock.
+
+    class PretrainCLI(ProjectCLI):
+        program = "train.py"
+        def before_fit(self):
+            ...                   # the run's own checks: nothing is written yet
+            self.lock_run()       # then weights-only checkpoint IO and the lock (rank 0); Lightning's held lines
+                                  # print once the data module is prepared and set up
+
+    python train.py fit --config c.yaml      # c.yaml: `model: {hiden_size: 32}` →
+    train.py: error: unknown option 'model.hiden_size' (did you mean 'model.hidden_size'?)
+
+Lightning's banner ("GPU available ...", "Seed set to 0", its tips) is held back while the arguments are parsed and
+checked and the data is prepared: it prints once they pass, and not at all when they do not, so an error is the only
+line a bad input prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import logging
+import re
+import sys
+from pathlib import Path
+
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from core.errors import UserError
+from core.lock import RunLock
+from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
+
+LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
+
+
+class OneLineParser(LightningArgumentParser):
+    """jsonargparse's parser, whose errors are one line (a UserError) instead of the usage and a nested report."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # an inner parse that jsonargparse itself recovers from
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        raise UserError(parse_error_line(message, parser)) from None
+
+
+def parse_error_line(message: str, parser) -> str:
+    """One line for a jsonargparse error: an unknown key with the closest valid one, else the message's first line
+    with its indented details folded in."""
+    nested = re.search(r"Parser key \"([\w.]+)\".*?class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message,
+                       re.S)
+    if nested:
+        group, class_path, option = nested.groups()
+        return unknown_key(f"{group}.{option}", [f"{group}.{name}" for name in init_arguments(class_path)])
+    unknown = (re.search(r"does not accept (?:option|nested key) '([\w.]+)'", message)
+               or re.search(r"unrecognized arguments: --([\w.]+)", message)
+               or re.search(r"Key \"([\w.]+)\" is not expected", message))
+    if unknown:
+        return unknown_key(unknown.group(1), valid_keys(parser))
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ".join(lines[:3]) if lines else "invalid arguments"
+    return re.sub(r"<class '(\w+)'>", r"\1", text)
+
+
+def unknown_key(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not close:  # the last part alone: a typo in a group name
+        tail = difflib.get_close_matches(key.rsplit(".", 1)[-1], [c.rsplit(".", 1)[-1] for c in candidates], n=1)
+        close = [c for c in candidates if tail and c.rsplit(".", 1)[-1] == tail[0]][:1]
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown option '{key}'{hint}"
+
+
+def valid_keys(parser) -> list[str]:
+    try:
+        return [key for key in parser.get_defaults().keys() if not key.endswith(".help")]
+    except Exception:  # a parser that cannot list its defaults: no hint, still one line
+        return []
+
+
+def init_arguments(class_path: str) -> list[str]:
+    """The keyword arguments a class's __init__ takes (its bases' too when it passes **kwargs up)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
+
+
+class HeldLogs:
+    """Hold back what Lightning logs (its banner, "Seed set to", tips) until `release(emit=True)` prints it, or
+    `release(emit=False)` drops it (a bad input: its one-line error is all that is printed)."""
+
+    def __init__(self, names: tuple[str, ...] = LIGHTNING_LOGGERS) -> None:
+        self.records: list[logging.LogRecord] = []
+        self.saved = {}
+        for name in names:
+            logger = logging.getLogger(name)
+            self.saved[name] = (logger.handlers[:], logger.propagate)
+            logger.handlers = [_Collect(self.records)]
+            logger.propagate = False
+
+    def release(self, emit: bool) -> None:
+        for name, (handlers, propagate) in self.saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        records, self.records[:], self.saved = list(self.records), [], {}
+        for record in records if emit else []:
+            for name in LIGHTNING_LOGGERS:  # through the handlers of the logger it was held at
+                if record.name == name or record.name.startswith(name + "."):
+                    logging.getLogger(name).handle(record)
+                    break
+
+
+class _Collect(logging.Handler):
+    def __init__(self, records: list) -> None:
+        super().__init__()
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class _ReleaseHeld(Callback):
+    """Prints Lightning's held lines once the data module is prepared and set up (Lightning calls callbacks' setup
+    after the data module's prepare_data and setup, where the data's input errors are found)."""
+
+    def __init__(self, held: HeldLogs) -> None:
+        self.held = held
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.held.release(emit=True)
+
+
+class ProjectCLI(LightningCLI):
+    """LightningCLI with one-line errors, a held banner, weights-only checkpoints, and a locked run directory."""
+
+    program = "lightning"
+    checkpoint_io_class: type[TorchCheckpointIO] = WeightsOnlyCheckpointIO
+    apply_checkpoint_hparams = True  # Lightning's: an explicit --ckpt_path's hyper-parameters override the model's
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._held = HeldLogs()
+        self._lock: RunLock | None = None
+        kwargs.setdefault("parser_class", OneLineParser)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self._held.release(emit=False)
+            raise
+        self._held.release(emit=True)
+
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's, after a look at each --config file: one that is not UTF-8 text is one line (jsonargparse
+        would raise UnicodeDecodeError)."""
+        argv = sys.argv[1:] if args is None else args
+        for path in config_paths(argv) if isinstance(argv, (list, tuple)) else []:
+            try:
+                Path(path).read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {error.start})") from None
+            except OSError:
+                continue  # missing or unreadable: jsonargparse names it
+        super().parse_arguments(parser, args)
+
+    def instantiate_classes(self) -> None:
+        """Lightning's; a UserError raised by a class's __init__ (a bad argument) comes out as itself, not inside
+        jsonargparse's report of every type it tried."""
+        try:
+            super().instantiate_classes()
+        except Exception as error:
+            cause: BaseException | None = error
+            while cause is not None and not isinstance(cause, UserError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            raise UserError(str(cause)) from None
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's: a checkpoint's hyper-parameters override the config's model arguments; here read weights-only
+        (one line for a checkpoint that is not plain data) and only from a file that exists."""
+        if not self.config.get("subcommand"):
+            return
+        arguments = self.config[self.config.subcommand]
+        if arguments.get("weights_only") is False:
+            raise UserError("--weights_only false is not supported: checkpoints are always read weights-only (a "
+                            "checkpoint that needs anything else is refused)")
+        ckpt_path = arguments.get("ckpt_path")
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+            return
+        if not Path(ckpt_path).is_file():
+            raise UserError(f"checkpoint not found: {ckpt_path}")
+        if not self.apply_checkpoint_hparams:
+            return
+        hparams = load_weights_only(ckpt_path, mmap=True).get("hyper_parameters") or {}
+        hparams = {key: value for key, value in hparams.items() if key != "_instantiator"}
+        if hparams:
+            if "_class_path" in hparams:
+                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
+
+    def lock_run(self) -> None:
+        """Once the run's own checks pass, before anything is written: read checkpoints weights-only, and lock the run
+        directory (global rank 0 only: the other ranks are the same run)."""
+        trainer = self.trainer
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a plugin the user chose
+            trainer.strategy.checkpoint_io = self.checkpoint_io_class()
+        if trainer.global_rank == 0 and self._lock is None:
+            self._lock = RunLock(trainer.default_root_dir, self.program)
+            self._lock.acquire()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's: before_<subcommand>, the trainer's method, after_<subcommand>; Lightning's held lines print
+        once the data is prepared and set up (the last input errors are behind), and the lock goes however the run
+        ends."""
+        try:
+            before = getattr(self, f"before_{subcommand}", None)
+            if callable(before):
+                before()
+            self.trainer.callbacks.insert(0, _ReleaseHeld(self._held))
+            run = getattr(self, subcommand, getattr(self.trainer, subcommand))
+            run(**self._prepare_subcommand_kwargs(subcommand))
+            after = getattr(self, f"after_{subcommand}", None)
+            if callable(after):
+                after()
+        except BaseException:
+            self._held.release(emit=False)
+            raise
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+
+def config_paths(argv) -> list[str]:
+    """The files given with --config / -c (also --config=FILE)."""
+    paths = []
+    for flag, value in zip(argv, [*argv[1:], None]):
+        flag = str(flag)
+        if flag in ("--config", "-c") and value is not None:
+            paths.append(str(value))
+        elif flag.startswith("--config="):
+            paths.append(flag.split("=", 1)[1])
+    return paths
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """analyze.py's argparse parser: an error is one line (no usage), an unknown option with the closest one."""
+
+    def error(self, message: str):
+        unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
+        if unknown:
+            close = difflib.get_close_matches(unknown.group(1), sorted(_options(self)), n=1)
+            message = f"unknown option {unknown.group(1)}" + (f" (did you mean {close[0]}?)" if close else "")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and its subcommands' parsers."""
+    options = set()
+    for action in parser._actions:
+        options.update(option for option in action.option_strings if option.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= _options(sub)
+    return options
