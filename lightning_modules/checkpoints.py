@@ -26,7 +26,7 @@ def read_checkpoint(path: str | Path) -> dict:
     if not isinstance(hparams, dict) or "state_dict" not in checkpoint or "position_embeddings" not in hparams:
         raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining (no MLMModule "
                         "hyper-parameters and state_dict)")
-    missing = [key for key in ARCHITECTURE if key not in hparams]
+    missing = [key for key in ARCHITECTURE if key not in hparams and key != "pad_vocab_to_multiple_of"]  # default 1
     if missing:
         raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining: its hyper-parameters lack "
                         f"{', '.join(missing)}")
