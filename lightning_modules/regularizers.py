@@ -113,9 +113,11 @@ class Regularizer:
         autocast around it."""
         with torch.autocast(states[0].device.type, enabled=False):
             first = states[0]
-            w = torch.ones(first.shape[:2], device=first.device) if mask is None else mask.float()
+            dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+            w = torch.ones(first.shape[:2], dtype=dtype, device=first.device) if mask is None else mask.to(dtype)
             w = w.reshape(-1, 1)  # [points, 1], 0 or 1
-            points = [state.float().reshape(-1, state.shape[-1]) for state in states]  # [points, hidden] per layer
+            points = [(state if state.dtype == torch.float64 else state.float()).reshape(-1, state.shape[-1])
+                      for state in states]  # [points, hidden] per layer, float32 (float64 kept)
             if self.name == "istar":
                 value = self._isoscore_star(points, w)
                 return self.weight * (1 - value), value.detach()
@@ -131,7 +133,7 @@ class Regularizer:
         n = w.sum().double()
         total, outer = 0, 0
         for x in layers:
-            shift = ((w * x).sum(0) / n.float().clamp_min(1)).detach()  # a constant: it moves no gradient
+            shift = ((w * x).sum(0) / n.to(x.dtype).clamp_min(1)).detach()  # a constant: it moves no gradient
             centred = x - shift
             weighted = w * centred
             first, second, shift = weighted.sum(0).double(), (weighted.T @ centred).double(), shift.double()
