@@ -156,6 +156,7 @@ class FineTuneCLI(TrainCLI):
 
     def before_fit(self) -> None:
         data, trainer = self.datamodule, self.trainer
+        data.check_max_length(self.model.max_length)
         data.check_examples(trainer.world_size)
         self.check_run(data.accumulation(trainer.world_size))
 

@@ -197,11 +197,15 @@ class FineTuneDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             self.check_trainer(self.trainer)
 
+    def check_max_length(self, model_max_length: int | None) -> None:
+        if model_max_length is not None and self.hparams.max_length > model_max_length:
+            raise UserError(f"--data.max_length {self.hparams.max_length} exceeds the encoder's {model_max_length} "
+                            "positions")
+
     def attach(self, tokenizer, model_max_length: int | None = None) -> None:
         """Tokenise the splits with `tokenizer` (from Python without a trainer too)."""
         h = self.hparams
-        if model_max_length is not None and h.max_length > model_max_length:
-            raise UserError(f"--data.max_length {h.max_length} exceeds the encoder's {model_max_length} positions")
+        self.check_max_length(model_max_length)
         self.tokenizer = tokenizer
         index = {label: i for i, label in enumerate(self.label_names)}
         for split in SPLITS:

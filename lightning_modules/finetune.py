@@ -29,7 +29,13 @@ from torchmetrics.classification import MulticlassAccuracy
 from core.errors import UserError
 from core.models import model_max_length
 from core.output import staged_output, write_json
-from lightning_modules.encoder import check_is_encoder, default_encoder, load_failure, resolve_model_dir
+from lightning_modules.encoder import (
+    check_is_encoder,
+    default_encoder,
+    load_failure,
+    quiet_transformers,
+    resolve_model_dir,
+)
 from lightning_modules.training import TrainingModule, check_optimisation
 from metrics.geometry import Covariance, IsoScoreStar
 
@@ -62,14 +68,8 @@ def load_classifier(encoder: str, classes: list):
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
-        from transformers.utils import logging
-
-        level = logging.get_verbosity()
-        logging.set_verbosity_error()  # the new head's "newly initialized" report: expected here
-        try:
+        with quiet_transformers():  # the new head's "newly initialized" report is expected here
             model = AutoModelForSequenceClassification.from_pretrained(source, **labels, ignore_mismatched_sizes=True)
-        finally:
-            logging.set_verbosity(level)
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
     return model, tokenizer
@@ -117,6 +117,7 @@ class FineTuneModule(TrainingModule):
         check_optimisation(self.hparams)
         if not classes or len(classes) < 2:
             raise UserError(f"fine-tuning needs at least two classes, got {classes}")
+        self.make_regularizer()  # its options checked before the encoder loads
         self.encoder_name = encoder or default_encoder()
         self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes))
         self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
@@ -128,7 +129,7 @@ class FineTuneModule(TrainingModule):
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = dropout
-        self.bind_regularizer(config.num_hidden_layers)
+        self.regularizer.bind(config.num_hidden_layers)
         self.max_length = model_max_length(self.model, self.tokenizer)
         self.val_loss = MeanMetric()
         self.val_accuracy = MulticlassAccuracy(len(classes), average="micro")

@@ -178,6 +178,7 @@ class MLMModule(TrainingModule):
         super().__init__()
         self.save_hyperparameters()
         check_optimisation(self.hparams)
+        self.make_regularizer()
         if hidden_size % num_attention_heads:
             raise UserError(f"--model.hidden_size {hidden_size} is not a multiple of num_attention_heads "
                             f"{num_attention_heads}")
@@ -187,7 +188,7 @@ class MLMModule(TrainingModule):
         self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
                                  pad_token_id, bos_token_id, eos_token_id)
-        self.bind_regularizer(num_hidden_layers)
+        self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
         self._compiled = compile_step(self.model) if compile else None
 

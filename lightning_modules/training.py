@@ -7,7 +7,7 @@ synchronisation on an ordinary step), reproducible dropout, and the isotropy reg
     class MyModule(TrainingModule):
         def __init__(self, ..., regularizer="none", reg_weight=0.0, reg_layers=None, zeta=0.2, ...):
             super().__init__(); self.save_hyperparameters(); self.model = ...
-            self.bind_regularizer(num_layers)        # the options checked against the model
+            self.make_regularizer().bind(num_layers)  # the options checked, the layers against the model
         def training_step(self, batch, i):
             out = model(..., output_hidden_states=self.hidden_state_tap.active)   # asked for by the tap
             return self.regularized(task_loss, out.hidden_states, mask)           # + the regulariser's term, logged
@@ -38,7 +38,7 @@ from lightning_modules.regularizers import Regularizer
 
 
 class TrainingModule(pl.LightningModule):
-    """The shared optimisation of train.py's modules; subclasses set `self.model` and call `bind_regularizer`. The
+    """The shared optimisation of train.py's modules; subclasses set `self.model` and make the regulariser. The
     optimiser reads hparams lr, betas, eps, weight_decay, decay_bias_and_norm, warmup_steps, decay_steps, end_lr, power;
     the regulariser regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens."""
 
@@ -49,11 +49,12 @@ class TrainingModule(pl.LightningModule):
         self.regularizer = Regularizer()
         self._seed = 0
 
-    def bind_regularizer(self, num_layers: int) -> None:
-        """The regulariser from the hyper-parameters, its layers checked against a model of `num_layers` layers."""
+    def make_regularizer(self) -> Regularizer:
+        """The regulariser from the hyper-parameters (regularizer, reg_weight, reg_layers, zeta,
+        reg_shrinkage_tokens), checked; `self.regularizer.bind(num_layers)` then checks its layers against the model."""
         h = self.hparams
         self.regularizer = Regularizer(h.regularizer, h.reg_weight, h.reg_layers, h.zeta, h.reg_shrinkage_tokens)
-        self.regularizer.bind(num_layers)
+        return self.regularizer
 
     @property
     def uses_dropout(self) -> bool:
@@ -91,8 +92,14 @@ class TrainingModule(pl.LightningModule):
         raise NotImplementedError
 
     def on_train_epoch_start(self) -> None:
-        """I-STAR's C0 for this epoch (the epoch index: optimizer steps so far over steps per epoch, so a run resumed
-        mid-epoch keeps the C0 it saved and one resumed at an epoch's end computes the next epoch's)."""
+        self.refresh_shrinkage()
+
+    def refresh_shrinkage(self) -> None:
+        """I-STAR's C0 for this epoch, unless it is already at hand (the epoch index: optimizer steps so far over
+        steps per epoch, so a run resumed mid-epoch keeps the C0 it saved and one resumed at an epoch's end computes
+        the next epoch's). Called at each epoch's start, and at each optimizer step's first micro-batch (a run
+        resumed at an epoch's end starts the next epoch without Lightning's epoch-start hook): a comparison of two
+        Python ints there, nothing on the device."""
         reg, trainer = self.regularizer, self.trainer
         if not reg.needs_shrinkage:
             return
@@ -118,6 +125,7 @@ class TrainingModule(pl.LightningModule):
         self.monitor = StepMonitor(self.device, self.trainer.global_step)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self.refresh_shrinkage()
         if self.uses_dropout:
             index = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # micro-batches so far, restored on resume
             torch.manual_seed((self._seed * 1_000_003 + self.global_rank * 7_919 + index * 104_729) % (2**63))
