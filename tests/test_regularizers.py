@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 
 import pytest
+import pytorch_lightning as pl
 import torch
 
+import train
 from core.errors import UserError
 from datamodules.finetune import FineTuneDataModule
 from lightning_modules.finetune import FineTuneModule
@@ -19,6 +22,8 @@ from lightning_modules.monitor import StepMonitor
 from lightning_modules.regularizers import Regularizer
 from metrics.geometry import IsoScoreStar, isoscore, isoscore_of_covariance, isoscore_star
 from tests.tiny import corpus_sentences, save_tiny_encoder
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
 
 def planted_states(seed: int = 0, layers: int = 3, batch: int = 4, seq: int = 9, hidden: int = 12):
@@ -212,3 +217,61 @@ def test_a_regulariser_with_weight_zero_warns_and_changes_nothing():
     term, value = reg(states, mask)
     assert term.item() == 0.0 and 0 < value.item() < 1
     assert not Regularizer().on and Regularizer().bind(3) == []  # the default: none, no warning
+
+
+class ForwardCounter(pl.Callback):
+    """Test helper: encoder forward passes during each training micro-batch (not C0's pass at an epoch's start),
+    per optimizer step; instances register in `made`."""
+
+    made: list[ForwardCounter] = []
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+        self.inside = False
+        ForwardCounter.made.append(self)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def count(module, args) -> None:
+            if self.inside:
+                self.calls[trainer.global_step] = self.calls.get(trainer.global_step, 0) + 1
+        pl_module.model.roberta.register_forward_pre_hook(count)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.inside = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.inside = False
+
+
+@pytest.mark.slow
+def test_pretraining_with_istar_compiles_into_one_graph_and_logs_what_the_eager_run_logs(corpus, cache, tmp_path):
+    """configs' MLM with I-STAR (λ 0.5) and the outlier callback capturing every 2nd step: one forward per
+    micro-batch serves both (the same tap); compiled (--model.compile true) it is one graph, the one returning the
+    states with their graph, never recompiled; its loss, I-STAR term and IsoScore* each step equal the eager run's."""
+    from torch._dynamo.utils import counters
+
+    from tests.test_train import metrics, tiny_args
+
+    outliers = json.dumps({"class_path": "callbacks.outlier_statistics.OutlierStatistics",
+                           "init_args": {"every_n_steps": 2, "image_every_n_steps": 0}})
+    counter = json.dumps({"class_path": "tests.test_regularizers.ForwardCounter"})
+    common = ("--model.regularizer", "istar", "--model.reg_weight", "0.5", "--model.dropout", "0.0",
+              "--model.reg_shrinkage_tokens", "640", "--trainer.max_steps", "6", "--model.decay_steps", "6",
+              "--trainer.callbacks+", outliers)
+    ForwardCounter.made.clear()
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert train.cli_main(tiny_args(eager, corpus, cache, *common, "--trainer.callbacks+", counter)) == 0
+    (made,) = ForwardCounter.made
+    assert made.calls == {step: 1 for step in range(6)}  # captured steps (0, 2, 4) too: one forward each
+    torch._dynamo.reset()
+    assert train.cli_main(tiny_args(compiled, corpus, cache, *common, "--model.compile", "true")) == 0
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+    def rows(root):
+        return {int(r["step"]): {k: float(r[k]) for k in ("train/loss", "train/reg_loss", "train/isoscore_star")}
+                for r in metrics(root) if r.get("train/loss")}
+
+    a, b = rows(eager), rows(compiled)
+    assert sorted(a) == sorted(b) == list(range(6))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
