@@ -66,6 +66,7 @@ class Regularizer:
         self.layers: list[int] = []
         self.shrinkage: Tensor | None = None  # C0 [hidden, hidden] float64 (I-STAR with zeta > 0)
         self.shrinkage_epoch: int | None = None  # the epoch C0 was computed for
+        self.shrinkage_tokens_used = 0  # the tokens C0 was computed from, over every rank
         if name != "none" and weight == 0:
             warnings.warn(f"--model.regularizer {name} with --model.reg_weight 0 does not change the loss: its "
                           f"{STATISTICS[name]} is computed and logged only (λ > 0 pushes towards isotropy, λ < 0 away)",
@@ -170,8 +171,9 @@ class Regularizer:
             x = torch.stack(states)  # [layers, batch, seq, hidden]
             tokens = x[:, mask] if mask is not None else x.flatten(1, 2)
             metric.update(tokens.reshape(1, -1, hidden_size))
-        self.shrinkage = metric.compute().cov[0]
-        self.shrinkage_epoch = epoch
+        result = metric.compute()
+        self.shrinkage, self.shrinkage_epoch = result.cov[0], epoch
+        self.shrinkage_tokens_used = result.num_tokens // max(len(self.layers), 1)  # tokens (each one point a layer)
 
     def state_dict(self) -> dict:
         return {"shrinkage": None if self.shrinkage is None else self.shrinkage.cpu(), "epoch": self.shrinkage_epoch,
