@@ -216,6 +216,8 @@ def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm") ->
     position continues on `world_size` devices (`data`, its data module)."""
     checkpoint = read_checkpoint(path, kind)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
+    if hasattr(model, "check_checkpoint"):  # what else the module needs to match (a fine-tuned model's classes)
+        model.check_checkpoint(checkpoint.get("hyper_parameters", {}), f"checkpoint {path}")
     check_weights(checkpoint["state_dict"], model.state_dict(), path)
     data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")

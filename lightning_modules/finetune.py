@@ -240,11 +240,15 @@ class FineTuneModule(TrainingModule):
         with staged_output(root) as stage:
             write_json(stage / REPORT, self.report(data))
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        saved = checkpoint.get("hyper_parameters", {}).get("classes")
+    def check_checkpoint(self, hparams: dict, what: str = "the checkpoint") -> None:
+        """One line when a checkpoint was fine-tuned on other classes than the data give."""
+        saved = hparams.get("classes")
         if saved is not None and list(saved) != list(self.hparams.classes):
-            raise UserError(f"the checkpoint was fine-tuned on the classes {list(saved)} but the data give "
+            raise UserError(f"{what} was fine-tuned on the classes {list(saved)} but the data give "
                             f"{list(self.hparams.classes)}; resume with the same data")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_checkpoint(checkpoint.get("hyper_parameters", {}))
         super().on_load_checkpoint(checkpoint)
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,42 +237,77 @@ def test_a_glue_config_reads_sentence_pairs_and_its_own_splits(inputs, tmp_path)
 
 
 def bad_inputs(tmp: Path, inputs: dict) -> dict[str, tuple[tuple, str]]:
+    """name: (extra arguments, the line after `train.py: error: `)."""
     single = tmp / "single.csv"
     single.write_text("text,label\n" + "".join(f"line {i},yes\n" for i in range(20)))
+    unlabelled = tmp / "unlabelled.csv"
+    unlabelled.write_text("text,label\nfirst line,a\nsecond line,\n")
     unseen = tmp / "unseen"
     unseen.mkdir()
     for split, labels in (("train", "ab"), ("validation", "ab"), ("test", "abz")):
         with open(unseen / f"{split}.csv", "w", newline="", encoding="utf-8") as handle:
             handle.write("text,label\n" + "".join(f"sentence {i},{labels[i % len(labels)]}\n" for i in range(12)))
+    from tests.test_refusals import foreign_checkpoint
+
+    pretraining = foreign_checkpoint(tmp / "pretraining.ckpt")
+    istar = ("--model.regularizer", "istar", "--model.reg_weight", "1")
     return {
         "an unknown regularizer": (("--model.regularizer", "isotropy"),
                                    "--model.regularizer must be one of none, istar, cosreg, got 'isotropy'"),
-        "reg_layers outside the model": (("--model.regularizer", "istar", "--model.reg_weight", "1",
-                                          "--model.reg_layers", "2,7"),
+        "reg_layers outside the model": ((*istar, "--model.reg_layers", "2,7"),
                                          "--model.reg_layers 2,7: layer(s) [7] are outside the model's layers 0..3 "
                                          "(0 = embedding output)"),
-        "zeta outside [0, 1]": (("--model.regularizer", "istar", "--model.reg_weight", "1", "--model.zeta", "1.5"),
-                                "--model.zeta must lie in [0, 1], got 1.5"),
+        "reg_layers not understood": ((*istar, "--model.reg_layers", "top"),
+                                      "--model.reg_layers must be all, last or layers such as 4 or 1,3,5, got 'top'"),
+        "zeta outside [0, 1]": ((*istar, "--model.zeta", "1.5"), "--model.zeta must lie in [0, 1], got 1.5"),
+        "a C0 token budget below 2": ((*istar, "--model.reg_shrinkage_tokens", "1"),
+                                      "--model.reg_shrinkage_tokens must be at least 2, got 1"),
+        "no data source": (("--data.source", "null"), "no data source: pass --data.source (a file with text and label "
+                                                      "columns, a datasets directory or a datasets name)"),
         "a label column with one class": (("--data.source", str(single)),
                                           "the label column 'label' has a single class ['yes'] in the training split: "
                                           "nothing to classify"),
         "a label missing from the training split": (("--data.source", str(unseen)),
                                                     "label(s) ['z'] of the test split are not among the training "
                                                     "split's labels ['a', 'b']"),
+        "a label column the data lack": (("--data.label_column", "stars"),
+                                         f"no label column 'stars' in {inputs['data']} (columns: ['label', 'text']); "
+                                         "pass --data.label_column"),
+        "a row without a label": (("--data.source", str(unlabelled)), f"{unlabelled}: row 2 has no label (column "
+                                                                     "'label')"),
         "a text pair column the data lack": (("--data.text_pair_column", "hypothesis"),
                                              f"text pair column 'hypothesis' not in {inputs['data']} (columns: "
                                              "['label', 'text'])"),
+        "classes that are not two distinct ones": (("--data.classes", "[comma]"),
+                                                   "--data.classes needs at least two distinct classes, got "
+                                                   "['comma']"),
+        "split fractions that leave no training split": (("--data.val_fraction", "0.6", "--data.test_fraction", "0.5"),
+                                                         "--data.val_fraction 0.6 and --data.test_fraction 0.5 must be "
+                                                         "in [0, 1) and sum below 1"),
+        "a global batch that is not a multiple of the batch": (("--data.global_batch_size", "12"),
+                                                               "--data.global_batch_size 12 must be a multiple of "
+                                                               "--data.batch_size 8"),
+        "too few training examples for a global batch": (("--data.global_batch_size", "128"),
+                                                         "64 training examples make no full global batch of 128"),
         "an encoder that is not there": (("--model.encoder", str(tmp / "no-such-encoder")),
                                          f"encoder path not found: {tmp / 'no-such-encoder'}"),
         "max_length beyond the encoder": (("--data.max_length", "100"),
                                           "--data.max_length 100 exceeds the encoder's 64 positions"),
+        "a checkpoint of pretraining": (("--ckpt_path", str(pretraining)),
+                                        f"{pretraining} is not a checkpoint of this project's fine-tuning (no "
+                                        "FineTuneModule hyper-parameters and state_dict)"),
     }
 
 
-@pytest.mark.parametrize("case", ["an unknown regularizer", "reg_layers outside the model", "zeta outside [0, 1]",
-                                  "a label column with one class", "a label missing from the training split",
-                                  "a text pair column the data lack", "an encoder that is not there",
-                                  "max_length beyond the encoder"])
+@pytest.mark.parametrize("case", ["an unknown regularizer", "reg_layers outside the model", "reg_layers not understood",
+                                  "zeta outside [0, 1]", "a C0 token budget below 2", "no data source", "a label column with one class",
+                                  "a label missing from the training split", "a label column the data lack",
+                                  "a row without a label", "a text pair column the data lack",
+                                  "classes that are not two distinct ones",
+                                  "split fractions that leave no training split",
+                                  "a global batch that is not a multiple of the batch",
+                                  "too few training examples for a global batch", "an encoder that is not there",
+                                  "max_length beyond the encoder", "a checkpoint of pretraining"])
 def test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
     extra, message = bad_inputs(tmp_path, inputs)[case]
     root = tmp_path / "run"
@@ -281,6 +317,35 @@ def test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp
     assert files_under(tmp_path) == before
 
 
+@pytest.mark.slow
+def test_resuming_a_fine_tuning_run_on_data_with_other_classes_is_refused(straight, inputs, tmp_path, capfd):
+    root = tmp_path / "run"
+    shutil.copytree(straight, root)
+    other = tmp_path / "other.csv"
+    other.write_text(inputs["data"].read_text(encoding="utf-8").replace(",comma\n", ",clause\n"), encoding="utf-8")
+    files = files_under(root)
+    assert train.cli_main(ft_args(root, {**inputs, "data": other}, "--ckpt_path", "last",
+                                  "--trainer.max_steps", "14")) == 2
+    ckpt = root / "checkpoints" / "last.ckpt"
+    assert stderr_lines(capfd) == [f"train.py: error: checkpoint {ckpt} was fine-tuned on the classes ['comma', "
+                                   "'plain'] but the data give ['clause', 'plain']; resume with the same data"]
+    assert files_under(root) == files
+
+
+@pytest.mark.slow
+def test_a_regulariser_with_weight_zero_warns_and_trains_as_without(inputs, tmp_path):
+    """λ = 0: one warning line, then the run of regularizer none (the same losses), with its statistic logged."""
+    short = ("--trainer.max_steps", "3")
+    assert train.cli_main(ft_args(tmp_path / "none", inputs, *short)) == 0
+    with pytest.warns(UserWarning) as said:
+        assert train.cli_main(ft_args(tmp_path / "zero", inputs, *short, "--model.regularizer", "istar")) == 0
+    assert [str(w.message) for w in said if str(w.message).startswith("--model.regularizer")] == [
+        "--model.regularizer istar with --model.reg_weight 0 does not change the loss: its isoscore_star is computed "
+        "and logged only (λ > 0 pushes towards isotropy, λ < 0 away)"]
+    none, zero = logged(tmp_path / "none"), logged(tmp_path / "zero")
+    assert {step: row["train/loss"] for step, row in zero.items()} == \
+        {step: row["train/loss"] for step, row in none.items()}
+    assert all(row["train/reg_loss"] == 0 and 0 < row["train/isoscore_star"] < 1 for row in zero.values())
 @pytest.mark.parametrize("extra, message", [
     (("--model.regularizer", "cosreg", "--model.reg_layers", "5"),
      "--model.reg_layers 5: layer(s) [5] are outside the model's layers 0..2 (0 = embedding output)"),

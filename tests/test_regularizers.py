@@ -201,6 +201,7 @@ def test_a_few_steps_of_istar_move_a_tiny_models_isotropy_the_way_its_weight_say
     ({"name": "cosreg", "weight": 1.0, "layers": "top"},
      "--model.reg_layers must be all, last or layers such as 4 or 1,3,5, got 'top'"),
     ({"name": "cosreg", "weight": float("nan")}, "--model.reg_weight must be a finite number, got nan"),
+    ({"name": "istar", "weight": 1.0, "shrinkage_tokens": 1}, "--model.reg_shrinkage_tokens must be at least 2, got 1"),
 ])
 def test_bad_regulariser_options_are_one_line(options, message):
     with pytest.raises(UserError) as error:
@@ -216,6 +217,8 @@ def test_a_regulariser_with_weight_zero_warns_and_changes_nothing():
     reg.bind(num_layers=3)
     term, value = reg(states, mask)
     assert term.item() == 0.0 and 0 < value.item() < 1
+    with pytest.warns(UserWarning, match=r"--model.reg_weight 2 is ignored without a regulariser"):
+        assert not Regularizer("none", weight=2.0).on
     assert not Regularizer().on and Regularizer().bind(3) == []  # the default: none, no warning
 
 
