@@ -7,6 +7,8 @@
     cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
     result = cov.compute()
     isoscore(result.cov)                            # [layers]
+    isoscore_star(points, zeta=0.2, shrinkage=c0)   # a mini-batch [..., m, n]; differentiable (I-STAR's term)
+    mean_pairwise_cosine(unit_sum, norm_sum, count) # from sums of unit vectors: self-similarity, CosReg
     spectrum_of_moments(*variant.moments(result.mean, result.cov), result.num_tokens)["singular_values"]
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
 
