@@ -110,33 +110,30 @@ class Regularizer:
 
     def __call__(self, states: list[Tensor], mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """(weight x the penalty, the statistic) of the chosen layers' states [batch, seq, hidden] (mask [batch, seq]:
-        the tokens that count; None: all), over every rank's micro-batch together. In float32/float64 whatever the
-        autocast around it."""
+        the tokens that count; None: all), over every rank's micro-batch together. In float32 (float64 states stay
+        float64) whatever the autocast around it."""
         with torch.autocast(states[0].device.type, enabled=False):
-            first = states[0]
-            dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
-            w = torch.ones(first.shape[:2], dtype=dtype, device=first.device) if mask is None else mask.to(dtype)
-            w = w.reshape(-1, 1)  # [points, 1], 0 or 1
             points = [(state if state.dtype == torch.float64 else state.float()).reshape(-1, state.shape[-1])
-                      for state in states]  # [points, hidden] per layer, float32 (float64 kept)
+                      for state in states]  # [points, hidden] per layer
+            w = None if mask is None else mask.reshape(-1, 1).to(points[0].dtype)  # [points, 1], 0 or 1
             if self.name == "istar":
                 value = self._isoscore_star(points, w)
                 return self.weight * (1 - value), value.detach()
             value = self._mean_cosine(points, w)
             return self.weight * value, value.detach()
 
-    def _isoscore_star(self, layers: list[Tensor], w: Tensor) -> Tensor:
-        """IsoScore* of the union of the layers' weighted points [points, hidden] over every rank: the count, sum x
-        and sum x x^T are summed in float64 over layers and ranks, as metrics.geometry.Covariance sums them (each
-        layer centred on its own mean in float32 first, then shifted back exactly, so a dimension whose mean dwarfs
-        its spread keeps its variance)."""
+    def _isoscore_star(self, layers: list[Tensor], w: Tensor | None) -> Tensor:
+        """IsoScore* of the union of the layers' points [points, hidden] (w: each point's weight, 0 or 1; None: all
+        count) over every rank: the count, sum x and sum x x^T are summed in float64 over layers and ranks, as
+        metrics.geometry.Covariance sums them (each layer centred on its own mean in float32 first, then shifted back
+        exactly, so a dimension whose mean dwarfs its spread keeps its variance)."""
         hidden = layers[0].shape[-1]
-        n = w.sum().double()
+        n = (w.sum() if w is not None else torch.tensor(float(layers[0].shape[0]), device=layers[0].device)).double()
         total, outer = 0, 0
         for x in layers:
-            shift = ((w * x).sum(0) / n.to(x.dtype).clamp_min(1)).detach()  # a constant: it moves no gradient
+            shift = ((x if w is None else w * x).sum(0) / n.to(x.dtype).clamp_min(1)).detach()  # a constant shift
             centred = x - shift
-            weighted = w * centred
+            weighted = centred if w is None else w * centred
             first, second, shift = weighted.sum(0).double(), (weighted.T @ centred).double(), shift.double()
             total = total + first + n * shift
             outer = outer + second + first.unsqueeze(1) * shift + shift.unsqueeze(1) * first + \
@@ -147,12 +144,14 @@ class Regularizer:
         cov = (outer - count * mean.unsqueeze(1) * mean) / (count - 1).clamp_min(1)  # unbiased, as isoscore_star's
         return isoscore_star_of_covariance(cov, self.zeta, self.shrinkage)
 
-    def _mean_cosine(self, layers: list[Tensor], w: Tensor) -> Tensor:
-        """The mean pairwise cosine of each layer's weighted points over every rank, averaged over the layers."""
+    def _mean_cosine(self, layers: list[Tensor], w: Tensor | None) -> Tensor:
+        """The mean pairwise cosine of each layer's points (w as above) over every rank, averaged over the layers."""
         rows = []
         for x in layers:
-            units = F.normalize(x, dim=-1) * w  # a zero vector stays zero (cosine 0, as metrics.geometry.cosine)
-            rows.append(torch.cat([units.sum(0), units.pow(2).sum().view(1), w.sum().view(1)]))
+            units = F.normalize(x, dim=-1)  # a zero vector stays zero (cosine 0, as metrics.geometry.cosine)
+            units = units if w is None else units * w
+            count = w.sum() if w is not None else torch.tensor(float(x.shape[0]), device=x.device)
+            rows.append(torch.cat([units.sum(0), units.pow(2).sum().view(1), count.to(units.dtype).view(1)]))
         sums = all_reduce(torch.stack(rows).double())  # [layers, hidden + 2]
         return mean_pairwise_cosine(sums[:, :-2], sums[:, -2], sums[:, -1]).mean()
 

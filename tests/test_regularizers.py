@@ -67,6 +67,8 @@ def test_istar_through_autograd_equals_the_metric_and_its_gradient_matches_finit
     metric.update(points.unsqueeze(0))
     assert value.item() == pytest.approx(metric.compute().item(), abs=1e-12)
     assert term.item() == pytest.approx(0.7 * (1 - value.item()), abs=1e-12)
+    every = torch.cat([state.flatten(0, 1) for state in states])  # no mask (MLM's full blocks): every token counts
+    assert reg(states, None)[1].item() == pytest.approx(isoscore_star(every, 0.3, c0).item(), abs=1e-12)
     leaves = [state.clone().requires_grad_(True) for state in states]
     reg(leaves, mask)[0].backward()
     for layer, (b, s, d) in itertools.product(range(3), [(0, 2, 3), (2, 6, 7), (1, 4, 0)]):
@@ -85,8 +87,8 @@ def test_cosreg_equals_a_direct_pairwise_cosine_computation():
     states, mask = planted_states(seed=3)
     states[2][1, 1] = 0.0  # a zero vector among the tokens
 
-    def direct(state):
-        tokens = state[mask]
+    def direct(state, everything=False):
+        tokens = state.flatten(0, 1) if everything else state[mask]
         total, pairs = 0.0, 0
         for i, j in itertools.permutations(range(len(tokens)), 2):
             a, b = tokens[i], tokens[j]
@@ -99,6 +101,7 @@ def test_cosreg_equals_a_direct_pairwise_cosine_computation():
     assert last.bind(num_layers=3) == [3]
     term, value = last([states[2]], mask)
     assert value.item() == pytest.approx(direct(states[2]), abs=1e-12)
+    assert last([states[2]], None)[1].item() == pytest.approx(direct(states[2], everything=True), abs=1e-12)
     assert term.item() == pytest.approx(2 * direct(states[2]), abs=1e-12)
     two = Regularizer("cosreg", weight=1.0, layers="1,3")
     assert two.bind(num_layers=3) == [1, 3]
