@@ -32,7 +32,7 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
                         "state_dict)")
     if kind != "mlm":
         return checkpoint
-    missing = [key for key in ARCHITECTURE if key not in hparams]
+    missing = [key for key in ARCHITECTURE if key not in hparams and key != "pad_vocab_to_multiple_of"]  # default 1
     if missing:
         raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining: its hyper-parameters lack "
                         f"{', '.join(missing)}")
