@@ -15,10 +15,16 @@ The model is exported to <default_root_dir>/export (AutoModelForMaskedLM.from_pr
 The global batch (--data.global_batch_size) stays fixed: gradient accumulation is derived from devices × nodes,
 and --ckpt_path last resumes exactly on another device or node count too (a streaming run: on its own only).
 Errors in the input are one line on stderr and exit status 2.
+
+Fine-tuning (a config whose model is lightning_modules.finetune.FineTuneModule, configs/finetune/*.yaml) runs through
+the same checkpoints, lock, logger and resume, and writes <default_root_dir>/export and finetune.json:
+    python train.py fit --config configs/finetune/classify.yaml --model.encoder E --data.source F
+    python train.py fit --config configs/finetune/sst2.yaml --model.regularizer istar --model.reg_weight -1
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import traceback
@@ -27,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from jsonargparse import lazy_instance
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -48,44 +55,41 @@ from callbacks.live import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
+from datamodules.finetune import FineTuneDataModule
 from datamodules.mlm import MLMDataModule, check_block_length
-from lightning_modules.mlm import MLMModule, check_warmup, schedule_end
+from lightning_modules.finetune import REPORT, FineTuneModule
+from lightning_modules.mlm import MLMModule
+from lightning_modules.training import check_warmup, schedule_end
 
 TRAINER_DEFAULTS = {"use_distributed_sampler": False,  # the datamodule shards batches itself (same global batch)
                     "logger": lazy_instance(AutoWandbLogger)}  # W&B; offline by itself without credentials or network
 
 
-class PretrainCLI(ProjectCLI):
+class TrainCLI(ProjectCLI):
+    """What pretraining and fine-tuning share: atomic checkpoints (last.ckpt replaced in place, the one before kept as
+    previous.ckpt, never versioned as last-v1.ckpt), the run directory's lock, the resume target and checks."""
+
     program = "train.py"
     checkpoint_io_class = AtomicCheckpointIO
     apply_checkpoint_hparams = False  # the config stays authoritative: before_fit refuses a checkpoint that differs
+    kind = "mlm"  # the checkpoints' kind (lightning_modules/checkpoints.py)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(PretrainCheckpoint, "checkpoint")
-        # last.ckpt is replaced in place (the one before kept as previous.ckpt), never versioned as last-v1.ckpt
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0,
                              "checkpoint.every_n_train_steps": 1000, "checkpoint.enable_version_counter": False})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
-        parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
-            parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
-                                  apply_on="instantiate")
 
-    def before_fit(self) -> None:
-        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
-        for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
-        directory's lock and the resume target (weights-only; previous.ckpt when last.ckpt is torn; a fresh start
-        never overwrites an earlier run). A tokenizer or blocks not cached yet are checked by prepare_data once
-        made, which Lightning runs before its loggers and callbacks write anything."""
-        data, model, trainer = self.datamodule, self.model, self.trainer
-        check_block_length(data.hparams.block_length, model)
+    def check_run(self, accumulation: int) -> None:
+        """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
+        when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
+        model, data, trainer = self.model, self.datamodule, self.trainer
         if trainer.fast_dev_run:  # a smoke test: the schedule's end, no warm-up warning
             schedule_end(model.hparams.decay_steps, trainer.max_steps)
         else:
             check_warmup(model.hparams.warmup_steps, model.hparams.decay_steps, trainer.max_steps)
         data.check_trainer(trainer, apply=False)
-        check_static_graph(trainer, data.accumulation(trainer.world_size))
-        data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
+        check_static_graph(trainer, accumulation)
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
         if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
             trainer.checkpoint_callback.check_settings()
@@ -103,8 +107,8 @@ class PretrainCLI(ProjectCLI):
         else:
             path = None
         if path is not None:
-            path = resume_target(path)  # a torn last.ckpt: previous.ckpt, saying so
-            check_resume(path, model, data, trainer.world_size)
+            path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
+            check_resume(path, model, data, trainer.world_size, self.kind)
             arguments["ckpt_path"] = str(path)
         elif ckpt_path in (None, "last"):
             check_fresh_start(trainer.default_root_dir)
@@ -121,6 +125,79 @@ class PretrainCLI(ProjectCLI):
             raise
 
 
+class PretrainCLI(TrainCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
+            parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
+                                  apply_on="instantiate")
+
+    def before_fit(self) -> None:
+        """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
+        for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
+        directory's lock and the resume target. A tokenizer or blocks not cached yet are checked by prepare_data once
+        made, which Lightning runs before its loggers and callbacks write anything."""
+        data, model, trainer = self.datamodule, self.model, self.trainer
+        check_block_length(data.hparams.block_length, model)
+        data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
+        self.check_run(data.accumulation(trainer.world_size))
+
+
+class FineTuneCLI(TrainCLI):
+    """train.py for configs whose model is a FineTuneModule: the data are read (and checked) first, their classes
+    size the model's head."""
+
+    kind = "finetune"
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.link_arguments("data.label_names", "model.init_args.classes", apply_on="instantiate")
+
+    def before_fit(self) -> None:
+        data, trainer = self.datamodule, self.trainer
+        data.check_max_length(self.model.max_length)
+        data.check_examples(trainer.world_size)
+        self.check_run(data.accumulation(trainer.world_size))
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            report = Path(self.trainer.default_root_dir) / REPORT
+            print_summary(json.loads(report.read_text()), report)
+
+
+def print_summary(report: dict, path: Path) -> None:
+    weight = f" (λ = {report['reg_weight']:g}, layers {report['reg_layers']})" if report["regularizer"] != "none" else ""
+    print(f"\nfine-tuned {report['encoder']} for {report['steps']} steps, regularizer {report['regularizer']}{weight}: "
+          f"test accuracy {report['accuracy']:.3f} (majority {report['majority']['test_accuracy']:.3f}), "
+          f"validation {report['val_accuracy']:.3f}")
+    print("IsoScore* of the test tokens by layer: " + ", ".join(f"{row['layer']}: {row['isoscore_star']:.3f}"
+                                                               for row in report["layers"]))
+    print(f"wrote {path} and {path.parent / 'export'}")
+
+
+def model_class_path(argv: list[str]) -> str | None:
+    """The model's class_path the arguments give (the last --config file naming one, or --model /
+    --model.class_path), without parsing them: which of train.py's programs they are for."""
+    found = None
+    for flag, value in zip(argv, [*argv[1:], None]):
+        flag = str(flag)
+        if flag in ("--config", "-c") or flag.startswith("--config="):
+            path = flag.split("=", 1)[1] if "=" in flag else value
+            try:
+                config = yaml.safe_load(Path(str(path)).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                continue  # jsonargparse names what is wrong with it
+            model = config.get("model") if isinstance(config, dict) else None
+            if isinstance(model, dict) and isinstance(model.get("class_path"), str):
+                found = model["class_path"]
+        elif flag in ("--model", "--model.class_path") and value is not None:
+            found = str(value)
+        elif flag.startswith(("--model=", "--model.class_path=")):
+            found = flag.split("=", 1)[1]
+    return found
+
+
 def check_static_graph(trainer, accumulation: int) -> None:
     """DDP's static_graph breaks under gradient accumulation (no_sync): an internal assert on the first backward, or,
     patched past it, gradients no longer all-reduced (pytorch/pytorch#143580). Refused before anything runs."""
@@ -134,9 +211,15 @@ def cli_main(args: list[str] | None = None) -> int:
     plain_warnings()
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
+    argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(args, dict) else []
     try:
-        PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                    save_config_kwargs={"overwrite": True}, args=args)
+        if (model_class_path(argv) or "").rsplit(".", 1)[-1] == FineTuneModule.__name__:
+            FineTuneCLI(FineTuneModule, FineTuneDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                        seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                        save_config_kwargs={"overwrite": True}, args=args)
+        else:
+            PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                        save_config_kwargs={"overwrite": True}, args=args)
     except UserError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2

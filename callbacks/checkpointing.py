@@ -176,22 +176,23 @@ def last_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resume_target(path: Path) -> Path:
+def resume_target(path: Path, kind: str = "mlm") -> Path:
     """`path`, or, when it is a run's last.ckpt that is missing or cannot be read and previous.ckpt beside it can be,
-    that one (with a line saying so): the insurance AtomicCheckpointIO keeps."""
+    that one (with a line saying so): the insurance AtomicCheckpointIO keeps. `kind`: the run's ("mlm",
+    "finetune": lightning_modules/checkpoints.py)."""
     previous = path.with_name(PREVIOUS)
     if not path.exists() and path.name == LAST and previous.is_file():  # a save killed between its two renames
         reason = f"{path} is missing"
     else:
         try:
-            read_checkpoint(path)
+            read_checkpoint(path, kind)
             return path
         except UserError as error:
             if path.name != LAST or not previous.is_file():
                 raise
             reason = str(error)
     try:
-        step = read_checkpoint(previous).get("global_step")
+        step = read_checkpoint(previous, kind).get("global_step")
     except UserError:
         raise UserError(reason) from None
     print(f"note: {reason}; resuming from the checkpoint before it, {previous} (step {step})", file=sys.stderr)
@@ -209,12 +210,14 @@ def check_fresh_start(root: str | Path) -> None:
                         "start this one in another --trainer.default_root_dir (or remove that run first)")
 
 
-def check_resume(path: Path, model, data, world_size: int) -> None:
+def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm") -> None:
     """Before anything is written: a whole checkpoint of this project, read weights-only, whose architecture (PE or
-    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule), and whose data position continues
-    on `world_size` devices (`data`, an MLMDataModule)."""
-    checkpoint = read_checkpoint(path)
+    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule or FineTuneModule), and whose data
+    position continues on `world_size` devices (`data`, its data module)."""
+    checkpoint = read_checkpoint(path, kind)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
+    if hasattr(model, "check_checkpoint"):  # what else the module needs to match (a fine-tuned model's classes)
+        model.check_checkpoint(checkpoint.get("hyper_parameters", {}), f"checkpoint {path}")
     check_weights(checkpoint["state_dict"], model.state_dict(), path)
     data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")

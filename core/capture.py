@@ -4,6 +4,8 @@
     tap.request(owner)                        # before the forward: the model's next forward returns them...
     tap.keep(out.hidden_states)               # ...and hands them over (the model's code does this)
     tap.stack([0, 2, 4]); tap.release(owner)  # [layers, batch, seq, hidden], detached
+    tap.request(loss_term, grad=True)         # a loss term (a regulariser) gets the same states with their graph:
+    tap.live([2, 4])                          # [batch, seq, hidden] per layer, not detached; one forward serves all
 
     with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:   # any other encoder: hooks
         model(input_ids)
@@ -73,30 +75,45 @@ class HiddenStateTap:
     """The switch and mailbox between a model that can return its own hidden states and whoever wants them.
 
     Owners (live-statistics callbacks, a regulariser) `request` the states of the next forward passes; the model
-    reads `active` before each forward (a Python bool: a compiled model has one graph with and one without hidden
-    states, never a recompile per capture), passes what its forward returned to `keep` (all layers, detached), and
-    owners read `stack(layers)` and `release` once done. The states are dropped when the last owner releases.
+    reads `active` (and `wants_grad`) before each forward (Python bools: a compiled model has one graph per setting,
+    never a recompile per capture), passes what its forward returned to `keep` (all layers), and owners read
+    `stack(layers)` (detached) or, having asked with `grad=True`, `live(layers)` (with their graph, for a loss term),
+    and `release` once done. The states are dropped when the last owner releases (the live ones when the last owner
+    that asked for them does).
     """
 
     def __init__(self) -> None:
         self.owners: set[int] = set()
+        self.grad_owners: set[int] = set()
         self.hidden: tuple[Tensor, ...] | None = None  # all layers of the last forward: (embeddings, layer 1, ...)
+        self.live_hidden: tuple[Tensor, ...] | None = None  # the same, not detached, while a grad owner holds them
 
     @property
     def active(self) -> bool:
         return bool(self.owners)
 
-    def request(self, owner: object) -> None:
+    @property
+    def wants_grad(self) -> bool:
+        """An owner needs the states with their graph (the forward must not detach them)."""
+        return bool(self.grad_owners)
+
+    def request(self, owner: object, grad: bool = False) -> None:
         self.owners.add(id(owner))
+        if grad:
+            self.grad_owners.add(id(owner))
 
     def release(self, owner: object) -> None:
         self.owners.discard(id(owner))
+        self.grad_owners.discard(id(owner))
+        if not self.grad_owners:
+            self.live_hidden = None
         if not self.owners:
             self.hidden = None
 
     def keep(self, hidden) -> None:
         """The forward's hidden states [batch, seq, hidden] per layer (transformers' `hidden_states`)."""
         self.hidden = tuple(h.detach() for h in hidden)
+        self.live_hidden = tuple(hidden) if self.grad_owners else None
 
     def stack(self, layers: list[int]) -> Tensor:
         """[layers, batch, seq, hidden] in the order of `layers`, from the last forward."""
@@ -104,3 +121,10 @@ class HiddenStateTap:
             raise UserError(f"layers {list(layers)} produced no output during the captured forward pass (the model "
                             "ran no forward pass since the states were requested)")
         return torch.stack([self.hidden[layer] for layer in layers])
+
+    def live(self, layers: list[int]) -> list[Tensor]:
+        """[batch, seq, hidden] of each of `layers` from the last forward, with their graph (a `grad=True` owner)."""
+        if self.live_hidden is None:
+            raise UserError(f"layers {list(layers)}: no hidden states with their graph (the model ran no forward "
+                            "pass since they were requested with grad=True)")
+        return [self.live_hidden[layer] for layer in layers]

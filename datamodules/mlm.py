@@ -212,6 +212,27 @@ class MLMDataModule(pl.LightningDataModule):
         sampler = BlockSampler(len(self.val_blocks), h.val_batch_size or h.batch_size, rank, world, shuffle=False)
         return self._loader(self.val_blocks, sampler, self.val_collator)
 
+    def shrinkage_batches(self, epoch: int, max_tokens: int, rank: int, world: int):
+        """This rank's share of up to `max_tokens` training tokens, unmasked, in batches of {"input_ids"}: I-STAR's
+        C0 pass (lightning_modules/training.py). Cached blocks: the first blocks of a seeded permutation per epoch,
+        rank r taking every world-th, so their union does not depend on the device count; streaming: the first
+        blocks of this rank's stream."""
+        h = self.hparams
+        count = max(1, max_tokens // h.block_length)
+        size = h.val_batch_size or h.batch_size
+        if h.streaming:
+            stream = StreamingBlocks(h.corpus, h.text_column, self.tokenizer, h.block_length, size, rank, world,
+                                     skip_texts=h.val_texts)
+            for taken, batch in enumerate(stream):
+                if taken * size * world >= count:
+                    return
+                yield {"input_ids": torch.as_tensor(batch["blocks"])}
+            return
+        generator = torch.Generator().manual_seed(h.seed * 1_000_003 + 7_777 + epoch)
+        chosen = torch.randperm(len(self.train_blocks), generator=generator)[:count][rank::world].tolist()
+        for start in range(0, len(chosen), size):
+            yield {"input_ids": torch.as_tensor(self.train_blocks[chosen[start:start + size]]["blocks"])}
+
     def _loader(self, dataset, sampler, collator) -> DataLoader:
         workers = self.hparams.num_workers
         return ResumableLoader(dataset, sampler=sampler, batch_size=None, collate_fn=collator, num_workers=workers,

@@ -16,16 +16,22 @@ from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
 from lightning_modules.mlm import ARCHITECTURE, build_model, padded_vocab
 
+KINDS = {"mlm": ("MLM pretraining", "MLMModule", "position_embeddings"),  # what a checkpoint of each is, and the
+         "finetune": ("fine-tuning", "FineTuneModule", "classes")}  # hyper-parameter only its module has
 
-def read_checkpoint(path: str | Path) -> dict:
-    """A .ckpt of this project's MLM pretraining, read weights-only (memory-mapped), or one line naming the file and
-    what is wrong: empty, truncated or corrupt, needing code to unpickle, or not this project's (hyper-parameters
-    without the architecture)."""
+
+def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
+    """A .ckpt of this project's MLM pretraining (or `kind` "finetune": fine-tuning), read weights-only
+    (memory-mapped), or one line naming the file and what is wrong: empty, truncated or corrupt, needing code to
+    unpickle, or not this project's (hyper-parameters without the architecture)."""
     checkpoint = load_weights_only(path, mmap=True)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
-    if not isinstance(hparams, dict) or "state_dict" not in checkpoint or "position_embeddings" not in hparams:
-        raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining (no MLMModule "
-                        "hyper-parameters and state_dict)")
+    what, module, key = KINDS[kind]
+    if not isinstance(hparams, dict) or "state_dict" not in checkpoint or key not in hparams:
+        raise UserError(f"{path} is not a checkpoint of this project's {what} (no {module} hyper-parameters and "
+                        "state_dict)")
+    if kind != "mlm":
+        return checkpoint
     missing = [key for key in ARCHITECTURE if key not in hparams and key != "pad_vocab_to_multiple_of"]  # default 1
     if missing:
         raise UserError(f"{path} is not a checkpoint of this project's MLM pretraining: its hyper-parameters lack "

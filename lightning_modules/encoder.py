@@ -97,7 +97,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
@@ -119,7 +119,7 @@ def load_failure(error: Exception, what: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers' load report (a table on every load of a masked-LM checkpoint as a bare encoder) silenced;
     `_warn_about_loading` says what matters instead."""
     from transformers.utils import logging

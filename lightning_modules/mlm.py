@@ -23,23 +23,25 @@ the device by the fused AdamW and reported at the next logging step, checkpoint 
 from __future__ import annotations
 
 import copy
-import math
 import os
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_only
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from core.capture import HiddenStateTap
 from core.errors import UserError
 from core.output import staged_output
-from lightning_modules.monitor import StepMonitor
+from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
+    PolynomialSchedule,
+    TrainingModule,
+    check_optimisation,
+    check_warmup,
+    schedule_end,
+)
 
 ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings", "position_embeddings", "pad_vocab_to_multiple_of")
@@ -51,14 +53,15 @@ class MLMOutput(NamedTuple):
     hidden: tuple[Tensor, ...] | None  # every layer's [batch, seq, hidden] (detached), when asked for
 
 
-def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab_size: int | None = None) -> MLMOutput:
+def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab_size: int | None = None,
+             grad_states: bool = False) -> MLMOutput:
     """The MLM loss of a batch, and (`hidden_states`) the hidden states of every layer of the same forward pass.
 
     batch: input_ids [batch, seq]; positions [batch, k] (indices into seq); targets [batch, k] (-100 = none).
     Only the [batch, k, hidden] masked hidden states go through the LM head (the same result as the full logits);
     logits past `vocab_size` (padding rows of the LM head) are cut off, so they are never predicted. The hidden states
-    are transformers' own `hidden_states` (0 = embedding output), detached: a regulariser that needs their gradient
-    reads them here, before the detach, from the same single forward.
+    are transformers' own `hidden_states` (0 = embedding output), detached, or with their graph (`grad_states`: a
+    regulariser's term on them trains the model), from the same single forward.
     """
     out = model.roberta(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
     hidden = out.last_hidden_state  # [batch, seq, hidden]
@@ -69,7 +72,7 @@ def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab
         logits = logits[..., :vocab_size]
     targets = batch["targets"]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-    states = tuple(state.detach() for state in out.hidden_states) if hidden_states else None
+    states = tuple(state if grad_states else state.detach() for state in out.hidden_states) if hidden_states else None
     return MLMOutput(loss, (targets != -100).sum(), states)
 
 
@@ -116,7 +119,7 @@ def remove_position_embeddings(model) -> None:
     table.weight.requires_grad_(False)
 
 
-class MLMModule(pl.LightningModule):
+class MLMModule(TrainingModule):
     """RobertaForMaskedLM + AdamW + linear warm-up and polynomial decay; logs train/loss, val/loss, val/perplexity.
 
     Args:
@@ -137,6 +140,8 @@ class MLMModule(pl.LightningModule):
         pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
             matmuls); the extra rows are never input nor predicted, and the export drops them.
         pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
+        regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: an isotropy regulariser on the training
+            forward's hidden states (none, istar, cosreg; lightning_modules/regularizers.py); none by default.
     """
 
     def __init__(
@@ -164,10 +169,16 @@ class MLMModule(pl.LightningModule):
         bos_token_id: int = 0,
         eos_token_id: int = 2,
         pad_vocab_to_multiple_of: int = 1,
+        regularizer: str = "none",
+        reg_weight: float = 0.0,
+        reg_layers: str | int | list[int] | None = None,
+        zeta: float = 0.2,
+        reg_shrinkage_tokens: int = 250_000,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_optimisation(self.hparams)
+        self.make_regularizer()
         if hidden_size % num_attention_heads:
             raise UserError(f"--model.hidden_size {hidden_size} is not a multiple of num_attention_heads "
                             f"{num_attention_heads}")
@@ -177,11 +188,9 @@ class MLMModule(pl.LightningModule):
         self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
                                  pad_token_id, bos_token_id, eos_token_id)
+        self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
-        self.hidden_state_tap = HiddenStateTap()  # live-statistics callbacks (and regularisers) ask for hidden states
-        self.monitor: StepMonitor | None = None  # made at the start of each fit, on the device
         self._compiled = compile_step(self.model) if compile else None
-        self._seed = 0
 
     # -- facts the datamodule and the CLI check against --
 
@@ -196,21 +205,35 @@ class MLMModule(pl.LightningModule):
 
     # -- steps --
 
-    def forward(self, batch: dict[str, Tensor], hidden_states: bool = False) -> MLMOutput:
+    @property
+    def uses_dropout(self) -> bool:
+        return self.hparams.dropout > 0
+
+    def forward(self, batch: dict[str, Tensor], hidden_states: bool = False, grad_states: bool = False) -> MLMOutput:
         """The loss (and every layer's hidden states when asked); compiled in training when `compile` is on."""
         step = self._compiled if self._compiled is not None and self.training else mlm_step
-        return step(self.model, batch, hidden_states, self.hparams.vocab_size)
+        return step(self.model, batch, hidden_states, self.hparams.vocab_size, grad_states)
 
     def _shared_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
         tap = self.hidden_state_tap
-        loss, count, hidden = self(batch, hidden_states=tap.active)
-        if hidden is not None:
-            tap.keep(hidden)
-        if stage == "train":
-            self.monitor.add_loss(loss)  # summed on the device; logged at the logging interval (no sync here)
-        else:
+        if stage != "train":
+            loss, count, hidden = self(batch, hidden_states=tap.active)
+            if hidden is not None:
+                tap.keep(hidden)
             self.val_loss.update(loss.detach(), count)
-        return loss
+            return loss
+        wanted = self.request_states()  # the regulariser's request (with the graph) and the callbacks', one forward
+        try:
+            loss, _, hidden = self(batch, hidden_states=wanted, grad_states=tap.wants_grad)
+        except BaseException:
+            tap.release(self.regularizer)
+            raise
+        return self.regularized(loss, hidden, None)  # blocks are full: every token counts
+
+    def shrinkage_states(self, batch: dict) -> tuple[list[Tensor], Tensor | None]:
+        """I-STAR's C0 pass: the regulariser's layers of unmasked training blocks (every token counts)."""
+        states = self.model.roberta(input_ids=batch["input_ids"].to(self.device), output_hidden_states=True).hidden_states
+        return [states[layer] for layer in self.regularizer.layers], None
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._shared_step(batch, "train")
@@ -223,72 +246,11 @@ class MLMModule(pl.LightningModule):
         self.val_loss.reset()
         self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True, sync_dist=True)
 
-    # -- randomness: dropout depends on (seed, rank, batch), so a resumed run draws what a straight one would --
-
-    def on_fit_start(self) -> None:
-        self._seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-
-    def on_train_start(self) -> None:
-        self.monitor = StepMonitor(self.device, self.trainer.global_step)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """At a logging step (every `log_every_n_steps` optimizer steps, the same on every rank): the mean loss over
-        all ranks and micro-batches since the last one, the last gradient norm, and the non-finite check."""
-        monitor, trainer = self.monitor, self.trainer
-        if monitor is None or monitor.batches == 0 or trainer.global_step % max(trainer.log_every_n_steps, 1):
-            return
-        values = monitor.flush(trainer.strategy)  # one all-reduce, one read; raises after a non-finite step
-        self.log_dict({"train/loss": torch.tensor(values["loss"]), "train/grad_norm": torch.tensor(values["grad_norm"])})
-        # the progress bar reads plain floats (a logged tensor with prog_bar=True would be read every batch)
-        trainer.progress_bar_metrics["train/loss"] = round(values["loss"], 4)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """No checkpoint holds a run past a non-finite step (every rank; a collective)."""
-        if self.monitor is not None:
-            self.monitor.check(self.trainer.strategy)
-
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        if self.hparams.dropout > 0:
-            index = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready  # micro-batches so far, restored on resume
-            torch.manual_seed((self._seed * 1_000_003 + self.global_rank * 7_919 + index * 104_729) % (2**63))
-
-    # -- optimisation --
-
-    def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, parameter in self.model.named_parameters():
-            if not parameter.requires_grad:
-                continue  # the frozen zero position table of a no-PE model
-            exempt = parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name
-            (no_decay if exempt and not self.hparams.decay_bias_and_norm else decay).append(parameter)
-        h = self.hparams
-        groups = [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        try:  # fused: one kernel for all parameters, and it skips a non-finite step on the device (found_inf)
-            optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps, fused=True)
-        except RuntimeError:  # a device without fused AdamW kernels: the non-fused step, checked on the host
-            optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), eps=h.eps)
-        end = schedule_end(h.decay_steps, None if h.decay_steps else self.trainer.max_steps)  # a trainer if needed
-        schedule = PolynomialSchedule(h.warmup_steps, end, h.end_lr / h.lr, h.power)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip by global norm; a non-finite loss or gradient never reaches the weights. The check stays on the
-        device: the fused AdamW skips the update (weights, moments, step count) when `found_inf` is 1, and the run
-        stops at the next logging step, checkpoint or end, naming the step (lightning_modules/monitor.py). An
-        optimizer that cannot skip on the device (not fused) is checked here, with a host synchronisation."""
-        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val or math.inf, foreach=True)
-        found_inf = self.monitor.end_step(norm)
-        if optimizer.defaults.get("fused"):
-            optimizer.found_inf = found_inf  # read by the fused kernel, on the device
-        else:
-            self.monitor.check(self.trainer.strategy)
-
     # -- checkpoints and export --
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_architecture(checkpoint.get("hyper_parameters", {}), self.hparams, "the checkpoint")
+        super().on_load_checkpoint(checkpoint)
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict
             data.adapt_checkpoint(checkpoint)
@@ -313,64 +275,6 @@ def compile_step(model):
         model.roberta(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), output_hidden_states=True)
     model.train(training)
     return torch.compile(mlm_step, fullgraph=True, dynamic=False)
-
-
-def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:
-    """The step where the learning rate reaches its end: --model.decay_steps, else --trainer.max_steps."""
-    end = decay_steps or max_steps
-    if end is None or end <= 0:
-        raise UserError("set --trainer.max_steps or --model.decay_steps: the learning-rate schedule needs an end")
-    return end
-
-
-def check_optimisation(h) -> None:
-    """The optimiser's and schedule's arguments, before any logger or directory exists (AdamW, made when training
-    starts, would otherwise stop the run with a traceback after its files are written)."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and math.isfinite(value)
-
-    checks = [("lr", number(h.lr) and h.lr > 0, "a positive number"),
-              ("end_lr", number(h.end_lr) and 0 <= h.end_lr <= h.lr, "between 0 and --model.lr"),
-              ("eps", number(h.eps) and h.eps > 0, "a positive number"),
-              ("weight_decay", number(h.weight_decay) and h.weight_decay >= 0, "at least 0"),
-              ("dropout", number(h.dropout) and 0 <= h.dropout < 1, "in [0, 1)"),
-              ("power", number(h.power) and h.power > 0, "a positive number"),
-              ("betas", len(h.betas) == 2 and all(number(b) and 0 <= b < 1 for b in h.betas), "two numbers in [0, 1)"),
-              ("warmup_steps", h.warmup_steps >= 0, "at least 0"),
-              ("decay_steps", h.decay_steps is None or h.decay_steps > 0, "positive (or null: --trainer.max_steps)")]
-    for name, good, expected in checks:
-        if not good:
-            raise UserError(f"--model.{name} must be {expected}, got {getattr(h, name)}")
-
-
-def check_warmup(warmup_steps: int, decay_steps: int | None, max_steps: int | None) -> None:
-    """One warning (not an error: a short smoke run of a full-size config is a fair thing to start) when the warm-up
-    does not end before the schedule does (the rate never decays), or when the run stops inside the warm-up of a
-    longer schedule (to be resumed). The schedule must have an end."""
-    end = schedule_end(decay_steps, max_steps)
-    if warmup_steps >= end:
-        source = "--model.decay_steps" if decay_steps else "--trainer.max_steps"
-        warnings.warn(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
-                      f"(step {end}, {source}): the rate never decays; lower --model.warmup_steps for a whole "
-                      "schedule", stacklevel=2)
-    elif max_steps is not None and 0 < max_steps <= warmup_steps:
-        warnings.warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
-                      f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on",
-                      stacklevel=2)
-
-
-class PolynomialSchedule:
-    """LR multiplier: step/warmup during warm-up, then end + (1 - end)(1 - progress)^power, held at `end` after."""
-
-    def __init__(self, warmup_steps: int, decay_steps: int, end_ratio: float = 0.0, power: float = 1.0) -> None:
-        self.warmup_steps, self.decay_steps, self.end_ratio, self.power = warmup_steps, decay_steps, end_ratio, power
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        span = max(1, self.decay_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.end_ratio + (1 - self.end_ratio) * (1 - progress) ** self.power
 
 
 def check_architecture(saved: dict, current, what: str) -> None:

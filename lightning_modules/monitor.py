@@ -4,6 +4,7 @@
 
     monitor = StepMonitor(device, first_step=trainer.global_step)
     monitor.add_loss(loss)                   # each micro-batch: summed on the device
+    monitor.add_values({"reg_loss": term})   # other per-micro-batch values (a regulariser's): summed alike
     found_inf = monitor.end_step(grad_norm)  # each optimizer step: 1.0 (on the device) from the first non-finite step on
     optimizer.found_inf = found_inf          # a fused AdamW then leaves weights and state untouched, on the device
     values = monitor.flush(strategy)         # at a logging step: one all-reduce and one read of 3 numbers
@@ -38,6 +39,14 @@ class StepMonitor:
         self.bad_values = torch.zeros(2, device=device)  # its (mean loss, gradient norm)
         self.norm = torch.zeros((), device=device)  # the last step's gradient norm
         self.found_inf = torch.zeros((), device=device)
+        self.value_sums: dict[str, Tensor] = {}  # other per-micro-batch values since the last flush (add_values)
+
+    def add_values(self, values: dict[str, Tensor]) -> None:
+        """Per-micro-batch values (the same names every micro-batch, on every rank), summed on the device and
+        flushed with the loss: their mean over all ranks and micro-batches since the last flush."""
+        for name, value in values.items():
+            value = value.detach().float()
+            self.value_sums[name] = self.value_sums[name] + value if name in self.value_sums else value.clone()
 
     def add_loss(self, loss: Tensor) -> None:
         self.window += loss.detach().float()
@@ -63,15 +72,18 @@ class StepMonitor:
 
     def flush(self, strategy) -> dict[str, float]:
         """At a logging step (every rank): the mean micro-batch loss over all ranks since the last flush and the last
-        gradient norm; raises when a step was non-finite. One all-reduce and one device-to-host read."""
-        local = torch.stack([self.loss_sum, self.found_inf])
+        gradient norm (and the mean of each add_values name); raises when a step was non-finite. One all-reduce and one
+        device-to-host read."""
+        names = sorted(self.value_sums)
+        local = torch.stack([self.loss_sum, self.found_inf, *(self.value_sums[name] for name in names)])
         total = strategy.reduce(local.clone(), reduce_op="sum")
-        loss_sum, bad, norm = torch.cat([total, self.norm.view(1)]).tolist()
+        loss_sum, bad, *sums, norm = torch.cat([total, self.norm.view(1)]).tolist()
         if bad > 0:
             self._raise(strategy)
-        world = getattr(strategy, "world_size", 1)
-        values = {"loss": loss_sum / max(self.batches * world, 1), "grad_norm": norm}
+        count = max(self.batches * getattr(strategy, "world_size", 1), 1)
+        values = {"loss": loss_sum / count, "grad_norm": norm, **{name: v / count for name, v in zip(names, sums)}}
         self.loss_sum.zero_()
+        self.value_sums = {}
         self.batches = 0
         return values
 

@@ -7,6 +7,8 @@
     cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
     result = cov.compute()
     isoscore(result.cov)                            # [layers]
+    isoscore_star(points, zeta=0.2, shrinkage=c0)   # a mini-batch [..., m, n]; differentiable (I-STAR's term)
+    mean_pairwise_cosine(unit_sum, norm_sum, count) # from sums of unit vectors: self-similarity, CosReg
     spectrum_of_moments(*variant.moments(result.mean, result.cov), result.num_tokens)["singular_values"]
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
 
@@ -70,6 +72,16 @@ def cosine(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(norms > 0, (a * b).sum(-1) / norms.clamp_min(1e-30), torch.zeros_like(norms))
 
 
+def mean_pairwise_cosine(unit_sum: Tensor, norm_sum: Tensor, count: Tensor) -> Tensor:
+    """Mean cosine over the n (n - 1) ordered pairs of n vectors, from the sum of their unit vectors [..., hidden],
+    the sum of those units' squared norms [...] (1 a vector, 0 for a zero one) and n [...]:
+    (||sum u||^2 - sum ||u||^2) / (n (n - 1)); nan below 2 vectors. Differentiable (CosReg's statistic, Gao et al.
+    2019, in lightning_modules/regularizers.py; self-similarity's per word)."""
+    pairs = count * (count - 1)
+    value = (unit_sum.pow(2).sum(-1) - norm_sum) / pairs.clamp_min(1)
+    return torch.where(pairs > 0, value, torch.full_like(value, float("nan")))
+
+
 @dataclass
 class SelfSimilarityResult:
     per_word: Tensor  # [words, layers] mean pairwise cosine of the word's contexts (nan below 2 contexts)
@@ -113,10 +125,7 @@ class SelfSimilarity(Metric):
         self.count.index_add_(0, word_ids, torch.ones_like(word_ids, dtype=torch.float64))
 
     def compute(self) -> SelfSimilarityResult:
-        n = self.count.unsqueeze(1)  # [words, 1]
-        pairs = n * (n - 1)
-        per_word = (self.unit_sum.pow(2).sum(-1) - self.norm_sum) / pairs.clamp_min(1)
-        per_word = torch.where(pairs > 0, per_word, torch.full_like(per_word, float("nan")))
+        per_word = mean_pairwise_cosine(self.unit_sum, self.norm_sum, self.count.unsqueeze(1))  # nan below 2
         valid = self.count >= 2
         mean = per_word[valid].mean(0) if bool(valid.any()) else torch.full((self.num_layers,), float("nan"),
                                                                              dtype=torch.float64)
@@ -219,28 +228,43 @@ def isoscore(cov: Tensor) -> Tensor:
     return isoscore_from_eigenvalues(eigvalsh(cov.double()))
 
 
+def isoscore_of_covariance(cov: Tensor) -> Tensor:
+    """IsoScore of covariance matrices [..., n, n] -> [...] without an eigendecomposition: differentiable, and no
+    host synchronisation (torch's eigensolvers check their convergence on the host on CUDA devices).
+
+    With the eigenvalues v of a covariance, isoscore_from_eigenvalues's n - delta^2 (n - sqrt n) simplifies to
+    sqrt(n) sum(v) / ||v||, so IsoScore = (PR - 1) / (n - 1) with the participation ratio
+    PR = (sum v)^2 / sum v^2 = tr(C)^2 / ||C||_F^2: the same value for any positive semi-definite C (a covariance;
+    the eigenvalue route also clamps rounding's tiny negative eigenvalues to 0). nan when C is zero.
+    """
+    n = cov.shape[-1]
+    trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return (trace.pow(2) / cov.pow(2).sum((-2, -1)) - 1) / (n - 1)
+
+
+def isoscore_star_of_covariance(cov: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = None) -> Tensor:
+    """IsoScore* from a mini-batch's sample covariance [..., n, n] (see isoscore_star): IsoScore of
+    (1 - zeta) C + zeta C0, C0 = `shrinkage` (default the identity). For a covariance assembled from moments, e.g.
+    summed over ranks (I-STAR under DDP, lightning_modules/regularizers.py)."""
+    if shrinkage is None:
+        shrinkage = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+    return isoscore_of_covariance((1 - zeta) * cov + zeta * shrinkage.to(cov))
+
+
 def isoscore_star(points: Tensor, zeta: float = 0.2, shrinkage: Tensor | None = None) -> Tensor:
     """IsoScore* of a mini-batch of points [..., m, n] -> [...]; differentiable, for regularisers (I-STAR) too.
 
     Rudman & Eickhoff, "Stable Anisotropic Regularization", ICLR 2024 (reference code: I-STAR/regularizers.py in
     github.com/bcbi-edu/p_eickhoff_isoscore): the sample covariance C (unbiased) is shrunk towards a covariance C0
-    estimated from many more points, C_zeta = (1 - zeta) C + zeta C0, and IsoScore is taken of its eigenvalues.
-    Stable when m is below n, where the plain sample covariance is rank-deficient. zeta = 0 gives IsoScore; C0
-    defaults to the identity (the reference code's advice when no larger sample is at hand).
+    estimated from many more points, C_zeta = (1 - zeta) C + zeta C0, and IsoScore is taken of it
+    (isoscore_of_covariance: the participation ratio of its eigenvalues, no eigendecomposition). Stable when m is
+    below n, where the plain sample covariance is rank-deficient. zeta = 0 gives IsoScore; C0 defaults to the
+    identity (the reference code's advice when no larger sample is at hand).
     """
     points = points.double()
     centred = points - points.mean(-2, keepdim=True)
-    m, n = points.shape[-2:]
-    if zeta == 0 and m < n:  # the m x m Gram matrix has the same non-zero eigenvalues, far cheaper
-        gram = centred @ centred.transpose(-1, -2) / max(m - 1, 1)
-        eigenvalues = eigvalsh(gram)
-        return isoscore_from_eigenvalues(torch.cat([eigenvalues, eigenvalues.new_zeros(*eigenvalues.shape[:-1], n - m)],
-                                                   -1))
-    cov = centred.transpose(-1, -2) @ centred / max(m - 1, 1)
-    if shrinkage is None:
-        shrinkage = torch.eye(points.shape[-1], dtype=cov.dtype, device=cov.device)
-    shrunk = (1 - zeta) * cov + zeta * shrinkage.to(cov)
-    return isoscore_from_eigenvalues(eigvalsh(shrunk))
+    cov = centred.transpose(-1, -2) @ centred / max(points.shape[-2] - 1, 1)
+    return isoscore_star_of_covariance(cov, zeta, shrinkage)
 
 
 class IsoScoreStar(Metric):

@@ -631,6 +631,70 @@ ERROR_ROW_TESTS = {
     ("train.py", "a tokenizer directory without tokenizer files"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "an unknown regularizer"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_regularizers.py::test_bad_regulariser_options_are_one_line",
+    ],
+    ("train.py", "`--model.reg_layers` outside the model"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_finetune.py::test_pretraining_refuses_bad_regulariser_options_in_one_line",
+        "test_regularizers.py::test_bad_regulariser_options_are_one_line",
+    ],
+    ("train.py", "`--model.reg_layers` not understood"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_regularizers.py::test_bad_regulariser_options_are_one_line",
+    ],
+    ("train.py", "`--model.zeta` outside [0, 1]"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_finetune.py::test_pretraining_refuses_bad_regulariser_options_in_one_line",
+        "test_regularizers.py::test_bad_regulariser_options_are_one_line",
+    ],
+    ("train.py", "I-STAR's C0 token budget below 2"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+        "test_regularizers.py::test_bad_regulariser_options_are_one_line",
+    ],
+    ("train.py", "fine-tuning: no data source"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a label column with one class"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a label missing from the training split"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: no label column"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a row without a label"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a text pair column the data lack"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: `--data.classes` not two distinct classes"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: split fractions that leave no training split"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a global batch not a multiple of the batch"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a training split smaller than the global batch"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: missing encoder"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: `--data.max_length` above the encoder's positions"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: a checkpoint of pretraining"): [
+        "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("train.py", "fine-tuning: resume on data with other classes"): [
+        "test_finetune.py::test_resuming_a_fine_tuning_run_on_data_with_other_classes_is_refused",
+    ],
     ("a Trainer with the live callbacks", "a model whose hidden states cannot be captured"): [
         "test_callbacks.py::test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error",
     ],

@@ -98,15 +98,17 @@ def live_callbacks(every: int = LIVE_EVERY) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2])
-def test_an_ordinary_optimizer_step_never_synchronises_with_the_host(corpus, cache, tmp_path, devices):
+@pytest.mark.parametrize("devices, regularizer", [(1, "none"), (2, "none"), (1, "istar"), (2, "cosreg")])
+def test_an_ordinary_optimizer_step_never_synchronises_with_the_host(corpus, cache, tmp_path, devices, regularizer):
     """1 process × 2 micro-batches a step, and 2 DDP processes (gloo) × 1: the live-statistics callbacks on (every
-    4 steps), the progress bar on, logging and checkpoints every 5 steps. Every step whose window holds none of
-    those (nor a validation or an epoch end) calls no synchronising Tensor method at all; the steps that do hold
-    one are seen to synchronise (the counter works)."""
+    4 steps), the progress bar on, logging and checkpoints every 5 steps; without a regulariser, with I-STAR (its C0
+    at each epoch's start, its values summed for logging) and with CosReg (all-reduced every step under DDP). Every
+    step whose window holds none of those (nor a validation or an epoch end) calls no synchronising Tensor method at
+    all; the steps that do hold one are seen to synchronise (the counter works)."""
     root, output = tmp_path / "run", tmp_path / "syncs"
     counter = json.dumps({"class_path": "tests.test_hot_path.SyncCounter", "init_args": {"output": str(output)}})
     args = tiny_args(root, corpus, cache, "--data.batch_size", "4", *live_callbacks(), "--trainer.callbacks+", counter,
+                     "--model.regularizer", regularizer, "--model.reg_weight", "0" if regularizer == "none" else "0.5",
                      "--trainer.log_every_n_steps", str(LOG_EVERY), "--checkpoint.every_n_train_steps",
                      str(SAVE_EVERY), "--trainer.enable_progress_bar", "true",
                      *(("--trainer.devices", "2", "--trainer.strategy", "ddp") if devices == 2 else ()))

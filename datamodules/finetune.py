@@ -1,0 +1,308 @@
+"""Fine-tuning data: labelled sentences or sentence pairs, read and split once, tokenised with the encoder's tokenizer.
+
+    python train.py fit --config configs/finetune/classify.yaml --data.source reviews.csv --data.label_column stars
+    python train.py fit --config configs/finetune/rte.yaml          # glue/rte: --data.text_pair_column sentence2
+
+Sources are read as everywhere else (datamodules/text.py: a txt/csv/tsv/jsonl file, a datasets directory or name) and
+split as the probes' are (datamodules/splits.py: the source's own train / validation / test splits, an unlabelled
+test split replaced by validation and validation carved out of train, a single file 80/10/10). The classes are the
+training split's labels (or --data.classes); a label of another split that training never shows, or a single class,
+is one line. Batches: {"input_ids", "attention_mask" (, "token_type_ids"), "labels"}, padded per batch. Training
+batches are drawn as the MLM blocks are (datamodules/sampling.py: one seeded permutation per epoch, rank r taking
+every world-th example, the tail that makes no whole global batch dropped), so a global batch holds the same examples
+on any number of devices, and the data position is saved in checkpoints and restored exactly
+(datamodules/position.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+
+from core.errors import UserError
+from datamodules.position import DataPosition
+from datamodules.probing import normalise_label, sort_labels
+from datamodules.sampling import BlockSampler, ResumableLoader
+from datamodules.splits import SPLITS, Splits, read_splits
+from datamodules.text import DATA_OPTION, iter_records, pick_text
+
+
+class Examples(torch.utils.data.Dataset):
+    """Tokenised examples; indexed by a list of keys (epoch × n + index, as BlockSampler gives), returns a padded
+    batch."""
+
+    def __init__(self, encoded: dict[str, list[list[int]]], labels: Tensor, pad_id: int) -> None:
+        self.encoded, self.labels, self.pad_id = encoded, labels, pad_id
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, keys: list[int]) -> dict[str, Tensor]:
+        rows = [key % len(self.labels) for key in keys]
+        width = max(len(self.encoded["input_ids"][row]) for row in rows)
+        batch = {}
+        for name, fill in (("input_ids", self.pad_id), ("attention_mask", 0), ("token_type_ids", 0)):
+            if name not in self.encoded:
+                continue
+            tensor = torch.full((len(rows), width), fill, dtype=torch.long)
+            for i, row in enumerate(rows):
+                values = self.encoded[name][row]
+                tensor[i, :len(values)] = torch.as_tensor(values, dtype=torch.long)
+            batch[name] = tensor
+        batch["labels"] = self.labels[rows]
+        return batch
+
+
+class FineTuneDataModule(pl.LightningDataModule):
+    """Labelled sentences (or pairs) for FineTuneModule (see the module docstring).
+
+    Args:
+        source: a file with text and label columns, a datasets directory or a datasets NAME[:CONFIG] (required).
+        text_column: the text (default: detected); text_pair_column: the second sentence of a pair (none: single
+            sentences).
+        label_column: the labels (strings or integers); classes: fix the classes and their order.
+        max_length: tokens per example (longer ones are truncated: the pair's longest sentence first).
+        batch_size: examples per device and micro-batch; global_batch_size: per optimizer step over every device
+            (gradient accumulation derived from it; default batch_size × devices); eval_batch_size: validation, test.
+        val_fraction, test_fraction, val_split, test_split, max_sentences: the splits (datamodules/splits.py).
+        num_workers: loader worker processes; seed: splits, shuffling and C0's sample.
+    """
+
+    def __init__(
+        self,
+        source: str | None = None,
+        text_column: str | None = None,
+        text_pair_column: str | None = None,
+        label_column: str = "label",
+        classes: list[str | int] | None = None,
+        max_length: int = 128,
+        batch_size: int = 32,
+        global_batch_size: int | None = None,
+        eval_batch_size: int = 64,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        val_split: str | None = None,
+        test_split: str | None = None,
+        max_sentences: int = 0,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        h = self.hparams
+        if source is None:
+            raise UserError("no data source: pass --data.source (a file with text and label columns, a datasets "
+                            "directory or a datasets name)")
+        for name in ("max_length", "batch_size", "eval_batch_size"):
+            if h[name] < (2 if name == "max_length" else 1):
+                raise UserError(f"--data.{name} too small: {h[name]}")
+        if global_batch_size is not None and (global_batch_size < batch_size or global_batch_size % batch_size):
+            raise UserError(f"--data.global_batch_size {global_batch_size} must be a multiple of --data.batch_size "
+                            f"{batch_size}")
+        if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise UserError(f"--data.val_fraction {val_fraction} and --data.test_fraction {test_fraction} must be in "
+                            "[0, 1) and sum below 1")
+        self.fixed = [normalise_label(c) for c in classes] if classes is not None else None
+        if self.fixed is not None and (len(set(self.fixed)) != len(self.fixed) or len(self.fixed) < 2):
+            raise UserError(f"--data.classes needs at least two distinct classes, got {classes}")
+        self._splits: Splits | None = None
+        self._classes: list | None = None
+        self.labels: dict[str, Tensor] = {}
+        self.sets: dict[str, Examples] = {}
+        self.tokenizer = None
+        self.position = DataPosition(batch_size, global_batch_size, streaming=False)
+
+    # -- reading, once (the model's head needs the classes: train.py links them, so bad data is found first) --
+
+    def read(self, source: str, split: str | None) -> tuple[list[tuple[str, str | None]], list]:
+        h = self.hparams
+        texts, labels, blank = [], [], 0
+        for row, record in enumerate(iter_records(source, split=split), 1):
+            if h.label_column not in record:
+                raise UserError(f"no label column {h.label_column!r} in {source} (columns: {sorted(record)}); pass "
+                                "--data.label_column")
+            if h.text_pair_column is not None and h.text_pair_column not in record:
+                raise UserError(f"text pair column {h.text_pair_column!r} not in {source} (columns: "
+                                f"{sorted(record)})")
+            text, label = pick_text(record, h.text_column, source, DATA_OPTION), normalise_label(record[h.label_column])
+            pair = record[h.text_pair_column] if h.text_pair_column is not None else None
+            if label is None:
+                raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")
+            if not isinstance(text, str) or not text.strip() or (pair is not None and not str(pair).strip()):
+                blank += 1
+                continue
+            texts.append((text.strip(), str(pair).strip() if pair is not None else None))
+            labels.append(label)
+        if blank:
+            warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)
+        if not texts:
+            raise UserError(f"no labelled texts in {source}")
+        return texts, labels
+
+    @property
+    def splits(self) -> Splits:
+        if self._splits is None:
+            h = self.hparams
+            self._splits = read_splits(str(h.source), self.read, lambda labels: any(x != -1 for x in labels),
+                                       h.val_fraction, h.test_fraction, h.seed, h.max_sentences, h.val_split,
+                                       h.test_split)
+        return self._splits
+
+    @property
+    def label_names(self) -> list:
+        """The classes in label order: --data.classes, else the training split's labels, sorted; every split's
+        labels among them."""
+        if self._classes is None:
+            labels = self.splits.labels
+            if self.fixed is not None:
+                classes, origin = self.fixed, "the classes of --data.classes"
+            else:
+                classes, origin = sort_labels(set(labels["train"])), "the training split's labels"
+                if len(classes) < 2:
+                    raise UserError(f"the label column {self.hparams.label_column!r} has a single class {classes} in "
+                                    "the training split: nothing to classify")
+            for split in SPLITS:
+                unknown = sorted({str(label) for label in labels[split] if label not in classes})
+                if unknown:
+                    raise UserError(f"label(s) {unknown[:5]} of the {split} split are not among {origin} {classes}")
+            self._classes = classes
+            # the model's hyper-parameter too (linked): loggers merge both sets, which must agree
+            self.hparams["classes"] = self._hparams_initial["classes"] = list(classes)
+        return self._classes
+
+    def majority(self) -> dict:
+        """The most frequent training class and its share of the test split (the baseline beside the accuracy)."""
+        counts = torch.bincount(self.labels["train"], minlength=len(self.label_names))
+        top = int(counts.argmax())
+        return {"class": self.label_names[top], "test_accuracy": float((self.labels["test"] == top).double().mean())}
+
+    def described(self) -> dict:
+        return {split: {"from": self.splits.described[split], "examples": len(self.splits.texts[split])}
+                for split in SPLITS}
+
+    # -- Lightning hooks --
+
+    def setup(self, stage: str | None = None) -> None:
+        """Tokenise every split with the model's tokenizer (each rank; kept in memory)."""
+        if self.sets:
+            return
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        tokenizer = self.tokenizer or getattr(module, "tokenizer", None)
+        if tokenizer is None:
+            raise UserError("no tokenizer: fine-tuning data are tokenised by the model's (train with FineTuneModule)")
+        self.attach(tokenizer, getattr(module, "max_length", None))
+        if self.trainer is not None:
+            self.check_trainer(self.trainer)
+
+    def check_max_length(self, model_max_length: int | None) -> None:
+        if model_max_length is not None and self.hparams.max_length > model_max_length:
+            raise UserError(f"--data.max_length {self.hparams.max_length} exceeds the encoder's {model_max_length} "
+                            "positions")
+
+    def attach(self, tokenizer, model_max_length: int | None = None) -> None:
+        """Tokenise the splits with `tokenizer` (from Python without a trainer too)."""
+        h = self.hparams
+        self.check_max_length(model_max_length)
+        self.tokenizer = tokenizer
+        index = {label: i for i, label in enumerate(self.label_names)}
+        for split in SPLITS:
+            texts = self.splits.texts[split]
+            pairs = [pair for _, pair in texts] if h.text_pair_column is not None else None
+            encoded = tokenizer([text for text, _ in texts], pairs, truncation=True, max_length=h.max_length)
+            self.labels[split] = torch.tensor([index[label] for label in self.splits.labels[split]], dtype=torch.long)
+            self.sets[split] = Examples(dict(encoded), self.labels[split], tokenizer.pad_token_id or 0)
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def check_examples(self, world_size: int) -> None:
+        """One line when the training split makes no full global batch (the sampler drops partial ones)."""
+        examples = len(self.splits.texts["train"])
+        if examples < self.position.global_batch(world_size):
+            raise UserError(f"{examples} training examples make no full global batch of "
+                            f"{self.position.global_batch(world_size)}")
+
+    def train_dataloader(self) -> ResumableLoader:
+        h = self.hparams
+        rank, world = self._rank_world()
+        resume = self.position.begin(world)
+        examples = len(self.sets["train"])
+        sampler = BlockSampler(examples, h.batch_size, rank, world, h.seed, shuffle=True,
+                               group=self.position.global_batch(world))
+        sampler.resume(*self.position.begin_epochs(resume, len(sampler) * self.position.step))
+        return self._loader(self.sets["train"], sampler)
+
+    def val_dataloader(self) -> ResumableLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> ResumableLoader:
+        return self._eval_loader("test")
+
+    def _eval_loader(self, split: str) -> ResumableLoader:
+        rank, world = self._rank_world()
+        sampler = BlockSampler(len(self.sets[split]), self.hparams.eval_batch_size, rank, world, shuffle=False)
+        return self._loader(self.sets[split], sampler)
+
+    def _loader(self, dataset, sampler) -> ResumableLoader:
+        workers = self.hparams.num_workers
+        return ResumableLoader(dataset, sampler=sampler, batch_size=None, num_workers=workers,
+                               pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Record the data position after each training batch the step consumes (not at fetch time)."""
+        if self.trainer is not None and self.trainer.training:
+            self.position.advance(None)
+        return batch
+
+    def shrinkage_batches(self, epoch: int, max_tokens: int, rank: int, world: int):
+        """This rank's share of the first training examples of a seeded permutation per epoch holding up to
+        `max_tokens` tokens (padding excluded; at least one example), rank r taking every world-th, so their union
+        does not depend on the device count: I-STAR's C0 pass (lightning_modules/training.py)."""
+        examples = self.sets["train"]
+        generator = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + 7_777 + epoch)
+        order = torch.randperm(len(examples), generator=generator).tolist()
+        lengths = torch.tensor([len(examples.encoded["input_ids"][row]) for row in order])
+        count = max(1, int((lengths.cumsum(0) <= max_tokens).sum()))
+        chosen = order[:count][rank::world]
+        size = self.hparams.eval_batch_size
+        for start in range(0, len(chosen), size):
+            yield examples[chosen[start:start + size]]
+
+    # -- the global batch, and checkpointed state --
+
+    def accumulation(self, world_size: int) -> int:
+        h = self.hparams
+        if h.global_batch_size is None:
+            return 1
+        per_step = h.batch_size * world_size
+        if h.global_batch_size % per_step:
+            raise UserError(f"global batch {h.global_batch_size} is not a multiple of batch_size {h.batch_size} × "
+                            f"{world_size} devices; choose --data.batch_size so that it divides")
+        return h.global_batch_size // per_step
+
+    def check_trainer(self, trainer, apply: bool = True) -> None:
+        accumulate = self.accumulation(trainer.world_size)
+        if trainer.accumulate_grad_batches not in (1, accumulate):
+            raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
+                            f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
+        if apply:
+            trainer.accumulate_grad_batches = accumulate
+
+    def cached_tokenizer(self):
+        return None  # the encoder's own: nothing to compare on resume
+
+    def state_dict(self) -> dict:
+        return {"classes": list(self.label_names), **self.position.state(self._rank_world()[1])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position.restore(state, *self._rank_world())
+
+    def check_position(self, state: dict, world: int, source: str = "the checkpoint") -> None:
+        self.position.check(state, world, source)
+
+    def adapt_checkpoint(self, checkpoint: dict) -> None:
+        self.position.adapt(checkpoint.get(type(self).__qualname__) or {}, checkpoint, self._rank_world()[1])

@@ -1,0 +1,255 @@
+"""Fine-tuning any BERT-family encoder for sentence (or sentence-pair) classification, every weight trained, with an
+optional isotropy regulariser (I-STAR, CosReg: lightning_modules/regularizers.py).
+
+    python train.py fit --config configs/finetune/classify.yaml --data.source labelled.csv     # the packaged MiniLM
+    python train.py fit --config configs/finetune/sst2.yaml --model.encoder bert-base-uncased \\
+        --model.regularizer istar --model.reg_weight -1 --trainer.default_root_dir runs/sst2-istar-minus1
+
+`self.model` is transformers' AutoModelForSequenceClassification on the encoder (a hub id, a local directory, this
+project's export or run directory, or a pretraining .ckpt), its classification head new (the classes the data
+module found). The loss is the cross-entropy plus the regulariser's term on the chosen layers' token states (padding
+excluded). At the end of fit, on every rank: the validation and test splits are evaluated with the final weights
+(accuracy; per layer the IsoScore* of the test tokens: the mean over test batches of IsoScore* of the batch's tokens,
+shrunk with --model.zeta towards the covariance of all test tokens, as `analyze.py isotropy` shrinks towards the
+covariance of all tokens), then rank zero writes <default_root_dir>/export/ (transformers, `analyze.py --encoder` and
+`probe.py --model.encoder` load it) and <default_root_dir>/finetune.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.utilities import rank_zero_only
+from torch import Tensor
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from core.errors import UserError
+from core.models import model_max_length
+from core.output import staged_output, write_json
+from lightning_modules.encoder import (
+    check_is_encoder,
+    default_encoder,
+    load_failure,
+    quiet_transformers,
+    resolve_model_dir,
+)
+from lightning_modules.training import TrainingModule, check_optimisation
+from metrics.geometry import Covariance, IsoScoreStar
+
+REPORT = "finetune.json"
+
+
+def load_classifier(encoder: str, classes: list):
+    """(AutoModelForSequenceClassification with a new head of len(classes), its tokenizer) from a hub id, a local
+    directory or export, a run directory or a pretraining .ckpt; one line when it cannot be loaded."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    source = resolve_model_dir(encoder)
+    labels = {"num_labels": len(classes), "id2label": dict(enumerate(map(str, classes))),
+              "label2id": {str(c): i for i, c in enumerate(classes)}}
+    if source.endswith(".ckpt"):  # train.py's pretraining checkpoint: its encoder weights, embedded tokenizer
+        from lightning_modules.checkpoints import load_checkpoint_model
+
+        masked_lm, tokenizer = load_checkpoint_model(source)
+        masked_lm.config.update(labels)
+        model = AutoModelForSequenceClassification.from_config(masked_lm.config)
+        model.base_model.load_state_dict(masked_lm.base_model.state_dict())
+        return model, tokenizer
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its config')}") from None
+    check_is_encoder(config, encoder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as error:
+        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
+    try:
+        with quiet_transformers():  # the new head's "newly initialized" report is expected here
+            model = AutoModelForSequenceClassification.from_pretrained(source, **labels, ignore_mismatched_sizes=True)
+    except Exception as error:
+        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
+    return model, tokenizer
+
+
+class FineTuneModule(TrainingModule):
+    """AutoModelForSequenceClassification + AdamW with linear warm-up and decay; logs train/loss (and the
+    regulariser's train/reg_loss, train/isoscore_star or train/mean_cosine), val/loss, val/accuracy.
+
+    Args:
+        encoder: hub id, local directory, this project's export or run directory, or a pretraining .ckpt (None: the
+            packaged MiniLM).
+        classes: the class names, in label order (linked from the data module by train.py).
+        lr, betas, eps, weight_decay, decay_bias_and_norm: AdamW (fused where the device has the kernels); biases and
+            LayerNorm weights are not decayed by default (BERT's convention).
+        warmup_steps, decay_steps, end_lr, power: linear warm-up to `lr`, then (1 - progress)^power decay to `end_lr`
+            at `decay_steps` (default: the trainer's max_steps).
+        dropout: hidden and attention dropout (None: the encoder's own, 0.1 for BERT-family checkpoints).
+        regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: the isotropy regulariser (none, istar,
+            cosreg; lightning_modules/regularizers.py); zeta also shrinks the report's IsoScore* of the test tokens.
+    """
+
+    def __init__(
+        self,
+        encoder: str | None = None,
+        classes: list[str | int] | None = None,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        decay_bias_and_norm: bool = False,
+        warmup_steps: int = 20,
+        decay_steps: int | None = None,
+        end_lr: float = 0.0,
+        power: float = 1.0,
+        dropout: float | None = None,
+        regularizer: str = "none",
+        reg_weight: float = 0.0,
+        reg_layers: str | int | list[int] | None = None,
+        zeta: float = 0.2,
+        reg_shrinkage_tokens: int = 250_000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        check_optimisation(self.hparams)
+        if not classes or len(classes) < 2:
+            raise UserError(f"fine-tuning needs at least two classes, got {classes}")
+        self.make_regularizer()  # its options checked before the encoder loads
+        self.encoder_name = encoder or default_encoder()
+        self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes))
+        self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
+        config = self.model.config
+        if dropout is not None:
+            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout"):
+                if hasattr(config, key):
+                    setattr(config, key, dropout)
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = dropout
+        self.regularizer.bind(config.num_hidden_layers)
+        self.max_length = model_max_length(self.model, self.tokenizer)
+        self.val_loss = MeanMetric()
+        self.val_accuracy = MulticlassAccuracy(len(classes), average="micro")
+        self.results: dict = {}
+
+    # -- steps --
+
+    def forward(self, batch: dict[str, Tensor], hidden_states: bool = False):
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "token_type_ids") if key in batch}
+        return self.model(**inputs, output_hidden_states=hidden_states)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        tap = self.hidden_state_tap
+        wanted = self.request_states()  # the regulariser's request (with the graph) and the callbacks', one forward
+        try:
+            out = self(batch, hidden_states=wanted)
+            loss = F.cross_entropy(out.logits.float(), batch["labels"])
+        except BaseException:
+            tap.release(self.regularizer)
+            raise
+        return self.regularized(loss, out.hidden_states if wanted else None, batch["attention_mask"].bool())
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        tap = self.hidden_state_tap
+        out = self(batch, hidden_states=tap.active)
+        if tap.active:
+            tap.keep(out.hidden_states)
+        self.val_loss.update(F.cross_entropy(out.logits.float(), batch["labels"]), len(batch["labels"]))
+        self.val_accuracy.update(out.logits.argmax(-1), batch["labels"])
+
+    def on_validation_epoch_end(self) -> None:
+        loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # over every rank's examples
+        self.val_loss.reset()
+        self.val_accuracy.reset()
+        self.log_dict({"val/loss": loss, "val/accuracy": accuracy}, prog_bar=True, sync_dist=True)
+
+    def shrinkage_states(self, batch: dict) -> tuple[list[Tensor], Tensor | None]:
+        """I-STAR's C0 pass: the regulariser's layers of a batch of training examples, padding excluded."""
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        states = self(batch, hidden_states=True).hidden_states
+        return [states[layer] for layer in self.regularizer.layers], batch["attention_mask"].bool()
+
+    # -- the end of fit: evaluation with the final weights, export, report --
+
+    @torch.no_grad()
+    def evaluate(self, loader, isotropy: bool) -> dict:
+        """Accuracy over every rank's examples of `loader`; with `isotropy`, per layer the IsoScore* of the tokens
+        (each batch's, shrunk with zeta towards the covariance of all of them: a first pass)."""
+        layers, hidden = self.model.config.num_hidden_layers + 1, self.model.config.hidden_size
+        training = self.training
+        self.eval()
+        try:
+            accuracy = MulticlassAccuracy(self.model.config.num_labels, average="micro").to(self.device)
+            covariance = Covariance(layers, hidden).to(self.device)
+            covariance.update(torch.zeros(layers, 0, hidden, device=self.device))  # a rank with no batch takes part
+            for batch in loader if isotropy else ():
+                batch = {key: value.to(self.device) for key, value in batch.items()}
+                mask = batch["attention_mask"].bool()
+                covariance.update(torch.stack(self(batch, hidden_states=True).hidden_states), mask)
+            star = IsoScoreStar(layers, hidden, self.hparams.zeta, shrinkage=covariance.compute().cov).to(self.device)
+            for batch in loader:
+                batch = {key: value.to(self.device) for key, value in batch.items()}
+                out = self(batch, hidden_states=isotropy)
+                accuracy.update(out.logits.argmax(-1), batch["labels"])
+                if isotropy:
+                    star.update(torch.stack(out.hidden_states)[:, batch["attention_mask"].bool()])
+            result = {"accuracy": float(accuracy.compute())}
+            if isotropy:
+                result["isoscore_star"] = star.compute().tolist()
+            return result
+        finally:
+            self.train(training)
+
+    def on_fit_end(self) -> None:
+        trainer = self.trainer
+        if self.monitor is not None:
+            self.monitor.check(trainer.strategy)  # a run that ends past a non-finite step exports nothing
+        data = trainer.datamodule
+        val, test = self.evaluate(data.val_dataloader(), False), self.evaluate(data.test_dataloader(), True)
+        self.results = {"val": val, "test": test, "steps": trainer.global_step}
+        for logger in trainer.loggers if trainer.is_global_zero else ():
+            logger.log_metrics({"val/final_accuracy": val["accuracy"], "test/accuracy": test["accuracy"],
+                                **{f"test/layer_{layer}/isoscore_star": value
+                                   for layer, value in enumerate(test["isoscore_star"])}}, step=trainer.global_step)
+        self.write_outputs(Path(trainer.default_root_dir), data)
+        trainer.strategy.barrier("export")
+
+    def report(self, data) -> dict:
+        h, reg, results = self.hparams, self.regularizer, self.results
+        return {
+            "encoder": self.encoder_name, "regularizer": h.regularizer, "reg_weight": h.reg_weight, "zeta": h.zeta,
+            "reg_layers": reg.layers, "accuracy": results["test"]["accuracy"], "val_accuracy": results["val"]["accuracy"],
+            "steps": results["steps"],
+            "layers": [{"layer": layer, "isoscore_star": value}
+                       for layer, value in enumerate(results["test"]["isoscore_star"])],
+            "classes": list(h.classes), "majority": data.majority(), "splits": data.described(),
+            "isoscore_star_note": f"per layer (0 = embedding output), the mean over test batches of IsoScore* of the "
+                                  f"batch's tokens (padding excluded) shrunk with zeta {h.zeta} towards the "
+                                  "covariance of all test tokens",
+        }
+
+    @rank_zero_only
+    def write_outputs(self, root: Path, data) -> None:
+        """export/ (config.json, model.safetensors, the tokenizer files) and finetune.json, each whole or absent."""
+        with staged_output(root / "export", "the export") as stage:
+            self.model.save_pretrained(stage)
+            self.tokenizer.save_pretrained(stage)
+        with staged_output(root) as stage:
+            write_json(stage / REPORT, self.report(data))
+
+    def check_checkpoint(self, hparams: dict, what: str = "the checkpoint") -> None:
+        """One line when a checkpoint was fine-tuned on other classes than the data give."""
+        saved = hparams.get("classes")
+        if saved is not None and list(saved) != list(self.hparams.classes):
+            raise UserError(f"{what} was fine-tuned on the classes {list(saved)} but the data give "
+                            f"{list(self.hparams.classes)}; resume with the same data")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_checkpoint(checkpoint.get("hyper_parameters", {}))
+        super().on_load_checkpoint(checkpoint)
+        data = getattr(self._trainer, "datamodule", None)
+        if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict
+            data.adapt_checkpoint(checkpoint)

@@ -1,0 +1,359 @@
+"""train.py's fine-tuning end to end on a tiny BERT (a local stand-in for a hub id) and a small labelled file: the
+export against plain transformers, finetune.json against a direct computation, exact resume and 2-process DDP with
+I-STAR on, GLUE's configs (a local datasets directory standing in for glue/rte), and bad input.
+
+    .venv/bin/pytest tests/test_finetune.py -q
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train
+from datamodules.finetune import FineTuneDataModule
+from lightning_modules.encoder import load_encoder
+from metrics.geometry import Covariance, isoscore_star
+from tests.test_refusals import files_under, stderr_lines
+from tests.tiny import bert_tokenizer, corpus_sentences, save_tiny_encoder
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+CONFIG = ROOT / "configs" / "finetune" / "classify.yaml"
+EPOCH = 8  # 80 labelled lines: 64 train (80/10/10) / batch 8
+
+
+def labelled(path: Path, count: int = 80, start: int = 300) -> Path:
+    """Lines of the bundled corpus labelled by whether they hold a comma."""
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for line in corpus_sentences(count, start=start):
+            writer.writerow([line, "comma" if "," in line else "plain"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("finetune-inputs")
+    tokenizer = bert_tokenizer(folder / "tokenizer")
+    return {"encoder": save_tiny_encoder(folder / "bert", "bert", tokenizer, hidden_dropout_prob=0.1),
+            "data": labelled(folder / "data.csv")}
+
+
+def ft_args(root: Path, inputs: dict, *extra: str) -> list[str]:
+    logger = json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger",
+                         "init_args": {"save_dir": str(root), "name": "lightning_logs"}})
+    return ["fit", "--config", str(CONFIG), "--model.encoder", str(inputs["encoder"]), "--data.source",
+            str(inputs["data"]), "--data.max_length", "32", "--data.batch_size", "8", "--data.eval_batch_size", "5",
+            "--model.warmup_steps", "2", "--model.decay_steps", "12", "--model.lr", "1e-3",
+            "--model.reg_shrinkage_tokens", "300",
+            "--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.logger", logger, "--trainer.default_root_dir", str(root), "--checkpoint.every_n_train_steps",
+            "2", *extra]
+
+
+ISTAR = ("--model.regularizer", "istar", "--model.reg_weight", "0.5")
+
+
+def logged(root: Path) -> dict[int, dict]:
+    rows = {}
+    for path in sorted((root / "lightning_logs").glob("version_*/metrics.csv")):
+        with path.open() as handle:
+            for row in csv.DictReader(handle):
+                if row.get("train/loss"):
+                    rows[int(row["step"])] = {key: float(value) for key, value in row.items()
+                                              if key.startswith("train/") and value}
+    return rows
+
+
+def checkpoint(root: Path) -> dict:
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, inputs) -> Path:
+    """12 steps with I-STAR (λ 0.5; C0 at steps 0 and 8, the second epoch's start)."""
+    root = tmp_path_factory.mktemp("straight")
+    assert train.cli_main(ft_args(root, inputs, *ISTAR)) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_the_export_gives_the_modules_logits_and_finetune_json_what_a_direct_computation_gives(straight, inputs):
+    """export/ loads in plain transformers with the trained module's logits; analyze.py's and probe.py's loader take
+    it and the run directory; finetune.json's test accuracy and per-layer IsoScore* equal those recomputed from the
+    export on the test split; each logged train/reg_loss is λ (1 - train/isoscore_star)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from lightning_modules.finetune import FineTuneModule
+
+    exported = AutoModelForSequenceClassification.from_pretrained(straight / "export").eval()
+    tokenizer = AutoTokenizer.from_pretrained(straight / "export")
+    module = FineTuneModule.load_from_checkpoint(straight / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+    texts = corpus_sentences(6, start=5000)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**batch).logits, module.model(**batch).logits, rtol=0, atol=1e-6)
+        hidden = exported.bert(**batch, output_hidden_states=True).hidden_states
+    for source in (straight, straight / "export"):  # analyze.py --encoder, probe.py --model.encoder
+        encoder = load_encoder(source, device="cpu")
+        got = encoder(batch["input_ids"], batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+        torch.testing.assert_close(got.hidden_states, torch.stack(hidden), rtol=0, atol=1e-6)
+
+    report = json.loads((straight / "finetune.json").read_text())
+    assert {"encoder", "regularizer", "reg_weight", "zeta", "reg_layers", "accuracy", "val_accuracy", "steps",
+            "layers"} <= set(report)
+    assert (report["regularizer"], report["reg_weight"], report["zeta"], report["reg_layers"], report["steps"]) == \
+        ("istar", 0.5, 0.2, [1, 2, 3], 12)
+    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, eval_batch_size=5)
+    data.attach(tokenizer)
+    batches = [data.sets["test"][list(range(i, min(i + 5, len(data.sets["test"]))))]
+               for i in range(0, len(data.sets["test"]), 5)]
+    correct, states = 0, []
+    with torch.no_grad():
+        for test in batches:
+            out = exported(**{k: v for k, v in test.items() if k != "labels"}, output_hidden_states=True)
+            correct += int((out.logits.argmax(-1) == test["labels"]).sum())
+            states.append((torch.stack(out.hidden_states), test["attention_mask"].bool()))
+    assert report["accuracy"] == pytest.approx(correct / len(data.sets["test"]), abs=1e-6)
+    covariance = Covariance(4, 32)
+    for hidden_states, mask in states:
+        covariance.update(hidden_states, mask)
+    c0 = covariance.compute().cov
+    for layer in range(4):
+        star = [isoscore_star(h[layer][m], 0.2, c0[layer]).item() for h, m in states if int(m.sum()) >= 2]
+        assert report["layers"][layer]["isoscore_star"] == pytest.approx(sum(star) / len(star), abs=1e-6)
+
+    rows = logged(straight)
+    assert sorted(rows) == list(range(12))
+    for row in rows.values():
+        assert row["train/reg_loss"] == pytest.approx(0.5 * (1 - row["train/isoscore_star"]), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [5, EPOCH])  # inside the first epoch, and at its end (C0 of the next one is due)
+def test_resume_with_istar_is_exact(straight, inputs, tmp_path, stop):
+    """N steps, then --ckpt_path last to 12: every step's loss, the regulariser's values, C0 and the weights of the
+    straight run, bit for bit (data position, dropout and C0 restored or recomputed where the straight run did)."""
+    root = tmp_path / "resumed"
+    assert train.cli_main(ft_args(root, inputs, *ISTAR, "--trainer.max_steps", str(stop))) == 0
+    assert checkpoint(root)["regularizer"]["epoch"] == 0
+    assert train.cli_main(ft_args(root, inputs, *ISTAR, "--ckpt_path", "last")) == 0
+    assert logged(root) == logged(straight)
+    resumed, reference = checkpoint(root), checkpoint(straight)
+    assert resumed["regularizer"]["epoch"] == reference["regularizer"]["epoch"] == 1
+    torch.testing.assert_close(resumed["regularizer"]["shrinkage"], reference["regularizer"]["shrinkage"], rtol=0,
+                               atol=0)
+    for name, value in reference["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_gives_the_regularised_loss_of_one_process(inputs, tmp_path):
+    """I-STAR under DDP: 2 processes (gloo) × 4 examples a step against 1 × 8, dropout off: the same loss, I-STAR term
+    and IsoScore* every step (the moments of every rank's tokens together), the same C0 and weights."""
+    common = (*ISTAR, "--model.dropout", "0.0", "--trainer.max_steps", "5")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train.cli_main(ft_args(one, inputs, *common)) == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"),
+                             *ft_args(two, inputs, *common, "--data.batch_size", "4", "--trainer.devices", "2",
+                                      "--trainer.strategy", "ddp")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = logged(one), logged(two)
+    assert sorted(a) == sorted(b) == list(range(5))
+    for step in a:
+        for key in ("train/loss", "train/reg_loss", "train/isoscore_star"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+    for name, value in checkpoint(one)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(two)["state_dict"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # C0: each rank's share padded to its own batches' widths (float32 rounding in the padded attention)
+    torch.testing.assert_close(checkpoint(two)["regularizer"]["shrinkage"], checkpoint(one)["regularizer"]["shrinkage"],
+                               rtol=1e-4, atol=1e-7)
+    reports = [json.loads((root / "finetune.json").read_text()) for root in (one, two)]
+    assert reports[1]["accuracy"] == pytest.approx(reports[0]["accuracy"], abs=1e-6)
+
+
+def glue_standin(folder: Path) -> Path:
+    """A datasets directory shaped like glue/rte: train, validation and a test split whose labels GLUE hides (-1)."""
+    import datasets
+
+    lines = corpus_sentences(90, start=700)
+    def split(rows, hidden=False):
+        return datasets.Dataset.from_dict({"sentence1": [lines[i] for i in rows], "sentence2": [lines[i + 1] for i in rows],
+                                           "label": [-1 if hidden else i % 2 for i in rows], "idx": list(rows)})
+    datasets.DatasetDict({"train": split(range(0, 60)), "validation": split(range(60, 80)),
+                          "test": split(range(80, 89), hidden=True)}).save_to_disk(str(folder))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_glue_config_reads_sentence_pairs_and_its_own_splits(inputs, tmp_path):
+    """configs/finetune/rte.yaml with a local stand-in for glue/rte: pairs are encoded as pairs, the hidden test
+    labels make validation the test set, and the run writes its report. Every task config parses with its columns."""
+    from transformers import AutoTokenizer
+
+    source = glue_standin(tmp_path / "rte")
+    root = tmp_path / "run"
+    assert train.cli_main(["fit", "--config", str(ROOT / "configs" / "finetune" / "rte.yaml"), "--model.encoder",
+                           str(inputs["encoder"]), "--data.source", str(source), "--data.max_length", "32",
+                           "--data.batch_size", "8", "--trainer.max_steps", "2", "--model.warmup_steps", "0",
+                           "--trainer.val_check_interval", "2", "--trainer.logger", "false",
+                           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)]) == 0
+    report = json.loads((root / "finetune.json").read_text())
+    assert report["classes"] == [0, 1] and report["steps"] == 2
+    assert report["splits"]["test"] == {"from": f"{source} split 'validation' (its 'test' split is unlabelled)",
+                                        "examples": 20}
+    assert report["splits"]["train"]["examples"] == 54 and report["splits"]["val"]["examples"] == 6
+    data = FineTuneDataModule(source=str(source), text_column="sentence1", text_pair_column="sentence2",
+                              max_length=32)
+    tokenizer = AutoTokenizer.from_pretrained(root / "export")
+    data.attach(tokenizer)
+    first = data.splits.texts["test"][0]
+    expected = tokenizer(first[0], first[1], truncation=True, max_length=32)["input_ids"]
+    row = data.sets["test"][[0]]
+    assert row["input_ids"][0, :len(expected)].tolist() == expected and 1 in row["token_type_ids"][0].tolist()
+    columns = {"sst2": ("sentence", None), "cola": ("sentence", None), "mrpc": ("sentence1", "sentence2"),
+               "qqp": ("question1", "question2"), "qnli": ("question", "sentence"), "rte": ("sentence1", "sentence2"),
+               "sst5": ("text", None)}
+    for name, (text, pair) in columns.items():
+        config = yaml.safe_load((ROOT / "configs" / "finetune" / f"{name}.yaml").read_text())
+        data_args, trainer = config["data"]["init_args"], config["trainer"]
+        assert (data_args["text_column"], data_args["text_pair_column"]) == (text, pair), name
+        assert config["model"]["init_args"]["warmup_steps"] == round(trainer["max_steps"] / 10), name
+        assert trainer["max_steps"] == 3 * trainer["val_check_interval"], name  # 3 epochs, validated once each
+
+
+def bad_inputs(tmp: Path, inputs: dict) -> dict[str, tuple[tuple, str]]:
+    """name: (extra arguments, the line after `train.py: error: `)."""
+    single = tmp / "single.csv"
+    single.write_text("text,label\n" + "".join(f"line {i},yes\n" for i in range(20)))
+    unlabelled = tmp / "unlabelled.csv"
+    unlabelled.write_text("text,label\nfirst line,a\nsecond line,\n")
+    unseen = tmp / "unseen"
+    unseen.mkdir()
+    for split, labels in (("train", "ab"), ("validation", "ab"), ("test", "abz")):
+        with open(unseen / f"{split}.csv", "w", newline="", encoding="utf-8") as handle:
+            handle.write("text,label\n" + "".join(f"sentence {i},{labels[i % len(labels)]}\n" for i in range(12)))
+    from tests.test_refusals import foreign_checkpoint
+
+    pretraining = foreign_checkpoint(tmp / "pretraining.ckpt")
+    istar = ("--model.regularizer", "istar", "--model.reg_weight", "1")
+    return {
+        "an unknown regularizer": (("--model.regularizer", "isotropy"),
+                                   "--model.regularizer must be one of none, istar, cosreg, got 'isotropy'"),
+        "reg_layers outside the model": ((*istar, "--model.reg_layers", "2,7"),
+                                         "--model.reg_layers 2,7: layer(s) [7] are outside the model's layers 0..3 "
+                                         "(0 = embedding output)"),
+        "reg_layers not understood": ((*istar, "--model.reg_layers", "top"),
+                                      "--model.reg_layers must be all, last or layers such as 4 or 1,3,5, got 'top'"),
+        "zeta outside [0, 1]": ((*istar, "--model.zeta", "1.5"), "--model.zeta must lie in [0, 1], got 1.5"),
+        "a C0 token budget below 2": ((*istar, "--model.reg_shrinkage_tokens", "1"),
+                                      "--model.reg_shrinkage_tokens must be at least 2, got 1"),
+        "no data source": (("--data.source", "null"), "no data source: pass --data.source (a file with text and label "
+                                                      "columns, a datasets directory or a datasets name)"),
+        "a label column with one class": (("--data.source", str(single)),
+                                          "the label column 'label' has a single class ['yes'] in the training split: "
+                                          "nothing to classify"),
+        "a label missing from the training split": (("--data.source", str(unseen)),
+                                                    "label(s) ['z'] of the test split are not among the training "
+                                                    "split's labels ['a', 'b']"),
+        "a label column the data lack": (("--data.label_column", "stars"),
+                                         f"no label column 'stars' in {inputs['data']} (columns: ['label', 'text']); "
+                                         "pass --data.label_column"),
+        "a row without a label": (("--data.source", str(unlabelled)), f"{unlabelled}: row 2 has no label (column "
+                                                                     "'label')"),
+        "a text pair column the data lack": (("--data.text_pair_column", "hypothesis"),
+                                             f"text pair column 'hypothesis' not in {inputs['data']} (columns: "
+                                             "['label', 'text'])"),
+        "classes that are not two distinct ones": (("--data.classes", "[comma]"),
+                                                   "--data.classes needs at least two distinct classes, got "
+                                                   "['comma']"),
+        "split fractions that leave no training split": (("--data.val_fraction", "0.6", "--data.test_fraction", "0.5"),
+                                                         "--data.val_fraction 0.6 and --data.test_fraction 0.5 must be "
+                                                         "in [0, 1) and sum below 1"),
+        "a global batch that is not a multiple of the batch": (("--data.global_batch_size", "12"),
+                                                               "--data.global_batch_size 12 must be a multiple of "
+                                                               "--data.batch_size 8"),
+        "too few training examples for a global batch": (("--data.global_batch_size", "128"),
+                                                         "64 training examples make no full global batch of 128"),
+        "an encoder that is not there": (("--model.encoder", str(tmp / "no-such-encoder")),
+                                         f"encoder path not found: {tmp / 'no-such-encoder'}"),
+        "max_length beyond the encoder": (("--data.max_length", "100"),
+                                          "--data.max_length 100 exceeds the encoder's 64 positions"),
+        "a checkpoint of pretraining": (("--ckpt_path", str(pretraining)),
+                                        f"{pretraining} is not a checkpoint of this project's fine-tuning (no "
+                                        "FineTuneModule hyper-parameters and state_dict)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["an unknown regularizer", "reg_layers outside the model", "reg_layers not understood",
+                                  "zeta outside [0, 1]", "a C0 token budget below 2", "no data source", "a label column with one class",
+                                  "a label missing from the training split", "a label column the data lack",
+                                  "a row without a label", "a text pair column the data lack",
+                                  "classes that are not two distinct ones",
+                                  "split fractions that leave no training split",
+                                  "a global batch that is not a multiple of the batch",
+                                  "too few training examples for a global batch", "an encoder that is not there",
+                                  "max_length beyond the encoder", "a checkpoint of pretraining"])
+def test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
+    extra, message = bad_inputs(tmp_path, inputs)[case]
+    root = tmp_path / "run"
+    before = files_under(tmp_path)
+    assert train.cli_main(ft_args(root, inputs, *extra)) == 2
+    assert stderr_lines(capfd) == ["train.py: error: " + message]
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_resuming_a_fine_tuning_run_on_data_with_other_classes_is_refused(straight, inputs, tmp_path, capfd):
+    root = tmp_path / "run"
+    shutil.copytree(straight, root)
+    other = tmp_path / "other.csv"
+    other.write_text(inputs["data"].read_text(encoding="utf-8").replace(",comma\n", ",clause\n"), encoding="utf-8")
+    files = files_under(root)
+    assert train.cli_main(ft_args(root, {**inputs, "data": other}, "--ckpt_path", "last",
+                                  "--trainer.max_steps", "14")) == 2
+    ckpt = root / "checkpoints" / "last.ckpt"
+    assert stderr_lines(capfd) == [f"train.py: error: checkpoint {ckpt} was fine-tuned on the classes ['comma', "
+                                   "'plain'] but the data give ['clause', 'plain']; resume with the same data"]
+    assert files_under(root) == files
+
+
+@pytest.mark.slow
+def test_a_regulariser_with_weight_zero_warns_and_trains_as_without(inputs, tmp_path):
+    """λ = 0: one warning line, then the run of regularizer none (the same losses), with its statistic logged."""
+    short = ("--trainer.max_steps", "3")
+    assert train.cli_main(ft_args(tmp_path / "none", inputs, *short)) == 0
+    with pytest.warns(UserWarning) as said:
+        assert train.cli_main(ft_args(tmp_path / "zero", inputs, *short, "--model.regularizer", "istar")) == 0
+    assert [str(w.message) for w in said if str(w.message).startswith("--model.regularizer")] == [
+        "--model.regularizer istar with --model.reg_weight 0 does not change the loss: its isoscore_star is computed "
+        "and logged only (λ > 0 pushes towards isotropy, λ < 0 away)"]
+    none, zero = logged(tmp_path / "none"), logged(tmp_path / "zero")
+    assert {step: row["train/loss"] for step, row in zero.items()} == \
+        {step: row["train/loss"] for step, row in none.items()}
+    assert all(row["train/reg_loss"] == 0 and 0 < row["train/isoscore_star"] < 1 for row in zero.values())
+@pytest.mark.parametrize("extra, message", [
+    (("--model.regularizer", "cosreg", "--model.reg_layers", "5"),
+     "--model.reg_layers 5: layer(s) [5] are outside the model's layers 0..2 (0 = embedding output)"),
+    (("--model.regularizer", "istar", "--model.zeta", "-0.1"), "--model.zeta must lie in [0, 1], got -0.1"),
+])
+def test_pretraining_refuses_bad_regulariser_options_in_one_line(corpus, cache, tmp_path, capfd, extra, message):
+    from tests.test_train import tiny_args
+
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *extra, "--model.reg_weight", "1")) == 2
+    assert stderr_lines(capfd) == ["train.py: error: " + message] and not root.exists()
