@@ -5,6 +5,7 @@
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
     python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
+    python analyze.py isotropy --normalize softdecay             # tokenUni's SoftDecay beside raw and clipped
     python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
     python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
@@ -15,7 +16,7 @@ Every evaluation reports raw values beside clipped ones (`--clip auto`, the defa
 dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
 outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
-`--normalize whiten` or `standardize`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
+`--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
 analyses/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
 embedding output. Errors in the input are one line on stderr and exit status 2, with nothing written.
@@ -36,7 +37,7 @@ from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
 from metrics.outliers import OutlierRule
-from metrics.transforms import NORMALIZATIONS, parse_clip
+from metrics.transforms import NORMALIZATIONS, SOFTDECAY_ALPHA, check_softdecay_alpha, parse_clip
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
@@ -78,7 +79,10 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
-                             "sentence embeddings of the pairs)")
+                             "sentence embeddings of the pairs), or tokenUni's SoftDecay (Yan et al. 2022) of each "
+                             "sentence's token matrix")
+    parser.add_argument("--softdecay_alpha", type=float, default=SOFTDECAY_ALPHA,
+                        help=f"SoftDecay's alpha, in (-1, 0) (default {SOFTDECAY_ALPHA})")
     add_rule_arguments(parser)
 
 
@@ -173,6 +177,8 @@ def validate(args) -> None:
         raise UserError(f"--sigma must be positive, got {args.sigma}")
     if not 0 < getattr(args, "min_share", 0.2) <= 1:
         raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
+    if getattr(args, "normalize", "none") == "softdecay":
+        check_softdecay_alpha(args.softdecay_alpha)
     if hasattr(args, "clip"):
         args.clip = parse_clip(args.clip)
         for note in args.clip.notes:
