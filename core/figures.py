@@ -4,6 +4,7 @@
     position_rows_figure(rows, dims=[d1, d2])                                    # Figures 3-4
     save_figure(fig, "runs/x/mean_vectors.png")                                 # or figure_array(fig): RGB for loggers
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
+    over_steps_figure([{"title": "entropy", "series": {"layer 1": ([0, 100], [.9, .7])}}])       # live, over time
 """
 
 from __future__ import annotations
@@ -135,6 +136,31 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
         ax.axis("off")
     if title:
         fig.suptitle(textwrap.fill(title, width=int(10 * 5.2 * columns)), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int = 3):
+    """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
+
+    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}."""
+    columns = max(1, min(columns, len(panels)))
+    rows = (len(panels) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        series = panel["series"]
+        colors = plt.cm.viridis(np.linspace(0, 1, max(len(series), 2)))
+        for (name, (steps, values)), color in zip(series.items(), colors):
+            ax.plot(list(steps), list(values), marker="o", markersize=2.5, linewidth=1, color=color, label=name)
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes.flat[0].legend(fontsize=6, ncol=2)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(textwrap.fill(title, width=int(10 * 4.6 * columns)), fontsize=10)
     fig.tight_layout()
     return fig
 
