@@ -10,6 +10,7 @@
     python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
     python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
+    python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
@@ -31,6 +32,7 @@ from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
 from analyses.session import distributed
+from analyses.trajectory import run_trajectory
 from core.cli import OneLineArgumentParser
 from core.errors import UserError, plain_warnings
 from datamodules.pairs import STS_PRESETS
@@ -41,9 +43,10 @@ from metrics.transforms import NORMALIZATIONS, SOFTDECAY_ALPHA, check_softdecay_
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
-                         max_sentences: int = 2000) -> None:
-    parser.add_argument("--encoder", default=None,
-                        help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
+                         max_sentences: int = 2000, encoder: bool = True) -> None:
+    if encoder:
+        parser.add_argument("--encoder", default=None,
+                            help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
     if data is not False:
         parser.add_argument("--data", default=data, required=data is None,
                             help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
@@ -92,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
-                max_sentences: int = 2000, variants: bool = True) -> argparse.ArgumentParser:
+                max_sentences: int = 2000, variants: bool = True, encoder: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
-        add_common_arguments(sub, output, data, max_sentences)
+        add_common_arguments(sub, output, data, max_sentences, encoder)
         add_variant_arguments(sub) if variants else add_rule_arguments(sub)
         sub.set_defaults(run=run)
         return sub
@@ -135,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")
     paper.add_argument("--pool_sentences", type=int, default=5000,
                        help="sentences searched for the self-similarity words (0: all; default 5000)")
+    trajectory = command("trajectory", run_trajectory, "outlier statistics, anisotropy and IsoScore* of every "
+                         "checkpoint of a run, in step order, on the same sentences", "trajectory", variants=False,
+                         encoder=False)
+    sources = trajectory.add_mutually_exclusive_group(required=True)
+    sources.add_argument("--run", dest="run_dir", metavar="RUN_DIR", default=None, help="a train.py run directory: every checkpoint in its checkpoints/")
+    sources.add_argument("--encoders", nargs="+", default=None,
+                         help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
@@ -143,10 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    for sub in (anisotropy, isotropy, everything, paper):
+    for sub in (anisotropy, isotropy, everything, paper, trajectory):
         sub.add_argument("--num_pairs", type=int, default=1000,
                          help="token pairs: one random token from each of 2 x this many random sentences")
-    for sub in (isotropy, everything):
+    for sub in (isotropy, everything, trajectory):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
         sub.add_argument("--minibatches", type=int, default=4, help="IsoScore* mini-batches (averaged)")
@@ -185,7 +195,7 @@ def validate(args) -> None:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
-    if args.encoder is None:
+    if getattr(args, "encoder", "") is None:
         args.encoder = default_encoder()
 
 

@@ -70,6 +70,30 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
             "layers": per_layer(values, setting.encoder.num_hidden_states)}
 
 
+def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta: float = 0.2, minibatch: int = 250,
+                        minibatches: int = 4) -> tuple[Tensor, Tensor, int]:
+    """(IsoScore* [layers], plain IsoScore [layers] of the same mini-batches, their number) of up to `minibatches`
+    mini-batches of `minibatch` tokens of the reference's sample (one random token per sentence, in a seeded order),
+    the variant applied, shrunk towards the covariance of all its tokens with `zeta` (nan without a whole batch)."""
+    filled = reference.sample[1]
+    kept = filled.nonzero().flatten()
+    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed))
+    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
+    _, cov = reference.moments_of(variant)
+    points = reference.sample_of(variant)[0][kept].transpose(0, 1)  # [layers, sampled tokens, hidden]
+    layers, hidden = points.shape[0], points.shape[2]
+    if not batches:
+        return torch.full((layers,), float("nan")), torch.full((layers,), float("nan")), 0
+    # The sample is already the same on every rank: no sync.
+    star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
+    plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
+    transformed = variant.apply(points)
+    for batch in batches:
+        star.update(transformed[:, batch])
+        plain.update(transformed[:, batch])
+    return star.compute(), plain.compute(), len(batches)
+
+
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
              minibatches: int = 4) -> dict:
     """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
@@ -77,28 +101,18 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
     singular-value spectrum of each layer's corpus-wide token matrix (all sentences' tokens together: `corpus_*`,
     moments transformed exactly); and tokenUni's per-sequence spectrum (`sequence_*`: each sentence's own token
     matrix, one more pass over `sentences`); per variant."""
-    stats, filled = reference.covariance, reference.sample[1]
-    layers, hidden = setting.encoder.num_hidden_states, setting.encoder.hidden_size
-    kept = filled.nonzero().flatten()
-    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(setting.seed))
-    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
+    stats = reference.covariance
+    layers = setting.encoder.num_hidden_states
     values, spectra = {}, {}
     for variant in reference.variants:
         mean, cov = reference.moments_of(variant)  # exact moments of the variant's tokens
-        points = reference.sample_of(variant)[0][kept].transpose(0, 1)  # [layers, sampled tokens, hidden]
-        # The sample is already the same on every rank: no sync.
-        star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
-        plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
-        transformed = variant.apply(points)
-        for batch in batches:
-            star.update(transformed[:, batch])
-            plain.update(transformed[:, batch])
+        star, plain, batches = minibatch_isoscores(reference, variant, setting.seed, zeta, minibatch, minibatches)
         spec = spectrum_of_moments(mean, cov, stats.num_tokens)  # of the synced moments: no second sync
         spectra[variant.key] = [[round(float(s), 6) for s in row] for row in spec["singular_values"]]
         values[variant.key] = {
             "isoscore": isoscore(cov),
-            "isoscore_star": star.compute() if batches else torch.full((layers,), float("nan")),
-            "isoscore_minibatch": plain.compute() if batches else torch.full((layers,), float("nan")),
+            "isoscore_star": star,
+            "isoscore_minibatch": plain,
             **{f"corpus_{key}": spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
         }
     sequences = sequence_spectra(setting, sentences, reference.variants)
@@ -107,7 +121,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens, "zeta": zeta,
-            "minibatch_tokens": minibatch, "num_minibatches": len(batches), "layers": rows,
+            "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             "corpus_spectra": spectra,
             "sequence_spectra": {key: [[round(float(v), 6) for v in row] for row in result["spectrum"]]
                                  for key, result in sequences.items()},

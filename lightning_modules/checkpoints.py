@@ -37,7 +37,7 @@ def load_checkpoint_model(path: str | Path):
     """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters, weights, embedded tokenizer."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
-    keys = [key for key in ARCHITECTURE if key != "position_embeddings"]
+    keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]  # rows: below
     specials = {key: hparams.get(key, default) for key, default in
                 (("pad_token_id", 1), ("bos_token_id", 0), ("eos_token_id", 2))}  # older checkpoints: RoBERTa's
     rows = padded_vocab(hparams["vocab_size"], hparams.get("pad_vocab_to_multiple_of", 1))
