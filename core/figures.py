@@ -30,10 +30,12 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
     layers = list(layers) if layers is not None else list(range(mean.shape[0]))
     outliers = outliers or {}
     fig, axes = plt.subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 0.8), sharex=True, squeeze=False)
-    dims = np.arange(mean.shape[1])
+    edges = np.arange(mean.shape[1] + 1) - 0.5  # dimension d's bar spans d - 0.5 .. d + 0.5
     for ax, layer in zip(axes[:, 0], layers):
         values = mean[layer]
-        ax.bar(dims, values, width=1.0, color="#4c72b0", linewidth=0)
+        # one filled step patch per layer draws the bars of width 1 (thousands of bar patches take seconds to draw at
+        # 768 dimensions x 13 layers, an image the live callbacks make during training)
+        ax.stairs(values, edges, baseline=0, fill=True, color="#4c72b0", linewidth=0)
         marked = [d for d in outliers.get(layer, []) if 0 <= d < len(values)]
         if marked:
             ax.scatter(marked, values[marked], color="#c44e52", s=14, zorder=3)
@@ -161,7 +163,8 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
         ax.axis("off")
     if title:
         fig.suptitle(textwrap.fill(title, width=int(10 * 4.6 * columns)), fontsize=10)
-    fig.tight_layout()
+    # fixed margins: tight_layout's measuring costs a third of the figure, made live during training
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.1, top=0.88 if title else 0.95, wspace=0.3, hspace=0.45)
     return fig
 
 
