@@ -99,12 +99,14 @@ class AttentionGeometry(LiveCallback):
                                                     query.out_features // heads).to(pl_module.device)
         logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
 
-    def weights(self) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
-        """The projections' current weights, detached copies: (query weight, bias, key weight, bias, heads)."""
-        def copy(tensor):
-            return None if tensor is None else tensor.detach().clone()
+    def weights(self, copy: bool = True) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
+        """The projections' current weights, detached (copies unless `copy` is False): (query weight, bias, key
+        weight, bias, heads)."""
+        def detached(tensor):
+            return None if tensor is None else tensor.detach().clone() if copy else tensor.detach()
 
-        return [(copy(q.weight), copy(q.bias), copy(k.weight), copy(k.bias), heads) for q, k, heads in self.projections]
+        return [(detached(q.weight), detached(q.bias), detached(k.weight), detached(k.bias), heads)
+                for q, k, heads in self.projections]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -116,7 +118,8 @@ class AttentionGeometry(LiveCallback):
         geometry = self.geometry[stage]
         if geometry.device != hidden.device:
             geometry.to(hidden.device)
-        weights = self._weights if stage == "train" and self._weights is not None else self.weights()
+        # training: the weights of the step's forward (copied when it started); validation: the unchanging ones
+        weights = self._weights if stage == "train" and self._weights is not None else self.weights(copy=False)
         seq = hidden.shape[2]
         key = pair_seed(self.seed, self.capture_step if stage == "train" else None)
         pairs = pair_positions(seq, self.pairs_per_sequence, key, hidden.device)

@@ -158,6 +158,7 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
     axes.flat[0].legend(fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
