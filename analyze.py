@@ -5,17 +5,19 @@
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
     python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
+    python analyze.py isotropy --normalize softdecay             # tokenUni's SoftDecay beside raw and clipped
     python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
     python analyze.py sts --data stsb --static glove.840B.300d.txt   # STS-B, SICK-R, STS12-16, csv/tsv/jsonl
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
     python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
+    python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
 dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
 outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
-`--normalize whiten` or `standardize`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
+`--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
 analyses/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
 embedding output. Errors in the input are one line on stderr and exit status 2, with nothing written.
@@ -30,19 +32,21 @@ from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
 from analyses.session import distributed
+from analyses.trajectory import run_trajectory
 from core.cli import OneLineArgumentParser
 from core.errors import UserError, plain_warnings
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
 from metrics.outliers import OutlierRule
-from metrics.transforms import NORMALIZATIONS, parse_clip
+from metrics.transforms import NORMALIZATIONS, SOFTDECAY_ALPHA, check_softdecay_alpha, parse_clip
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
-                         max_sentences: int = 2000) -> None:
-    parser.add_argument("--encoder", default=None,
-                        help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
+                         max_sentences: int = 2000, encoder: bool = True) -> None:
+    if encoder:
+        parser.add_argument("--encoder", default=None,
+                            help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
     if data is not False:
         parser.add_argument("--data", default=data, required=data is None,
                             help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
@@ -78,7 +82,10 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
-                             "sentence embeddings of the pairs)")
+                             "sentence embeddings of the pairs), or tokenUni's SoftDecay (Yan et al. 2022) of each "
+                             "sentence's token matrix")
+    parser.add_argument("--softdecay_alpha", type=float, default=SOFTDECAY_ALPHA,
+                        help=f"SoftDecay's alpha, in (-1, 0) (default {SOFTDECAY_ALPHA})")
     add_rule_arguments(parser)
 
 
@@ -88,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
-                max_sentences: int = 2000, variants: bool = True) -> argparse.ArgumentParser:
+                max_sentences: int = 2000, variants: bool = True, encoder: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
-        add_common_arguments(sub, output, data, max_sentences)
+        add_common_arguments(sub, output, data, max_sentences, encoder)
         add_variant_arguments(sub) if variants else add_rule_arguments(sub)
         sub.set_defaults(run=run)
         return sub
@@ -131,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")
     paper.add_argument("--pool_sentences", type=int, default=5000,
                        help="sentences searched for the self-similarity words (0: all; default 5000)")
+    trajectory = command("trajectory", run_trajectory, "outlier statistics, anisotropy and IsoScore* of every "
+                         "checkpoint of a run, in step order, on the same sentences", "trajectory", variants=False,
+                         encoder=False)
+    sources = trajectory.add_mutually_exclusive_group(required=True)
+    sources.add_argument("--run", dest="run_dir", metavar="RUN_DIR", default=None, help="a train.py run directory: every checkpoint in its checkpoints/")
+    sources.add_argument("--encoders", nargs="+", default=None,
+                         help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
@@ -139,10 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    for sub in (anisotropy, isotropy, everything, paper):
+    for sub in (anisotropy, isotropy, everything, paper, trajectory):
         sub.add_argument("--num_pairs", type=int, default=1000,
                          help="token pairs: one random token from each of 2 x this many random sentences")
-    for sub in (isotropy, everything):
+    for sub in (isotropy, everything, trajectory):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
         sub.add_argument("--minibatches", type=int, default=4, help="IsoScore* mini-batches (averaged)")
@@ -173,13 +187,15 @@ def validate(args) -> None:
         raise UserError(f"--sigma must be positive, got {args.sigma}")
     if not 0 < getattr(args, "min_share", 0.2) <= 1:
         raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
+    if getattr(args, "normalize", "none") == "softdecay":
+        check_softdecay_alpha(args.softdecay_alpha)
     if hasattr(args, "clip"):
         args.clip = parse_clip(args.clip)
         for note in args.clip.notes:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
-    if args.encoder is None:
+    if getattr(args, "encoder", "") is None:
         args.encoder = default_encoder()
 
 

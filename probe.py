@@ -51,12 +51,15 @@ def print_summary(report: dict, output_dir) -> None:
     clipped = "accuracy_clipped" in report["layers"][0]
     print(f"\n{'position probe' if not clipped else 'sentence classifier'}: {report['encoder']} "
           f"on {report['source']} (test accuracy; dims 0-indexed; special tokens {report['special_tokens']})")
-    print(f"{'layer':>5}  {'accuracy':>8}  {'clipped' if clipped else 'top dims':>10}  {'random enc':>10}")
+    softdecay = "accuracy_softdecay" in report["layers"][0]
+    print(f"{'layer':>5}  {'accuracy':>8}  {'clipped' if clipped else 'top dims':>10}  {'random enc':>10}"
+          + ("   softdecay" if softdecay else ""))
     for row in report["layers"]:
         middle = (f"{row['accuracy_clipped']:>10.3f}" if clipped and row["accuracy_clipped"] is not None
                   else f"{', '.join(map(str, row.get('top_contribution_dims', [])[:3])):>10}")
         base = f"{random[row['layer']]:>10.3f}" if row["layer"] in random else f"{'-':>10}"
-        print(f"{row['layer']:>5}  {row['accuracy']:>8.3f}  {middle}  {base}")
+        print(f"{row['layer']:>5}  {row['accuracy']:>8.3f}  {middle}  {base}"
+              + (f"  {row['accuracy_softdecay']:>10.3f}" if softdecay else ""))
     print(f"majority baseline {report['baselines']['majority']:.3f}, chance {report['baselines']['chance']:.3f}")
     print(f"wrote the report to {output_dir}")
 

@@ -15,7 +15,7 @@ import random
 import torch
 from torch import Tensor
 
-from analyses.reference import Reference, Setting, counter, number, per_layer
+from analyses.reference import Reference, Setting, counter, number, per_layer, views
 from core.errors import UserError
 from datamodules.pairs import WordContexts
 from lightning_modules.pooling import random_tokens, span_vectors
@@ -39,15 +39,18 @@ def sample_pairs(filled: Tensor, seed: int) -> tuple[Tensor, Tensor]:
     return torch.tensor(slots[:half], dtype=torch.long), torch.tensor(slots[half:2 * half], dtype=torch.long)
 
 
-def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int) -> tuple[dict, int]:
-    """Mean cosine of random token pairs from the sample, per variant: ({key: [layers]}, pairs)."""
+def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int,
+                    own: dict | None = None) -> tuple[dict, int]:
+    """Mean cosine of random token pairs from the sample, per variant: ({key: [layers]}, pairs). A per-sentence
+    variant (SoftDecay) takes its pairs from its own sample `own[key]` (the same sentences and tokens)."""
     vectors, filled = sample
     first, second = sample_pairs(filled, seed)
     if first.numel() == 0:
         return {variant.key: torch.full((vectors.shape[1],), float("nan")) for variant in variants}, 0
-    a, b = vectors[first].transpose(0, 1), vectors[second].transpose(0, 1)  # [layers, pairs, hidden]
     result = {}
     for variant in variants:
+        picked = own[variant.key][0] if variant.per_sentence else vectors
+        a, b = picked[first].transpose(0, 1), picked[second].transpose(0, 1)  # [layers, pairs, hidden]
         # The sample is already the same on every rank: no sync.
         metric = MeanCosine(vectors.shape[1], sync_on_compute=False).to(vectors.device)
         metric.update(variant.apply(a), variant.apply(b))
@@ -58,13 +61,37 @@ def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed
 def anisotropy(setting: Setting, reference: Reference) -> dict:
     """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences
     (the reference pass's token sample, paired by a seeded permutation)."""
-    values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed)
+    values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed, reference.samples)
     if pairs == 0:
         got, total = int(reference.sample[1].sum()), reference.num_sentences
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {got}"
                         + (f" of {total} sentences" if got != total else ""))
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
             "layers": per_layer(values, setting.encoder.num_hidden_states)}
+
+
+def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta: float = 0.2, minibatch: int = 250,
+                        minibatches: int = 4) -> tuple[Tensor, Tensor, int]:
+    """(IsoScore* [layers], plain IsoScore [layers] of the same mini-batches, their number) of up to `minibatches`
+    mini-batches of `minibatch` tokens of the reference's sample (one random token per sentence, in a seeded order),
+    the variant applied, shrunk towards the covariance of all its tokens with `zeta` (nan without a whole batch)."""
+    filled = reference.sample[1]
+    kept = filled.nonzero().flatten()
+    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed))
+    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
+    _, cov = reference.moments_of(variant)
+    points = reference.sample_of(variant)[0][kept].transpose(0, 1)  # [layers, sampled tokens, hidden]
+    layers, hidden = points.shape[0], points.shape[2]
+    if not batches:
+        return torch.full((layers,), float("nan")), torch.full((layers,), float("nan")), 0
+    # The sample is already the same on every rank: no sync.
+    star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
+    plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
+    transformed = variant.apply(points)
+    for batch in batches:
+        star.update(transformed[:, batch])
+        plain.update(transformed[:, batch])
+    return star.compute(), plain.compute(), len(batches)
 
 
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
@@ -74,27 +101,18 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
     singular-value spectrum of each layer's corpus-wide token matrix (all sentences' tokens together: `corpus_*`,
     moments transformed exactly); and tokenUni's per-sequence spectrum (`sequence_*`: each sentence's own token
     matrix, one more pass over `sentences`); per variant."""
-    stats, (vectors, filled) = reference.covariance, reference.sample
-    layers, hidden = setting.encoder.num_hidden_states, setting.encoder.hidden_size
-    points = vectors[filled.nonzero().flatten()].transpose(0, 1)  # [layers, sampled tokens, hidden]
-    order = torch.randperm(points.shape[1], generator=torch.Generator().manual_seed(setting.seed))
-    batches = [order[i:i + minibatch] for i in range(0, len(order) - minibatch + 1, minibatch)][:minibatches]
+    stats = reference.covariance
+    layers = setting.encoder.num_hidden_states
     values, spectra = {}, {}
     for variant in reference.variants:
-        mean, cov = variant.moments(stats.mean, stats.cov)
-        # The sample is already the same on every rank: no sync.
-        star = IsoScoreStar(layers, hidden, zeta, shrinkage=cov, sync_on_compute=False).to(points.device)
-        plain = IsoScoreStar(layers, hidden, 0.0, sync_on_compute=False).to(points.device)
-        transformed = variant.apply(points)
-        for batch in batches:
-            star.update(transformed[:, batch])
-            plain.update(transformed[:, batch])
+        mean, cov = reference.moments_of(variant)  # exact moments of the variant's tokens
+        star, plain, batches = minibatch_isoscores(reference, variant, setting.seed, zeta, minibatch, minibatches)
         spec = spectrum_of_moments(mean, cov, stats.num_tokens)  # of the synced moments: no second sync
         spectra[variant.key] = [[round(float(s), 6) for s in row] for row in spec["singular_values"]]
         values[variant.key] = {
             "isoscore": isoscore(cov),
-            "isoscore_star": star.compute() if batches else torch.full((layers,), float("nan")),
-            "isoscore_minibatch": plain.compute() if batches else torch.full((layers,), float("nan")),
+            "isoscore_star": star,
+            "isoscore_minibatch": plain,
             **{f"corpus_{key}": spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
         }
     sequences = sequence_spectra(setting, sentences, reference.variants)
@@ -103,7 +121,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens, "zeta": zeta,
-            "minibatch_tokens": minibatch, "num_minibatches": len(batches), "layers": rows,
+            "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             "corpus_spectra": spectra,
             "sequence_spectra": {key: [[round(float(v), 6) for v in row] for row in result["spectrum"]]
                                  for key, result in sequences.items()},
@@ -119,8 +137,9 @@ def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Vari
     max_rank = min(setting.max_length or encoder.max_length, encoder.hidden_size)
     metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device) for v in variants}
     for batch in setting.batches(sentences, desc="per-sequence spectra"):
-        for variant in variants:
-            metrics[variant.key].update(variant.apply(batch.hidden_states), batch.mask)
+        for _, view, group in views(batch, variants):
+            for variant in group:
+                metrics[variant.key].update(variant.apply(view.hidden_states), view.mask)
     return {key: metric.compute() for key, metric in metrics.items()}
 
 
@@ -130,20 +149,23 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     encoder = setting.encoder
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
-    tokens = TokenSample(len(contexts.sentences), layers, hidden).to(device)
+    groups = [None] + [variant.key for variant in variants if variant.per_sentence]  # as views() orders them
+    tokens = {key: TokenSample(len(contexts.sentences), layers, hidden).to(device) for key in groups}
     lost, truncated = counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
         wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
-        vectors, found = span_vectors(batch, wanted)
-        word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
-        for variant in variants:
-            metrics[variant.key].update(word_ids, variant.apply(vectors))
-        sampled, kept = random_tokens(batch, rows, setting.seed)
-        tokens.update(torch.tensor([rows[r] for r in kept]), sampled)
+        for key, view, group in views(batch, variants):
+            vectors, found = span_vectors(view, wanted)
+            word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
+            for variant in group:
+                metrics[variant.key].update(word_ids, variant.apply(vectors))
+            sampled, kept = random_tokens(view, rows, setting.seed)
+            tokens[key].update(torch.tensor([rows[r] for r in kept]), sampled)
         lost.update(sum(len(w) for w in wanted) - len(found))
         truncated.update(batch.num_truncated)
-    baseline, pairs = pair_anisotropy(tokens.compute(), variants, setting.seed)
+    samples = {key: metric.compute() for key, metric in tokens.items()}
+    baseline, pairs = pair_anisotropy(samples[None], variants, setting.seed, samples)
     values, counted = {}, 0
     for variant in variants:
         result = metrics[variant.key].compute()

@@ -5,6 +5,8 @@
     reference.variants                               # raw, clipped, normalised: what the protocols apply
     reference_pass(setting, pair_sentences, normalize="whiten", fit="sentences")   # STS: fit on pooled sentences
     refit_on_sentences(setting, reference, pair_sentences)   # the same normalisation, refit for STS in `all`
+    for key, view, group in views(batch, reference.variants):   # a protocol's batch as each variant sees it
+        vectors = pick(view); [metric[v.key].update(v.apply(vectors)) for v in group]
 
 Under DDP (torchrun), every rank holds the same sentence or pair list and encodes its shard (item i on rank
 i % world); the Metrics sync on compute(), so every rank returns the same report.
@@ -16,6 +18,13 @@ vectors each protocol keeps (clipping and the normalisations commute with averag
 raw, clipped and normalised results alike. --normalize is estimated from token vectors for the token-level
 protocols and, for STS (Su et al. 2021 whiten sentence embeddings), from the mean-pooled embeddings of the pairs'
 sentences (`fit="sentences"`); reports say which in `normalize_fit`.
+
+SoftDecay (--normalize softdecay, tokenUni) is fit on nothing and acts on each sentence's whole token matrix before
+a protocol picks anything (metrics.transforms: a `per_sentence` variant), so it does not commute with picking: every
+protocol loop takes its vectors from `views(batch, variants)`, one view of each batch per group of variants (the raw
+states, shared by raw / clipped / whitened / standardized, which then act on the picked vectors; and SoftDecay's
+transformed states), and the reference pass keeps SoftDecay's own token sample and token moments
+(`sample_of`, `moments_of`) beside the raw ones. Still one forward pass per batch.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -37,8 +46,10 @@ from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers
 from metrics.transforms import (
     RAW,
     REPORT_KEYS,
+    SOFTDECAY_ALPHA,
     Clipping,
     ClipRequest,
+    SoftDecay,
     Variant,
     clipped_dims,
     normalization,
@@ -98,13 +109,30 @@ class Reference:
     normalize_fit: str | None = None  # what --normalize was estimated from: "tokens" | "sentences" (None: none)
     normalize_fit_count: int | None = None  # how many of them
     normalize_warning: str | None = None
+    samples: dict = field(default_factory=dict)  # {per-sentence variant key: its own token sample, as `sample`}
+    moments: dict = field(default_factory=dict)  # {per-sentence variant key: CovarianceResult of its own tokens}
 
     def header(self) -> dict:
         header = {"clip": self.clip, "clipped_dims": clipped_dims(self.clipped or {}),
                   "clipped_dims_per_layer": per_layer_report(self.clipped or {}), "normalize": self.normalize,
                   "normalize_fit": self.normalize_fit, "normalize_fit_count": self.normalize_fit_count,
                   "variants": [variant.key for variant in self.variants]}
+        softdecay = next((v for v in self.variants if isinstance(v, SoftDecay)), None)
+        if softdecay is not None:
+            header["softdecay_alpha"] = softdecay.alpha
         return {**header, "normalize_warning": self.normalize_warning} if self.normalize_warning else header
+
+    def sample_of(self, variant: Variant) -> tuple[Tensor, Tensor]:
+        """The token sample `variant` is applied to: its own for a per-sentence variant, else the raw one."""
+        return self.samples[variant.key] if variant.per_sentence else self.sample
+
+    def moments_of(self, variant: Variant) -> tuple[Tensor, Tensor]:
+        """(mean [layers, hidden], cov [layers, hidden, hidden]) of the variant's tokens: its own for a per-sentence
+        variant, else the exact transform of the raw moments."""
+        if variant.per_sentence:
+            own = self.moments[variant.key]
+            return own.mean, own.cov
+        return variant.moments(self.covariance.mean, self.covariance.cov)
 
     def fitted(self, normalize: str, stats: CovarianceResult, fit: str) -> Reference:
         """This reference with the --normalize variant estimated from `stats` (of `fit`: tokens or sentences)."""
@@ -122,28 +150,44 @@ def counter(device) -> SumMetric:
     return SumMetric().to(device)
 
 
+def views(batch: EncodedBatch, variants: list[Variant]) -> list[tuple[str | None, EncodedBatch, list[Variant]]]:
+    """The batch as each group of variants sees it: (None, the batch, the variants that act on picked vectors: raw,
+    clipped, whitened, standardized), then (key, the batch with the variant's transformed states, [variant]) for each
+    per-sentence variant (SoftDecay). The same groups, in the same order, for every batch."""
+    shared = [variant for variant in variants if not variant.per_sentence]
+    groups = [(None, batch, shared)] if shared else []
+    return groups + [(variant.key, replace(batch, hidden_states=variant.states(batch.hidden_states, batch.mask)),
+                      [variant]) for variant in variants if variant.per_sentence]
+
+
 def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = NO_CLIP, normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
-                   sample: int = 0, desc: str = "reference pass", fit: str = "tokens") -> Reference:
+                   sample: int = 0, desc: str = "reference pass", fit: str = "tokens",
+                   softdecay_alpha: float = SOFTDECAY_ALPHA) -> Reference:
     """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
     `sample` seeded random sentences (all when fewer), as far as `clip` (metrics.transforms.parse_clip), `normalize` and
-    `statistics`, `covariance`, `sample` need them. `normalize` is estimated from the token vectors (`fit="tokens"`)
-    or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS). Memory: fixed-size states plus the
-    [sample, layers, hidden] token sample, whatever the number of sentences."""
+    `statistics`, `covariance`, `sample` need them. `normalize` whiten / standardize is estimated from the token
+    vectors (`fit="tokens"`) or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS); softdecay
+    (`softdecay_alpha`) is fit on nothing, and the pass keeps the token sample and covariance of its transformed
+    states too. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number of
+    sentences."""
     if fit not in ("tokens", "sentences"):
         raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
     encoder = setting.encoder
     device, layers, hidden = encoder.device, encoder.num_hidden_states, encoder.hidden_size
-    normalizing = normalize != "none"
+    fitting = normalize in REPORT_KEYS
+    per_sentence = [SoftDecay(softdecay_alpha)] if normalize == "softdecay" else []
     stats = NeuronStatistics(layers, hidden).to(device) if clip.needs_outliers or statistics else None
-    cov = Covariance(layers, hidden).to(device) if covariance or normalizing and fit == "tokens" else None
-    pooled = Covariance(layers, hidden).to(device) if normalizing and fit == "sentences" else None
+    cov = Covariance(layers, hidden).to(device) if covariance or fitting and fit == "tokens" else None
+    pooled = Covariance(layers, hidden).to(device) if fitting and fit == "sentences" else None
     chosen = range(len(sentences)) if sample >= len(sentences) else sorted(
         random.Random(setting.seed).sample(range(len(sentences)), sample))
     slot_of = {index: slot for slot, index in enumerate(chosen)}
-    tokens = TokenSample(len(chosen), layers, hidden).to(device) if sample else None
+    groups = [None] + [variant.key for variant in per_sentence]  # views(): the raw states, then each variant's own
+    tokens = {key: TokenSample(len(chosen), layers, hidden).to(device) for key in groups} if sample else {}
+    moments = {key: Covariance(layers, hidden).to(device) for key in groups[1:]} if cov is not None else {}
     counted, truncated = counter(device), counter(device)
-    encode = stats is not None or cov is not None or pooled is not None or tokens is not None
+    encode = stats is not None or cov is not None or pooled is not None or bool(tokens)
     if encode:
         for batch in setting.batches(sentences, desc=desc):
             rows = batch.rows
@@ -153,11 +197,14 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
                 cov.update(batch.hidden_states, batch.mask)
             if pooled is not None:
                 pooled.update(mean_pool(batch.hidden_states, batch.mask))
-            if tokens is not None:
-                vectors, kept = random_tokens(batch, rows, setting.seed)
-                wanted = [k for k, r in enumerate(kept) if rows[r] in slot_of]
-                tokens.update(torch.tensor([slot_of[rows[kept[k]]] for k in wanted], dtype=torch.long),
-                              vectors[:, wanted])
+            for key, view, _ in views(batch, [RAW, *per_sentence]) if tokens or moments else ():
+                if key in moments:
+                    moments[key].update(view.hidden_states, view.mask)
+                if tokens:
+                    vectors, kept = random_tokens(view, rows, setting.seed)
+                    wanted = [k for k, r in enumerate(kept) if rows[r] in slot_of]
+                    tokens[key].update(torch.tensor([slot_of[rows[kept[k]]] for k in wanted], dtype=torch.long),
+                                       vectors[:, wanted])
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
     reference = Reference([RAW], clip.text, None, normalize, *((int(counted.compute()), int(truncated.compute()))
@@ -170,10 +217,13 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
         reference.variants.append(Clipping(reference.clipped, layers))
     if cov is not None:
         reference.covariance = cov.compute()
-    if normalizing:
+    if fitting:
         reference = reference.fitted(normalize, reference.covariance if fit == "tokens" else pooled.compute(), fit)
-    if tokens is not None:
-        reference.sample = tokens.compute()
+    reference.variants += per_sentence
+    if tokens:
+        reference.sample = tokens[None].compute()
+        reference.samples = {key: tokens[key].compute() for key in groups[1:]}
+    reference.moments = {key: metric.compute() for key, metric in moments.items()}
     return reference
 
 
@@ -181,8 +231,8 @@ def refit_on_sentences(setting: Setting, reference: Reference, sentences: list[s
                        ) -> Reference:
     """`reference` with its --normalize variant re-estimated from the mean-pooled embeddings of `sentences` (the STS
     pairs' sentences in `all`, whose reference pass is over --data): one more streamed pass, a fixed-size Covariance
-    of the pooled vectors. Unchanged without --normalize."""
-    if reference.normalize == "none":
+    of the pooled vectors. Unchanged without a fitted --normalize (none, softdecay)."""
+    if reference.normalize not in REPORT_KEYS:
         return reference
     encoder = setting.encoder
     pooled = Covariance(encoder.num_hidden_states, encoder.hidden_size).to(encoder.device)

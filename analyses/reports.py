@@ -5,7 +5,7 @@
     summary = summarise(reports, notes)                 # the paper's Tables 1-2 and Figure 6 as JSON
     summary_markdown(summary); summary_figure(summary, "MiniLM")
 
-A report's per-layer rows hold one entry per variant ("raw", "clipped", "whitened", "standardized").
+A report's per-layer rows hold one entry per variant ("raw", "clipped", "whitened", "standardized", "softdecay").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 from core.figures import layer_panels_figure, spectrum_figure
 
-VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized")
+VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized", "softdecay")
 
 
 def figures_of(name: str, report: dict, model: str) -> dict:
@@ -105,7 +105,7 @@ def print_report(name: str, report: dict) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for cell in cells:
         print("  ".join(c.rjust(w) for c, w in zip(cell, widths)))
-    for key in ("best", "best_clipped", "best_whitened", "best_standardized"):
+    for key in ("best", *(f"best_{key}" for key in VARIANT_LABELS[1:])):
         if key in report:
             print(f"{key}: {report[key]}")
     if name == "wic":
@@ -122,6 +122,8 @@ def summarise(reports: dict, notes: list[str]) -> dict:
     outliers, anisotropy = reports["outliers"], reports["anisotropy"]
     keys = anisotropy["variants"]
     summary = {key: anisotropy[key] for key in ("encoder", "data", "clip", "clipped_dims", "normalize", "variants")}
+    if "softdecay_alpha" in anisotropy:
+        summary["softdecay_alpha"] = anisotropy["softdecay_alpha"]
     summary["normalize_fit"] = {name: report.get("normalize_fit") for name, report in reports.items()
                                 if name != "outliers"}  # tokens, or sentences (STS)
     summary["persistent_dims"] = outliers["persistent_dims"]
@@ -198,6 +200,9 @@ def normalisation_line(summary: dict) -> str:
             for fit in ("tokens", "sentences")}
     if summary["normalize"] == "none":
         return "none"
+    if summary["normalize"] == "softdecay":
+        return (f"softdecay (tokenUni's SoftDecay, alpha {summary.get('softdecay_alpha')}, of each sentence's token "
+                "matrix: nothing fit)")
     where = "; ".join(f"{', '.join(names)} fit on {'token vectors' if fit == 'tokens' else 'mean-pooled sentences'}"
                       for fit, names in fits.items() if names)
     return f"{summary['normalize']} ({where})"

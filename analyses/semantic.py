@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from analyses.reference import Setting, counter, number, per_layer
+from analyses.reference import Setting, counter, number, per_layer, views
 from core.errors import UserError
 from datamodules.pairs import StsPair, WicItem, read_static_vectors, sentence_words, static_sentence_vector
 from lightning_modules.pooling import mean_pool, span_vectors
@@ -25,7 +25,8 @@ THRESHOLDS = [round(0.1 * t, 1) for t in range(1, 10)]  # WiC: same sense iff co
 
 def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_pairs: int, vectors_of,
                offsets: bool, desc: str) -> tuple[dict[str, PairCosine], int, int]:
-    """Encode the flattened pairs (pair p = texts 2p, 2p+1) and score each pair once both sides are encoded.
+    """Encode the flattened pairs (pair p = texts 2p, 2p+1) and score each pair once both sides are encoded; each
+    group of variants takes its vectors from its own view of the batch (reference.views: SoftDecay's states).
 
     A chunk of sorted sentences always holds both sides of its pairs (even sizes), so at most a chunk is pending.
     """
@@ -35,17 +36,20 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
     pending: dict[int, list] = {}
     for batch in setting.batches(texts, offsets, desc, pairs=True):
         rows = batch.rows
-        vectors, found = vectors_of(rows, batch)
+        groups = views(batch, variants)
+        picked = [vectors_of(rows, view) for _, view, _ in groups]  # per group: ([layers, found, hidden], found)
+        found = picked[0][1]
         lost.update(len(rows) - len(found))
         truncated.update(batch.num_truncated)
         for column, row in enumerate(found):
-            pending.setdefault(rows[row] // 2, [None, None])[rows[row] % 2] = vectors[:, column]
+            pending.setdefault(rows[row] // 2, [None, None])[rows[row] % 2] = [v[:, column] for v, _ in picked]
         done = [p for p, sides in pending.items() if sides[0] is not None and sides[1] is not None]
         if done:
-            a = torch.stack([pending[p][0] for p in done], 1)
-            b = torch.stack([pending[p][1] for p in done], 1)
-            for variant in variants:
-                metrics[variant.key].update(torch.tensor(done), variant.apply(a), variant.apply(b))
+            for index, (_, _, group) in enumerate(groups):
+                a = torch.stack([pending[p][0][index] for p in done], 1)
+                b = torch.stack([pending[p][1][index] for p in done], 1)
+                for variant in group:
+                    metrics[variant.key].update(torch.tensor(done), variant.apply(a), variant.apply(b))
             for p in done:
                 del pending[p]
     return metrics, int(lost.compute()), int(truncated.compute())

@@ -31,6 +31,7 @@ from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from metrics.outliers import OutlierRule
+from metrics.transforms import SOFTDECAY_ALPHA
 
 T = TypeVar("T")
 
@@ -119,8 +120,8 @@ def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None)
 
 def reference_of(args, setting: Setting, sentences: list[str], **needs) -> Reference:
     """The reference pass over `sentences` for --clip / --normalize (and what `needs` asks for)."""
-    reference = reference_pass(setting, sentences, args.clip, args.normalize,
-                                         OutlierRule(args.min_share, args.sigma), **needs)
+    reference = reference_pass(setting, sentences, args.clip, args.normalize, OutlierRule(args.min_share, args.sigma),
+                               softdecay_alpha=getattr(args, "softdecay_alpha", SOFTDECAY_ALPHA), **needs)
     if reference.statistics is not None and reference.statistics.num_tokens == 0:
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     return reference

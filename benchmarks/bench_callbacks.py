@@ -1,13 +1,13 @@
-"""Cost of the live statistics: training step time with OutlierStatistics + ContributionVectors at their default cadence
-against the same training without them, side by side in one run (issue 5).
+"""Cost of the live statistics: training step time with OutlierStatistics + ContributionVectors + AttentionGeometry at
+their default cadence against the same training without them, side by side in one run (issues 5 and 15).
 
     python benchmarks/bench_callbacks.py               # configs/pretrain/tiny.yaml's model and data, W&B offline
     python benchmarks/bench_callbacks.py --steps 1000  # the exact default cadence over a whole image period (slow)
     python benchmarks/bench_callbacks.py --quick       # a 2-layer, 32-dim model on 400 lines, for the test suite
     python benchmarks/bench_callbacks.py --smoke       # the same on 200 lines, one round of 4 steps (tests)
 
-Each round trains the model twice from the same seed, with and without both callbacks, alternating which goes first;
-both log to an offline W&B run (scalars, images, the outlier table). Timed: optimizer steps 1..--steps (step 0, with
+Each round trains the model twice from the same seed, with and without the three callbacks, alternating which goes
+first; both log to an offline W&B run (scalars, images, the outlier table). Timed: optimizer steps 1..--steps (step 0, with
 its one-time set-up, is left out: a real run amortises it over 200k steps). Captures run at the classes' default
 every_n_steps (100); one image step closes the window (image_every_n_steps = --steps): with the default --steps 200
 that is 5x more images than the default 1000 asks for, so the ratio is an upper bound of the default cadence's;
@@ -104,7 +104,8 @@ def live_callbacks(every: int, images: int) -> list[dict]:
     return [{"class_path": f"callbacks.{module}.{name}",
              "init_args": {"every_n_steps": every, "image_every_n_steps": images}}
             for module, name in (("outlier_statistics", "OutlierStatistics"),
-                                 ("contribution_vectors", "ContributionVectors"))]
+                                 ("contribution_vectors", "ContributionVectors"),
+                                 ("attention_geometry", "AttentionGeometry"))]
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The capture schedule every live-statistics callback shares: hidden states of the steps a model runs anyway.
 
-    python train.py fit --config configs/pretrain/tiny.yaml     # OutlierStatistics and ContributionVectors use this
+    python train.py fit --config configs/pretrain/tiny.yaml     # OutlierStatistics, ContributionVectors and
+                                                                # AttentionGeometry use this
 
     class MyStatistic(LiveCallback):        # build(trainer, module), update(stage, captured, ...), finish(stage, ...)
         ...
@@ -109,13 +110,18 @@ class LiveCallback(pl.Callback):
         """Raise a UserError now when the module's hidden states cannot be captured (train.py calls this early)."""
         self.check_settings()
         modules = encoder_layers(pl_module)
-        resolve_layers(self.requested_layers, len(modules), type(self).__name__)
+        self.capture_layers(pl_module, len(modules))
+
+    def capture_layers(self, pl_module: pl.LightningModule, available: int) -> list[int]:
+        """The hidden-state layers (0 = embedding output, of `available`) this callback reads, checked: its `layers`
+        (a subclass may read others, e.g. the inputs of the transformer layers it watches)."""
+        return resolve_layers(self.requested_layers, available, type(self).__name__)
 
     def _resolve_source(self, trainer, pl_module) -> None:
         if find_encoder(pl_module) is not None or not self.supports_probe_features:
             self._tap = getattr(pl_module, "hidden_state_tap", None)
             self._modules = encoder_layers(pl_module)
-            self.layers = resolve_layers(self.requested_layers, len(self._modules), type(self).__name__)
+            self.layers = self.capture_layers(pl_module, len(self._modules))
             self.hidden_size = hidden_size(find_encoder(pl_module).config)
             return
         data = trainer.datamodule

@@ -1,6 +1,7 @@
 """What a transformers encoder is made of, read off the model itself (nothing is assumed about any architecture).
 
     encoder_layers(model)          # [embeddings, layer 1, ..., layer L]: the modules whose outputs are hidden states
+    attention_projections(model)   # per transformer layer 1..L: (query Linear, key Linear, heads), read off its input
     position_embedding(model)      # the absolute position table (nn.Embedding) or None
     position_offset(model)         # RoBERTa numbers positions from padding_idx + 1, BERT from 0
     model_max_length(model)        # the longest input: table size minus the offset
@@ -49,6 +50,39 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
             return [embeddings, *layers]
     raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers encoder "
                     "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
+
+
+def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, int]]:
+    """(query, key, heads) of each transformer layer 1..L of a BERT-family encoder whose attention projects the layer's
+    input directly (post-LayerNorm layers: BERT, RoBERTa, ELECTRA without an embedding projection, DistilBERT), so that
+    layer l's queries and keys are query(hidden_states[l - 1]) and key(hidden_states[l - 1]); a UserError otherwise."""
+    layers = encoder_layers(model)[1:]
+    encoder = find_encoder(model) or model
+    config = encoder.config
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    size = hidden_size(config)
+    name = type(model).__name__
+    if getattr(base_model(encoder), "embeddings_project", None) is not None:
+        raise UserError(f"cannot read the attention of {name}: its layers read a projection of the embedding output, "
+                        "not the hidden states")
+    found = []
+    for number, layer in enumerate(layers, 1):
+        attention = getattr(layer, "attention", None)
+        inner = getattr(attention, "self", attention)  # BERT / RoBERTa: attention.self.query; DistilBERT: q_lin
+        query = next((getattr(inner, n) for n in ("query", "q_lin") if isinstance(getattr(inner, n, None), nn.Linear)),
+                     None)
+        key = next((getattr(inner, n) for n in ("key", "k_lin") if isinstance(getattr(inner, n, None), nn.Linear)),
+                   None)
+        if query is None or key is None or not heads or query.in_features != size or key.in_features != size \
+                or query.out_features % heads or query.out_features != key.out_features:
+            raise UserError(f"cannot read the attention of {name}: transformer layer {number} has no query and key "
+                            "projections of the hidden states (attention.self.query / key or attention.q_lin / k_lin) "
+                            "with a number of heads that divides them")
+        if isinstance(getattr(attention, "LayerNorm", None), nn.LayerNorm):
+            raise UserError(f"cannot read the attention of {name}: its layers normalise their input before the "
+                            "attention (pre-LayerNorm), so queries and keys are not projections of the hidden states")
+        found.append((query, key, int(heads)))
+    return found
 
 
 def position_embedding(model: nn.Module) -> nn.Embedding | None:

@@ -2,6 +2,7 @@
 
     extractor = FeatureExtractor(layers=[0, ..., L], batch_size=32, max_memory_gb=4.0)
     result = extractor.extract([encoder, random_twin], texts, labels, task)   # per split; task: what an item is
+    extractor.extract([encoder], texts, labels, task, [SoftDecay(-0.2)])      # + slots pooled from SoftDecay's states
     result.stores["train"].gather(items)                # [slots, items, hidden] float32
     result.statistics                                   # NeuronStatistics of the training split's hidden states
     result.storage                                      # how the features are held (dtype, memory or file per split)
@@ -11,7 +12,9 @@ rows are routed to their split's FeatureStore. Within `max_memory_gb`: float32 w
 else float16 (half the bytes; hidden states keep ~3 significant digits); a split stays in memory while the running
 total fits, and the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
 An SST-2-size position probe (0.7M tokens × 13 layers × 768) is ~14 GB in float16: it streams from disk.
-Slots: the first encoder's layers, then the next encoder's (the random-init twin's), in `layers` order.
+Slots: the first encoder's layers, then the next encoder's (the random-init twin's), then the first encoder's again
+for each per-sentence variant (metrics.transforms: SoftDecay transforms each sentence's token matrix, so the items
+are taken from its states, not transformed afterwards), in `layers` order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tqdm.auto import tqdm
 from datamodules.splits import SPLITS
 from lightning_modules.encoder import FrozenEncoder
 from metrics.neuron_stats import NeuronStatistics
+from metrics.transforms import Variant
 
 GIB = 1024 ** 3
 
@@ -155,10 +159,11 @@ class FeatureExtractor:
 
     @torch.no_grad()
     def extract(self, encoders: Sequence[FrozenEncoder], texts: dict[str, list[str]], labels: dict[str, Tensor],
-                task: ProbeTask) -> Extracted:
-        """Features of `texts` (per split) from every encoder; `labels` (per split, classification) are reordered with
+                task: ProbeTask, variants: Sequence[Variant] = ()) -> Extracted:
+        """Features of `texts` (per split) from every encoder, and from the first encoder's states as each
+        per-sentence variant transforms them (`variants`); `labels` (per split, classification) are reordered with
         the sentences (sorted by length)."""
-        primary, num_slots = encoders[0], len(encoders) * len(self.layers)
+        primary, num_slots = encoders[0], (len(encoders) + len(variants)) * len(self.layers)
         entries = sorted(((split, i) for split in SPLITS for i in range(len(texts[split]))),
                          key=lambda entry: len(texts[entry[0]][entry[1]]))
         ordered = [texts[split][i] for split, i in entries]
@@ -194,6 +199,7 @@ class FeatureExtractor:
         with bar:
             for (inputs, _), keep, route in zip(batches, keeps, routes):
                 hidden = [self.select(encoder(**inputs).hidden_states) for encoder in encoders]
+                hidden += [variant.states(hidden[0], self.mask(inputs)) for variant in variants]  # per sentence
                 for split, rows in route.items():
                     split_keep = torch.zeros_like(keep)  # the items of this split's rows only: no row copies
                     split_keep[rows] = keep[rows]

@@ -41,6 +41,7 @@ from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encod
 from lightning_modules.pooling import mean_pool
 from lightning_modules.probes import FeatureSpec
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
+from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
 
 class ProbeDataModule(pl.LightningDataModule):
@@ -111,6 +112,10 @@ class ProbeDataModule(pl.LightningDataModule):
         """Whether a split's raw labels are real (GLUE's test splits hide them: -1); positions need none."""
         return True
 
+    def variants(self) -> list:
+        """Per-sentence variants (metrics.transforms.SoftDecay) whose items are cached as extra slots."""
+        return []
+
     def describe(self) -> dict:
         return {}
 
@@ -162,7 +167,7 @@ class ProbeDataModule(pl.LightningDataModule):
         root = h.cache_dir or (self.trainer.default_root_dir if self.trainer is not None else None)
         self.extractor = FeatureExtractor(layers, h.encode_batch_size, h.max_length, h.exclude_special,
                                           h.max_memory_gb, root, h.progress)
-        extracted = self.extractor.extract(encoders, splits.texts, labels, self)
+        extracted = self.extractor.extract(encoders, splits.texts, labels, self, self.variants())
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
@@ -178,7 +183,9 @@ class ProbeDataModule(pl.LightningDataModule):
         self.spec = FeatureSpec(
             encoder=primary.name, layers=layers, hidden_size=primary.hidden_size, num_classes=len(classes),
             num_hidden_states=primary.num_hidden_states,
-            classes=classes, slots=[(kind, layer) for kind in ("encoder", "random")[:len(encoders)] for layer in layers],
+            classes=classes, slots=[(kind, layer) for kind in [*("encoder", "random")[:len(encoders)],
+                                                               *(variant.key for variant in self.variants())]
+                                    for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed,
             data={"source": str(h.source), "splits_from": splits.described,
@@ -291,8 +298,17 @@ class PositionDataModule(ProbeDataModule):
 class ClassificationDataModule(ProbeDataModule):
     """Mean-pooled sentence vectors (padding excluded) with their labels; classes inferred or fixed by `classes`."""
 
-    def __init__(self, label_column: str = "label", classes: list[str | int] | None = None, **kwargs) -> None:
+    def __init__(self, label_column: str = "label", classes: list[str | int] | None = None, normalize: str = "none",
+                 softdecay_alpha: float = SOFTDECAY_ALPHA, **kwargs) -> None:
+        """normalize: "softdecay" also caches every layer's sentences pooled from tokenUni's SoftDecay of their token
+        matrices (`softdecay_alpha` in (-1, 0); ours, opt-in), and the classifiers train on them too; "none"."""
         super().__init__(**kwargs)
+        if normalize not in ("none", "softdecay"):
+            raise UserError(f"--data.normalize must be none or softdecay (the classifiers' per-sentence transform; "
+                            f"clipping is --model.clip), got {normalize!r}")
+        self.normalize = normalize
+        self.softdecay = SoftDecay(check_softdecay_alpha(softdecay_alpha, "--data.softdecay_alpha")) \
+            if normalize == "softdecay" else None
         self.label_column = label_column
         self.classes = [normalise_label(c) for c in classes] if classes is not None else None
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
@@ -342,6 +358,12 @@ class ClassificationDataModule(ProbeDataModule):
 
     def item_counts(self, keep: Tensor) -> Tensor:
         return torch.ones(len(keep), dtype=torch.long)
+
+    def variants(self) -> list:
+        return [self.softdecay] if self.softdecay is not None else []
+
+    def describe(self) -> dict:
+        return {"normalize": self.normalize, **({"softdecay_alpha": self.softdecay.alpha} if self.softdecay else {})}
 
     def pool(self, hidden: Tensor, keep: Tensor, rows: Tensor, sentence_labels: Tensor | None
              ) -> tuple[Tensor, Tensor, Tensor]:

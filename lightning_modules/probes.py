@@ -186,7 +186,8 @@ class LinearProbes(pl.LightningModule):
         self.test_accuracy.reset()
 
     def _log_accuracy(self, stage: str, accuracy: Tensor) -> None:
-        names = {"encoder": "accuracy", "random": "random_accuracy", "clipped": "clipped_accuracy"}
+        names = {"encoder": "accuracy", "random": "random_accuracy", "clipped": "clipped_accuracy",
+                 "softdecay": "softdecay_accuracy"}
         self.log_dict({f"{stage}/{names[kind]}_layer{layer}": accuracy[i]
                        for i, (kind, layer) in enumerate(self.probe_slots)})
 
@@ -196,7 +197,7 @@ class LinearProbes(pl.LightningModule):
     # ---- results --------------------------------------------------------------------------------------------------
     def accuracy_of(self, kind: str, result: str = "accuracy") -> list:
         """Test accuracy (or "val_accuracy" / "best_epoch" of the tested weights) per layer of one kind of slot
-        ("encoder", "random", "clipped")."""
+        ("encoder", "random", "clipped", "softdecay")."""
         values = self.results[result]
         return [values[i].item() for i, (k, _) in enumerate(self.probe_slots) if k == kind]
 
@@ -221,7 +222,8 @@ class LinearProbes(pl.LightningModule):
 
     def accuracy_figure(self, title: str):
         series = {"encoder": self.accuracy_of("encoder")}
-        for kind, name in (("clipped", "encoder, outliers clipped"), ("random", "random-init encoder")):
+        for kind, name in (("clipped", "encoder, outliers clipped"), ("softdecay", "encoder, SoftDecay"),
+                           ("random", "random-init encoder")):
             if self.accuracy_of(kind):
                 series[name] = self.accuracy_of(kind)
         return accuracy_by_layer_figure(self.spec.layers, series,
@@ -359,6 +361,7 @@ class SentenceClassifier(LinearProbes):
     def report(self) -> dict:
         spec = self.spec
         clipped = self.accuracy_of("clipped") or [None] * len(spec.layers)
+        softdecay = self.accuracy_of("softdecay")  # with --data.normalize softdecay: pooled from SoftDecay's states
         baselines = self.baselines()
         return {
             "encoder": spec.encoder,
@@ -375,9 +378,10 @@ class SentenceClassifier(LinearProbes):
             "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",
-            "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip, **chosen}
-                       for layer, accuracy, clip, chosen in zip(spec.layers, self.accuracy_of("encoder"), clipped,
-                                                                self.selection())],
+            "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip, **chosen,
+                        **({"accuracy_softdecay": softdecay[i]} if softdecay else {})}
+                       for i, (layer, accuracy, clip, chosen) in enumerate(zip(spec.layers, self.accuracy_of("encoder"),
+                                                                               clipped, self.selection()))],
             "baselines": baselines,
         }
 

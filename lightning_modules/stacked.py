@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-_INIT_KIND = {"encoder": 0, "clipped": 0, "random": 1}  # a clipped probe starts from its unclipped twin's weights
+_INIT_KIND = {"encoder": 0, "clipped": 0, "softdecay": 0, "random": 1}  # clipped, SoftDecay: from the raw twin's weights
 
 
 def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:

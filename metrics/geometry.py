@@ -194,6 +194,11 @@ def eigh(matrices: Tensor) -> tuple[Tensor, Tensor]:
     return _one_thread(torch.linalg.eigh, matrices)
 
 
+def svd(matrices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Thin torch.linalg.svd (U, S, Vh) of [..., m, n] matrices, on CPU in one thread (as eigvalsh)."""
+    return _one_thread(lambda m: torch.linalg.svd(m, full_matrices=False), matrices)
+
+
 def _one_thread(function, matrices: Tensor):
     if matrices.device.type != "cpu":
         return function(matrices)

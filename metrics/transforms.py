@@ -4,6 +4,7 @@
     variants = [RAW, Clipping(spec, num_layers=7), whitening(cov.compute())]
     vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
     mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
+    states = SoftDecay(-0.2).states(hidden_states, mask)   # per sentence: [layers, batch, seq, hidden], before picking
 
 - Clipping zeroes dimensions per layer (`zero_dims`, the one way this project zeroes dimensions: analyses,
   classifiers and callbacks alike), applied to hidden states after the forward pass. Which ones is --clip's choice
@@ -24,6 +25,12 @@
   spread under ~17 such roundings is noise; the 1 is the scale of the LayerNorm-normalised values every dimension
   is made from, whose rounding reaches a dimension whose mean is near 0 too.
 Both normalisations are affine per layer, so they commute with averaging sub-word pieces and mean pooling.
+- SoftDecay (Yan, Gui, Li & He, "Addressing Token Uniformity in Transformers via Singular Value Transformation",
+  UAI 2022, tokenUni) is not a map of single vectors: per sentence and layer it transforms the singular values of the
+  sentence's token matrix H = U S V^T (padding excluded), s' = -log(1 - alpha (s + alpha)) / alpha with alpha < 0,
+  rescaled so that max s' = max s, and H' = U S' V^T. A variant like it is `per_sentence`: protocols take its word
+  pieces, tokens and pooled sentences from `states(hidden_states, mask)` of each batch instead of the raw states
+  (analyses/reference.py `views`), and `apply` is the identity.
 """
 
 from __future__ import annotations
@@ -35,17 +42,24 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
-from metrics.geometry import CovarianceResult, eigh
+from metrics.geometry import CovarianceResult, eigh, svd
 from metrics.outliers import LayerOutliers, persistent_dims
 
-NORMALIZATIONS = ("none", "whiten", "standardize")
-REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}
+NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")
+REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}  # the fitted normalisations' variant keys
+SOFTDECAY_ALPHA = -0.2  # --softdecay_alpha's default
 
 
 class Variant:
     """The identity: raw hidden states."""
 
     key = "raw"
+    per_sentence = False  # True: transforms each sentence's token matrix (`states`) before vectors are picked
+
+    def states(self, hidden_states: Tensor, mask: Tensor) -> Tensor:
+        """The hidden states [layers, batch, seq, hidden] of a batch (mask [batch, seq]: the tokens that count) as
+        this variant's protocols pick from them: themselves, unless the variant is `per_sentence`."""
+        return hidden_states
 
     def apply(self, vectors: Tensor) -> Tensor:
         return vectors
@@ -251,11 +265,60 @@ def standardization(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
 
 
 def normalization(name: str, stats: CovarianceResult | None, fit: str = "tokens") -> Variant | None:
-    """The --normalize variant ("none" -> None), built from the statistics of the vectors it is fit on: token
-    vectors (`fit="tokens"`) or mean-pooled sentence embeddings (`fit="sentences"`, STS)."""
-    if name == "none":
+    """A fitted --normalize variant (whiten, standardize; "none" -> None), built from the statistics of the vectors
+    it is fit on: token vectors (`fit="tokens"`) or mean-pooled sentence embeddings (`fit="sentences"`, STS).
+    SoftDecay is fit on nothing: `SoftDecay(alpha)`."""
+    if name not in REPORT_KEYS:
         return None
     if stats is None or stats.num_tokens < 2:
         found = 0 if stats is None else stats.num_tokens
         raise UserError(f"--normalize {name} needs statistics of at least 2 {fit}, got {found}")
     return whitening(stats) if name == "whiten" else standardization(stats)
+
+
+def check_softdecay_alpha(alpha: float, option: str = "--softdecay_alpha") -> float:
+    """alpha in (-1, 0), or one line naming `option`: SoftDecay needs alpha < 0, and at alpha <= -1 the logarithm's
+    argument 1 - alpha (s + alpha) is not positive for small singular values s."""
+    if not (isinstance(alpha, (int, float)) and -1 < alpha < 0):
+        raise UserError(f"{option} must lie in (-1, 0) (SoftDecay needs alpha < 0, and alpha <= -1 takes the log of "
+                        f"a non-positive number for small singular values), got {alpha}")
+    return float(alpha)
+
+
+def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float) -> Tensor:
+    """tokenUni's SoftDecay per sentence and layer: hidden_states [layers, batch, seq, hidden] (or [batch, seq,
+    hidden]), mask [batch, seq] (the tokens of each sentence's matrix; padding never) -> the same shape, each
+    sentence's counted rows replaced by U S' V^T, the others left as they are.
+
+    s' = -log(1 - alpha (s + alpha)) / alpha (alpha in (-1, 0): a concave, increasing map that lifts the small
+    singular values against the large), rescaled so that max s' = max s. Singular values at rounding level (below
+    max s x max(seq, hidden) x float32 epsilon, the rank rule of torch.linalg.matrix_rank) have no direction of
+    their own (their singular vectors are arbitrary): they stay 0, so the matrix keeps its rank and padded rows stay
+    out. alpha -> 0- is the identity. Computed in float32 (the map of the singular values in float64)."""
+    mask = mask.to(hidden_states.device).bool()
+    x = hidden_states.float() * mask.unsqueeze(-1)
+    u, s, vh = svd(x)
+    s64 = s.double()
+    top = s64[..., :1]
+    significant = s64 > top * max(x.shape[-2:]) * torch.finfo(torch.float32).eps
+    mapped = torch.where(significant, -torch.log1p(-alpha * (s64 + alpha)) / alpha, torch.zeros_like(s64))
+    peak = mapped[..., :1]  # the map is increasing: the largest stays first
+    scaled = torch.where(peak > 0, mapped * top / peak.clamp_min(1e-300), s64)  # a matrix of norm < |alpha|: as is
+    out = (u * scaled.to(u.dtype).unsqueeze(-2)) @ vh
+    return torch.where(mask.unsqueeze(-1), out.to(hidden_states.dtype), hidden_states)
+
+
+class SoftDecay(Variant):
+    """tokenUni's SoftDecay (see soft_decay): a per-sentence transformation of the singular values, `alpha` < 0."""
+
+    key = "softdecay"
+    per_sentence = True
+
+    def __init__(self, alpha: float = SOFTDECAY_ALPHA) -> None:
+        self.alpha = check_softdecay_alpha(alpha)
+
+    def states(self, hidden_states: Tensor, mask: Tensor) -> Tensor:
+        return soft_decay(hidden_states, mask, self.alpha)
+
+    def moments(self, mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
+        raise TypeError("SoftDecay is no map of single vectors: its moments are those of its own transformed tokens")

@@ -1,11 +1,13 @@
-"""Live statistics during pretraining: OutlierStatistics and ContributionVectors on tiny runs, checked against direct
-computations on the hidden states transformers gives for the same batches; W&B offline logs; DDP; faults.
+"""Live statistics during pretraining: OutlierStatistics, ContributionVectors and AttentionGeometry on tiny runs,
+checked against direct computations on the hidden states (and, for attention, the eager attention probabilities and
+the query / key projections' outputs) transformers gives for the same batches; W&B offline logs; DDP; faults.
 
     .venv/bin/pytest tests/test_callbacks.py -q
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
@@ -25,12 +27,13 @@ from PIL import Image
 from pytorch_lightning.loggers import CSVLogger
 
 import train
+from callbacks.attention_geometry import AttentionGeometry
 from callbacks.contribution_vectors import ContributionVectors
 from callbacks.live import LiveCallback
 from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
 from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
 from core.errors import UserError
-from core.models import encoder_layers
+from core.models import attention_projections, encoder_layers
 from tests.tiny import corpus_sentences
 from tests.wandb_log import read_run
 
@@ -48,6 +51,7 @@ class Recorder(pl.Callback):
 
     def __init__(self, every_n_steps: int = EVERY) -> None:
         self.every, self.train, self.val = every_n_steps, {}, []
+        self.attention, self.val_attention = {}, []  # direct_attention of the same batches
         Recorder.made.append(self)
 
     @staticmethod
@@ -64,10 +68,31 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step % self.every == 0:
             self.train[trainer.global_step] = (self.direct(pl_module, batch), self.probe(trainer))
+            self.attention[trainer.global_step] = direct_attention(pl_module, batch)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if not trainer.sanity_checking:
             self.val.append((self.direct(pl_module, batch), self.probe(trainer)))
+            self.val_attention.append(direct_attention(pl_module, batch))
+
+
+def direct_attention(pl_module, batch) -> dict:
+    """An eager copy of the model on the batch (weights as they are now, before the step's update): each layer's
+    query and key projection outputs [batch, seq, heads, head_dim] (forward hooks) and attention probabilities
+    [batch, heads, seq, seq] (transformers' own `attentions`), float64."""
+    model = copy.deepcopy(pl_module.model).eval()
+    model.set_attn_implementation("eager")
+    outputs, handles = {}, []
+    for layer, (query, key, heads) in enumerate(attention_projections(model), 1):
+        for kind, module in (("query", query), ("key", key)):
+            def keep(module, args, output, name=(layer, kind), heads=heads):
+                outputs[name] = output.detach().double().unflatten(-1, (heads, -1))
+            handles.append(module.register_forward_hook(keep))
+    with torch.no_grad():
+        probabilities = model.roberta(input_ids=batch["input_ids"], output_attentions=True).attentions
+    for handle in handles:
+        handle.remove()
+    return {"outputs": outputs, "probabilities": [p.double() for p in probabilities]}
 
 
 def callbacks(every: int = EVERY, images: int = IMAGES, record: bool = True) -> list[str]:
@@ -75,7 +100,8 @@ def callbacks(every: int = EVERY, images: int = IMAGES, record: bool = True) -> 
     specs += [{"class_path": f"callbacks.{module}.{name}", "init_args": {"every_n_steps": every,
                                                                          "image_every_n_steps": images}}
               for module, name in (("outlier_statistics", "OutlierStatistics"),
-                                   ("contribution_vectors", "ContributionVectors"))]
+                                   ("contribution_vectors", "ContributionVectors"),
+                                   ("attention_geometry", "AttentionGeometry"))]
     return [arg for spec in specs for arg in ("--trainer.callbacks+", json.dumps(spec))]
 
 
@@ -153,6 +179,37 @@ def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> 
              "mean_contribution": float(contribution[layer].mean())} for layer in range(layers)]
 
 
+def expected_attention(records: list[dict], seed_step: int | None) -> list[dict]:
+    """Per transformer layer, from direct_attention of the step's (or validation's) batches: what AttentionGeometry
+    should log, each head's value averaged over the heads."""
+    seq = records[0]["probabilities"][0].shape[-1]
+    first, second = pair_positions(seq, PAIRS, pair_seed(0, seed_step))
+    rows = pair_positions(seq, PAIRS, pair_seed(0, seed_step) + 1)[0]
+    out = []
+    for layer in range(1, LAYERS):
+        q = torch.cat([r["outputs"][layer, "query"] for r in records])  # [sequences, seq, heads, d]
+        k = torch.cat([r["outputs"][layer, "key"] for r in records])
+        probabilities = torch.cat([r["probabilities"][layer - 1] for r in records])  # [sequences, heads, seq, seq]
+        mean_q, mean_k = q.mean((0, 1)), k.mean((0, 1))  # [heads, d]
+        picked = probabilities[:, :, rows]  # [sequences, heads, queries, keys]
+        entropy = -(picked * picked.clamp_min(1e-300).log()).sum(-1) / np.log(seq)
+        out.append({"qk_mean_cosine": F.cosine_similarity(mean_q, mean_k, dim=-1).mean().item(),
+                    "query_mean_norm_ratio": (mean_q.norm(dim=-1) / q.norm(dim=-1).mean((0, 1))).mean().item(),
+                    "key_mean_norm_ratio": (mean_k.norm(dim=-1) / k.norm(dim=-1).mean((0, 1))).mean().item(),
+                    "query_anisotropy": F.cosine_similarity(q[:, first], q[:, second], dim=-1).mean().item(),
+                    "key_anisotropy": F.cosine_similarity(k[:, first], k[:, second], dim=-1).mean().item(),
+                    "entropy": entropy.mean().item(), "num_tokens": q.shape[0] * seq})
+    return out
+
+
+def check_attention(row: dict, prefix: str, expected: list[dict]) -> None:
+    assert row[f"{prefix}/num_tokens"] == expected[0]["num_tokens"]
+    for layer, want in enumerate(expected, 1):
+        for name, value in want.items():
+            if name != "num_tokens":
+                assert row[f"{prefix}/layer_{layer}/{name}"] == pytest.approx(value, rel=1e-4, abs=1e-6), (layer, name)
+
+
 def logged(run, prefix: str, step: int) -> dict:
     rows = [row for row in run.history if row.get("trainer/global_step") == step
             and any(key.startswith(prefix + "/layer_") for key in row)]
@@ -220,7 +277,8 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
         for dim in want["outlier_dims"]:
             counts[dim] = counts.get(dim, 0) + 1
     assert sorted(run.summary["val_outliers/persistent_dims"]) == sorted(d for d, c in counts.items() if c >= 2)
-    for pattern in ("outliers/*", "val_outliers/*", "position_probe/*", "val_position_probe/*"):
+    for pattern in ("outliers/*", "val_outliers/*", "position_probe/*", "val_position_probe/*", "attention/*",
+                    "val_attention/*"):
         assert run.metrics[pattern] == "trainer/global_step"
 
     # images: mean vectors and contribution heatmaps at steps 0 and 4 and at validation; the table over time
@@ -233,7 +291,8 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
             with Image.open(path) as image:
                 assert min(image.size) > 100
     assert images == {"outliers/mean_vectors": 2, "val_outliers/mean_vectors": 1,
-                      "position_probe/contributions": 2, "val_position_probe/contributions": 1}
+                      "position_probe/contributions": 2, "val_position_probe/contributions": 1,
+                      "attention/over_steps": 2, "val_attention/over_steps": 1}
     tables = sorted((p for p in run.media if p.name.endswith(".table.json")), key=lambda p: int(p.name.split("_")[1]))
     table = json.loads(tables[-1].read_text())
     assert table["columns"] == TABLE_COLUMNS
@@ -243,6 +302,24 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
     for row in table["data"]:
         prefix = "outliers" if row[1] == "train" else "val_outliers"
         assert row[4] == logged(run, prefix, row[0])[f"{prefix}/layer_{row[2]}/argmax_dim"]
+
+
+@pytest.mark.slow
+def test_attention_geometry_equals_the_eager_attention_probabilities_and_projections(single):
+    """Each captured step's queries and keys (the step's forward, before its update) and attention entropies, and
+    the whole validation set's, against an eager copy of the model on the same batches."""
+    run, recorder, _ = single
+    assert sorted(recorder.attention) == [0, 2, 4]
+    for step, record in recorder.attention.items():
+        check_attention(logged(run, "attention", step), "attention", expected_attention([record], step))
+    check_attention(logged(run, "val_attention", STEPS), "val_attention", expected_attention(recorder.val_attention,
+                                                                                          None))
+    row = logged(run, "attention", 4)
+    assert all(0 < row[f"attention/layer_{layer}/entropy"] < 1 for layer in (1, 2))
+    for name in ("qk_mean_cosine", "entropy"):
+        assert run.summary[f"attention/{name}_by_layer"] == [row[f"attention/layer_{layer}/{name}"] for layer in (1, 2)]
+    # the weights moved between the steps: statistics from the weights after the update would differ
+    assert expected_attention([recorder.attention[2]], 2) != expected_attention([recorder.attention[0]], 2)
 
 
 @pytest.mark.slow
@@ -256,8 +333,8 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)))
-    assert same_statistics(one, two, prefixes) > 200
+                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+    assert same_statistics(one, two, prefixes) > 250
 
 
 def same_statistics(one, two, prefixes) -> int:
@@ -290,8 +367,8 @@ def test_compiled_run_captures_every_step_and_logs_what_the_eager_run_logs(singl
     assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)))
-    assert same_statistics(one, two, prefixes) > 200
+                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+    assert same_statistics(one, two, prefixes) > 250
     losses = [{row["trainer/global_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
               for run in (one, two)]
     assert sorted(losses[0]) == list(range(STEPS))
@@ -311,6 +388,9 @@ def test_resumed_run_continues_the_probe_and_the_table_exactly(single, corpus, c
     assert probe["updates"] == reference["updates"] == 3  # steps 0, 2 and 4
     torch.testing.assert_close(probe["weight"], reference["weight"], rtol=0, atol=1e-7)
     assert resumed["callbacks"]["OutlierStatistics"]["rows"] == straight["callbacks"]["OutlierStatistics"]["rows"]
+    history = resumed["callbacks"]["AttentionGeometry"]["history"]
+    assert history == straight["callbacks"]["AttentionGeometry"]["history"] and [row[0] for row in history] == \
+        [0, 0, 2, 2, 4, 4, STEPS, STEPS]
 
 
 def short_fit(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> int:
@@ -397,13 +477,44 @@ class GRUModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("callback", [OutlierStatistics, ContributionVectors])
+@pytest.mark.parametrize("callback", [OutlierStatistics, ContributionVectors, AttentionGeometry])
 def test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error(callback, tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 4)), batch_size=4)
     trainer = pl.Trainer(max_steps=1, logger=False, callbacks=[callback(every_n_steps=1, image_every_n_steps=0)],
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(UserError, match="cannot capture the hidden states of GRUModule: it holds no transformers encoder"):
         trainer.fit(GRUModule(), data)
+
+
+class PreNormModule(pl.LightningModule):
+    """A transformers encoder whose layers normalise their input before the attention (RoBERTa-PreLayerNorm):
+    its queries and keys are no projection of the hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import RobertaPreLayerNormConfig, RobertaPreLayerNormModel
+
+        self.encoder = RobertaPreLayerNormModel(RobertaPreLayerNormConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32))
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(input_ids=batch[0]).last_hidden_state.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_line(tmp_path):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(3, 50, (8, 6))), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[AttentionGeometry(every_n_steps=1, image_every_n_steps=0)], default_root_dir=tmp_path)
+    module = PreNormModule()
+    with pytest.raises(UserError) as raised:
+        trainer.fit(module, data)
+    assert str(raised.value) == ("cannot read the attention of PreNormModule: its layers normalise their input before "
+                                 "the attention (pre-LayerNorm), so queries and keys are not projections of the hidden "
+                                 "states")
+    assert trainer.global_step == 0
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -416,6 +527,11 @@ def test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error(callbac
      "OutlierStatistics: every_n_steps must be at least 1, got 0"),
     ({"class_path": "callbacks.contribution_vectors.ContributionVectors", "init_args": {"num_positions": 1}},
      "ContributionVectors: num_positions must be at least 2, got 1"),
+    ({"class_path": "callbacks.attention_geometry.AttentionGeometry", "init_args": {"layers": [0, 2]}},
+     "AttentionGeometry: layers [0, 2] must be distinct transformer layers within 1..2 (attention has none at the "
+     "embedding output)"),
+    ({"class_path": "callbacks.attention_geometry.AttentionGeometry", "init_args": {"queries_per_sequence": 0}},
+     "AttentionGeometry: queries_per_sequence must be at least 1, got 0"),
 ])
 def test_bad_callback_settings_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path, capsys, spec, message):
     root = tmp_path / "run"
@@ -530,7 +646,7 @@ def test_an_error_inside_a_captured_step_releases_the_hidden_states(corpus, cach
                                  fail, logger="csv"))
     (failed,) = FailInCapturedStep.made
     tap = failed.module.hidden_state_tap
-    assert len(failed.live) == 2 and failed.owners == {id(callback) for callback in failed.live}  # both had asked...
+    assert len(failed.live) == 3 and failed.owners == {id(callback) for callback in failed.live}  # all had asked...
     assert len(failed.kept) == LAYERS and all(h.shape == (8, 32, 32) for h in failed.kept)  # ...and got the forward's
     assert failed.hooks == [len(module._forward_hooks) for module in encoder_layers(failed.module)]  # no hook added
     assert tap.owners == set() and tap.hidden is None and not any(callback._tapped for callback in failed.live)

@@ -583,6 +583,12 @@ ERROR_ROW_TESTS = {
     ("train.py", "an online probe of under 2 positions"): [
         "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "AttentionGeometry `layers` outside the transformer layers 1..L or repeated"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("train.py", "AttentionGeometry sample sizes below 1"): [
+        "test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing",
+    ],
     ("train.py", "a checkpoint that needs code to unpickle (a crafted `.ckpt`, given as `--ckpt_path FILE` or found by `--ckpt_path last`)"): [
         "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
         "test_untrusted.py::test_a_refusal_names_what_the_checkpoint_would_have_built",
@@ -698,6 +704,10 @@ ERROR_ROW_TESTS = {
     ("a Trainer with the live callbacks", "a model whose hidden states cannot be captured"): [
         "test_callbacks.py::test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error",
     ],
+    ("a Trainer with AttentionGeometry",
+     "a model whose attention cannot be read (its queries and keys are no projection of the hidden states)"): [
+        "test_callbacks.py::test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_line",
+    ],
     ("probe.py", "missing data"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "missing encoder"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "`--data.max_length` above the model's positions"): [
@@ -717,6 +727,12 @@ ERROR_ROW_TESTS = {
     ],
     ("probe.py", "a learning rate that is not positive"): [
         "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("probe.py", "`--data.softdecay_alpha` outside (-1, 0)"): [
+        "test_softdecay.py::test_bad_softdecay_settings_of_the_classifiers_are_one_line_exit_2",
+    ],
+    ("probe.py", "`--data.normalize` other than none or softdecay"): [
+        "test_softdecay.py::test_bad_softdecay_settings_of_the_classifiers_are_one_line_exit_2",
     ],
     ("probe.py", "a checkpoint that needs code to unpickle (`--model.encoder FILE.ckpt`, a run directory without export/, `--ckpt_path`)"): [
         "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",
@@ -822,6 +838,18 @@ ERROR_ROW_TESTS = {
     ],
     ("analyze.py", "`--zeta` outside [0, 1]"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "`--softdecay_alpha` outside (-1, 0)"): [
+        "test_softdecay.py::test_softdecay_alpha_outside_minus_one_to_zero_is_one_line_exit_2_and_writes_nothing",
+    ],
+    ("analyze.py", "trajectory: a run directory without checkpoints"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "trajectory: a run directory that does not exist"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "trajectory: checkpoints of different architectures"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
     ],
     ("analyze.py", "a checkpoint that needs code to unpickle (`--encoder FILE.ckpt`, or a run directory without export/)"): [
         "test_untrusted.py::test_every_entry_point_refuses_the_crafted_checkpoint_and_runs_nothing",

@@ -93,7 +93,8 @@ def live_callbacks(every: int = LIVE_EVERY) -> list[str]:
     specs = [{"class_path": f"callbacks.{module}.{name}", "init_args": {"every_n_steps": every,
                                                                          "image_every_n_steps": 0}}
              for module, name in (("outlier_statistics", "OutlierStatistics"),
-                                  ("contribution_vectors", "ContributionVectors"))]
+                                  ("contribution_vectors", "ContributionVectors"),
+                                  ("attention_geometry", "AttentionGeometry"))]
     return [arg for spec in specs for arg in ("--trainer.callbacks+", json.dumps(spec))]
 
 

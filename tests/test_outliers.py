@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,9 +166,11 @@ def test_mean_vectors_figure_plots_each_layers_mean_and_marks_the_outliers(tmp_p
     assert len(fig.axes) == LAYERS + 1
     for layer, (ax, entry) in enumerate(zip(fig.axes, report["layers"])):
         assert ax.get_ylabel() == f"layer {layer}"
-        bars = ax.patches
-        assert [round(b.get_x() + b.get_width() / 2) for b in bars] == list(range(means.shape[1]))
-        heights = torch.tensor([b.get_height() for b in bars], dtype=torch.float64)
+        (bars,) = ax.patches  # one step patch: a bar of width 1 per dimension
+        values, edges, baseline = bars.get_data()
+        assert [round((a + b) / 2) for a, b in zip(edges[:-1], edges[1:])] == list(range(means.shape[1]))
+        assert baseline == 0 and np.allclose(np.diff(edges), 1) and bars.get_fill()
+        heights = torch.tensor(values, dtype=torch.float64)
         torch.testing.assert_close(heights, means[layer], atol=1e-5, rtol=1e-4)
         (markers,) = ax.collections
         marked = [round(x) for x in markers.get_offsets()[:, 0]]

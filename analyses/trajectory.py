@@ -1,0 +1,193 @@
+"""`analyze.py trajectory`: the outlier statistics, anisotropy and IsoScore* of every checkpoint of a training run, in
+step order, on the same sentences: the emergence of the outliers (the paper's story) made visible for our own runs.
+
+    python analyze.py trajectory --run runs/pretrain/tiny --output_dir runs/pretrain/tiny/trajectory
+    python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data data/austen.txt --max_sentences 2000 \\
+        --output_dir runs/trajectory/nope                     # train.py with --checkpoint.save_top_k -1 keeps them all
+    python analyze.py trajectory --encoders ckpt_a ckpt_b hub/id-step_20k ... --output_dir D   # any ordered list
+
+Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the paper's rule), `anisotropy --clip none`
+(raw) and `isotropy --clip none` (raw IsoScore*) would analyse it, in one reference pass over the same sampled
+sentences; one encoder is resident at a time (loaded, analysed, released), so the peak memory is that of one
+analysis whatever the number of checkpoints. Checkpoints are read weights-only (lightning_modules/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from analyses.geometry import minibatch_isoscores, pair_anisotropy
+from analyses.reference import number, reference_pass
+from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
+from core.errors import UserError
+from core.figures import over_steps_figure
+from core.output import check_writable
+from core.sources import local_path
+from lightning_modules.checkpoints import read_checkpoint
+from lightning_modules.encoder import resolve_model_dir
+from lightning_modules.mlm import ARCHITECTURE
+from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
+from metrics.transforms import RAW
+
+PREFERENCE = ("last.ckpt", "previous.ckpt")  # of two checkpoints of one step, a periodic one's name is kept first
+
+
+@dataclass
+class Point:
+    source: str  # what load_encoder opens
+    step: int
+    step_from: str  # "checkpoint" (its global_step), "name" (step_20k, step=100), "order" (position in --encoders)
+
+
+def run_points(run: str) -> list[Point]:
+    """The checkpoints of a train.py run directory (`checkpoints/*.ckpt`, or *.ckpt in the directory itself) by step,
+    one per step."""
+    path = local_path(run, "run directory")
+    if path is None or not path.is_dir():
+        raise UserError(f"run directory not found: {run}")
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    files = sorted(folder.glob("*.ckpt"), key=lambda f: (f.name in PREFERENCE, PREFERENCE.index(f.name)
+                                                         if f.name in PREFERENCE else 0, f.name))
+    if not files:
+        raise UserError(f"no checkpoints in {folder} (train.py writes last.ckpt there; --checkpoint.save_top_k -1 "
+                        "keeps the periodic ones)")
+    points: dict[int, Point] = {}
+    for file in files:
+        step = read_checkpoint(file).get("global_step")
+        if not isinstance(step, int):
+            raise UserError(f"{file} holds no global_step")
+        points.setdefault(step, Point(str(file), step, "checkpoint"))
+    return [points[step] for step in sorted(points)]
+
+
+def encoder_points(sources: list[str]) -> list[Point]:
+    """--encoders in the order given; each step from a checkpoint's global_step, a name's step (step_20k, step=100),
+    or the position in the list."""
+    points = []
+    for index, source in enumerate(sources):
+        resolved = resolve_model_dir(source)
+        if resolved.endswith(".ckpt"):
+            points.append(Point(source, int(read_checkpoint(resolved).get("global_step", index)), "checkpoint"))
+            continue
+        found = re.search(r"step[_=-]?(\d+)(k?)", Path(str(source)).name, re.IGNORECASE)
+        points.append(Point(source, int(found.group(1)) * (1000 if found.group(2) else 1), "name") if found
+                      else Point(source, index, "order"))
+    return points
+
+
+def architecture(source: str) -> dict:
+    """What makes two encoders comparable point by point: layers, sizes, heads, vocabulary, positions (and, for this
+    project's checkpoints, positional embeddings or none)."""
+    resolved = resolve_model_dir(source)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings",
+            "vocab_size")
+    if resolved.endswith(".ckpt"):
+        hparams = read_checkpoint(resolved)["hyper_parameters"]
+        return {"model_type": "roberta", **{key: hparams.get(key) for key in (*keys, *ARCHITECTURE)}}
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolved)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load encoder {source!r}: {str(error).splitlines()[0]}") from None
+    return {"model_type": config.model_type, **{key: getattr(config, key, None) for key in keys}}
+
+
+def check_architectures(points: list[Point]) -> None:
+    """One line naming the first two points whose architectures differ (on a key both report)."""
+    first = architecture(points[0].source)
+    for point in points[1:]:
+        other = architecture(point.source)
+        for key in first:
+            if key in other and first[key] != other[key]:
+                raise UserError(f"checkpoints of different architectures in one trajectory: {points[0].source} has "
+                                f"{key}={first[key]} but {point.source} has {key}={other[key]}")
+
+
+def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> tuple[dict, int]:
+    """One checkpoint: outlier statistics, raw anisotropy and raw IsoScore* per layer, from one reference pass; and the
+    encoder's maximum length."""
+    args.encoder = point.source
+    encoder = collectively(lambda: open_encoder(args))
+    setting = setting_of(args, encoder, rank, world)
+    reference = reference_pass(setting, sentences, rule=OutlierRule(args.min_share, args.sigma), statistics=True,
+                               covariance=True, sample=2 * args.num_pairs, desc=f"step {point.step}")
+    if reference.statistics.num_tokens == 0:
+        raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
+    layers = detect_outliers(reference.statistics, OutlierRule(args.min_share, args.sigma))
+    anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
+    if pairs == 0:
+        raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
+    star, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, args.minibatches)
+    result = {"step": point.step, "step_from": point.step_from, "path": point.source,
+              "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
+              "num_truncated": reference.num_truncated, "num_pairs": pairs, "num_minibatches": batches,
+              "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
+                          "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
+                          "outlier_dims": layer.outlier_dims, "anisotropy": number(anisotropy["raw"][layer.layer]),
+                          "isoscore_star": number(star[layer.layer])} for layer in layers]}
+    max_length = args.max_length or encoder.max_length
+    del encoder, setting, reference  # one encoder resident at a time
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, max_length
+
+
+def run_trajectory(args, rank: int, world: int) -> dict:
+    def plan():
+        points = run_points(args.run_dir) if args.run_dir else encoder_points(args.encoders)
+        check_architectures(points)
+        sentences = read_sentences(args)
+        if rank == 0:
+            check_writable(args.output_dir)
+        return points, sentences
+
+    points, sentences = collectively(plan)
+    if len(points) == 1 and rank == 0:
+        print(f"note: {args.run_dir or args.encoders[0]} has a single checkpoint (step {points[0].step}): the trajectory "
+              "has one point", file=sys.stderr)
+    analysed = [analyse(args, point, sentences, rank, world) for point in points]
+    checkpoints = [result for result, _ in analysed]
+    report = {"run": str(args.run_dir) if args.run_dir else None, "encoders": None if args.run_dir else list(args.encoders),
+              "data": str(args.data), "max_length": analysed[0][1],
+              "special_tokens": "excluded" if args.exclude_special else "included", "seed": args.seed,
+              "indexing": "0-indexed dimensions; layer 0 = embedding output", "num_sentences": len(sentences),
+              "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,
+              "minibatch_tokens": args.minibatch, "anisotropy": "raw: mean cosine of random token pairs",
+              "checkpoints": checkpoints}
+    finish(args, rank, {"trajectory.json": report}, {"trajectory.png": lambda: trajectory_figure(report)})
+    if rank == 0:
+        print_trajectory(report)
+    return report
+
+
+def trajectory_figure(report: dict):
+    """Per layer against the step: the dominant dimensions' shares of the max and the min, anisotropy, IsoScore*."""
+    checkpoints = report["checkpoints"]
+    steps = [point["step"] for point in checkpoints]
+    layers = [row["layer"] for row in checkpoints[0]["layers"]]
+    panels = [{"title": title, "ylabel": "", "series": {f"layer {layer}": (steps, [
+        point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
+        for point in checkpoints]) for layer in layers}}
+        for key, title in (("argmax_share", "share of tokens whose max the dominant dim holds"),
+                           ("argmin_share", "share of tokens whose min the dominant dim holds"),
+                           ("anisotropy", "anisotropy (random token pairs)"), ("isoscore_star", "IsoScore*"))]
+    source = report["run"] or f"{len(checkpoints)} encoders"
+    return over_steps_figure(panels, title=f"outliers and anisotropy over training: {source}", columns=2)
+
+
+def print_trajectory(report: dict) -> None:
+    print(f"\ntrajectory of {report['run'] or ', '.join(report['encoders'])} on {report['data']} "
+          f"({report['num_sentences']} sentences; dims 0-indexed)")
+    print(f"{'step':>8}  {'persistent dims':<20} last layer: argmax dim (share), anisotropy, IsoScore*")
+    for point in report["checkpoints"]:
+        last = point["layers"][-1]
+        print(f"{point['step']:>8}  {str(point['persistent_dims'] or '-'):<20} {last['argmax_dim']} "
+              f"({last['argmax_share']:.1%}), {last['anisotropy']}, {last['isoscore_star']}")

@@ -1,0 +1,181 @@
+"""Live query / key geometry of self-attention during MLM pretraining (Godey et al. 2024), logged to W&B (or any
+Lightning logger).
+
+    python train.py fit --config configs/pretrain/tiny.yaml           # on in every pretraining config
+    python train.py fit --config configs/pretrain/roberta-base.yaml --trainer.callbacks.init_args.every_n_steps 50
+
+Every `every_n_steps` optimizer steps, from that step's own forward pass (all its micro-batches on every rank; no
+extra pass: see callbacks/live.py), and over the whole validation set at each validation, per transformer layer
+l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py):
+
+    attention/layer_{l}/qk_mean_cosine                 cosine between the mean query and the mean key
+    attention/layer_{l}/query_mean_norm_ratio          norm of the mean query over the mean query norm (common drift)
+    attention/layer_{l}/key_mean_norm_ratio            the same for keys
+    attention/layer_{l}/query_anisotropy, key_anisotropy   mean cosine of `pairs_per_sequence` random position
+                                                       pairs of one sequence (drawn per step from `seed`)
+    attention/layer_{l}/entropy                        mean attention entropy of `queries_per_sequence` random query
+                                                       positions of every sequence, over its keys, / log(keys)
+    attention/num_tokens
+
+(`val_attention/...` for validation.) No forward hook (they are skipped once the model is compiled): layer l's
+queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns through its tap
+(core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the states the forward
+made, not a forward. The training step's projection weights are copied when its capture starts (the optimizer
+updates them before the batch ends), so the queries and keys are those of the step's forward. A model whose
+attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
+one line. Statistics sync across ranks (sum states): a step's values equal one process's on the same global batch.
+W&B and TensorBoard also get, every `image_every_n_steps` and at each validation, the image `attention/over_steps`
+(each statistic per layer against the step); W&B the summaries `attention/<statistic>_by_layer` (latest, a list over
+the layers). CSV gets the scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from callbacks import wandb_logging as logs
+from callbacks.live import Captured, LiveCallback
+from callbacks.outlier_statistics import pair_positions, pair_seed
+from core.errors import UserError
+from core.figures import over_steps_figure
+from core.models import attention_projections
+from metrics.attention import NAMES, QueryKeyGeometry, project_heads
+
+PREFIX = {"train": "attention", "val": "val_attention"}
+TITLES = {"qk_mean_cosine": "cosine of mean query and mean key", "query_mean_norm_ratio": "|mean query| / mean |query|",
+          "key_mean_norm_ratio": "|mean key| / mean |key|", "query_anisotropy": "query anisotropy (random pairs)",
+          "key_anisotropy": "key anisotropy (random pairs)", "entropy": "attention entropy / log(length)"}
+
+
+class AttentionGeometry(LiveCallback):
+    """Per-layer query / key geometry and attention entropy of the training step every N steps and at validation.
+
+    Args:
+        every_n_steps: optimizer steps between two captures (step 0 included).
+        image_every_n_steps: steps between two over-time figures (a multiple of every_n_steps; 0: only at
+            validation).
+        layers: transformer layers to watch, 1..L (default all; attention has none at the embedding output).
+        pairs_per_sequence: random position pairs per sequence for the query and key anisotropy.
+        queries_per_sequence: random query positions per sequence whose attention entropy is taken.
+        on_validation: also over the whole validation set at every validation.
+        seed: draws the pairs and query positions (with the step).
+    """
+
+    def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
+                 pairs_per_sequence: int = 16, queries_per_sequence: int = 16, on_validation: bool = True,
+                 seed: int = 0) -> None:
+        super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
+        self.pairs_per_sequence, self.queries_per_sequence, self.seed = pairs_per_sequence, queries_per_sequence, seed
+        self.attention_layers: list[int] = []
+        self.projections: list = []  # (query Linear, key Linear, heads) of each watched layer
+        self.history: list[list] = []  # [step, stage, layer, *NAMES values] per capture: the images; in checkpoints
+        self.geometry: dict[str, QueryKeyGeometry] = {}
+        self._weights: list | None = None  # the captured training step's projection weights
+        self._weights_step: int | None = None
+
+    def check_settings(self) -> None:
+        super().check_settings()
+        for name in ("pairs_per_sequence", "queries_per_sequence"):
+            if getattr(self, name) < 1:
+                raise UserError(f"AttentionGeometry: {name} must be at least 1, got {getattr(self, name)}")
+
+    def capture_layers(self, pl_module, available: int) -> list[int]:
+        """The inputs of the watched transformer layers: hidden state l - 1 for layer l."""
+        projections = attention_projections(pl_module)
+        chosen = list(range(1, len(projections) + 1)) if self.requested_layers is None else list(self.requested_layers)
+        if not chosen or len(set(chosen)) != len(chosen) or not all(1 <= layer <= len(projections) for layer in chosen):
+            raise UserError(f"AttentionGeometry: layers {chosen} must be distinct transformer layers within "
+                            f"1..{len(projections)} (attention has none at the embedding output)")
+        self.attention_layers, self.projections = chosen, [projections[layer - 1] for layer in chosen]
+        return [layer - 1 for layer in chosen]
+
+    def build(self, trainer, pl_module) -> None:
+        if self.geometry:
+            return
+        query, _, heads = self.projections[0]
+        for stage in PREFIX:
+            self.geometry[stage] = QueryKeyGeometry(len(self.attention_layers), heads,
+                                                    query.out_features // heads).to(pl_module.device)
+        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+
+    def weights(self, copy: bool = True) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
+        """The projections' current weights, detached (copies unless `copy` is False): (query weight, bias, key
+        weight, bias, heads)."""
+        def detached(tensor):
+            return None if tensor is None else tensor.detach().clone() if copy else tensor.detach()
+
+        return [(detached(q.weight), detached(q.bias), detached(k.weight), detached(k.bias), heads)
+                for q, k, heads in self.projections]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.capture_step is not None and self._weights_step != self.capture_step:  # the step's first micro-batch
+            self._weights, self._weights_step = self.weights(), self.capture_step
+
+    def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
+        hidden, mask = captured.hidden, captured.mask  # [watched layers' inputs, batch, seq, hidden], [batch, seq]
+        geometry = self.geometry[stage]
+        if geometry.device != hidden.device:
+            geometry.to(hidden.device)
+        # training: the weights of the step's forward (copied when it started); validation: the unchanging ones
+        weights = self._weights if stage == "train" and self._weights is not None else self.weights(copy=False)
+        seq = hidden.shape[2]
+        key = pair_seed(self.seed, self.capture_step if stage == "train" else None)
+        pairs = pair_positions(seq, self.pairs_per_sequence, key, hidden.device)
+        rows = pair_positions(seq, self.queries_per_sequence, key + 1, hidden.device)[0]
+        with torch.no_grad():
+            for index, (query, query_bias, key_weight, key_bias, heads) in enumerate(weights):
+                queries = project_heads(hidden[index], query.to(hidden.device),
+                                        None if query_bias is None else query_bias.to(hidden.device), heads)
+                keys = project_heads(hidden[index], key_weight.to(hidden.device),
+                                     None if key_bias is None else key_bias.to(hidden.device), heads)
+                geometry.update(index, queries, keys, mask, pairs, rows)
+
+    def finish(self, stage: str, trainer, pl_module, step: int) -> None:
+        geometry = self.geometry[stage]
+        result = geometry.compute()  # every rank: the states sync here
+        geometry.reset()
+        if stage == "train":
+            self._weights = None
+        if not trainer.is_global_zero or not logs.real_loggers(trainer) or result["num_tokens"] == 0:
+            return
+        self.log_result(trainer, stage, step, result)
+
+    def log_result(self, trainer, stage: str, step: int, result: dict) -> None:
+        prefix = PREFIX[stage]
+        values = {name: result[name].cpu().tolist() for name in NAMES}
+        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result["num_tokens"])}
+        for i, layer in enumerate(self.attention_layers):
+            metrics.update({f"{prefix}/layer_{layer}/{name}": values[name][i] for name in NAMES})
+            self.history.append([step, stage, layer, *(round(values[name][i], 6) for name in NAMES)])
+        logs.log_scalars(trainer, metrics, step)
+        logs.log_summary(trainer, {f"{prefix}/{name}_by_layer": values[name] for name in NAMES})
+        if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
+            logs.log_figure(trainer, f"{prefix}/over_steps", self.figure(stage), step)
+
+    def figure(self, stage: str):
+        """Each statistic per layer against the step, from the history of `stage`."""
+        rows = [row for row in self.history if row[1] == stage]
+        panels = []
+        for column, name in enumerate(NAMES, 3):
+            series = {f"layer {layer}": ([row[0] for row in rows if row[2] == layer],
+                                         [row[column] for row in rows if row[2] == layer])
+                      for layer in self.attention_layers}
+            panels.append({"title": TITLES[name], "ylabel": "", "series": series})
+        over = "validations" if stage == "val" else "training steps"
+        return over_steps_figure(panels, title=f"attention geometry per layer over {over} (Godey et al. 2024)")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self._weights = None
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._weights = None
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict.get("history", []))

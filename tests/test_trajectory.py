@@ -1,0 +1,122 @@
+"""`analyze.py trajectory`: every checkpoint of a tiny train.py run, in step order, equals a separate `analyze.py all`
+of that checkpoint alone; `--encoders` keeps the order given; the refusals.
+
+    .venv/bin/pytest tests/test_trajectory.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import analyze
+import train
+from tests.tiny import corpus_sentences
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+COMMON = ["--no_progress", "--max_sentences", "0", "--num_pairs", "12", "--minibatch", "6", "--seed", "2"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
+    """A tiny run with a checkpoint every 2 steps, all kept (--checkpoint.save_top_k -1): steps 2, 4, 6, and
+    last.ckpt (6) and previous.ckpt (4) beside them; and 40 sentences to analyse them on."""
+    root = tmp_path_factory.mktemp("trajectory") / "run"
+    assert train.cli_main([
+        "fit", "--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
+        "--model.intermediate_size", "64", "--model.max_position_embeddings", "34", "--model.warmup_steps", "2",
+        "--model.lr", "3e-3", "--data.corpus", str(corpus), "--data.vocab_size", "600", "--data.block_length", "32",
+        "--data.batch_size", "8", "--data.global_batch_size", "8", "--data.cache_dir", str(cache),
+        "--trainer.accelerator", "cpu", "--trainer.max_steps", "6", "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root),
+        "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1"]) == 0
+    sentences = root.parent / "sentences.txt"
+    sentences.write_text("\n".join(corpus_sentences(40, start=300)) + "\n", encoding="utf-8")
+    return root, sentences
+
+
+@pytest.mark.slow
+def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run, tmp_path):
+    root, sentences = run
+    checkpoints = root / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt", "previous.ckpt"]
+    assert analyze.main(["trajectory", "--run", str(root), "--data", str(sentences), *COMMON,
+                         "--output_dir", str(tmp_path / "t")]) == 0
+    report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
+    assert (tmp_path / "t" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["run"] == str(root) and report["data"] == str(sentences) and report["num_sentences"] == 40
+    points = report["checkpoints"]  # last.ckpt and previous.ckpt repeat steps 6 and 4: one point per step
+    assert [(p["step"], Path(p["path"]).name) for p in points] == [
+        (2, "epoch=0-step=2.ckpt"), (4, "epoch=0-step=4.ckpt"), (6, "epoch=0-step=6.ckpt")]
+    for point in points:
+        out = tmp_path / f"all-{point['step']}"
+        assert analyze.main(["all", "--encoder", point["path"], "--data", str(sentences), *COMMON, "--clip", "none",
+                             "--pool_sentences", "0", "--num_words", "2", "--min_sentences", "3",
+                             "--output_dir", str(out)]) == 0
+        outliers, anisotropy, isotropy = (json.loads((out / f"{name}.json").read_text())
+                                          for name in ("outliers", "anisotropy", "isotropy"))
+        assert point["persistent_dims"] == outliers["persistent_dims"]
+        assert point["num_tokens"] == outliers["num_tokens"] and point["num_pairs"] == anisotropy["num_pairs"] == 12
+        for row, separate, cosines, iso in zip(point["layers"], outliers["layers"], anisotropy["layers"],
+                                               isotropy["layers"]):
+            assert {key: row[key] for key in ("layer", "argmax_dim", "argmin_dim", "outlier_dims")} == \
+                {key: separate[key] for key in ("layer", "argmax_dim", "argmin_dim", "outlier_dims")}
+            assert row["argmax_share"] == pytest.approx(separate["argmax_share"], abs=1e-9)
+            assert row["argmin_share"] == pytest.approx(separate["argmin_share"], abs=1e-9)
+            assert row["anisotropy"] == pytest.approx(cosines["raw"], abs=1e-9)
+            assert row["isoscore_star"] == pytest.approx(iso["raw"]["isoscore_star"], abs=1e-9)
+    # the weights moved: the points differ
+    assert points[0]["layers"][2]["anisotropy"] != points[2]["layers"][2]["anisotropy"]
+    # --encoders: any list, in the order given, each step read from its checkpoint
+    assert analyze.main(["trajectory", "--encoders", points[2]["path"], points[0]["path"], "--data", str(sentences),
+                         *COMMON, "--output_dir", str(tmp_path / "e")]) == 0
+    listed = json.loads((tmp_path / "e" / "trajectory.json").read_text())
+    assert listed["run"] is None and [p["step"] for p in listed["checkpoints"]] == [6, 2]
+    assert [p["step_from"] for p in listed["checkpoints"]] == ["checkpoint", "checkpoint"]
+    assert listed["checkpoints"][1]["layers"] == points[0]["layers"]
+
+
+@pytest.mark.slow
+def test_a_run_with_one_checkpoint_says_so_and_still_reports_it(run, tmp_path, capsys):
+    root, sentences = run
+    single = tmp_path / "single"
+    (single / "checkpoints").mkdir(parents=True)
+    shutil.copy(root / "checkpoints" / "last.ckpt", single / "checkpoints" / "last.ckpt")
+    assert analyze.main(["trajectory", "--run", str(single), "--data", str(sentences), *COMMON,
+                         "--output_dir", str(tmp_path / "t")]) == 0
+    assert f"note: {single} has a single checkpoint (step 6): the trajectory has one point" in capsys.readouterr().err
+    report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
+    assert [point["step"] for point in report["checkpoints"]] == [6]
+
+
+@pytest.mark.slow
+def test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing(run, tmp_path, capsys):
+    root, sentences = run
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    out = tmp_path / "out"
+    assert analyze.main(["trajectory", "--run", str(empty), "--data", str(sentences), "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"analyze.py trajectory: error: no checkpoints in {empty / 'checkpoints'} (train.py writes last.ckpt there; "
+        "--checkpoint.save_top_k -1 keeps the periodic ones)"]
+    wider = tmp_path / "wider.ckpt"  # the same run's checkpoint, its hyper-parameters claiming another width
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["hidden_size"] = 48
+    torch.save(checkpoint, wider)
+    first = root / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert analyze.main(["trajectory", "--encoders", str(first), str(wider), "--data", str(sentences),
+                         "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"analyze.py trajectory: error: checkpoints of different architectures in one trajectory: {first} has "
+        f"hidden_size=32 but {wider} has hidden_size=48"]
+    assert analyze.main(["trajectory", "--run", str(tmp_path / "nowhere"), "--data", str(sentences),
+                         "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"analyze.py trajectory: error: run directory path not found: " \
+                                              f"{tmp_path / 'nowhere'}"
+    assert not out.exists()
