@@ -2,7 +2,7 @@
 Lightning logger).
 
     python train.py fit --config configs/pretrain/tiny.yaml           # on in every pretraining config
-    python train.py fit --config configs/pretrain/roberta-base.yaml --trainer.callbacks.init_args.every_n_steps 50
+    # its cadence: every_n_steps / image_every_n_steps in the config's trainer.callbacks
 
 Every `every_n_steps` optimizer steps, from that step's own forward pass (all its micro-batches on every rank; no
 extra pass: see callbacks/live.py), and over the whole validation set at each validation, per transformer layer

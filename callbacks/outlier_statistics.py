@@ -1,8 +1,8 @@
 """Live per-layer outlier statistics during MLM pretraining, logged to W&B (or any Lightning logger).
 
     python train.py fit --config configs/pretrain/tiny.yaml           # on in every pretraining config
-    python train.py fit --config configs/pretrain/roberta-base.yaml \\
-        --trainer.callbacks.init_args.every_n_steps 50                 # (or edit the YAML's trainer.callbacks)
+    # its cadence: every_n_steps / image_every_n_steps in the config's trainer.callbacks (a command-line
+    # --trainer.callbacks.init_args.X would set only the list's last callback)
 
 Every `every_n_steps` optimizer steps, from the hidden states of that step's own forward pass (all its micro-batches
 on every rank; no extra pass: see callbacks/live.py), and over the whole validation set at each validation,
