@@ -32,6 +32,8 @@ def plain_warnings() -> None:
     """Show warnings as one line each, `warning: <message>`, as the entry points' own warnings are (they call this:
     a user reads these lines, not a developer; the file and line of the code that warned are left out)."""
     warnings.formatwarning = _one_line
+    # Lightning's own use of a deprecated torch API: nothing a user can act on
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*", FutureWarning)
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
