@@ -275,22 +275,10 @@ class FineTuneDataModule(pl.LightningDataModule):
     # -- the global batch, and checkpointed state --
 
     def accumulation(self, world_size: int) -> int:
-        h = self.hparams
-        if h.global_batch_size is None:
-            return 1
-        per_step = h.batch_size * world_size
-        if h.global_batch_size % per_step:
-            raise UserError(f"global batch {h.global_batch_size} is not a multiple of batch_size {h.batch_size} × "
-                            f"{world_size} devices; choose --data.batch_size so that it divides")
-        return h.global_batch_size // per_step
+        return self.position.accumulation(world_size)
 
     def check_trainer(self, trainer, apply: bool = True) -> None:
-        accumulate = self.accumulation(trainer.world_size)
-        if trainer.accumulate_grad_batches not in (1, accumulate):
-            raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
-                            f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
-        if apply:
-            trainer.accumulate_grad_batches = accumulate
+        self.position.check_trainer(trainer, apply)
 
     def cached_tokenizer(self):
         return None  # the encoder's own: nothing to compare on resume

@@ -254,25 +254,13 @@ class MLMDataModule(pl.LightningDataModule):
 
     def accumulation(self, world_size: int) -> int:
         """Gradient-accumulation steps that keep the global batch: global / (batch_size × world size)."""
-        h = self.hparams
-        if h.global_batch_size is None:
-            return 1
-        per_step = h.batch_size * world_size
-        if h.global_batch_size % per_step:
-            raise UserError(f"global batch {h.global_batch_size} is not a multiple of batch_size {h.batch_size} × "
-                            f"{world_size} devices; choose --data.batch_size so that it divides")
-        return h.global_batch_size // per_step
+        return self.position.accumulation(world_size)
 
     def check_trainer(self, trainer, apply: bool = True, tokenizer=None) -> None:
         """Accumulation from the global batch (set on the trainer when `apply`), and the block length and vocabulary
         (of `tokenizer`, default the loaded one) against the attached model's."""
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
-        accumulate = self.accumulation(trainer.world_size)
-        if trainer.accumulate_grad_batches not in (1, accumulate):
-            raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
-                            f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
-        if apply:
-            trainer.accumulate_grad_batches = accumulate
+        self.position.check_trainer(trainer, apply)
         module = trainer.lightning_module if trainer.strategy._lightning_module is not None else None
         check_block_length(self.hparams.block_length, module)
         vocab = getattr(module, "vocab_size", None)

@@ -34,6 +34,25 @@ class DataPosition:
         """Blocks per optimizer step over all ranks: --data.global_batch_size, else batch_size × world size."""
         return self.global_batch_size or self.batch_size * world_size
 
+    def accumulation(self, world_size: int) -> int:
+        """Gradient-accumulation steps that keep the global batch: global / (batch_size × world size)."""
+        if self.global_batch_size is None:
+            return 1
+        per_step = self.batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise UserError(f"global batch {self.global_batch_size} is not a multiple of batch_size {self.batch_size} "
+                            f"× {world_size} devices; choose --data.batch_size so that it divides")
+        return self.global_batch_size // per_step
+
+    def check_trainer(self, trainer, apply: bool = True) -> None:
+        """The trainer's accumulation against the global batch's (set on the trainer when `apply`)."""
+        accumulate = self.accumulation(trainer.world_size)
+        if trainer.accumulate_grad_batches not in (1, accumulate):
+            raise UserError(f"--trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} contradicts "
+                            f"--data.global_batch_size (which needs {accumulate}); set only the global batch")
+        if apply:
+            trainer.accumulate_grad_batches = accumulate
+
     # -- the training loader --
 
     def begin(self, world: int) -> dict:
