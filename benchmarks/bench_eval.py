@@ -97,15 +97,20 @@ def child(argv: list[str]) -> None:
     print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-def peak(argv: list[str], encoder: str, output: Path) -> float:
-    command = [sys.executable, __file__, "--child", "--", *argv, "--encoder", encoder, "--output_dir", str(output),
-               "--no_progress", "--batch_size", "32"]
+def analyze_peak_mib(argv: list[str]) -> float:
+    """`analyze.py argv` in a fresh process (this script's --child): its peak RSS in MiB."""
+    command = [sys.executable, __file__, "--child", "--", *argv]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode:
-        raise SystemExit(f"{' '.join(argv[:1])} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{argv[0]} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def peak(argv: list[str], encoder: str, output: Path) -> float:
+    return analyze_peak_mib([*argv, "--encoder", encoder, "--output_dir", str(output), "--no_progress", "--batch_size",
+                             "32"])
 
 
 def main() -> None:

@@ -15,16 +15,15 @@ Output: `RATIO trajectory_peak_memory_4_vs_1 <value> target <=1.10`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_eval import analyze_peak_mib  # noqa: E402  (one child process for every analyze.py peak)
 
 SIZES = {"full": (768, 6, 12, 3072), "quick": (384, 4, 6, 1536), "smoke": (64, 2, 4, 128)}
 CHECKPOINTS = 4
@@ -70,39 +69,17 @@ def write_checkpoints(folder: Path, size: str) -> list[Path]:
     return paths
 
 
-def child(argv: list[str]) -> None:
-    """One trajectory; prints its peak RSS (MiB) as JSON."""
-    import torch
-
-    import analyze
-
-    torch.set_num_threads(1)
-    code = analyze.main(argv)
-    if code:
-        raise SystemExit(code)
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-
-
 def peak(encoders: list[Path], data: Path, output: Path, sentences: int) -> float:
-    command = [sys.executable, __file__, "--child", "--", "trajectory", "--encoders", *map(str, encoders), "--data",
-               str(data), "--max_sentences", str(sentences), "--max_length", "64", "--num_pairs", "50",
-               "--minibatch", "20", "--output_dir", str(output), "--no_progress", "--device", "cpu"]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    if done.returncode:
-        raise SystemExit(f"trajectory failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    return analyze_peak_mib(["trajectory", "--encoders", *map(str, encoders), "--data", str(data), "--max_sentences",
+                             str(sentences), "--max_length", "64", "--num_pairs", "50", "--minibatch", "20",
+                             "--output_dir", str(output), "--no_progress", "--device", "cpu"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
-    if args.child:
-        return child([a for a in rest if a != "--"])
+    args = parser.parse_args()
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     sentences = {"smoke": 40, "quick": 100, "full": 200}[size]
     with tempfile.TemporaryDirectory() as folder:
