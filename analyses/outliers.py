@@ -40,7 +40,7 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
-        "layers": [layer.to_dict() for layer in layers],
+        "layers": [{**layer.to_dict(), **magnitudes} for layer, magnitudes in zip(layers, result.magnitudes())],
         "persistent_dims": persistent_dims(layers),
         "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
     }

@@ -121,6 +121,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     if reference.statistics.num_tokens == 0:
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     layers = detect_outliers(reference.statistics, OutlierRule(args.min_share, args.sigma))
+    magnitudes = reference.statistics.magnitudes()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
@@ -130,7 +131,8 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
               "num_truncated": reference.num_truncated, "num_pairs": pairs, "num_minibatches": batches,
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, "anisotropy": number(anisotropy["raw"][layer.layer]),
+                          "outlier_dims": layer.outlier_dims, **magnitudes[layer.layer],
+                          "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
     max_length = args.max_length or encoder.max_length
     del encoder, setting, reference  # one encoder resident at a time
