@@ -103,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers", variants=False)
+    outliers = command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers",
+                       variants=False)
+    outliers.add_argument("--token_frequency", action="store_true",
+                          help="opt-in, ours (Puccetti et al. 2022): Spearman between each token type's frequency in "
+                               "the data and the mean |value| of each outlier dim over its tokens (a second pass)")
     anisotropy = command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 "
                          "sentences -> 1000 pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
