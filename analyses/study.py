@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -67,15 +68,19 @@ def read_study(path: str | Path) -> dict:
     unknown = sorted(set(study) - set(STUDY_KEYS))
     if unknown:
         raise UserError(f"study config {path}: unknown key {unknown[0]!r} (expected {', '.join(STUDY_KEYS)})")
-    if not isinstance(study.get("train_config"), str):
-        raise UserError(f"study config {path}: train_config must name train.py's config file")
-    train_config = (path.parent / study["train_config"]) if not Path(study["train_config"]).is_absolute() \
-        else Path(study["train_config"])
-    if not train_config.is_file() and Path(study["train_config"]).is_file():
-        train_config = Path(study["train_config"])  # relative to the working directory
-    if not train_config.is_file():
-        raise UserError(f"study config {path}: train_config {study['train_config']} not found (relative to "
-                        f"{path.parent} or the working directory)")
+    given = study.get("train_config")
+    given = [given] if isinstance(given, str) else given
+    if not isinstance(given, list) or not given or not all(isinstance(item, str) for item in given):
+        raise UserError(f"study config {path}: train_config must name train.py's config file (or a list of them, "
+                        "applied in order)")
+    train_configs = []
+    for item in given:
+        candidates = [Path(item)] if Path(item).is_absolute() else [path.parent / item, Path(item)]
+        found = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if found is None:
+            raise UserError(f"study config {path}: train_config {item} not found (relative to {path.parent} or the "
+                            "working directory)")
+        train_configs.append(str(found))
     arms = study.get("arms")
     if not isinstance(arms, dict) or not arms:
         raise UserError(f"study config {path}: arms must map each arm's name to its train.py settings")
@@ -91,7 +96,7 @@ def read_study(path: str | Path) -> dict:
     trajectory = study.get("trajectory") or {}
     if not isinstance(trajectory, dict):
         raise UserError(f"study config {path}: trajectory must be a mapping of analyze.py trajectory options")
-    return {"train_config": str(train_config), "arms": {name: dict(settings or {}) for name, settings in arms.items()},
+    return {"train_config": train_configs, "arms": {name: dict(settings or {}) for name, settings in arms.items()},
             "trajectory": dict(trajectory)}
 
 
@@ -105,7 +110,7 @@ def setting_text(value) -> str:
 
 
 def arm_arguments(study: dict, name: str, output_dir: Path, max_steps: int | None) -> list[str]:
-    args = ["--config", study["train_config"]]
+    args = [argument for config in study["train_config"] for argument in ("--config", config)]
     for key, value in study["arms"][name].items():
         args += [f"--{key.lstrip('-')}", setting_text(value)]
     args += ["--trainer.default_root_dir", str(output_dir / name), "--checkpoint.save_top_k", "-1"]
@@ -154,7 +159,8 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def check_arm_directory(arm: Arm) -> None:
-    """An arm directory already there must hold this study's arm with the same resolved config."""
+    """An arm directory already there must hold this study's arm with the same resolved config (on the keys both
+    configs have)."""
     if not arm.run_dir.exists():
         return
     if not arm.run_dir.is_dir():
@@ -166,12 +172,13 @@ def check_arm_directory(arm: Arm) -> None:
                             "another --output_dir or remove it")
         return
     try:
-        saved = json.loads(record.read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(record.read_text(encoding="utf-8"))
+        old, new = flat(saved["config"]), flat(arm.config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"arm {arm.name}: {record} cannot be read: remove {arm.run_dir} to train the arm again") \
             from None
-    old, new = flat(saved), flat(arm.config)
-    differ = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
+    # a key only one side has is one a newer train.py added (its default then): not a change of the arm's settings
+    differ = sorted(key for key in set(old) & set(new) if old[key] != new[key])
     if differ:
         key = differ[0]
         raise UserError(f"arm {arm.name}: {arm.run_dir} was trained with other settings ({key}: {old.get(key)!r} "
@@ -204,7 +211,7 @@ def trajectory_arguments(options: dict, output_dir: Path):
 
 
 def plan_study(config: str | Path, output_dir: str | Path, arms: list[str] | None = None,
-               max_steps: int | None = None) -> tuple[dict, list[Arm], object]:
+               max_steps: int | None = None, write_check: bool = True) -> tuple[dict, list[Arm], object]:
     """Everything checked, nothing written: the study, its arms (resolved by train.py's parser) and the trajectory
     options."""
     study = read_study(config)
@@ -226,28 +233,34 @@ def plan_study(config: str | Path, output_dir: str | Path, arms: list[str] | Non
     for arm in planned:
         check_arm_directory(arm)
     trajectory = trajectory_arguments(study["trajectory"], output_dir)
-    check_writable(output_dir)
+    if write_check:
+        check_writable(output_dir)
     return study, planned, trajectory
 
 
-def train_arm(arm: Arm) -> float | None:
-    """Train one arm (or resume it; a finished one is skipped): the seconds it took, None when skipped."""
+def train_arm(arm: Arm, rank: int = 0) -> float | None:
+    """Train one arm (or resume it; a finished one is skipped): the seconds it took, None when skipped. Under
+    torchrun every rank calls it (train.py joins them); rank 0 writes the arm's record."""
     import train
 
     if arm.finished:
-        print(f"study: arm {arm.name} is finished ({arm.run_dir / 'export'}): skipped")
+        if rank == 0:
+            print(f"study: arm {arm.name} is finished ({arm.run_dir / 'export'}): skipped")
         return None
     record = arm.run_dir / ARM_FILE
-    with atomic_file(record) as handle:
-        handle.write(json.dumps({"arm": arm.name, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
-                                 "config": arm.config}, indent=2).encode())
-    print(f"study: training arm {arm.name} in {arm.run_dir}")
+    if rank == 0:
+        with atomic_file(record) as handle:
+            handle.write(json.dumps({"arm": arm.name, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
+                                     "config": arm.config}, indent=2).encode())
+        print(f"study: training arm {arm.name} in {arm.run_dir}")
     started = time.perf_counter()
     with quiet_cli():
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"])  # resumes an arm stopped midway
     if code != 0:
         raise UserError(f"arm {arm.name}: train.py exited with status {code} (rerun the study to resume it)")
     seconds = time.perf_counter() - started
+    if rank != 0:
+        return seconds
     saved = json.loads(record.read_text(encoding="utf-8"))
     saved["train_seconds"] = round(seconds + saved.get("train_seconds", 0.0), 1)  # a resumed arm adds up
     with atomic_file(record) as handle:
@@ -259,14 +272,18 @@ def run_study(config: str | Path, output_dir: str | Path, arms: list[str] | None
               max_steps: int | None = None) -> dict:
     """Train the arms in sequence (skipping finished ones), then compare them: <output_dir>/study.json and study.png.
     Returns study.json's content."""
+    from analyses.session import distributed
     from analyses.trajectory import compare_runs
 
-    study, planned, trajectory = plan_study(config, output_dir, arms, max_steps)
+    rank = int(os.environ.get("RANK", "0"))  # torchrun: every rank runs the study (train.py forms its group)
+    study, planned, trajectory = plan_study(config, output_dir, arms, max_steps, write_check=rank == 0)
     for arm in planned:
-        train_arm(arm)
-    report = compare_runs(trajectory, [(arm.name, str(arm.run_dir)) for arm in planned], str(output_dir),
-                          stem="study")
-    print_study(report)
+        train_arm(arm, rank)
+    with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
+        report = compare_runs(trajectory, [(arm.name, str(arm.run_dir)) for arm in planned], str(output_dir),
+                              stem="study", rank=rank, world=world)
+    if rank == 0:
+        print_study(report)
     return report
 
 
