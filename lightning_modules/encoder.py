@@ -100,6 +100,8 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     try:
         with quiet_transformers():  # an export's attention variant (config.json's attention_variant) rebuilt
             model, info = load_pretrained(AutoModel, model_dir, dtype=dtype, output_loading_info=True)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
     _warn_about_loading(source, info)

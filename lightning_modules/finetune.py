@@ -71,6 +71,8 @@ def load_classifier(encoder: str, classes: list):
     try:
         with quiet_transformers():  # the new head's "newly initialized" report is expected here
             model = load_pretrained(AutoModelForSequenceClassification, source, **labels, ignore_mismatched_sizes=True)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
     return model, tokenizer
