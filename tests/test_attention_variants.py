@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +23,13 @@ from core.errors import UserError
 from core.models import attention_projections
 from core.tokenizers import tokenizer_files
 from lightning_modules.attention import attention_settings, self_attentions
-from lightning_modules.encoder import load_encoder
+from lightning_modules.encoder import load_encoder, random_encoder
+from lightning_modules.finetune import load_classifier
 from lightning_modules.mlm import MLMModule, build_model, check_architecture, compile_step, export, mlm_step
 from tests import test_callbacks as live
 
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 VOCAB, HIDDEN, LAYERS, HEADS, POSITIONS = 100, 32, 2, 4, 66
 
 
@@ -245,6 +252,13 @@ def test_the_export_and_the_checkpoint_rebuild_the_variant_and_its_outputs(atten
             got = encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         for layer, (g, w) in enumerate(zip(got, want.hidden_states, strict=True)):
             torch.testing.assert_close(real(g, mask), real(w, mask), rtol=1e-5, atol=1e-5, msg=f"{source} {layer}")
+        twin = random_encoder(encoder, seed=0)  # the probes' control: the same architecture, the variant included
+        assert twin.model.config.to_dict().get("attention_variant") == encoder.model.config.to_dict().get(
+            "attention_variant") and type(self_attentions(twin.model)[0][2]) is type(inner)
+        classifier, _ = load_classifier(str(source), ["a", "b"])  # fine-tuning from the run
+        with torch.no_grad():
+            states = classifier.eval().base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(real(states, mask), real(want.hidden_states[-1], mask), rtol=1e-5, atol=1e-5)
     # plain transformers: the softmax export is the same model; a variant's is not (docs/pretraining.md)
     plain = AutoModelForMaskedLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
@@ -331,3 +345,29 @@ def test_a_variant_run_records_its_attention_and_its_export_reproduces_its_last_
             states.append(torch.stack(encoder.model(input_ids=ids, attention_mask=mask,
                                                     output_hidden_states=True).hidden_states))
     torch.testing.assert_close(states[0], states[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["clipped_softmax", "gated"])
+def test_two_process_ddp_trains_each_variant_as_one_process_does(attention, corpus, cache, tmp_path):
+    """1 process × batch 8 against 2 DDP processes (gloo) × 4: the same losses and weights, the gates included."""
+    from tests.test_train import checkpoint, fit, train_losses
+    from tests.test_train import tiny_args as train_args
+
+    extra = ("--model.dropout", "0.0", "--trainer.max_steps", "4", "--model.attention", attention)
+    one, ddp = tmp_path / "one", tmp_path / "ddp"
+    assert fit(one, corpus, cache, *extra) == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"),
+                             *train_args(ddp, corpus, cache, *extra, "--data.batch_size", "4", "--trainer.devices", "2",
+                                         "--trainer.strategy", "ddp")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, losses = train_losses(one), train_losses(ddp)
+    assert len(reference) == 4 and losses.keys() == reference.keys()
+    assert all(math.isclose(losses[s], reference[s], rel_tol=1e-5) for s in reference)
+    weights = checkpoint(ddp)["state_dict"]
+    trained = checkpoint(one)["state_dict"]
+    assert any(".gate_" in name for name in trained) == (attention == "gated")
+    for name, value in trained.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
