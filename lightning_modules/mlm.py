@@ -2,11 +2,13 @@
 
     python train.py fit --config configs/pretrain/tiny.yaml                                   # PE
     python train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false # no PE
+    python train.py fit --config configs/pretrain/tiny.yaml --model.attention gated           # or clipped_softmax
 
 `self.model` is a plain transformers `RobertaForMaskedLM` built from a config (random init). Without positional
 embeddings its position table is all zeros and frozen (no gradient, not in the optimizer), so the model carries no
 positional signal at all while keeping `position_embedding_type="absolute"`, i.e. transformers' fast SDPA attention;
-an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free.
+an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free. `--model.attention` trains
+clipped softmax or gated attention instead of softmax (Bondarenko et al. 2023; lightning_modules/attention.py).
 
 The loss projects only the masked positions through the LM head (`mlm_step`): the batch holds `positions`
 [batch, k] and `targets` [batch, k], so no [batch, seq, vocab] logits are ever made. With `pad_vocab_to_multiple_of`
@@ -139,7 +141,8 @@ class MLMModule(TrainingModule):
             `end_lr` at `decay_steps` (default: the trainer's max_steps).
         compile: torch.compile the forward pass and the loss together (two graphs: with and without the hidden
             states the live-statistics callbacks capture); validation runs eagerly.
-        attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging).
+        attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging); the softmax inside
+            gated attention uses it, clipped softmax brings its own.
         pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
             matmuls); the extra rows are never input nor predicted, and the export drops them.
         pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
