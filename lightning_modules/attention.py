@@ -126,7 +126,8 @@ def gated_class(base: type) -> type:
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args, **kwargs):
             output, weights = super().forward(hidden_states, attention_mask, *args, **kwargs)[:2]
             heads = hidden_states.unflatten(-1, (self.num_attention_heads, -1))  # [batch, seq, heads, head_dim]
-            gate = torch.sigmoid(torch.einsum("bshd,hd->bsh", heads, self.gate_weight) + self.gate_bias)
+            gate = torch.sigmoid((heads * self.gate_weight).sum(-1) + self.gate_bias)  # [batch, seq, heads]; faster
+            # on a CPU than einsum's batched matmul for a head_dim -> 1 map
             return (output.unflatten(-1, (self.num_attention_heads, -1)) * gate.unsqueeze(-1)).flatten(-2), weights
 
     GatedSelfAttention.__name__ = GatedSelfAttention.__qualname__ = f"Gated{base.__name__}"
