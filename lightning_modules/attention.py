@@ -26,8 +26,10 @@ export as softmax attention and drops a gated export's gate weights (docs/pretra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -202,7 +204,8 @@ def load_pretrained(auto_class, source: str, **kwargs):
     """`auto_class.from_pretrained(source, **kwargs)` with the attention variant of its config.json rebuilt: the
     clipped softmax's attention function, the gates with their saved weights (read from model.safetensors); softmax
     models load exactly as `from_pretrained` loads them. `output_loading_info=True` returns (model, info) as usual,
-    the gate weights no longer among the unexpected keys."""
+    the gate weights no longer among the unexpected keys (a gated model's load report is silenced: the gates are not
+    unexpected; weights missing from the file are one warning instead, unless the info is asked for)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source)
@@ -210,14 +213,35 @@ def load_pretrained(auto_class, source: str, **kwargs):
     if settings["attention"] == CLIPPED:
         register_clipped_softmax()
         kwargs.setdefault("attn_implementation", CLIPPED)
-    loaded = auto_class.from_pretrained(source, **kwargs)
-    model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
+    if settings["attention"] != "gated":
+        model = auto_class.from_pretrained(source, **kwargs)
+        install_attention(model, **settings, initialise=False)
+        return model
+    # gated: transformers' load report would call the gates unexpected (they are loaded next); it is silenced, and
+    # anything else it would have reported is one warning
+    wanted = kwargs.pop("output_loading_info", False)
+    with _quiet():
+        model, info = auto_class.from_pretrained(source, output_loading_info=True, **kwargs)
     install_attention(model, **settings, initialise=False)
-    if settings["attention"] == "gated":
-        load_gates(model, source)
-        if info is not None:
-            info["unexpected_keys"] = {key for key in info.get("unexpected_keys", ()) if ".gate_" not in key}
-    return loaded
+    load_gates(model, source)
+    info["unexpected_keys"] = {key for key in info.get("unexpected_keys", ()) if ".gate_" not in key}
+    if not wanted and (info.get("missing_keys") or info.get("mismatched_keys")):
+        warnings.warn(f"{source}: weights not in the checkpoint or of another shape, randomly initialised: "
+                      f"{sorted(info.get('missing_keys', ()))[:3]} {sorted(info.get('mismatched_keys', ()))[:3]}",
+                      stacklevel=2)
+    return (model, info) if wanted else model
+
+
+@contextlib.contextmanager
+def _quiet():
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def load_gates(model: nn.Module, source: str) -> None:
