@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 RUNS ?= runs/demo
 
-.PHONY: demo demo-pretrain test lint bench venv clean
+.PHONY: demo demo-pretrain study test lint bench venv clean
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ demo-pretrain: venv
 	$(PY) scripts/compare_outliers.py $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
+
+# The outlier-causes study (docs/study.md): baseline, no PE, clipped softmax, gated attention on 2 CPU cores, then
+# study.json / study.png. Re-running skips the finished arms and resumes a stopped one.
+study: venv
+	$(OFFLINE) $(PY) study.py --config configs/study/study.yaml --output_dir runs/study
 
 test: venv
 	$(OFFLINE) $(PY) -m pytest -q
