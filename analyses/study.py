@@ -301,7 +301,7 @@ def print_study(report: dict) -> None:
             max_abs = max(row["max_abs"] for row in rows)
             anisotropy = [row["anisotropy"] for row in rows if row["anisotropy"] is not None]
             loss = point.get("val_loss")
-            print(f"{run['label']:<16} {point['step']:>6}  {share:>6.1%} ({best['layer']}, {dim:<4})"
-                  f"{'':<9} {kurtosis:>9.2f} {max_abs:>8.3g} "
-                  f"{sum(anisotropy) / len(anisotropy) if anisotropy else float('nan'):>6.3f} "
-                  f"{'-' if loss is None else f'{loss:.3f}':>8}")
+            where = f"{share:.1%} ({best['layer']}, {dim})"
+            mean_anisotropy = sum(anisotropy) / len(anisotropy) if anisotropy else float("nan")
+            print(f"{run['label']:<16} {point['step']:>6}  {where:<24} {kurtosis:>9.2f} {max_abs:>8.3g} "
+                  f"{mean_anisotropy:>6.3f} {'-' if loss is None else f'{loss:.3f}':>8}")
