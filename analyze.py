@@ -11,6 +11,7 @@
     python analyze.py all --wic wic/dev.jsonl --sts stsb sickr   # everything for one encoder + summary.md/json
     python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
     python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
+    python analyze.py trajectory --run pe=runs/a --run nope=runs/b   # several runs in one figure and one JSON
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
@@ -102,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers", variants=False)
+    outliers = command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers",
+                       variants=False)
+    outliers.add_argument("--token_frequency", action="store_true",
+                          help="opt-in, ours (Puccetti et al. 2022): Spearman between each token type's frequency in "
+                               "the data and the mean |value| of each outlier dim over its tokens (a second pass)")
     anisotropy = command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 "
                          "sentences -> 1000 pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
@@ -142,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "checkpoint of a run, in step order, on the same sentences", "trajectory", variants=False,
                          encoder=False)
     sources = trajectory.add_mutually_exclusive_group(required=True)
-    sources.add_argument("--run", dest="run_dir", metavar="RUN_DIR", default=None, help="a train.py run directory: every checkpoint in its checkpoints/")
+    sources.add_argument("--run", dest="run_dir", metavar="[LABEL=]RUN_DIR", action="append", default=None,
+                         help="a train.py run directory: every checkpoint in its checkpoints/; given several times, "
+                              "the runs are drawn together (each labelled LABEL= or by its directory's name)")
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     for sub in (sts, everything, paper):

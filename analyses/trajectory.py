@@ -5,15 +5,23 @@ step order, on the same sentences: the emergence of the outliers (the paper's st
     python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data data/austen.txt --max_sentences 2000 \\
         --output_dir runs/trajectory/nope                     # train.py with --checkpoint.save_top_k -1 keeps them all
     python analyze.py trajectory --encoders ckpt_a ckpt_b hub/id-step_20k ... --output_dir D   # any ordered list
+    python analyze.py trajectory --run pe=runs/pretrain/tiny --run nope=runs/pretrain/tiny-nope --output_dir D
+    compare_runs(args, [("pe", "runs/a"), ("nope", "runs/b")], "runs/study", stem="study")   # study.json, study.png
 
 Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the paper's rule), `anisotropy --clip none`
 (raw) and `isotropy --clip none` (raw IsoScore*) would analyse it, in one reference pass over the same sampled
 sentences; one encoder is resident at a time (loaded, analysed, released), so the peak memory is that of one
 analysis whatever the number of checkpoints. Checkpoints are read weights-only (lightning_modules/checkpoints.py).
+Per layer, each point also holds the outlier magnitudes of NeuronStatistics (kurtosis_mean, kurtosis_max, max_abs,
+top1_share), and each point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when
+none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's name) are analysed on the
+same sentences and written together: one JSON holding each run's own trajectory report, one figure with the runs as
+lines (compare_runs).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import re
 import sys
@@ -121,6 +129,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     if reference.statistics.num_tokens == 0:
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     layers = detect_outliers(reference.statistics, OutlierRule(args.min_share, args.sigma))
+    magnitudes = reference.statistics.magnitudes()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
@@ -130,7 +139,8 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
               "num_truncated": reference.num_truncated, "num_pairs": pairs, "num_minibatches": batches,
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, "anisotropy": number(anisotropy["raw"][layer.layer]),
+                          "outlier_dims": layer.outlier_dims, **magnitudes[layer.layer],
+                          "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
     max_length = args.max_length or encoder.max_length
     del encoder, setting, reference  # one encoder resident at a time
@@ -140,9 +150,71 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     return result, max_length
 
 
+def parse_runs(texts: list[str]) -> list[tuple[str, str]]:
+    """--run [LABEL=]RUN_DIR, given once or more -> [(label, run directory)]; the label defaults to the directory's
+    name. A text with "=" is LABEL=DIR unless the label part holds a path separator or the whole text is a directory."""
+    runs = []
+    for text in texts:
+        label, sep, run = text.partition("=")
+        if not sep or "/" in label or "\\" in label or not label or Path(text).is_dir():
+            label, run = Path(text.rstrip("/\\")).name or text, text
+        if not run:
+            raise UserError(f"--run {text}: no run directory after the label")
+        runs.append((label, run))
+    labels = [label for label, _ in runs]
+    duplicate = next((label for label in labels if labels.count(label) > 1), None)
+    if duplicate is not None:
+        raise UserError(f"duplicate run label {duplicate!r} in --run (label each run: --run NAME=RUN_DIR)")
+    return runs
+
+
+def validation_loss(point: Point) -> dict | None:
+    """The MLM validation loss a checkpoint of this project records (the latest validation's, at its own step);
+    None for other encoders and for checkpoints without one."""
+    if point.step_from != "checkpoint" or not point.source.endswith(".ckpt"):
+        return None
+    recorded = read_checkpoint(point.source).get("val_loss")
+    return recorded if isinstance(recorded, dict) else None
+
+
+def trajectory_of(args, points: list[Point], sentences: list[str], rank: int, world: int, run: str | None = None,
+                  label: str | None = None) -> dict:
+    """The trajectory report of `points` (a run's checkpoints, or --encoders), analysed on `sentences`."""
+    analysed = [analyse(args, point, sentences, rank, world) for point in points]
+    checkpoints = [result for result, _ in analysed]
+    for point, result in zip(points, checkpoints):
+        loss = validation_loss(point)
+        result["val_loss"] = None if loss is None else number(loss["value"])
+        result["val_loss_step"] = None if loss is None else loss["step"]
+    return {"run": str(run) if run else None, "label": label, "encoders": None if run else list(args.encoders),
+            "data": str(args.data), "max_length": analysed[0][1],
+            "special_tokens": "excluded" if args.exclude_special else "included", "seed": args.seed,
+            "indexing": "0-indexed dimensions; layer 0 = embedding output", "num_sentences": len(sentences),
+            "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,
+            "minibatch_tokens": args.minibatch, "anisotropy": "raw: mean cosine of random token pairs",
+            "kurtosis": "Pearson (not excess) kurtosis of each token vector's components: mean and max over tokens",
+            "checkpoints": checkpoints}
+
+
+def note_single(name: str, points: list[Point], rank: int) -> None:
+    if len(points) == 1 and rank == 0:
+        print(f"note: {name} has a single checkpoint (step {points[0].step}): the trajectory has one point",
+              file=sys.stderr)
+
+
 def run_trajectory(args, rank: int, world: int) -> dict:
+    """`analyze.py trajectory`: one run or --encoders (trajectory.json / .png as always), or several runs together
+    (compare_runs)."""
+    if args.run_dir is not None:
+        runs = collectively(lambda: parse_runs(args.run_dir))
+        if len(runs) > 1:
+            return compare_runs(args, runs, args.output_dir, "trajectory", rank, world)
+        (label, run), = runs
+    else:
+        label, run = None, None
+
     def plan():
-        points = run_points(args.run_dir) if args.run_dir else encoder_points(args.encoders)
+        points = run_points(run) if run else encoder_points(args.encoders)
         check_architectures(points)
         sentences = read_sentences(args)
         if rank == 0:
@@ -150,44 +222,118 @@ def run_trajectory(args, rank: int, world: int) -> dict:
         return points, sentences
 
     points, sentences = collectively(plan)
-    if len(points) == 1 and rank == 0:
-        print(f"note: {args.run_dir or args.encoders[0]} has a single checkpoint (step {points[0].step}): the trajectory "
-              "has one point", file=sys.stderr)
-    analysed = [analyse(args, point, sentences, rank, world) for point in points]
-    checkpoints = [result for result, _ in analysed]
-    report = {"run": str(args.run_dir) if args.run_dir else None, "encoders": None if args.run_dir else list(args.encoders),
-              "data": str(args.data), "max_length": analysed[0][1],
-              "special_tokens": "excluded" if args.exclude_special else "included", "seed": args.seed,
-              "indexing": "0-indexed dimensions; layer 0 = embedding output", "num_sentences": len(sentences),
-              "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,
-              "minibatch_tokens": args.minibatch, "anisotropy": "raw: mean cosine of random token pairs",
-              "checkpoints": checkpoints}
+    note_single(run or args.encoders[0], points, rank)
+    report = trajectory_of(args, points, sentences, rank, world, run, label)
     finish(args, rank, {"trajectory.json": report}, {"trajectory.png": lambda: trajectory_figure(report)})
     if rank == 0:
         print_trajectory(report)
     return report
 
 
+def compare_runs(args, runs: list[tuple[str, str]], output_dir: str, stem: str = "trajectory", rank: int = 0,
+                 world: int = 1) -> dict:
+    """Several runs' trajectories on the same sentences, drawn together: `{stem}.json` (per run, exactly the
+    single-run trajectory.json of that run) and `{stem}.png` (the runs as lines against the step). `runs`: [(label,
+    run directory)], labels distinct; `args`: the options of `analyze.py trajectory` (data, sampling, rule, IsoScore*,
+    ...), e.g. `analyze.build_parser().parse_args(["trajectory", "--run", RUN_DIR, ...])`. Every run is checked
+    (its checkpoints, one architecture within it) before anything is analysed or written."""
+    labels = [label for label, _ in runs]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"duplicate run label {next(x for x in labels if labels.count(x) > 1)!r} in --run (label each "
+                        "run: --run NAME=RUN_DIR)")
+
+    def plan():
+        planned = []
+        for _, run in runs:
+            points = run_points(run)
+            check_architectures(points)
+            planned.append(points)
+        sentences = read_sentences(args)
+        if rank == 0:
+            check_writable(output_dir)
+        return planned, sentences
+
+    planned, sentences = collectively(plan)
+    for (_, run), points in zip(runs, planned):
+        note_single(run, points, rank)
+    reports = [trajectory_of(args, points, sentences, rank, world, run, label)
+               for (label, run), points in zip(runs, planned)]
+    report = {"runs": reports, "labels": labels, "data": str(args.data), "num_sentences": len(sentences),
+              "seed": args.seed, "indexing": "0-indexed dimensions; layer 0 = embedding output",
+              "summary": {"top_share": "max over layers 1..L of the dominant dimension's argmax or argmin share",
+                          "kurtosis": "max over layers 1..L of the mean (over tokens) Pearson kurtosis",
+                          "max_abs": "max over layers 1..L of max |activation|",
+                          "anisotropy": "mean over layers 1..L", "isoscore_star": "mean over layers 1..L"}}
+    target = argparse.Namespace(output_dir=output_dir)
+    finish(target, rank, {f"{stem}.json": report}, {f"{stem}.png": lambda: runs_figure(report)})
+    if rank == 0:
+        for single in reports:
+            print_trajectory(single)
+    return report
+
+
+def summary_of(point: dict, key: str) -> float:
+    """One number per checkpoint for the runs figure: an outlier measure's max over the non-input layers, a geometry
+    measure's mean over them (layer 0 too when it is the only layer)."""
+    rows = point["layers"][1:] or point["layers"]
+    if key == "top_share":
+        values = [max(row["argmax_share"], row["argmin_share"]) for row in rows]
+    else:
+        values = [row[key] for row in rows if row[key] is not None]
+    if not values:
+        return float("nan")
+    return max(values) if key in ("top_share", "kurtosis_mean", "max_abs") else sum(values) / len(values)
+
+
+def runs_figure(report: dict):
+    """The runs as lines against the step: top outlier share, kurtosis, max |activation| (max over layers 1..L),
+    anisotropy and IsoScore* (mean over layers 1..L), and the MLM validation loss when the checkpoints record it."""
+    measures = [("top_share", "top outlier share (max over layers)", False),
+                ("kurtosis_mean", "kurtosis, mean over tokens (max over layers)", True),
+                ("max_abs", "max |activation| (max over layers)", True),
+                ("anisotropy", "anisotropy (mean over layers)", False),
+                ("isoscore_star", "IsoScore* (mean over layers)", False)]
+    panels = [{"title": title, "ylabel": "", "log": log, "series": {
+        run["label"]: ([p["step"] for p in run["checkpoints"]], [summary_of(p, key) for p in run["checkpoints"]])
+        for run in report["runs"]}} for key, title, log in measures]
+    losses = {run["label"]: ([p["step"] for p in run["checkpoints"] if p["val_loss"] is not None],
+                             [p["val_loss"] for p in run["checkpoints"] if p["val_loss"] is not None])
+              for run in report["runs"]}
+    if any(steps for steps, _ in losses.values()):
+        panels.append({"title": "MLM validation loss (latest validation at each checkpoint)", "ylabel": "",
+                       "series": {label: values for label, values in losses.items() if values[0]}})
+    return over_steps_figure(panels, title=f"outliers and anisotropy over training: {', '.join(report['labels'])}",
+                             columns=3)
+
+
 def trajectory_figure(report: dict):
-    """Per layer against the step: the dominant dimensions' shares of the max and the min, anisotropy, IsoScore*."""
+    """Per layer against the step: the dominant dimensions' shares of the max and the min, kurtosis, max |activation|,
+    anisotropy, IsoScore*."""
     checkpoints = report["checkpoints"]
     steps = [point["step"] for point in checkpoints]
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
-    panels = [{"title": title, "ylabel": "", "series": {f"layer {layer}": (steps, [
-        point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
-        for point in checkpoints]) for layer in layers}}
+    panels = [{"title": title, "ylabel": "", "log": key in ("kurtosis_mean", "max_abs"), "series": {
+        f"layer {layer}": (steps, [
+            point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
+            for point in checkpoints]) for layer in layers}}
         for key, title in (("argmax_share", "share of tokens whose max the dominant dim holds"),
                            ("argmin_share", "share of tokens whose min the dominant dim holds"),
+                           ("kurtosis_mean", "kurtosis of token vectors (mean over tokens)"),
+                           ("max_abs", "max |activation|"),
                            ("anisotropy", "anisotropy (random token pairs)"), ("isoscore_star", "IsoScore*"))]
-    source = report["run"] or f"{len(checkpoints)} encoders"
-    return over_steps_figure(panels, title=f"outliers and anisotropy over training: {source}", columns=2)
+    source = report["label"] or report["run"] or f"{len(checkpoints)} encoders"
+    return over_steps_figure(panels, title=f"outliers and anisotropy over training: {source}", columns=3)
 
 
 def print_trajectory(report: dict) -> None:
-    print(f"\ntrajectory of {report['run'] or ', '.join(report['encoders'])} on {report['data']} "
-          f"({report['num_sentences']} sentences; dims 0-indexed)")
-    print(f"{'step':>8}  {'persistent dims':<20} last layer: argmax dim (share), anisotropy, IsoScore*")
+    name = report["label"] if report["label"] and report["run"] and report["label"] != Path(report["run"]).name \
+        else None
+    print(f"\ntrajectory of {report['run'] or ', '.join(report['encoders'])}{f' ({name})' if name else ''} on "
+          f"{report['data']} ({report['num_sentences']} sentences; dims 0-indexed)")
+    print(f"{'step':>8}  {'persistent dims':<20} last layer: argmax dim (share), kurtosis, max |x|, anisotropy, "
+          "IsoScore*")
     for point in report["checkpoints"]:
         last = point["layers"][-1]
         print(f"{point['step']:>8}  {str(point['persistent_dims'] or '-'):<20} {last['argmax_dim']} "
-              f"({last['argmax_share']:.1%}), {last['anisotropy']}, {last['isoscore_star']}")
+              f"({last['argmax_share']:.1%}), {last['kurtosis_mean']:.2f}, {last['max_abs']:.3g}, {last['anisotropy']}, "
+              f"{last['isoscore_star']}")

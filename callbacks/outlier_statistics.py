@@ -15,6 +15,10 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
     outliers/layer_{l}/anisotropy                   mean cosine of random token pairs (two positions of one sequence,
                                                     drawn per step from `seed`, the same for every sequence)
     outliers/layer_{l}/num_outliers                 dimensions the outlier rule flags (metrics/outliers.py)
+    outliers/layer_{l}/kurtosis, kurtosis_max       Pearson kurtosis of each token vector's components (not excess:
+                                                    3 for Gaussian), mean and max over the tokens (Bondarenko et al.)
+    outliers/layer_{l}/max_abs                      the layer's max |activation| (infinity-norm) over the tokens
+    outliers/layer_{l}/top1_share                   mean share of a token's squared norm on its largest component
     outliers/num_tokens
 
 (`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, MeanCosine, detect_outliers,
@@ -121,13 +125,14 @@ class OutlierStatistics(LiveCallback):
 
     def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor) -> None:
         prefix = PREFIX[stage]
-        result = replace(result, **{name: getattr(result, name).cpu() for name in ("mean", "var", "max_abs",
-                                                                                    "argmax_count", "argmin_count")})
+        result = replace(result, **{name: getattr(result, name).cpu() for name in (
+            "mean", "var", "max_abs", "argmax_count", "argmin_count", "kurtosis_sum", "kurtosis_max", "top1_share_sum")})
         found = detect_outliers(result, self.rule)  # indexed 0..len(layers)-1: numbered as hidden-state layers below
         for layer, outliers in zip(self.layers, found):
             outliers.layer = layer
         dims, means = top_mean_dims(result.mean, self.top_k)
         ratio = max_median_ratio(result.mean)
+        magnitudes = result.magnitudes()
         metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result.num_tokens)}
         summary: dict = {}
         milestone = stage == "val" or self.due_images(step)  # images, and a row per layer in the table
@@ -136,7 +141,10 @@ class OutlierStatistics(LiveCallback):
             metrics.update({f"{key}/argmax_dim": outliers.argmax_dim, f"{key}/argmax_share": outliers.argmax_share,
                             f"{key}/argmin_dim": outliers.argmin_dim, f"{key}/argmin_share": outliers.argmin_share,
                             f"{key}/max_median_ratio": float(ratio[i]), f"{key}/anisotropy": float(anisotropy[i]),
-                            f"{key}/num_outliers": len(outliers.outlier_dims)})
+                            f"{key}/num_outliers": len(outliers.outlier_dims),
+                            f"{key}/kurtosis": magnitudes[i]["kurtosis_mean"],
+                            f"{key}/kurtosis_max": magnitudes[i]["kurtosis_max"],
+                            f"{key}/max_abs": magnitudes[i]["max_abs"], f"{key}/top1_share": magnitudes[i]["top1_share"]})
             for rank in range(dims.shape[1]):
                 metrics[f"{key}/top{rank + 1}_dim"] = int(dims[i, rank])
                 metrics[f"{key}/top{rank + 1}_mean"] = float(means[i, rank])

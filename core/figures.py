@@ -145,7 +145,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
 def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int = 3):
     """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
 
-    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}."""
+    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis)."""
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
@@ -158,7 +158,10 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
+        if panel.get("log"):
+            ax.set_yscale("log")
+        else:
+            ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
     axes.flat[0].legend(fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -190,6 +190,7 @@ class MLMModule(TrainingModule):
                                  pad_token_id, bos_token_id, eos_token_id)
         self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
+        self.last_val_loss: dict | None = None  # {"value", "step"} of the latest validation, saved in checkpoints
         self._compiled = compile_step(self.model) if compile else None
 
     # -- facts the datamodule and the CLI check against --
@@ -245,12 +246,20 @@ class MLMModule(TrainingModule):
         loss = self.val_loss.compute()  # token-weighted mean over every rank's blocks
         self.val_loss.reset()
         self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.last_val_loss = {"value": float(loss), "step": self.trainer.global_step}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The latest validation's loss and its step beside the weights (analyze.py trajectory reads it)."""
+        if self.last_val_loss is not None:
+            checkpoint["val_loss"] = dict(self.last_val_loss)
 
     # -- checkpoints and export --
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_architecture(checkpoint.get("hyper_parameters", {}), self.hparams, "the checkpoint")
         super().on_load_checkpoint(checkpoint)
+        self.last_val_loss = checkpoint.get("val_loss")
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict
             data.adapt_checkpoint(checkpoint)

@@ -3,6 +3,19 @@
     stats = NeuronStatistics(num_layers=13, hidden_size=768)
     stats.update(hidden_states, mask)      # hidden_states [layers, batch, seq, hidden], mask [batch, seq]
     result = stats.compute()               # NeuronStatisticsResult: mean, var, max_abs, argmax/argmin counts
+    result.kurtosis_mean, result.kurtosis_max, result.layer_max_abs, result.top1_share_mean   # [layers] each
+
+Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
+(smallest) component on the dimension (the paper's outlier rule reads these). Per token vector x (its `hidden`
+components), averaged (or maximised) over the tokens of a layer, the outlier magnitudes of Bondarenko et al. (NeurIPS
+2023) and a share of ours:
+
+    kurtosis   Pearson's (not excess) kurtosis of the components, m4 / m2^2 with m_k = mean_i (x_i - mean(x))^k:
+               3 for Gaussian components, (h^2 - 3h + 3) / (h - 1) for one non-zero component of h; a constant
+               vector counts as 0. Mean and max over tokens.
+    max |x|    the layer's infinity-norm over all its tokens (the max of the per-dimension max |value|).
+    top-1 share  max_i x_i^2 / sum_i x_i^2: the share of the token's squared norm on its largest component (0 for a
+               zero vector); mean over tokens.
 
 Every state is a fixed-size tensor reduced by sum or max, so memory does not grow with the number of tokens and
 the result is exact under DDP (torchmetrics syncs the states before `compute`).
@@ -25,6 +38,29 @@ class NeuronStatisticsResult:
     max_abs: Tensor  # [layers, hidden]
     argmax_count: Tensor  # [layers, hidden]: tokens whose largest value lies on the dimension
     argmin_count: Tensor  # [layers, hidden]: tokens whose smallest value lies on the dimension
+    kurtosis_sum: Tensor | None = None  # [layers]: sum over tokens of each token vector's Pearson kurtosis
+    kurtosis_max: Tensor | None = None  # [layers]: its maximum over tokens
+    top1_share_sum: Tensor | None = None  # [layers]: sum over tokens of max_i x_i^2 / |x|^2
+
+    @property
+    def kurtosis_mean(self) -> Tensor:  # [layers], mean over counted tokens
+        return self.kurtosis_sum / max(self.num_tokens, 1)
+
+    @property
+    def top1_share_mean(self) -> Tensor:  # [layers], mean over counted tokens
+        return self.top1_share_sum / max(self.num_tokens, 1)
+
+    @property
+    def layer_max_abs(self) -> Tensor:  # [layers]: the infinity-norm of the layer's activations, over every token
+        return self.max_abs.amax(-1)
+
+    def magnitudes(self) -> list[dict[str, float]]:
+        """Per layer, the report keys of the outlier magnitudes: kurtosis_mean, kurtosis_max (Pearson, not excess),
+        max_abs (the layer's infinity-norm) and top1_share (mean over tokens)."""
+        columns = {"kurtosis_mean": self.kurtosis_mean, "kurtosis_max": self.kurtosis_max,
+                   "max_abs": self.layer_max_abs, "top1_share": self.top1_share_mean}
+        return [{key: round(float(values[layer]), 6) for key, values in columns.items()}
+                for layer in range(self.mean.shape[0])]
 
     @property
     def argmax_share(self) -> Tensor:  # [layers, hidden], fractions of counted tokens
@@ -53,6 +89,9 @@ class NeuronStatistics(Metric):
         self.add_state("max_abs", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="max")
         self.add_state("argmax_count", torch.zeros(shape, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("argmin_count", torch.zeros(shape, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("kurtosis_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("kurtosis_max", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("top1_share_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, hidden_states: Tensor, mask: Tensor | None = None) -> None:
         """hidden_states [layers, batch, seq, hidden] (or [layers, tokens, hidden]); mask [batch, seq] bool."""
@@ -73,8 +112,10 @@ class NeuronStatistics(Metric):
         batch_sum = tokens.sum(1, dtype=torch.float64)  # [layers, hidden]
         self.max_abs = torch.maximum(self.max_abs, torch.maximum(tokens.amax(1), -tokens.amin(1)).double())
         ones = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
-        self.argmax_count.scatter_add_(1, tokens.argmax(-1), ones)
-        self.argmin_count.scatter_add_(1, tokens.argmin(-1), ones)
+        largest, argmax = tokens.max(-1)  # [layers, tokens]
+        smallest, argmin = tokens.min(-1)
+        self.argmax_count.scatter_add_(1, argmax, ones)
+        self.argmin_count.scatter_add_(1, argmin, ones)
         # Squares are summed around the batch mean (accurate in float32 even where the mean dwarfs the spread, as
         # an outlier's does), then shifted back exactly in float64: sum x² = M2 + (sum x)² / n.
         centred = tokens - (batch_sum / n).float().unsqueeze(1)
@@ -82,6 +123,17 @@ class NeuronStatistics(Metric):
         self.count += n
         self.sum += batch_sum
         self.sum_sq += batch_m2 + batch_sum.pow(2) / n
+        # Per token vector, over its components: m2, m4 around the vector's own mean (in place: one temporary).
+        component_mean = tokens.mean(-1, keepdim=True)  # [layers, tokens, 1]
+        squares = torch.sub(tokens, component_mean, out=centred).pow_(2)
+        m2 = squares.mean(-1)  # [layers, tokens]
+        m4 = squares.pow_(2).mean(-1)
+        kurtosis = torch.where(m2 > 0, m4.double() / m2.double().pow(2).clamp_min(1e-300), 0.0)
+        self.kurtosis_sum += kurtosis.sum(1)
+        self.kurtosis_max = torch.maximum(self.kurtosis_max, kurtosis.amax(1))
+        norm_sq = (m2.double() + component_mean.squeeze(-1).double().pow(2)) * tokens.shape[-1]  # sum_i x_i^2
+        top_sq = torch.maximum(largest.double().pow(2), smallest.double().pow(2))
+        self.top1_share_sum += torch.where(norm_sq > 0, top_sq / norm_sq.clamp_min(1e-300), 0.0).clamp_(max=1).sum(1)
 
     def compute(self) -> NeuronStatisticsResult:
         count = self.count.clamp_min(1)
@@ -94,4 +146,7 @@ class NeuronStatistics(Metric):
             max_abs=self.max_abs.clone(),
             argmax_count=self.argmax_count.clone(),
             argmin_count=self.argmin_count.clone(),
+            kurtosis_sum=self.kurtosis_sum.clone(),
+            kurtosis_max=self.kurtosis_max.clone(),
+            top1_share_sum=self.top1_share_sum.clone(),
         )

@@ -157,7 +157,12 @@ def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3)
         z = deviation / (1.4826 * np.median(deviation))
         flagged = np.flatnonzero((max_share >= 0.2) | (min_share >= 0.2) | (z > 10.0))
         order = np.argsort(-np.abs(mean), kind="stable")
-        out.append({"argmax_dim": int(max_share.argmax()), "argmax_share": float(max_share.max()),
+        vectors = tokens[layer]  # [n, hidden]: each token's components
+        centred = vectors - vectors.mean(1, keepdims=True)
+        kurtosis = (centred ** 4).mean(1) / ((centred ** 2).mean(1) ** 2)  # Pearson's, per token
+        out.append({"kurtosis": float(kurtosis.mean()), "kurtosis_max": float(kurtosis.max()),
+                    "max_abs": float(np.abs(vectors).max()),
+                    "top1_share": float(((vectors ** 2).max(1) / (vectors ** 2).sum(1)).mean()),"argmax_dim": int(max_share.argmax()), "argmax_share": float(max_share.max()),
                     "argmin_dim": int(min_share.argmax()), "argmin_share": float(min_share.max()),
                     "top_dims": order[:top_k].tolist(), "top_means": mean[order[:top_k]].tolist(),
                     "max_median_ratio": float(np.abs(mean).max() / np.median(np.abs(mean))),
@@ -230,6 +235,8 @@ def check_outliers(row: dict, prefix: str, expected: list[dict]) -> None:
         assert row[f"{key}/max_median_ratio"] == pytest.approx(want["max_median_ratio"], rel=1e-5)
         assert row[f"{key}/anisotropy"] == pytest.approx(want["anisotropy"], rel=1e-5)
         assert row[f"{key}/num_outliers"] == len(want["outlier_dims"])
+        for name in ("kurtosis", "kurtosis_max", "max_abs", "top1_share"):
+            assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (key, name)
 
 
 def check_probe(row: dict, prefix: str, expected: list[dict]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+import scipy.stats
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,6 +37,21 @@ def direct(batches):
     return tokens.shape[1], tokens.mean(1), tokens.var(1, unbiased=False), tokens.abs().amax(1), argmax, argmin
 
 
+def direct_magnitudes(batches):
+    """Per layer, from the materialised token vectors with scipy: mean and max over tokens of the Pearson kurtosis of
+    each vector's components, the max |activation|, and the mean share of the top-1 component in the squared norm."""
+    tokens = torch.cat([hidden[:, mask] for hidden, mask in batches], dim=1).double().numpy()  # [layers, N, hidden]
+    kurt = scipy.stats.kurtosis(tokens, axis=-1, fisher=False)  # [layers, N]
+    share = (tokens ** 2).max(-1) / (tokens ** 2).sum(-1)
+    return {"kurtosis_mean": kurt.mean(1), "kurtosis_max": kurt.max(1), "layer_max_abs": np.abs(tokens).max((1, 2)),
+            "top1_share_mean": share.mean(1)}
+
+
+def assert_magnitudes(values: dict, batches) -> None:
+    for key, expected in direct_magnitudes(batches).items():
+        np.testing.assert_allclose(np.asarray(values[key]), expected, rtol=1e-4, err_msg=key)
+
+
 def assert_matches(result, expected):
     count, mean, var, max_abs, argmax, argmin = expected
     assert result.num_tokens == count
@@ -55,6 +72,35 @@ def test_streaming_equals_direct_computation():
     assert_matches(result, direct(batches))
     # The planted dimension's variance is 1e-4 around a mean of 1000: float32 sums of squares would lose it.
     assert result.var[:, 7].min() > 0.5e-4 and result.var[:, 7].max() < 2e-4
+    assert_magnitudes({key: getattr(result, key) for key in MAGNITUDES}, batches)
+
+
+MAGNITUDES = ("kurtosis_mean", "kurtosis_max", "layer_max_abs", "top1_share_mean")
+
+
+def test_planted_outlier_magnitudes_by_hand():
+    # One token vector a·e_3 of h components: mean a/h, m2 = a²(h-1)/h², m4 = a⁴((h-1)⁴ + h-1)/h⁵, so its kurtosis is
+    # (h² - 3h + 3)/(h - 1) whatever a; all its squared norm is on one component (share 1). A second token alternates
+    # ±1 (kurtosis 1, share 1/h). A constant vector counts kurtosis 0, share 1/h.
+    a, h = 250.0, HIDDEN
+    spike = torch.zeros(h)
+    spike[3] = a
+    flat = torch.tensor([1.0, -1.0]).repeat(h // 2)
+    constant = torch.full((h,), 2.0)
+    hidden = torch.stack([spike, flat, constant]).expand(LAYERS, 3, h)  # [layers, tokens, hidden]
+    metric = NeuronStatistics(LAYERS, HIDDEN)
+    metric.update(hidden.contiguous())
+    result = metric.compute()
+    spike_kurtosis = (h * h - 3 * h + 3) / (h - 1)  # 14.0667 for h = 16
+    torch.testing.assert_close(result.kurtosis_max, torch.full((LAYERS,), spike_kurtosis, dtype=torch.float64))
+    torch.testing.assert_close(result.kurtosis_mean, torch.full((LAYERS,), (spike_kurtosis + 1 + 0) / 3,
+                                                                dtype=torch.float64))
+    torch.testing.assert_close(result.layer_max_abs, torch.full((LAYERS,), a, dtype=torch.float64))
+    torch.testing.assert_close(result.top1_share_mean, torch.full((LAYERS,), (1 + 2 / h) / 3, dtype=torch.float64))
+    # Gaussian components: kurtosis near 3.
+    gaussian = NeuronStatistics(1, 512)
+    gaussian.update(torch.randn(1, 2000, 512, generator=torch.Generator().manual_seed(0)))
+    assert abs(gaussian.compute().kurtosis_mean.item() - 3.0) < 0.05
 
 
 def test_state_size_does_not_grow_with_tokens():
@@ -63,7 +109,7 @@ def test_state_size_does_not_grow_with_tokens():
     for hidden, mask in random_batches(1, n=6):
         metric.update(hidden, mask)
         sizes.append(sum(state.numel() for state in metric.metric_state.values()))
-    assert len(set(sizes)) == 1 and sizes[0] == 1 + 5 * LAYERS * HIDDEN
+    assert len(set(sizes)) == 1 and sizes[0] == 1 + 5 * LAYERS * HIDDEN + 3 * LAYERS
 
 
 def test_rejects_mismatched_shapes():
@@ -81,8 +127,8 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             metric.update(hidden, mask)
         result = metric.compute()
         if rank == 0:
-            torch.save({key: getattr(result, key) for key in ("num_tokens", "mean", "var", "max_abs",
-                                                              "argmax_count", "argmin_count")}, out)
+            torch.save({key: getattr(result, key) for key in ("num_tokens", "mean", "var", "max_abs", "argmax_count",
+                                                              "argmin_count", *MAGNITUDES)}, out)
     finally:
         dist.destroy_process_group()
 
@@ -97,3 +143,4 @@ def test_ddp_two_processes_equal_one(tmp_path):
     torch.testing.assert_close(synced["var"], var, rtol=1e-4, atol=1e-10)
     torch.testing.assert_close(synced["max_abs"], max_abs, rtol=1e-6, atol=1e-6)
     assert torch.equal(synced["argmax_count"], argmax) and torch.equal(synced["argmin_count"], argmin)
+    assert_magnitudes(synced, random_batches(0))  # sums and maxima of the magnitudes synced: the one-process values

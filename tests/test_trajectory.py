@@ -21,11 +21,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 COMMON = ["--no_progress", "--max_sentences", "0", "--num_pairs", "12", "--minibatch", "6", "--seed", "2"]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
-    """A tiny run with a checkpoint every 2 steps, all kept (--checkpoint.save_top_k -1): steps 2, 4, 6, and
-    last.ckpt (6) and previous.ckpt (4) beside them; and 40 sentences to analyse them on."""
-    root = tmp_path_factory.mktemp("trajectory") / "run"
+def tiny_run(root: Path, corpus, cache, *extra: str) -> None:
+    """A tiny run with a checkpoint every 2 steps, all kept (--checkpoint.save_top_k -1)."""
     assert train.cli_main([
         "fit", "--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
         "--model.intermediate_size", "64", "--model.max_position_embeddings", "34", "--model.warmup_steps", "2",
@@ -34,7 +31,15 @@ def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
         "--trainer.accelerator", "cpu", "--trainer.max_steps", "6", "--trainer.logger", "false",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(root),
-        "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1"]) == 0
+        "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1", *extra]) == 0
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
+    """A tiny run with a checkpoint every 2 steps, all kept (--checkpoint.save_top_k -1): steps 2, 4, 6, and
+    last.ckpt (6) and previous.ckpt (4) beside them; and 40 sentences to analyse them on."""
+    root = tmp_path_factory.mktemp("trajectory") / "run"
+    tiny_run(root, corpus, cache)
     sentences = root.parent / "sentences.txt"
     sentences.write_text("\n".join(corpus_sentences(40, start=300)) + "\n", encoding="utf-8")
     return root, sentences
@@ -119,4 +124,86 @@ def test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_not
                          "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"analyze.py trajectory: error: run directory path not found: " \
                                               f"{tmp_path / 'nowhere'}"
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def nope_run(tmp_path_factory, corpus, cache) -> Path:
+    """A second tiny run, without positional embeddings, validated every 2 steps (so its checkpoints record a
+    validation loss: the one of the validation before them, as Lightning checkpoints before validating)."""
+    root = tmp_path_factory.mktemp("trajectory-nope") / "nope"
+    tiny_run(root, corpus, cache, "--model.position_embeddings", "false", "--trainer.val_check_interval", "2",
+             "--trainer.check_val_every_n_epoch", "null")
+    return root
+
+
+def validate_directly(checkpoint_path: Path) -> float:
+    """val/loss of a checkpoint's weights over its run's validation blocks, by Lightning's own validate loop."""
+    import pytorch_lightning as pl
+
+    from datamodules.mlm import MLMDataModule
+    from lightning_modules.mlm import MLMModule
+
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    def arguments(hparams: dict) -> dict:  # LightningCLI's own bookkeeping (_instantiator, _class_path) left out
+        return {key: value for key, value in hparams.items() if not key.startswith("_")}
+
+    module = MLMModule(**arguments(checkpoint["hyper_parameters"]))
+    module.load_state_dict(checkpoint["state_dict"])
+    data = MLMDataModule(**arguments(checkpoint["datamodule_hyper_parameters"]))
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (result,) = trainer.validate(module, datamodule=data, verbose=False)
+    return result["val/loss"]
+
+
+@pytest.mark.slow
+def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_path):
+    root, sentences = run
+    common = ["--data", str(sentences), *COMMON]
+    assert analyze.main(["trajectory", "--run", f"pe={root}", "--run", str(nope_run), *common,
+                         "--output_dir", str(tmp_path / "both")]) == 0
+    both = json.loads((tmp_path / "both" / "trajectory.json").read_text())
+    assert (tmp_path / "both" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
+    assert both["labels"] == ["pe", "nope"] and [r["label"] for r in both["runs"]] == ["pe", "nope"]
+    for label, directory, report in zip(("pe", "nope"), (root, nope_run), both["runs"]):
+        assert analyze.main(["trajectory", "--run", f"{label}={directory}", *common,
+                             "--output_dir", str(tmp_path / label)]) == 0
+        alone = json.loads((tmp_path / label / "trajectory.json").read_text())
+        assert report == alone  # the run's own single-run report, key for key
+    pe, nope = both["runs"]
+    assert pe["checkpoints"][0]["layers"] != nope["checkpoints"][0]["layers"]  # two different runs
+    # each point's magnitudes equal the outlier report of that checkpoint alone
+    point = nope["checkpoints"][-1]
+    assert analyze.main(["outliers", "--encoder", point["path"], *common[:2], "--no_progress", "--max_sentences", "0",
+                         "--seed", "2", "--output_dir", str(tmp_path / "o")]) == 0
+    outliers = json.loads((tmp_path / "o" / "outliers.json").read_text())
+    for row, separate in zip(point["layers"], outliers["layers"]):
+        for key in ("kurtosis_mean", "kurtosis_max", "max_abs", "top1_share"):
+            assert row[key] == pytest.approx(separate[key], rel=1e-9), key
+    # the validation loss each checkpoint records: the validation of the step before, equal to validating the
+    # previous checkpoint's weights directly; the PE run never validated (no val_check_interval reached)
+    assert [(p["step"], p["val_loss_step"]) for p in nope["checkpoints"]] == [(2, None), (4, 2), (6, 4)]
+    previous = {p["step"]: p["path"] for p in nope["checkpoints"]}
+    for p in nope["checkpoints"][1:]:
+        assert p["val_loss"] == pytest.approx(validate_directly(Path(previous[p["val_loss_step"]])), rel=1e-5)
+    assert all(p["val_loss"] is None for p in pe["checkpoints"])
+
+
+@pytest.mark.slow
+def test_several_runs_refuse_bad_input_in_one_line_and_write_nothing(run, nope_run, tmp_path, capsys):
+    root, sentences = run
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    out = tmp_path / "out"
+    common = ["--data", str(sentences), "--output_dir", str(out)]
+    assert analyze.main(["trajectory", "--run", str(root), "--run", f"bare={empty}", *common]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"analyze.py trajectory: error: no checkpoints in {empty / 'checkpoints'} (train.py writes last.ckpt there; "
+        "--checkpoint.save_top_k -1 keeps the periodic ones)"]
+    assert analyze.main(["trajectory", "--run", f"a={root}", "--run", f"a={nope_run}", *common]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "analyze.py trajectory: error: duplicate run label 'a' in --run (label each run: --run NAME=RUN_DIR)"]
+    assert analyze.main(["trajectory", "--run", f"{root}", "--run", f"{root}", *common]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "analyze.py trajectory: error: duplicate run label 'run' in --run (label each run: --run NAME=RUN_DIR)"]
     assert not out.exists()
