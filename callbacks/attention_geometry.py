@@ -15,6 +15,8 @@ l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py):
                                                        pairs of one sequence (drawn per step from `seed`)
     attention/layer_{l}/entropy                        mean attention entropy of `queries_per_sequence` random query
                                                        positions of every sequence, over its keys, / log(keys)
+                                                       (of softmax(q k^T / sqrt(d)): with clipped softmax or gated
+                                                       attention, the softmax before clipping or gating)
     attention/num_tokens
 
 (`val_attention/...` for validation.) No forward hook (they are skipped once the model is compiled): layer l's

@@ -14,7 +14,7 @@ from pathlib import Path
 from core.errors import UserError, first_line
 from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
-from lightning_modules.mlm import ARCHITECTURE, build_model, padded_vocab
+from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab
 
 KINDS = {"mlm": ("MLM pretraining", "MLMModule", "position_embeddings"),  # what a checkpoint of each is, and the
          "finetune": ("fine-tuning", "FineTuneModule", "classes")}  # hyper-parameter only its module has
@@ -40,16 +40,19 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
 
 
 def load_checkpoint_model(path: str | Path):
-    """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters, weights, embedded tokenizer."""
+    """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters (the attention variant included),
+    weights, embedded tokenizer."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
     keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]
     specials = {key: hparams.get(key, default) for key, default in
                 (("pad_token_id", 1), ("bos_token_id", 0), ("eos_token_id", 2))}  # older checkpoints: RoBERTa's
     rows = padded_vocab(hparams["vocab_size"], hparams.get("pad_vocab_to_multiple_of", 1))
+    attention = attention_of(hparams)  # softmax for a checkpoint made before the attention variants
     try:
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
-                            dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials)
+                            dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
+                            attention=attention)
     except (TypeError, ValueError, RuntimeError) as error:  # sizes that describe no model (a hand-edited file)
         raise UserError(f"{path}: its hyper-parameters describe no model ({first_line(error)})") from None
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()

@@ -30,6 +30,7 @@ from core.errors import UserError, first_line
 from core.models import model_max_length, position_embedding, short_name
 from core.sources import local_path
 from core.tokenizers import check_tokenizer_files
+from lightning_modules.attention import install_recorded, load_pretrained
 
 Span = tuple[int, int]
 
@@ -97,8 +98,10 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
-        with quiet_transformers():
-            model, info = AutoModel.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+        with quiet_transformers():  # an export's attention variant (config.json's attention_variant) rebuilt
+            model, info = load_pretrained(AutoModel, model_dir, dtype=dtype, output_loading_info=True)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
     _warn_about_loading(source, info)
@@ -305,7 +308,7 @@ def random_encoder(encoder: FrozenEncoder, seed: int) -> FrozenEncoder:
     parameter = next(encoder.model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModel.from_config(encoder.model.config)
+        model = install_recorded(AutoModel.from_config(encoder.model.config))  # its attention variant too
     table = position_embedding(encoder.model)
     if table is not None and not table.weight.any():
         with torch.no_grad():

@@ -29,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from core.errors import UserError
 from core.models import model_max_length
 from core.output import staged_output, write_json
+from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import (
     check_is_encoder,
     default_encoder,
@@ -55,7 +56,7 @@ def load_classifier(encoder: str, classes: list):
 
         masked_lm, tokenizer = load_checkpoint_model(source)
         masked_lm.config.update(labels)
-        model = AutoModelForSequenceClassification.from_config(masked_lm.config)
+        model = install_recorded(AutoModelForSequenceClassification.from_config(masked_lm.config))
         model.base_model.load_state_dict(masked_lm.base_model.state_dict())
         return model, tokenizer
     try:
@@ -69,7 +70,9 @@ def load_classifier(encoder: str, classes: list):
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
         with quiet_transformers():  # the new head's "newly initialized" report is expected here
-            model = AutoModelForSequenceClassification.from_pretrained(source, **labels, ignore_mismatched_sizes=True)
+            model = load_pretrained(AutoModelForSequenceClassification, source, **labels, ignore_mismatched_sizes=True)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
     return model, tokenizer

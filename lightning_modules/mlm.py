@@ -2,11 +2,13 @@
 
     python train.py fit --config configs/pretrain/tiny.yaml                                   # PE
     python train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false # no PE
+    python train.py fit --config configs/pretrain/tiny.yaml --model.attention gated           # or clipped_softmax
 
 `self.model` is a plain transformers `RobertaForMaskedLM` built from a config (random init). Without positional
 embeddings its position table is all zeros and frozen (no gradient, not in the optimizer), so the model carries no
 positional signal at all while keeping `position_embedding_type="absolute"`, i.e. transformers' fast SDPA attention;
-an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free.
+an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free. `--model.attention` trains
+clipped softmax or gated attention instead of softmax (Bondarenko et al. 2023; lightning_modules/attention.py).
 
 The loss projects only the masked positions through the LM head (`mlm_step`): the batch holds `positions`
 [batch, k] and `targets` [batch, k], so no [batch, seq, vocab] logits are ever made. With `pad_vocab_to_multiple_of`
@@ -35,6 +37,7 @@ from torchmetrics import MeanMetric
 
 from core.errors import UserError
 from core.output import staged_output
+from lightning_modules.attention import attention_settings, install_attention
 from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
     PolynomialSchedule,
     TrainingModule,
@@ -45,6 +48,7 @@ from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_e
 
 ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings", "position_embeddings", "pad_vocab_to_multiple_of")
+ATTENTION = ("attention", "clip_softmax_gamma", "clip_softmax_zeta", "attention_gate_init")  # softmax when absent
 
 
 class MLMOutput(NamedTuple):
@@ -90,11 +94,12 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
 def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                 intermediate_size: int, max_position_embeddings: int, dropout: float, position_embeddings: bool,
                 attn_implementation: str = "sdpa", pad_token_id: int = 1, bos_token_id: int = 0,
-                eos_token_id: int = 2):
+                eos_token_id: int = 2, attention: dict | None = None):
     """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table.
 
     The special ids are the tokenizer's (RoBERTa's 1/0/2 for the trained BPE): the pad id is the embedding's
-    padding row and sets where RoBERTa's positions start (pad id + 1).
+    padding row and sets where RoBERTa's positions start (pad id + 1). `attention`: the attention variant's settings
+    (lightning_modules/attention.py's `attention_settings`; None: softmax), recorded in the model's config.
     """
     from transformers import AutoModelForMaskedLM, RobertaConfig
 
@@ -108,7 +113,7 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
     model = AutoModelForMaskedLM.from_config(config, attn_implementation=attn_implementation)
     if not position_embeddings:
         remove_position_embeddings(model)
-    return model
+    return install_attention(model, **(attention or {}))
 
 
 def remove_position_embeddings(model) -> None:
@@ -136,12 +141,19 @@ class MLMModule(TrainingModule):
             `end_lr` at `decay_steps` (default: the trainer's max_steps).
         compile: torch.compile the forward pass and the loss together (two graphs: with and without the hidden
             states the live-statistics callbacks capture); validation runs eagerly.
-        attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging).
+        attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging); the softmax inside
+            gated attention uses it, clipped softmax brings its own.
         pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
             matmuls); the extra rows are never input nor predicted, and the export drops them.
         pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
         regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: an isotropy regulariser on the training
             forward's hidden states (none, istar, cosreg; lightning_modules/regularizers.py); none by default.
+        attention: softmax (the paper's), clipped_softmax or gated (Bondarenko et al. 2023;
+            lightning_modules/attention.py).
+        clip_softmax_gamma, clip_softmax_zeta: clipped softmax's clip((zeta - gamma) softmax + gamma, 0, 1)
+            (None: their BERT recipe's gamma -0.025, zeta 1); only with attention clipped_softmax.
+        attention_gate_init: gated attention's initial gate probability sigmoid(bias) (None: 0.25); only with
+            attention gated.
     """
 
     def __init__(
@@ -174,9 +186,14 @@ class MLMModule(TrainingModule):
         reg_layers: str | int | list[int] | None = None,
         zeta: float = 0.2,
         reg_shrinkage_tokens: int = 250_000,
+        attention: str = "softmax",
+        clip_softmax_gamma: float | None = None,
+        clip_softmax_zeta: float | None = None,
+        attention_gate_init: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        settings = attention_settings(attention, clip_softmax_gamma, clip_softmax_zeta, attention_gate_init)
         check_optimisation(self.hparams)
         self.make_regularizer()
         if hidden_size % num_attention_heads:
@@ -187,7 +204,7 @@ class MLMModule(TrainingModule):
         rows = padded_vocab(vocab_size, pad_vocab_to_multiple_of)
         self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
-                                 pad_token_id, bos_token_id, eos_token_id)
+                                 pad_token_id, bos_token_id, eos_token_id, settings)
         self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
         self.last_val_loss: dict | None = None  # {"value", "step"} of the latest validation, saved in checkpoints
@@ -293,10 +310,23 @@ def check_architecture(saved: dict, current, what: str) -> None:
             return "with positional embeddings" if flag else "without positional embeddings (no-PE)"
         raise UserError(f"{what} was trained {name(saved['position_embeddings'])} but the config asks for a model "
                         f"{name(current['position_embeddings'])}; resume with the matching config")
+    if "attention" in current and attention_of(saved) != attention_of(current):
+        raise UserError(f"{what} was trained with attention {describe(attention_of(saved))} but the config asks for "
+                        f"{describe(attention_of(current))}; resume with the matching --model.attention")
     for key in ARCHITECTURE:
         if key in saved and saved[key] != current[key]:
             noun = "tokenizer vocabulary" if key == "vocab_size" else key
             raise UserError(f"{what} has {key}={saved[key]} but the config gives {current[key]} ({noun} mismatch)")
+
+
+def attention_of(hparams) -> dict:
+    """The attention variant of an MLMModule's hyper-parameters, defaults filled in (softmax for a checkpoint made
+    before the variants)."""
+    return attention_settings(hparams.get("attention") or "softmax", *(hparams.get(key) for key in ATTENTION[1:]))
+
+
+def describe(settings: dict) -> str:
+    return " ".join([settings["attention"], *(f"{key}={value}" for key, value in settings.items() if key != "attention")])
 
 
 @rank_zero_only

@@ -220,11 +220,14 @@ def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str
                        "48 (hidden_size mismatch)"),
         "other depth": (good, ("--model.num_hidden_layers", "3"), "checkpoint {} has num_hidden_layers=2 but the "
                         "config gives 3 (num_hidden_layers mismatch)"),
+        "other attention": (good, ("--model.attention", "gated"), "checkpoint {} was trained with attention softmax "
+                            "but the config asks for gated gate_init=0.25; resume with the matching --model.attention"),
         "missing": (missing, (), "checkpoint not found: {}"),
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth", "missing"])
+@pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth",
+                                  "other attention", "missing"])
 def test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written(straight, corpus, cache, tmp_path,
                                                                           capsys, case):
     good = tmp_path / "good.ckpt"

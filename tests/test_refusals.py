@@ -105,6 +105,18 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
                                             f"config file {latin1} is not UTF-8 text (bad byte at offset 30)"),
         "a corpus whose texts are all empty": (("--data.corpus", str(blank)),
                                                f"no text in {blank}: every row's text is empty"),
+        "an unknown attention variant": (("--model.attention", "sparsemax"), "--model.attention must be one of "
+                                         "softmax, clipped_softmax, gated, got 'sparsemax'"),
+        "a clipped softmax gamma above 0": (("--model.attention", "clipped_softmax", "--model.clip_softmax_gamma",
+                                             "0.1"), "--model.clip_softmax_gamma must be at most 0 (clip((zeta - "
+                                            "gamma) softmax + gamma, 0, 1) reaches exact zeros only for gamma <= 0), "
+                                            "got 0.1"),
+        "a clipped softmax zeta below 1": (("--model.attention", "clipped_softmax", "--model.clip_softmax_zeta", "0.5"),
+                                           "--model.clip_softmax_zeta must be at least 1 (an attention weight must be "
+                                           "able to reach 1), got 0.5"),
+        "a gate parameter with softmax attention": (("--model.attention_gate_init", "0.3"),
+                                                    "--model.attention_gate_init is a parameter of --model.attention "
+                                                    "gated, not of softmax"),
         "a corpus too small for the global batch (found in prepare_data)": (
             ("--data.global_batch_size", "64"), "55 training blocks make no full global batch of 64"),
     }
@@ -116,7 +128,8 @@ TRAIN_CASES = [
     "a typo on the command line", "no text column", "a directory that is no dataset",
     "a tokenizer directory without tokenizer files", "a checkpoint whose hyper-parameters lack vocab_size",
     "a checkpoint whose weights do not fit", "a fresh start over an earlier run", "a config file that is not UTF-8",
-    "a corpus whose texts are all empty",
+    "a corpus whose texts are all empty", "an unknown attention variant", "a clipped softmax gamma above 0",
+    "a clipped softmax zeta below 1", "a gate parameter with softmax attention",
     "a corpus too small for the global batch (found in prepare_data)"]
 
 

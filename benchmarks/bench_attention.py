@@ -1,0 +1,79 @@
+"""Cost of the attention variants (Bondarenko et al. 2023): the MLM training step with clipped softmax and with gated
+attention against the softmax step, side by side in one run, on the tiny MLM config (issue 21).
+
+    python benchmarks/bench_attention.py             # configs/pretrain/tiny.yaml (4 layers, 128 wide, blocks of 128)
+    python benchmarks/bench_attention.py --quick     # fewer steps and rounds
+    python benchmarks/bench_attention.py --smoke     # a 2-layer MLM, 2 timed steps (tests/test_bench.py)
+
+Each round trains the three arms from the same seed (`--model.attention softmax`, `clipped_softmax`, `gated`, their
+default parameters), in an order that rotates with the round; timed: optimizer steps 1..--steps (step 0 holds the
+one-time set-up), no logger, no callbacks, no validation. A ratio is the median over rounds of the paired per-round
+ratio of wall times to the round's softmax run. One intra-op thread by default. Output: `RATIO
+clipped_softmax_step` and `RATIO gated_attention_step` (target <= 1.10 each), with the per-round ratios and the
+median ratio of process CPU times as METRIC lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from bench_callbacks import QUICK  # noqa: E402
+from bench_regularizer import fit, mlm_args  # noqa: E402
+
+ARMS = ("softmax", "clipped_softmax", "gated")
+NAMES = {"clipped_softmax": "clipped_softmax_step", "gated": "gated_attention_step"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--smoke", action="store_true", help="smallest model, 2 timed steps (tests/test_bench.py)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per run")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 keeps timings stable; 0: default)")
+    args = parser.parse_args()
+    for name in ("pytorch_lightning", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if args.quick or args.smoke:
+        args.rounds, args.steps = (1, 2) if args.smoke else (3, 15)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    walls: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    cpus: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus, small = None, None
+        if args.smoke:
+            corpus = tmp / "corpus.txt"
+            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
+            small = {"model": QUICK["model"], "data": QUICK["data"]}
+        for round_ in range(args.rounds):
+            shift = round_ % len(ARMS)
+            for arm in ARMS[shift:] + ARMS[:shift]:
+                timer, _ = fit(mlm_args(tmp / f"{arm}-{round_}", tmp / "cache", small, corpus)
+                               + ["--model.attention", arm], args.steps)
+                walls[arm].append(timer.wall_s)
+                cpus[arm].append(timer.cpu_s)
+                print(f"round {round_}: {arm:>15}  {timer.wall_s:8.2f} s wall  {timer.cpu_s:8.2f} s CPU  "
+                      f"({timer.wall_s / args.steps * 1000:.1f} ms a step)", flush=True)
+    for arm, name in NAMES.items():
+        ratios = [variant / plain for variant, plain in zip(walls[arm], walls["softmax"], strict=True)]
+        print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
+        cpu = [variant / plain for variant, plain in zip(cpus[arm], cpus["softmax"], strict=True)]
+        print(f"METRIC {name}_cpu_time_ratio {statistics.median(cpu):.3f}  (process CPU time, median of the rounds: "
+              "less sensitive to a busy machine than wall time)")
+        print(f"RATIO {name} {statistics.median(ratios):.3f} target <=1.10")
+
+
+if __name__ == "__main__":
+    main()
