@@ -33,7 +33,7 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
-from datamodules.pairs import read_sts, read_wic, word_contexts
+from datamodules.pairs import read_sts, read_wic, source_contexts, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder
@@ -50,8 +50,11 @@ class Inputs:
 
     sst2: list[str]
     qqp: list[str] | None
+    outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
+    outlier_sources: dict = field(default_factory=dict)  # {"sst2": count, "qqp": count}
     contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}
     wic: tuple | None = None  # (items, skipped)
+    wic_source: dict = field(default_factory=dict)  # {"data", "split"}
     sts: dict = field(default_factory=dict)  # {name: (pairs, unscored)}
     notes: list[str] = field(default_factory=list)
 
@@ -63,15 +66,27 @@ def sentences_of(source: str, column: str | None, limit: int, seed: int) -> list
     return texts
 
 
+def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[list[str], dict[str, int]]:
+    """§3's sentences: --outlier_sentences drawn from the given training sets together, an equal seeded share of
+    each (ours: the paper says 10k sentences from SST-2 and QQP, not in what proportion), SST-2's first."""
+    shares = [args.outlier_sentences // len(sources) + (i < args.outlier_sentences % len(sources))
+              for i in range(len(sources))]
+    picked = {name: sentences_of(source, column, share, args.seed + i)
+              for i, ((name, (source, column)), share) in enumerate(zip(sources.items(), shares))}
+    return [text for texts in picked.values() for text in texts], {name: len(texts) for name, texts in picked.items()}
+
+
 def read_inputs(args) -> Inputs:
     skip = {name: getattr(args, name) in (None, "none") for name in ("qqp", "wic", "imdb", "sst5")}
+    sources = {"sst2": (args.sst2, None), **({} if skip["qqp"] else {"qqp": (args.qqp, args.qqp_column)})}
     inputs = Inputs(sentences_of(args.sst2, None, args.max_sentences, args.seed),
                     None if skip["qqp"] else sentences_of(args.qqp, args.qqp_column, args.max_sentences, args.seed))
-    for name, source, column in (("sst2", args.sst2, None), ("qqp", args.qqp, args.qqp_column)):
-        if name == "sst2" or not skip["qqp"]:
-            pool = sentences_of(source, column, args.pool_sentences, args.seed)
-            inputs.contexts[name] = word_contexts(pool, args.num_words, args.min_sentences, args.seed)
-    inputs.wic = None if skip["wic"] else read_wic(args.wic, None)
+    inputs.outlier_sentences, inputs.outlier_sources = outlier_sample(args, sources)
+    for name, (source, column) in sources.items():
+        inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
+                                                args.min_sentences, args.seed)
+    if not skip["wic"]:
+        inputs.wic, inputs.wic_source = read_wic(args.wic, None), wic_source(args.wic)
     for name in args.sts or []:
         inputs.sts[name] = read_sts(name, None, (1.0, 5.0) if name == "sickr" else args.score_range)
     inputs.notes = [f"{name} skipped (--{name} none)" for name, skipped in skip.items() if skipped]
@@ -88,35 +103,38 @@ def explicit_clip(clipped: dict[int, list[int]] | None) -> str:
 
 
 def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str]:
-    """(reports, statistics of SST-2, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
+    """(reports, the outlier statistics, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
     encoder = setting.encoder
     reports = {}
-    sst2 = reference_of(args, setting, inputs.sst2, statistics=True, sample=2 * args.num_pairs)
-    args.data = args.sst2
-    reports["outliers"] = outliers_report(args, encoder, sst2.statistics, sst2.num_sentences, sst2.num_truncated)
-    clip = explicit_clip(sst2.clipped)
-    args.clip, sst2.clip = parse_clip(clip), clip  # the outliers found on SST-2, everywhere after
-    for name, sentences, reference in (("sst2", inputs.sst2, sst2), ("qqp", inputs.qqp, None)):
+    args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
+                           for name in inputs.outlier_sources)
+    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
+    reports["outliers"] = {**outliers_report(args, encoder, found.statistics, found.num_sentences, found.num_truncated),
+                           "sentences_from": inputs.outlier_sources}
+    clip = explicit_clip(found.clipped)
+    args.clip = parse_clip(clip)  # the outliers found on SST-2 and QQP, everywhere after
+    for name, sentences in (("sst2", inputs.sst2), ("qqp", inputs.qqp)):
         if sentences is None:
             continue
         args.data = args.sst2 if name == "sst2" else args.qqp
-        reference = reference or reference_of(args, setting, sentences, sample=2 * args.num_pairs)
+        reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
         header = run_header(args, encoder, reference)
         reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
-        reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(setting, inputs.contexts[name],
-                                                                                   reference.variants)}
+        baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json")
+        reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(
+            setting, inputs.contexts[name], reference.variants, baseline)}
     if inputs.wic is not None:
         args.data = args.wic
         items, skipped = inputs.wic
         reference = reference_of(args, setting, pair_sentences(items))
-        reports["wic"] = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+        reports["wic"] = {**run_header(args, encoder, reference), **inputs.wic_source, "skipped": skipped.to_dict(),
                           **semantic.wic(setting, items, reference.variants)}
     for name, (pairs, unscored) in inputs.sts.items():
         args.data = name
         reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
                                                          **semantic.sts(setting, pairs, reference.variants)}
-    return reports, sst2.statistics, clip
+    return reports, found.statistics, clip
 
 
 def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, output_dir) -> dict:
