@@ -68,7 +68,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
                         help="share of the token vectors whose max or min a dimension must hold to be an outlier "
-                             "(the paper's rule; default 0.2)")
+                             "(default 0.2: ours, for the paper's 'most vectors')")
     parser.add_argument("--sigma", type=float, default=None,
                         help="opt-in, ours: also an outlier when the robust z-score of the dimension's mean exceeds "
                              "this (default: off)")
