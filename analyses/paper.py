@@ -6,8 +6,10 @@ anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and
         --sts STS.input.x.txt sick.txt --imdb none --sst5 sst5/ --output_dir runs/paper/bert     # local stand-ins
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
-note. The outliers are detected once, on SST-2's sentences, and the clipping they give (--clip auto: the persistent
-dims in every non-input layer) is the one every evaluation and classifier uses. Everything is written to a staging
+note. The outliers are detected once, on --outlier_sentences (10k) of the SST-2 and QQP training sets together, half
+from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer) is the one every
+evaluation and classifier uses. Self-similarity draws its words from the whole of each training set (streamed);
+Figure 6 shows it adjusted (minus the anisotropy of the same layer and variant). WiC is its training split (`wic`). Everything is written to a staging
 directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
 """
 
@@ -48,7 +50,7 @@ STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 class Inputs:
     """What is read before any encoder runs (a bad source fails here, before anything is written)."""
 
-    sst2: list[str]
+    sst2: list[str] | None
     qqp: list[str] | None
     outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
     outlier_sources: dict = field(default_factory=dict)  # {"sst2": count, "qqp": count}
@@ -77,10 +79,13 @@ def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[li
 
 
 def read_inputs(args) -> Inputs:
-    skip = {name: getattr(args, name) in (None, "none") for name in ("qqp", "wic", "imdb", "sst5")}
-    sources = {"sst2": (args.sst2, None), **({} if skip["qqp"] else {"qqp": (args.qqp, args.qqp_column)})}
-    inputs = Inputs(sentences_of(args.sst2, None, args.max_sentences, args.seed),
-                    None if skip["qqp"] else sentences_of(args.qqp, args.qqp_column, args.max_sentences, args.seed))
+    skip = {name: getattr(args, name) in (None, "none") for name in ("sst2", "qqp", "wic", "imdb", "sst5")}
+    if skip["sst2"] and skip["qqp"]:
+        raise UserError("--sst2 and --qqp are both none: the outliers (§3) need the sentences of one of them at least")
+    sources = {name: (getattr(args, name), column) for name, column in (("sst2", None), ("qqp", args.qqp_column))
+               if not skip[name]}
+    inputs = Inputs(*(None if skip[name] else sentences_of(getattr(args, name), column, args.max_sentences, args.seed)
+                      for name, column in (("sst2", None), ("qqp", args.qqp_column))))
     inputs.outlier_sentences, inputs.outlier_sources = outlier_sample(args, sources)
     for name, (source, column) in sources.items():
         inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
@@ -151,13 +156,15 @@ def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, o
 
 
 def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
-    """§3's position probe on SST-2's splits and §4.4's classifiers, raw and clipped (reports by name)."""
+    """§3's position probe on SST-2's splits (unless --sst2 none) and §4.4's classifiers, raw and clipped."""
     common = dict(encoder=encoder, max_length=args.max_length, max_sentences=args.probe_sentences,
                   seed=args.seed, progress=not args.no_progress, exclude_special=args.exclude_special,
                   cache_dir=str(stage))
-    reports = {"position_probe": train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
-                                             PositionDataModule(source=args.sst2, batch_size=128, **common),
-                                             stage / "position_probe")}
+    reports = {}
+    if args.sst2 not in (None, "none"):
+        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
+                                                PositionDataModule(source=args.sst2, batch_size=128, **common),
+                                                stage / "position_probe")
     for name, batch_size in CLASSIFIERS.items():
         source = getattr(args, name)
         if source in (None, "none"):

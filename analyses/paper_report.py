@@ -56,10 +56,10 @@ def _figure6(reports: dict, name: str) -> dict:
 
 def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     outliers = reports["outliers"]
-    probe = reports["position_probe"]
+    probe = reports.get("position_probe")
     summary = {
         "encoder": str(args.encoder), "seed": args.seed, "clip": clip,
-        "clipped_dims": (reports.get("anisotropy_sst2") or {}).get("clipped_dims", []),
+        "clipped_dims": next((r["clipped_dims"] for n, r in reports.items() if n.startswith("anisotropy_")), []),
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
         "data": {"sst2": args.sst2, "qqp": args.qqp, "wic": args.wic, "sts": list(args.sts or []),
                  "imdb": args.imdb, "sst5": args.sst5},
@@ -67,7 +67,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
                                                                         "argmin_dim", "argmin_share", "outlier_dims")}
                                          for layer in outliers["layers"]],
                               "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"]},
-        "section3_position_probe": {
+        "section3_position_probe": None if probe is None else {
             "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "top_dims": row["top_contribution_dims"][:5],
                         "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
                        for row in probe["layers"]],
@@ -109,16 +109,20 @@ def paper_markdown(summary: dict) -> str:
               f"({row['argmin_share']:.1%}) | {', '.join(map(str, row['outlier_dims'])) or '-'} |"
               for row in section["layers"]]
     probe = summary["section3_position_probe"]
-    random = probe["random_encoder"] or [None] * len(probe["layers"])
-    lines += ["", "## §3 Position probe (Figure 5)", "", "![accuracy per layer](position_probe/accuracy_by_layer.png)",
-              "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)", "",
-              f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
-              "(their contribution rank per layer, 1 = largest).", "",
-              "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
-              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
-              f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
-              for row, r in zip(probe["layers"], random)]
+    lines += ["", "## §3 Position probe (Figure 5)", ""]
+    if probe is None:
+        lines.append("(skipped: --sst2 none)")
+    else:
+        random = probe["random_encoder"] or [None] * len(probe["layers"])
+        lines += ["![accuracy per layer](position_probe/accuracy_by_layer.png)",
+                  "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)",
+                  "", f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
+                  "(their contribution rank per layer, 1 = largest).", "",
+                  "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
+                  f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
+                  for row, r in zip(probe["layers"], random)]
     lines += ["", "## §4.1 Anisotropy and self-similarity (Figure 6)", "", "![Figure 6](figure6.png)", ""]
     figure = summary["figure6"]
     for name, data in figure.items():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -27,6 +28,7 @@ from datamodules.pairs import (
     read_wic,
     source_contexts,
     target_problem,
+    wic_source,
     word_contexts,
 )
 from tests.test_analyze_eval import STS, WIC, fitted
@@ -147,6 +149,28 @@ def test_word_pool_streams_the_whole_source_and_counts_the_qualifying_words(tmp_
     assert set(frequent.words) == qualifying
     sample = source_contexts(str(path), None, 600, 5, 3, seed=3)  # a pool of 600 sentences finds fewer words
     assert sample.pool == 600 and sample.num_candidates < sum(count >= 3 for count in counts.values())
+    calls = []
+
+    def changing():  # a source whose third pass differs from the first two
+        calls.append(1)
+        return iter(sentences if len(calls) < 3 else sentences[1:])
+
+    with pytest.raises(UserError, match=r"^the self-similarity source changed while it was read \(its three passes"):
+        word_contexts(changing, 40, 10, seed=3)
+
+
+def test_wic_reads_the_training_split_by_default(tmp_path):
+    """The preset `wic` is SuperGLUE's training split (the paper's footnote 5), resolved without the hub; a local
+    dataset with splits is read at its train split too, a file whole; the report names which."""
+    assert wic_source("wic") == {"data": "super_glue:wic:train", "split": "train"}
+    assert wic_source("super_glue:wic:validation")["split"] == "validation"
+    rows = [json.loads(line) for line in write_wic(tmp_path / "wic.jsonl").read_text().splitlines()]
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows[:2]),
+                          "train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    assert wic_source(str(tmp_path / "splits")) == {"data": str(tmp_path / "splits"), "split": "train"}
+    items, _ = read_wic(str(tmp_path / "splits"))
+    assert [item.sentence1 for item in items] == [row["sentence1"] for row in rows]  # train's 8, not validation's 2
+    assert wic_source(str(tmp_path / "wic.jsonl"))["split"] is None
 
 
 def test_word_list_too_small_names_the_count_found():

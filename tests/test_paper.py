@@ -172,6 +172,7 @@ def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
     for argv, message in ((["--sst2", tmp_path / "missing"], "data path not found"),
                           (["--qqp", tmp_path / "missing.csv"], f"data path not found: {tmp_path / 'missing.csv'}"),
                           (["--outlier_sentences", "0"], "--outlier_sentences must be positive, got 0"),
+                          (["--sst2", "none"], "--sst2 and --qqp are both none: the outliers (§3) need"),
                           (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
                           (["--wic", stand_ins["sts"]], "is not in WiC format")):
         code = analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
@@ -181,6 +182,29 @@ def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
         errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
         assert code == 2 and len(errors) == 1 and message in errors[0], (argv, errors)
         assert not out.exists()
+
+
+@pytest.mark.slow
+def test_paper_without_sst2_finds_the_outliers_on_qqp_alone(stand_ins, tmp_path):
+    out = tmp_path / "paper"
+    assert analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
+                         "--min_sentences", "3", "--sst2", "none", "--qqp", str(stand_ins["qqp"]), "--wic", "none",
+                         "--sts", "--imdb", "none", "--sst5", "none", "--outlier_sentences", "30", "--seed", "1",
+                         "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "paper.json").read_text())
+    assert summary["section3_sentences"] == {"qqp": 30} and summary["section3_position_probe"] is None
+    assert set(summary["figure6"]) == {"qqp"} and not (out / "position_probe").exists()
+    with (stand_ins["qqp"]).open(newline="", encoding="utf-8") as handle:
+        questions = [row["question1"] for row in csv.DictReader(handle)]
+    together = tmp_path / "qqp.txt"
+    together.write_text("\n".join(sample_texts(iter(questions), 30, 1)) + "\n")
+    assert analyze.main(["outliers", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--data", str(together),
+                         "--max_sentences", "0", "--output_dir", str(tmp_path / "direct")]) == 0
+    direct = json.loads((tmp_path / "direct" / "outliers.json").read_text())
+    outliers = json.loads((out / "outliers" / "outliers.json").read_text())
+    assert outliers["layers"] == direct["layers"]
+    markdown = (out / "paper.md").read_text()
+    assert "(skipped: --sst2 none)" in markdown and "Outliers (§3) detected on 30 sentences of QQP" in markdown
 
 
 def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_path):
