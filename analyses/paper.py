@@ -9,8 +9,8 @@ Every dataset is a `datasets` name (the defaults) or a local file or directory i
 note. The outliers are detected once, on --outlier_sentences (10k) of the SST-2 and QQP training sets together, half
 from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer) is the one every
 evaluation and classifier uses. Self-similarity draws its words from the whole of each training set (streamed);
-Figure 6 shows it adjusted (minus the anisotropy of the same layer and variant). WiC is its training split (`wic`). Everything is written to a staging
-directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
+Figure 6 shows it adjusted (minus the anisotropy of the same layer and variant). WiC is its training split (`wic`).
+Everything is written to a staging directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
 """
 
 from __future__ import annotations

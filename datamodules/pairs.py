@@ -385,7 +385,8 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
     counts: Counter[str] = Counter()
     total = 0
-    for total, sentence in enumerate(passes(), 1):
+    for sentence in passes():
+        total += 1
         counts.update({match.group().lower() for match in WORD.finditer(sentence)})
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
