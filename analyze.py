@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"none (default {default})")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
     paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers, drawn "
-                       "from --sst2 and --qqp together, half from each (default 10000, the paper's 10k)")
+                       "from --sst2 and --qqp together, half from each (ours; default 10000, the paper's 10k)")
     paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; default the "
                        "seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "

@@ -70,7 +70,7 @@ def sentences_of(source: str, column: str | None, limit: int, seed: int) -> list
 
 def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[list[str], dict[str, int]]:
     """§3's sentences: --outlier_sentences drawn from the given training sets together, an equal seeded share of
-    each (ours: the paper says 10k sentences from SST-2 and QQP, not in what proportion), SST-2's first."""
+    each (the paper takes 10k sentences from SST-2's and QQP's; the equal shares are ours), SST-2's first."""
     shares = [args.outlier_sentences // len(sources) + (i < args.outlier_sentences % len(sources))
               for i in range(len(sources))]
     picked = {name: sentences_of(source, column, share, args.seed + i)
