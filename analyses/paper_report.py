@@ -12,6 +12,7 @@ from __future__ import annotations
 from core.figures import layer_panels_figure
 
 VARIANTS = ("raw", "clipped")
+NAMES = {"sst2": "SST-2", "qqp": "QQP"}
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -93,7 +94,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
 
 
 def paper_markdown(summary: dict) -> str:
-    found = " and ".join(f"{count} sentences of {name.upper()}" for name, count in summary["section3_sentences"].items())
+    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in summary["section3_sentences"].items())
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
              f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
              f"(training sets). Clipping (§4): `{summary['clip']}` (the persistent outliers found there, dims "
@@ -127,7 +128,7 @@ def paper_markdown(summary: dict) -> str:
     figure = summary["figure6"]
     for name, data in figure.items():
         words = data["words"]
-        lines.append(f"{name.upper()}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
+        lines.append(f"{NAMES[name]}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
                      f"least {words['contexts_per_word']} of its {words['pool_sentences']} sentences, "
                      f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded).")
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}

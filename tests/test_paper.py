@@ -129,7 +129,10 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
     row = lines[header + 4]  # the header, its rule, layers 0 and 1, then layer 2
     assert row.startswith("| 2 |")
     assert f"{sst2['self_similarity_adjusted']['raw'][2]:.3f}" in row.split(" | ")[3]
-    assert "Outliers (§3) detected on 26 sentences of SST2 and 25 sentences of QQP" in markdown
+    assert "Outliers (§3) detected on 26 sentences of SST-2 and 25 sentences of QQP" in markdown
+    words = summary["figure6"]["sst2"]["words"]
+    assert (f"SST-2: 4 words of the {words['num_candidates']} that occur in at least 3 of its 60 sentences, 3 contexts "
+            f"each ({words['num_sentences']} sentences encoded)") in markdown
     # each report equals the single subcommand run on the same data with the same clipping
     single = tmp_path / "single"
     assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", expected_clip,
