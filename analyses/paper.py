@@ -7,13 +7,14 @@ anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
 note. The outliers are detected once, on SST-2's sentences, and the clipping they give (--clip auto: the persistent
-dims in every non-input layer) is the one every evaluation and classifier uses. Everything is written to a staging
+dims in every non-input layer for base-depth models, each layer's own outliers for deeper ones) is the one every
+evaluation and classifier uses. Everything is written to a staging
 directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytorch_lightning as pl
 
@@ -95,7 +96,8 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     args.data = args.sst2
     reports["outliers"] = outliers_report(args, encoder, sst2.statistics, sst2.num_sentences, sst2.num_truncated)
     clip = explicit_clip(sst2.clipped)
-    args.clip, sst2.clip = parse_clip(clip), clip  # the outliers found on SST-2, everywhere after
+    rule = f"{sst2.clip_rule}; detected on SST-2's sentences and applied as {clip}"
+    args.clip, sst2.clip = replace(parse_clip(clip), origin=rule), clip  # the outliers found on SST-2, everywhere after
     for name, sentences, reference in (("sst2", inputs.sst2, sst2), ("qqp", inputs.qqp, None)):
         if sentences is None:
             continue

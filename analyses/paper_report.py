@@ -48,6 +48,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     probe = reports["position_probe"]
     summary = {
         "encoder": str(args.encoder), "seed": args.seed, "clip": clip,
+        "clip_rule": (reports.get("anisotropy_sst2") or {}).get("clip_rule"),
         "clipped_dims": (reports.get("anisotropy_sst2") or {}).get("clipped_dims", []),
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
         "data": {"sst2": args.sst2, "qqp": args.qqp, "wic": args.wic, "sts": list(args.sts or []),
@@ -82,9 +83,9 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
 
 def paper_markdown(summary: dict) -> str:
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
-             f"Dimensions are 0-indexed; layer 0 is the embedding output. Clipping (§4): `{summary['clip']}` "
-             f"(the persistent outliers found on SST-2, dims {summary['clipped_dims'] or 'none'}, zeroed in the "
-             "non-input layers). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
+             f"Dimensions are 0-indexed; layer 0 is the embedding output. Clipping: `{summary['clip']}` "
+             f"(dims {summary['clipped_dims'] or 'none'}; rule: {summary['clip_rule']}). "
+             "Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
     section = summary["section3_outliers"]
     lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
               "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",
