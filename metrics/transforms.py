@@ -315,7 +315,7 @@ def check_softdecay_alpha(alpha: float, option: str = "--softdecay_alpha") -> fl
     return float(alpha)
 
 
-def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float) -> Tensor:
+def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float | Tensor) -> Tensor:
     """tokenUni's SoftDecay per sentence and layer: hidden_states [layers, batch, seq, hidden] (or [batch, seq,
     hidden]), mask [batch, seq] (the tokens of each sentence's matrix; padding never) -> the same shape, each
     sentence's counted rows replaced by U S' V^T, the others left as they are.
@@ -324,13 +324,16 @@ def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float) -> Tensor:
     singular values against the large), rescaled so that max s' = max s. Singular values at rounding level (below
     max s x max(seq, hidden) x float32 epsilon, the rank rule of torch.linalg.matrix_rank) have no direction of
     their own (their singular vectors are arbitrary): they stay 0, so the matrix keeps its rank and padded rows stay
-    out. alpha -> 0- is the identity. Computed in float32 (the map of the singular values in float64)."""
+    out. alpha -> 0- is the identity. Computed in float32 (the map of the singular values in float64). Differentiable
+    in the states and in alpha (a 0-dim tensor: the fine-tuning layer of lightning_modules/softdecay.py, which calls
+    it one unpadded sentence at a time, as SVD gradients are undefined for repeated singular values)."""
     mask = mask.to(hidden_states.device).bool()
     x = hidden_states.float() * mask.unsqueeze(-1)
     u, s, vh = svd(x)
     s64 = s.double()
     top = s64[..., :1]
     significant = s64 > top * max(x.shape[-2:]) * torch.finfo(torch.float32).eps
+    alpha = alpha.double() if isinstance(alpha, Tensor) else alpha
     mapped = torch.where(significant, -torch.log1p(-alpha * (s64 + alpha)) / alpha, torch.zeros_like(s64))
     peak = mapped[..., :1]  # the map is increasing: the largest stays first
     scaled = torch.where(peak > 0, mapped * top / peak.clamp_min(1e-300), s64)  # a matrix of norm < |alpha|: as is
