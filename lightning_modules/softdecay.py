@@ -6,7 +6,7 @@ matrix of each sentence transformed before the head pools it, alpha fixed or lea
 
     layer = SoftDecayLayer(alpha=-0.2, learn=True)
     out = layer(hidden, mask)                   # [batch, seq, hidden], mask [batch, seq] -> [batch, seq, hidden]
-    handle = wrap(model, layer)                 # the encoder's layer stack returns layer(last layer, mask)
+    handle = wrap(model, layer, "bert-base")    # the encoder's last layer returns layer(its output, mask)
 
 The formula is metrics/transforms.py's soft_decay, the one the post-hoc analyses (--normalize softdecay) use: per
 sentence H = U S V^T (padding excluded), s' = -log(1 - alpha (s + alpha)) / alpha rescaled so that max s' = max s,
@@ -14,9 +14,10 @@ H' = U S' V^T. Here it runs one unpadded sentence at a time, so that its SVD has
 the padding (their gradients are undefined). A learned alpha is kept in (-1, 0) by its parametrisation
 alpha = -sigmoid(theta) (ours: the tokenUni paper learns alpha without saying how it stays in range).
 
-`wrap` hooks the module that runs the encoder's layer list (core.models.layer_stack: BERT's and RoBERTa's `encoder`,
-DistilBERT's `transformer`), so the head's pooling ([CLS], the pooler, mean pooling) reads the transformed last layer,
-while `hidden_states` (read by the regularisers and the live statistics) keep the layers' own outputs.
+`wrap` hooks the last layer of the encoder's layer list (core.models.layer_stack: BERT's and RoBERTa's
+`encoder.layer`, DistilBERT's `transformer.layer`), so the head's pooling ([CLS], the pooler, mean pooling) reads the
+transformed last layer, and so does everything else that reads hidden_states[L]: the regularisers on the last layer
+and the live statistics (the model's own last hidden state is the transformed one; layers 0..L-1 are untouched).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class SoftDecayLayer(nn.Module):
 
 
 def wrap(model: nn.Module, layer: SoftDecayLayer, what: str) -> torch.utils.hooks.RemovableHandle:
-    """Hook `layer` onto the output of the module running `model`'s layer list; a UserError (naming `what`, the
+    """Hook `layer` onto the output of the last layer of `model`'s layer list; a UserError (naming `what`, the
     encoder) when the model has none. The hook reads `layer.mask`, which the caller sets for each forward."""
     stack = layer_stack(model)
     if stack is None:
@@ -86,11 +87,11 @@ def wrap(model: nn.Module, layer: SoftDecayLayer, what: str) -> torch.utils.hook
             return layer(output, mask)
         first = output[0]
         if first.shape[:2] != mask.shape:
-            raise RuntimeError(f"SoftDecay: the layer stack returned {tuple(first.shape)} for a mask "
+            raise RuntimeError(f"SoftDecay: the last layer returned {tuple(first.shape)} for a mask "
                                f"{tuple(mask.shape)}")
         if isinstance(output, tuple):
             return (layer(first, mask), *output[1:])
         output[next(iter(output.keys()))] = layer(first, mask)  # a transformers ModelOutput: last_hidden_state
         return output
 
-    return stack.register_forward_hook(transform)
+    return stack.layer[-1].register_forward_hook(transform)
