@@ -29,7 +29,9 @@ analysis' default), for the first `anisotropy_sequences` (2000: the paper's 2000
 gathered across ranks (TokenSample) are paired by random.Random(key).shuffle, first half with second, as in
 analyses/geometry.py. key = `seed` at validation, so an eval-mode validation over the sentences of a file logs what
 `analyze.py anisotropy --seed <seed> --clip none` reports on that file (tested), and pair_seed(seed, step) in training
-(fresh tokens each capture). In training the states are the training step's: dropout on, masked tokens included. W&B also gets, every `image_every_n_steps` and at each validation, the image
+(fresh tokens each capture). In training the states are the training step's: dropout on, masked tokens included.
+
+W&B also gets, every `image_every_n_steps` and at each validation, the image
 `outliers/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), the table
 `outliers/table` (a row per layer at each of those steps and validations: outlier dims, dominant dims, shares,
 ratio, anisotropy; it grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/

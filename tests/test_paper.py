@@ -69,6 +69,9 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
                                           "self_similarity_qqp", "wic", "sts_sts"}
     for name, report in reports.items():
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
+        assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
+    assert summary["clip_rule"].startswith(f"auto: persistent outlier dims (outliers in at least half of layers "
+                                           f"1..{LAYERS})") and "detected on SST-2" in summary["clip_rule"]
     # each report equals the single subcommand run on the same data with the same clipping
     single = tmp_path / "single"
     assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", "auto",
