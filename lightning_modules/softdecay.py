@@ -58,10 +58,11 @@ class SoftDecayLayer(nn.Module):
         """hidden [batch, seq, hidden], mask [batch, seq] (the counted tokens) -> each sentence's counted rows
         replaced by their SoftDecay, the others (padding) as they are."""
         mask = mask.to(hidden.device).bool()
+        counted = mask.nonzero()  # [n, 2] (row, position), row-major
+        counts = torch.bincount(counted[:, 0], minlength=hidden.shape[0]).tolist()  # one read off the device
         out = hidden.clone()
         alpha = self.alpha
-        for row in range(hidden.shape[0]):
-            tokens = mask[row].nonzero().flatten()
+        for row, tokens in enumerate(counted[:, 1].split(counts)):
             if tokens.numel() == 0:
                 continue
             matrix = hidden[row, tokens].unsqueeze(0)  # [1, count, hidden]

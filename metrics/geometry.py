@@ -432,12 +432,17 @@ def random_tokens(hidden_states: Tensor, mask: Tensor | None, items: Sequence[in
     counted tokens (mask [batch, seq]; None: all), so the draw depends on the item, not on batching or ranks:
     hidden_states [layers, batch, seq, hidden] -> ([layers, rows with a token, hidden] float32, those rows)."""
     batch, seq = hidden_states.shape[1:3]
-    counts = mask.sum(1).tolist() if mask is not None else [seq] * batch
+    if mask is not None:  # each row's counted positions, read off the device once
+        counted = mask.bool().nonzero().cpu()  # [n, 2] (row, position), row-major
+        counts = torch.bincount(counted[:, 0], minlength=batch).tolist()
+        columns = counted[:, 1].split(counts)
+    else:
+        counts, columns = [seq] * batch, None
     rows, positions = [], []
     for row, (item, count) in enumerate(zip(items, counts)):
         if count:
             pick = random.Random(seed * 1_000_003 + int(item)).randrange(int(count))
-            positions.append(int(mask[row].nonzero()[pick]) if mask is not None else pick)
+            positions.append(int(columns[row][pick]) if columns is not None else pick)
             rows.append(row)
     if not rows:
         return hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1]).float(), []
