@@ -39,7 +39,7 @@ from lightning_modules.encoder import (
 from lightning_modules.softdecay import SoftDecayLayer, wrap
 from lightning_modules.training import TrainingModule, check_optimisation
 from metrics.geometry import Covariance, IsoScoreStar
-from metrics.transforms import SOFTDECAY_ALPHA
+from metrics.transforms import SOFTDECAY_ALPHA, check_softdecay_alpha
 
 REPORT = "finetune.json"
 
@@ -126,6 +126,7 @@ class FineTuneModule(TrainingModule):
         if not classes or len(classes) < 2:
             raise UserError(f"fine-tuning needs at least two classes, got {classes}")
         self.make_regularizer()  # its options checked before the encoder loads
+        check_softdecay_alpha(softdecay_alpha, "--model.softdecay_alpha")  # a bad alpha is an error even unused
         if softdecay_learn_alpha and not softdecay:
             raise UserError("--model.softdecay_learn_alpha true needs --model.softdecay true")
         self.softdecay = SoftDecayLayer(softdecay_alpha, softdecay_learn_alpha) if softdecay else None
