@@ -412,8 +412,8 @@ def test_softdecay_fine_tuning_learns_alpha_logs_it_and_the_logits_are_the_heads
             torch.testing.assert_close(states[-2], before, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["alpha below -1", "alpha of 0", "learned alpha without softdecay",
-                                  "an encoder without a layer stack"])
+@pytest.mark.parametrize("case", ["alpha below -1", "alpha of 0", "alpha of 1 without softdecay",
+                                  "learned alpha without softdecay", "an encoder without a layer stack"])
 def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
     alpha = "--model.softdecay_alpha must lie in (-1, 0) (SoftDecay needs alpha < 0, and alpha <= -1 takes the log " \
             "of a non-positive number for small singular values), got "
@@ -428,6 +428,7 @@ def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_p
         extra, message = {
             "alpha below -1": (("--model.softdecay", "true", "--model.softdecay_alpha", "-1.5"), alpha + "-1.5"),
             "alpha of 0": (("--model.softdecay", "true", "--model.softdecay_alpha", "0"), alpha + "0.0"),
+            "alpha of 1 without softdecay": (("--model.softdecay_alpha", "1"), alpha + "1.0"),
             "learned alpha without softdecay": (("--model.softdecay_learn_alpha", "true"),
                                                 "--model.softdecay_learn_alpha true needs --model.softdecay true"),
         }[case]
