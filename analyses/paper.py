@@ -97,7 +97,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     reports["outliers"] = outliers_report(args, encoder, sst2.statistics, sst2.num_sentences, sst2.num_truncated)
     clip = explicit_clip(sst2.clipped)
     rule = f"{sst2.clip_rule}; detected on SST-2's sentences and applied as {clip}"
-    args.clip, sst2.clip = replace(parse_clip(clip), origin=rule), clip  # the outliers found on SST-2, everywhere after
+    args.clip, sst2.clip, sst2.clip_rule = replace(parse_clip(clip), origin=rule), clip, rule  # SST-2's, everywhere
     for name, sentences, reference in (("sst2", inputs.sst2, sst2), ("qqp", inputs.qqp, None)):
         if sentences is None:
             continue
