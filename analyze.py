@@ -15,8 +15,8 @@
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
-dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
-outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4, and
+each layer's own outliers in that layer for deeper ones, its Appendix D; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
 `--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
@@ -77,8 +77,10 @@ def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (default: the persistent outlier dims, detected on the same data, zeroed in every "
-                             "non-input layer), per-layer (each layer's own outliers in that layer), none, dims "
+                        help="auto (default, the paper's choice by depth: the persistent outlier dims, detected on "
+                             "the same data, zeroed in every non-input layer for models of at most 12 layers; each "
+                             "layer's own outliers in that layer for deeper ones), per-layer (the latter at any "
+                             "depth), none, dims "
                              "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "

@@ -10,7 +10,6 @@ Each returns the JSON-ready body of its report; analyses/runs.py adds the header
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -27,17 +26,10 @@ from metrics.geometry import (
     SequenceSpectrum,
     TokenSample,
     isoscore,
+    sample_pairs,
     spectrum_of_moments,
 )
 from metrics.transforms import Variant
-
-
-def sample_pairs(filled: Tensor, seed: int) -> tuple[Tensor, Tensor]:
-    """Pair the sampled sentences by a seeded permutation: (first [pairs], second [pairs]) slot indices."""
-    slots = filled.nonzero().flatten().tolist()
-    random.Random(seed).shuffle(slots)
-    half = len(slots) // 2
-    return torch.tensor(slots[:half], dtype=torch.long), torch.tensor(slots[half:2 * half], dtype=torch.long)
 
 
 def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int,

@@ -7,15 +7,16 @@ anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
 note. The outliers are detected once, on --outlier_sentences (10k) of the SST-2 and QQP training sets together, half
-from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer) is the one every
-evaluation and classifier uses. Self-similarity draws its words from the whole of each training set (streamed);
-Figure 6 shows it adjusted (minus the anisotropy of the same layer and variant). WiC is its training split (`wic`).
-Everything is written to a staging directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
+from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer for base-depth models,
+each layer's own outliers for deeper ones) is the one every evaluation and classifier uses. Self-similarity draws its
+words from the whole of each training set (streamed); Figure 6 shows it adjusted (minus the anisotropy of the same
+layer and variant). WiC is its training split (`wic`). Everything is written to a staging directory and lands in
+--output_dir at once, or not at all. It runs in one process (the probes train on one device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytorch_lightning as pl
 
@@ -117,7 +118,8 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     reports["outliers"] = {**outliers_report(args, encoder, found.statistics, found.num_sentences, found.num_truncated),
                            "sentences_from": inputs.outlier_sources}
     clip = explicit_clip(found.clipped)
-    args.clip = parse_clip(clip)  # the outliers found on SST-2 and QQP, everywhere after
+    rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
+    args.clip = replace(parse_clip(clip), origin=rule)  # the outliers found on SST-2 and QQP, everywhere after
     for name, sentences in (("sst2", inputs.sst2), ("qqp", inputs.qqp)):
         if sentences is None:
             continue

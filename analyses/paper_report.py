@@ -60,6 +60,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     probe = reports.get("position_probe")
     summary = {
         "encoder": str(args.encoder), "seed": args.seed, "clip": clip,
+        "clip_rule": next((r.get("clip_rule") for n, r in reports.items() if n.startswith("anisotropy_")), None),
         "clipped_dims": next((r["clipped_dims"] for n, r in reports.items() if n.startswith("anisotropy_")), []),
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
         "data": {"sst2": args.sst2, "qqp": args.qqp, "wic": args.wic, "sts": list(args.sts or []),
@@ -97,9 +98,8 @@ def paper_markdown(summary: dict) -> str:
     found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in summary["section3_sentences"].items())
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
              f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
-             f"(training sets). Clipping (§4): `{summary['clip']}` (the persistent outliers found there, dims "
-             f"{summary['clipped_dims'] or 'none'}, zeroed in the non-input layers). Data: "
-             + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
+             f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
+             f"{summary['clip_rule']}). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
     section = summary["section3_outliers"]
     lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
               "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",

@@ -328,7 +328,7 @@ class SentenceClassifier(LinearProbes):
                  seed: int = 0) -> None:
         """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
         "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
-        non-input layer), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
+        non-input layer; for models deeper than 12 layers each layer's own detected outliers), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
         the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
         --data.encoder; checked against the data module's at setup)."""
         super().__init__()
@@ -337,6 +337,7 @@ class SentenceClassifier(LinearProbes):
         self.clip_request = parse_clip(clip)
         self.use_bias = bias
         self.clipped: dict[int, list[int]] = {}
+        self.clip_rule = ""
 
     def slots(self, spec: FeatureSpec) -> list[tuple[str, int]]:
         clipped = [("clipped", layer) for layer in spec.layers] if self.clip_request.mode != "none" else []
@@ -347,8 +348,9 @@ class SentenceClassifier(LinearProbes):
         request = self.clip_request
         if request.mode == "auto" and spec.outlier_source == "given":  # the given dims, in every non-input layer
             request = parse_clip(",".join(map(str, spec.outlier_dims)) or "none")
-        self.clipped = request.resolve(spec.outlier_layers, spec.num_hidden_states or max(spec.layers) + 1,
-                                       spec.hidden_size)
+        num_layers = spec.num_hidden_states or max(spec.layers) + 1
+        self.clipped = request.resolve(spec.outlier_layers, num_layers, spec.hidden_size)
+        self.clip_rule = request.rule(num_layers)
         slots = spec.encoder_slots  # the encoder's cached layers, each with that layer's clipped dims zeroed
         spec_by_slot = {i: self.clipped.get(layer, []) for i, layer in enumerate(spec.layers)}
         self.register_buffer("keep", keep_mask(spec_by_slot, slots, spec.hidden_size), persistent=False)
@@ -375,6 +377,7 @@ class SentenceClassifier(LinearProbes):
             "chance_baseline": baselines["chance"],
             "bias": self.use_bias,
             "clip": self.clip_request.text,
+            "clip_rule": self.clip_rule,
             "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",

@@ -96,6 +96,9 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
                                           "self_similarity_qqp", "wic", "sts_sts"}
     for name, report in reports.items():
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
+        assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
+    assert summary["clip_rule"].startswith(f"auto: persistent outlier dims (outliers in at least half of layers "
+                                           f"1..{LAYERS})") and "sentences of" in summary["clip_rule"]
     # Figure 6 (right): self-similarity minus the same layer's anisotropy of the same variant, the unadjusted beside
     for name, texts in (("sst2", train), ("qqp", questions)):
         figure, selfsim = summary["figure6"][name], reports[f"self_similarity_{name}"]
