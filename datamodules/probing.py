@@ -46,6 +46,9 @@ from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
 
+BLOCK_BYTES = 64 * 2 ** 20  # a training block's float32 features at most (unless one batch is more)
+
+
 class ProbeDataModule(pl.LightningDataModule):
     """Reads, splits and encodes the data once; serves cached features. Subclasses say what an item and a label are
     (the hooks of datamodules.features.ProbeTask, and read_split / set_classes)."""
@@ -60,7 +63,7 @@ class ProbeDataModule(pl.LightningDataModule):
         max_length: int | None = None,
         max_sentences: int = 0,
         batch_size: int = 128,
-        steps_per_block: int = 32,
+        steps_per_block: int = 16,
         encode_batch_size: int = 32,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
@@ -140,8 +143,14 @@ class ProbeDataModule(pl.LightningDataModule):
         block, in order (the same steps as one batch per loader batch, fewer trainer round trips)."""
         generator = torch.Generator().manual_seed(self.hparams.seed)
         sampler = RandomSampler(range(self.stores["train"].items), generator=generator)
-        return self._loader("train", sampler, self.hparams.batch_size * self.hparams.steps_per_block,
+        return self._loader("train", sampler, self.hparams.batch_size * self.steps_per_block(),
                             step=self.hparams.batch_size)
+
+    def steps_per_block(self) -> int:
+        """`steps_per_block`, fewer when a block's float32 features would pass BLOCK_BYTES (at least one batch)."""
+        store, h = self.stores["train"], self.hparams
+        item_bytes = 4 * store.array.shape[0 if store.path is None else 1] * store.array.shape[2]  # slots x hidden
+        return max(1, min(h.steps_per_block, BLOCK_BYTES // (item_bytes * h.batch_size)))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", SequentialSampler(range(self.stores["val"].items)), self.hparams.eval_batch_size)
