@@ -225,6 +225,8 @@ def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str
         "label outside fixed classes": ("classify", ["--data.source", labelled, "--data.classes", "[0, 1]"],
                                         "unknown label(s) ['2']"),
         "no label column": ("classify", ["--data.source", good], "no label column 'label'"),
+        "no steps per block": ("position", ["--data.source", good, "--data.steps_per_block", 0],
+                               "--data.steps_per_block must be at least 1, got 0"),
     }
 
 
