@@ -15,8 +15,8 @@
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
-dimensions detected on the same data in every non-input layer, as the paper's §4; `--clip per-layer` each layer's own
-outliers in that layer, its Appendix D; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4, and
+each layer's own outliers in that layer for deeper ones, its Appendix D; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
 `--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
@@ -69,7 +69,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
                         help="share of the token vectors whose max or min a dimension must hold to be an outlier "
-                             "(the paper's rule; default 0.2)")
+                             "(default 0.2: ours, for the paper's 'most vectors')")
     parser.add_argument("--sigma", type=float, default=None,
                         help="opt-in, ours: also an outlier when the robust z-score of the dimension's mean exceeds "
                              "this (default: off)")
@@ -77,8 +77,10 @@ def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (default: the persistent outlier dims, detected on the same data, zeroed in every "
-                             "non-input layer), per-layer (each layer's own outliers in that layer), none, dims "
+                        help="auto (default, the paper's choice by depth: the persistent outlier dims, detected on "
+                             "the same data, zeroed in every non-input layer for models of at most 12 layers; each "
+                             "layer's own outliers in that layer for deeper ones), per-layer (the latter at any "
+                             "depth), none, dims "
                              "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
                        "isotropy")
     selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
-                      "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=5000)
+                      "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=0)
     wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
                   "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
@@ -123,26 +125,28 @@ def build_parser() -> argparse.ArgumentParser:
     everything.add_argument("--wic", default=None, help="WiC data (as for `wic --data`); skipped when not given")
     everything.add_argument("--sts", nargs="+", default=None,
                             help=f"STS data sets (files or presets {', '.join(STS_PRESETS)}); skipped when not given")
-    everything.add_argument("--pool_sentences", type=int, default=5000,
-                            help="sentences searched for the self-similarity words (0: all; default 5000)")
+    everything.add_argument("--pool_sentences", type=int, default=0, help="sentences searched for the "
+                            "self-similarity words (default 0: all of --data, streamed; N: a seeded sample of N)")
     paper = command("paper", run_paper, "the paper's experiments on one encoder (§3 outliers, origins, position "
                     "probe; §4 anisotropy, self-similarity, WiC, STS, classifiers; raw and clipped) -> paper.md",
                     "paper", data=False)
     for option, default, what in (("--sst2", "glue/sst2", "SST-2 (outliers, anisotropy, self-similarity, the position "
                                    "probe on its splits, a classifier)"),
                                   ("--qqp", "glue/qqp", "QQP sentences (anisotropy, self-similarity)"),
-                                  ("--wic", "super_glue:wic:validation", "WiC pairs (Table 1)"),
+                                  ("--wic", "wic", "WiC pairs (Table 1; the preset wic: super_glue:wic:train, the paper's)"),
                                   ("--imdb", "imdb", "IMDB (a classifier)"), ("--sst5", "SetFit/sst5", "SST-5")):
         paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
                            f"none (default {default})")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
+    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers, drawn "
+                       "from --sst2 and --qqp together, half from each (ours; default 10000, the paper's 10k)")
     paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; default the "
                        "seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "
                        "split for the probes (0: all)")
     paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")
-    paper.add_argument("--pool_sentences", type=int, default=5000,
-                       help="sentences searched for the self-similarity words (0: all; default 5000)")
+    paper.add_argument("--pool_sentences", type=int, default=0, help="sentences searched for the self-similarity "
+                       "words (default 0: the whole of --sst2 / --qqp, streamed, as the paper; N: a seeded sample)")
     trajectory = command("trajectory", run_trajectory, "outlier statistics, anisotropy and IsoScore* of every "
                          "checkpoint of a run, in step order, on the same sentences", "trajectory", variants=False,
                          encoder=False)
@@ -182,7 +186,7 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def validate(args) -> None:
     for name in ("batch_size", "max_sentences", "max_length", "num_words", "min_sentences", "minibatch",
-                 "minibatches", "pool_sentences", "num_pairs", "probe_sentences", "epochs"):
+                 "minibatches", "pool_sentences", "num_pairs", "probe_sentences", "epochs", "outlier_sentences"):
         value = getattr(args, name, None)
         if value is not None and value < (0 if name in ("max_sentences", "pool_sentences", "probe_sentences") else 1):
             raise UserError(f"--{name} must be positive, got {value}")

@@ -10,7 +10,7 @@ Each returns the JSON-ready body of its report; analyses/runs.py adds the header
 
 from __future__ import annotations
 
-import random
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,17 +26,10 @@ from metrics.geometry import (
     SequenceSpectrum,
     TokenSample,
     isoscore,
+    sample_pairs,
     spectrum_of_moments,
 )
 from metrics.transforms import Variant
-
-
-def sample_pairs(filled: Tensor, seed: int) -> tuple[Tensor, Tensor]:
-    """Pair the sampled sentences by a seeded permutation: (first [pairs], second [pairs]) slot indices."""
-    slots = filled.nonzero().flatten().tolist()
-    random.Random(seed).shuffle(slots)
-    half = len(slots) // 2
-    return torch.tensor(slots[:half], dtype=torch.long), torch.tensor(slots[half:2 * half], dtype=torch.long)
 
 
 def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int,
@@ -143,14 +136,30 @@ def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Vari
     return {key: metric.compute() for key, metric in metrics.items()}
 
 
-def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant]) -> dict:
-    """Ethayarajh (2019) eq. 1 per layer and variant, with the anisotropy of random token pairs of the same
-    sentences as baseline (adjusted = self-similarity - anisotropy)."""
+@dataclass
+class Baseline:
+    """An anisotropy report ({"layers": [{"layer", <variant>: value}], "num_pairs"}) to adjust a self-similarity by,
+    and its name for the report."""
+
+    report: dict
+    name: str
+
+    def values(self, key: str) -> Tensor:
+        return torch.tensor([float("nan") if row[key] is None else row[key] for row in self.report["layers"]],
+                            dtype=torch.float64)
+
+
+def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant],
+                    baseline: Baseline | None = None) -> dict:
+    """Ethayarajh (2019) eq. 1 per layer and variant, adjusted by the anisotropy of the same variant (adjusted =
+    self-similarity - anisotropy): `baseline`'s (`analyze.py paper`: the anisotropy report of the same data, Figure 6's
+    left panel), else that of random token pairs of the self-similarity sentences."""
     encoder = setting.encoder
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
     groups = [None] + [variant.key for variant in variants if variant.per_sentence]  # as views() orders them
-    tokens = {key: TokenSample(len(contexts.sentences), layers, hidden).to(device) for key in groups}
+    sampling = baseline is None
+    tokens = {key: TokenSample(len(contexts.sentences), layers, hidden).to(device) for key in groups} if sampling else {}
     lost, truncated = counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
@@ -160,22 +169,28 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
             word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
             for variant in group:
                 metrics[variant.key].update(word_ids, variant.apply(vectors))
-            sampled, kept = random_tokens(view, rows, setting.seed)
-            tokens[key].update(torch.tensor([rows[r] for r in kept]), sampled)
+            if sampling:
+                sampled, kept = random_tokens(view, rows, setting.seed)
+                tokens[key].update(torch.tensor([rows[r] for r in kept]), sampled)
         lost.update(sum(len(w) for w in wanted) - len(found))
         truncated.update(batch.num_truncated)
-    samples = {key: metric.compute() for key, metric in tokens.items()}
-    baseline, pairs = pair_anisotropy(samples[None], variants, setting.seed, samples)
+    if sampling:
+        samples = {key: metric.compute() for key, metric in tokens.items()}
+        anisotropy, pairs = pair_anisotropy(samples[None], variants, setting.seed, samples)
+        adjusted_by = "anisotropy of random token pairs of the self-similarity sentences"
+    else:
+        anisotropy = {variant.key: baseline.values(variant.key) for variant in variants}
+        pairs, adjusted_by = baseline.report["num_pairs"], baseline.name
     values, counted = {}, 0
     for variant in variants:
         result = metrics[variant.key].compute()
-        values[variant.key] = {"self_similarity": result.mean, "anisotropy": baseline[variant.key],
-                               "adjusted": result.mean - baseline[variant.key].to(result.mean)}
+        values[variant.key] = {"self_similarity": result.mean, "anisotropy": anisotropy[variant.key],
+                               "adjusted": result.mean - anisotropy[variant.key].to(result.mean)}
         counted = result.num_words
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
-            "num_sentences": len(contexts.sentences), "baseline_pairs": pairs,
+            "num_sentences": len(contexts.sentences), "adjusted_by": adjusted_by, "baseline_pairs": pairs,
             "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
             "words": contexts.words, "layers": rows}

@@ -6,14 +6,17 @@ anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and
         --sts STS.input.x.txt sick.txt --imdb none --sst5 sst5/ --output_dir runs/paper/bert     # local stand-ins
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
-note. The outliers are detected once, on SST-2's sentences, and the clipping they give (--clip auto: the persistent
-dims in every non-input layer) is the one every evaluation and classifier uses. Everything is written to a staging
-directory and lands in --output_dir at once, or not at all. It runs in one process (the probes train on one device).
+note. The outliers are detected once, on --outlier_sentences (10k) of the SST-2 and QQP training sets together, half
+from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer for base-depth models,
+each layer's own outliers for deeper ones) is the one every evaluation and classifier uses. Self-similarity draws its
+words from the whole of each training set (streamed); Figure 6 shows it adjusted (minus the anisotropy of the same
+layer and variant). WiC is its training split (`wic`). Everything is written to a staging directory and lands in
+--output_dir at once, or not at all. It runs in one process (the probes train on one device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytorch_lightning as pl
 
@@ -33,7 +36,7 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
-from datamodules.pairs import read_sts, read_wic, word_contexts
+from datamodules.pairs import read_sts, read_wic, source_contexts, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder
@@ -48,10 +51,13 @@ STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 class Inputs:
     """What is read before any encoder runs (a bad source fails here, before anything is written)."""
 
-    sst2: list[str]
+    sst2: list[str] | None
     qqp: list[str] | None
+    outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
+    outlier_sources: dict = field(default_factory=dict)  # {"sst2": count, "qqp": count}
     contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}
     wic: tuple | None = None  # (items, skipped)
+    wic_source: dict = field(default_factory=dict)  # {"data", "split"}
     sts: dict = field(default_factory=dict)  # {name: (pairs, unscored)}
     notes: list[str] = field(default_factory=list)
 
@@ -63,15 +69,30 @@ def sentences_of(source: str, column: str | None, limit: int, seed: int) -> list
     return texts
 
 
+def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[list[str], dict[str, int]]:
+    """§3's sentences: --outlier_sentences drawn from the given training sets together, an equal seeded share of
+    each (the paper takes 10k sentences from SST-2's and QQP's; the equal shares are ours), SST-2's first."""
+    shares = [args.outlier_sentences // len(sources) + (i < args.outlier_sentences % len(sources))
+              for i in range(len(sources))]
+    picked = {name: sentences_of(source, column, share, args.seed + i)
+              for i, ((name, (source, column)), share) in enumerate(zip(sources.items(), shares))}
+    return [text for texts in picked.values() for text in texts], {name: len(texts) for name, texts in picked.items()}
+
+
 def read_inputs(args) -> Inputs:
-    skip = {name: getattr(args, name) in (None, "none") for name in ("qqp", "wic", "imdb", "sst5")}
-    inputs = Inputs(sentences_of(args.sst2, None, args.max_sentences, args.seed),
-                    None if skip["qqp"] else sentences_of(args.qqp, args.qqp_column, args.max_sentences, args.seed))
-    for name, source, column in (("sst2", args.sst2, None), ("qqp", args.qqp, args.qqp_column)):
-        if name == "sst2" or not skip["qqp"]:
-            pool = sentences_of(source, column, args.pool_sentences, args.seed)
-            inputs.contexts[name] = word_contexts(pool, args.num_words, args.min_sentences, args.seed)
-    inputs.wic = None if skip["wic"] else read_wic(args.wic, None)
+    skip = {name: getattr(args, name) in (None, "none") for name in ("sst2", "qqp", "wic", "imdb", "sst5")}
+    if skip["sst2"] and skip["qqp"]:
+        raise UserError("--sst2 and --qqp are both none: the outliers (§3) need the sentences of one of them at least")
+    sources = {name: (getattr(args, name), column) for name, column in (("sst2", None), ("qqp", args.qqp_column))
+               if not skip[name]}
+    inputs = Inputs(*(None if skip[name] else sentences_of(getattr(args, name), column, args.max_sentences, args.seed)
+                      for name, column in (("sst2", None), ("qqp", args.qqp_column))))
+    inputs.outlier_sentences, inputs.outlier_sources = outlier_sample(args, sources)
+    for name, (source, column) in sources.items():
+        inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
+                                                args.min_sentences, args.seed)
+    if not skip["wic"]:
+        inputs.wic, inputs.wic_source = read_wic(args.wic, None), wic_source(args.wic)
     for name in args.sts or []:
         inputs.sts[name] = read_sts(name, None, (1.0, 5.0) if name == "sickr" else args.score_range)
     inputs.notes = [f"{name} skipped (--{name} none)" for name, skipped in skip.items() if skipped]
@@ -88,35 +109,39 @@ def explicit_clip(clipped: dict[int, list[int]] | None) -> str:
 
 
 def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str]:
-    """(reports, statistics of SST-2, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
+    """(reports, the outlier statistics, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
     encoder = setting.encoder
     reports = {}
-    sst2 = reference_of(args, setting, inputs.sst2, statistics=True, sample=2 * args.num_pairs)
-    args.data = args.sst2
-    reports["outliers"] = outliers_report(args, encoder, sst2.statistics, sst2.num_sentences, sst2.num_truncated)
-    clip = explicit_clip(sst2.clipped)
-    args.clip, sst2.clip = parse_clip(clip), clip  # the outliers found on SST-2, everywhere after
-    for name, sentences, reference in (("sst2", inputs.sst2, sst2), ("qqp", inputs.qqp, None)):
+    args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
+                           for name in inputs.outlier_sources)
+    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
+    reports["outliers"] = {**outliers_report(args, encoder, found.statistics, found.num_sentences, found.num_truncated),
+                           "sentences_from": inputs.outlier_sources}
+    clip = explicit_clip(found.clipped)
+    rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
+    args.clip = replace(parse_clip(clip), origin=rule)  # the outliers found on SST-2 and QQP, everywhere after
+    for name, sentences in (("sst2", inputs.sst2), ("qqp", inputs.qqp)):
         if sentences is None:
             continue
         args.data = args.sst2 if name == "sst2" else args.qqp
-        reference = reference or reference_of(args, setting, sentences, sample=2 * args.num_pairs)
+        reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
         header = run_header(args, encoder, reference)
         reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
-        reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(setting, inputs.contexts[name],
-                                                                                   reference.variants)}
+        baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json")
+        reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(
+            setting, inputs.contexts[name], reference.variants, baseline)}
     if inputs.wic is not None:
         args.data = args.wic
         items, skipped = inputs.wic
         reference = reference_of(args, setting, pair_sentences(items))
-        reports["wic"] = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+        reports["wic"] = {**run_header(args, encoder, reference), **inputs.wic_source, "skipped": skipped.to_dict(),
                           **semantic.wic(setting, items, reference.variants)}
     for name, (pairs, unscored) in inputs.sts.items():
         args.data = name
         reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
                                                          **semantic.sts(setting, pairs, reference.variants)}
-    return reports, sst2.statistics, clip
+    return reports, found.statistics, clip
 
 
 def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, output_dir) -> dict:
@@ -133,13 +158,15 @@ def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, o
 
 
 def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
-    """§3's position probe on SST-2's splits and §4.4's classifiers, raw and clipped (reports by name)."""
+    """§3's position probe on SST-2's splits (unless --sst2 none) and §4.4's classifiers, raw and clipped."""
     common = dict(encoder=encoder, max_length=args.max_length, max_sentences=args.probe_sentences,
                   seed=args.seed, progress=not args.no_progress, exclude_special=args.exclude_special,
                   cache_dir=str(stage))
-    reports = {"position_probe": train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
-                                             PositionDataModule(source=args.sst2, batch_size=128, **common),
-                                             stage / "position_probe")}
+    reports = {}
+    if args.sst2 not in (None, "none"):
+        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
+                                                PositionDataModule(source=args.sst2, batch_size=128, **common),
+                                                stage / "position_probe")
     for name, batch_size in CLASSIFIERS.items():
         source = getattr(args, name)
         if source in (None, "none"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from core.figures import layer_panels_figure
 
 VARIANTS = ("raw", "clipped")
+NAMES = {"sst2": "SST-2", "qqp": "QQP"}
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -43,12 +44,24 @@ def _classifier(report: dict) -> dict:
             "test_sentences": report["splits"]["test"]["sentences"], "splits_from": report["splits_from"]}
 
 
+def _figure6(reports: dict, name: str) -> dict:
+    """Figure 6 of one data set: anisotropy and the adjusted self-similarity (self-similarity minus the anisotropy
+    of the same layer and variant), the unadjusted value beside them, and how the words were drawn."""
+    selfsim = reports[f"self_similarity_{name}"]
+    return {"anisotropy": _per_layer(reports[f"anisotropy_{name}"]),
+            "self_similarity_adjusted": _per_layer(selfsim, "adjusted"),
+            "self_similarity": _per_layer(selfsim, "self_similarity"), "adjusted_by": selfsim["adjusted_by"],
+            "words": {key: selfsim[key] for key in ("num_words", "num_candidates", "contexts_per_word",
+                                                    "pool_sentences", "num_sentences")}}
+
+
 def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     outliers = reports["outliers"]
-    probe = reports["position_probe"]
+    probe = reports.get("position_probe")
     summary = {
         "encoder": str(args.encoder), "seed": args.seed, "clip": clip,
-        "clipped_dims": (reports.get("anisotropy_sst2") or {}).get("clipped_dims", []),
+        "clip_rule": next((r.get("clip_rule") for n, r in reports.items() if n.startswith("anisotropy_")), None),
+        "clipped_dims": next((r["clipped_dims"] for n, r in reports.items() if n.startswith("anisotropy_")), []),
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
         "data": {"sst2": args.sst2, "qqp": args.qqp, "wic": args.wic, "sts": list(args.sts or []),
                  "imdb": args.imdb, "sst5": args.sst5},
@@ -56,21 +69,22 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
                                                                         "argmin_dim", "argmin_share", "outlier_dims")}
                                          for layer in outliers["layers"]],
                               "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"]},
-        "section3_position_probe": {
+        "section3_position_probe": None if probe is None else {
             "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "top_dims": row["top_contribution_dims"][:5],
                         "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
                        for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
             "majority": probe["baselines"]["majority"], "outlier_dims": probe["outlier_dims"]},
-        "figure6": {name: {"anisotropy": _per_layer(reports[f"anisotropy_{name}"]),
-                           "self_similarity": _per_layer(reports[f"self_similarity_{name}"], "self_similarity")}
-                    for name in ("sst2", "qqp") if f"anisotropy_{name}" in reports},
+        "section3_sentences": outliers["sentences_from"],
+        "figure6": {name: _figure6(reports, name) for name in ("sst2", "qqp") if f"anisotropy_{name}" in reports},
         "table1_wic": None, "table2_sts": [], "table3_classifiers": {}, "notes": notes,
     }
     wic = reports.get("wic")
     if wic is not None:
         summary["table1_wic"] = {"raw": wic["best"], "clipped": wic.get("best_clipped"), "baseline": wic["baseline"],
-                                 "num_pairs": wic["num_scored"]}
+                                 "data": wic["data"], "split": wic["split"],
+                                 "num_pairs": wic["num_pairs"] + wic["skipped"]["count"],
+                                 "num_scored": wic["num_scored"], "skipped": wic["skipped"]["count"]}
     for name, report in reports.items():
         if name.startswith("sts_"):
             summary["table2_sts"].append({"dataset": name.removeprefix("sts_"), "num_pairs": report["num_pairs"],
@@ -81,10 +95,11 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
 
 
 def paper_markdown(summary: dict) -> str:
+    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in summary["section3_sentences"].items())
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
-             f"Dimensions are 0-indexed; layer 0 is the embedding output. Clipping (§4): `{summary['clip']}` "
-             f"(the persistent outliers found on SST-2, dims {summary['clipped_dims'] or 'none'}, zeroed in the "
-             "non-input layers). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
+             f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
+             f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
+             f"{summary['clip_rule']}). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
     section = summary["section3_outliers"]
     lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
               "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",
@@ -95,22 +110,34 @@ def paper_markdown(summary: dict) -> str:
               f"({row['argmin_share']:.1%}) | {', '.join(map(str, row['outlier_dims'])) or '-'} |"
               for row in section["layers"]]
     probe = summary["section3_position_probe"]
-    random = probe["random_encoder"] or [None] * len(probe["layers"])
-    lines += ["", "## §3 Position probe (Figure 5)", "", "![accuracy per layer](position_probe/accuracy_by_layer.png)",
-              "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)", "",
-              f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
-              "(their contribution rank per layer, 1 = largest).", "",
-              "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
-              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
-              f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
-              for row, r in zip(probe["layers"], random)]
+    lines += ["", "## §3 Position probe (Figure 5)", ""]
+    if probe is None:
+        lines.append("(skipped: --sst2 none)")
+    else:
+        random = probe["random_encoder"] or [None] * len(probe["layers"])
+        lines += ["![accuracy per layer](position_probe/accuracy_by_layer.png)",
+                  "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)",
+                  "", f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
+                  "(their contribution rank per layer, 1 = largest).", "",
+                  "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
+                  f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
+                  for row, r in zip(probe["layers"], random)]
     lines += ["", "## §4.1 Anisotropy and self-similarity (Figure 6)", "", "![Figure 6](figure6.png)", ""]
     figure = summary["figure6"]
-    columns = [(name, measure, key) for name, data in figure.items() for measure in ("anisotropy", "self_similarity")
-               for key in data[measure]]
+    for name, data in figure.items():
+        words = data["words"]
+        lines.append(f"{NAMES[name]}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
+                     f"least {words['contexts_per_word']} of its {words['pool_sentences']} sentences, "
+                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded).")
+    labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
+    columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:
-        lines += ["| layer | " + " | ".join(f"{name} {measure.replace('_', '-')} {key}" for name, measure, key in columns)
+        lines += ["", "Adjusted self-similarity: self-similarity minus the anisotropy of the same layer and variant "
+                  "(raw with raw, clipped with clipped), as the paper after Ethayarajh (2019); the unadjusted values "
+                  "are in paper.json (`figure6.<set>.self_similarity`).", ""]
+        lines += ["| layer | " + " | ".join(f"{name} {labels[measure]} {key}" for name, measure, key in columns)
                   + " |", "| --- |" + " --- |" * len(columns)]
         for layer in range(len(next(iter(figure.values()))["anisotropy"]["raw"])):
             lines.append(f"| {layer} | " + " | ".join(fmt(figure[name][measure][key][layer])
@@ -120,7 +147,9 @@ def paper_markdown(summary: dict) -> str:
     if wic is None:
         lines.append("(skipped)")
     else:
-        lines += ["| | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
+        split = f"its {wic['split']!r} split" if wic["split"] else "the whole file"
+        lines += [f"{wic['data']}, {split}: {wic['num_pairs']} pairs, {wic['num_scored']} scored ({wic['skipped']} "
+                  "skipped: target not at its offsets).", "","| | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
         lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
                   for key in VARIANTS if wic.get(key)]
         lines.append(f"| all-true baseline | {fmt(wic['baseline'])} | | |")
@@ -143,13 +172,15 @@ def paper_markdown(summary: dict) -> str:
 
 
 def figure6(reports: dict, model: str):
-    """Anisotropy and self-similarity per layer, raw and clipped, on SST-2 (and QQP): the paper's Figure 6."""
+    """Anisotropy (left) and the adjusted self-similarity (right: self-similarity minus the anisotropy of the same
+    layer and variant) per layer, raw and clipped, on SST-2 (and QQP): the paper's Figure 6."""
     panels = []
     for name in ("sst2", "qqp"):
-        for measure, path in (("anisotropy", ()), ("self_similarity", ("self_similarity",))):
+        for measure, path, title in (("anisotropy", (), "anisotropy"),
+                                     ("self_similarity", ("adjusted",), "self-similarity - anisotropy")):
             report = reports.get(f"{measure}_{name}")
             if report is not None:
-                panels.append({"title": f"{measure.replace('_', '-')} ({name})", "ylabel": "mean cosine",
+                panels.append({"title": f"{title} ({name})", "ylabel": "mean cosine",
                                "layers": [row["layer"] for row in report["layers"]],
                                "series": _per_layer(report, *path)})
     return layer_panels_figure(panels, title=f"{model}: before and after clipping (Figure 6)", columns=2)

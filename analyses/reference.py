@@ -110,10 +110,11 @@ class Reference:
     normalize_fit_count: int | None = None  # how many of them
     normalize_warning: str | None = None
     samples: dict = field(default_factory=dict)  # {per-sentence variant key: its own token sample, as `sample`}
+    clip_rule: str = ""  # which clipping rule applied to this model, and why (ClipRequest.rule)
     moments: dict = field(default_factory=dict)  # {per-sentence variant key: CovarianceResult of its own tokens}
 
     def header(self) -> dict:
-        header = {"clip": self.clip, "clipped_dims": clipped_dims(self.clipped or {}),
+        header = {"clip": self.clip, "clip_rule": self.clip_rule, "clipped_dims": clipped_dims(self.clipped or {}),
                   "clipped_dims_per_layer": per_layer_report(self.clipped or {}), "normalize": self.normalize,
                   "normalize_fit": self.normalize_fit, "normalize_fit_count": self.normalize_fit_count,
                   "variants": [variant.key for variant in self.variants]}
@@ -209,6 +210,7 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
             truncated.update(batch.num_truncated)
     reference = Reference([RAW], clip.text, None, normalize, *((int(counted.compute()), int(truncated.compute()))
                                                                if encode else (0, 0)))
+    reference.clip_rule = clip.rule(layers)
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)

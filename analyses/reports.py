@@ -109,8 +109,10 @@ def print_report(name: str, report: dict) -> None:
         if key in report:
             print(f"{key}: {report[key]}")
     if name == "wic":
-        print(f"all-true baseline: {report['baseline']}; skipped {report['skipped']['count']} items whose target "
-              "is not at its offsets")
+        split = f"its {report['split']!r} split" if report.get("split") else "the whole file"
+        print(f"{report['data']}, {split}: {report['num_pairs'] + report['skipped']['count']} pairs, "
+              f"{report['num_scored']} scored; all-true baseline: {report['baseline']}; skipped "
+              f"{report['skipped']['count']} items whose target is not at its offsets")
     if report.get("static_baseline"):
         print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
     if report.get("normalize_warning"):
@@ -131,7 +133,7 @@ def summarise(reports: dict, notes: list[str]) -> dict:
     wic = reports.get("wic")
     summary["table1_wic"] = None if wic is None else {
         **{key: wic["best" if key == "raw" else f"best_{key}"] for key in keys}, "baseline": wic["baseline"],
-        "num_pairs": wic["num_scored"], "skipped": wic["skipped"]["count"]}
+        "num_pairs": wic["num_scored"], "skipped": wic["skipped"]["count"], "data": wic["data"], "split": wic["split"]}
     summary["table2_sts"] = [
         {"dataset": report["data"], "num_pairs": report["num_pairs"],
          **{key: report["best" if key == "raw" else f"best_{key}"] for key in keys},
@@ -171,7 +173,8 @@ def summary_markdown(summary: dict) -> str:
         lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
                   for key in keys]
         lines += [f"| all-true baseline | {fmt(wic['baseline'])} | | |", "",
-                  f"{wic['num_pairs']} pairs scored; {wic['skipped']} skipped (target not at its offsets).", ""]
+                  f"{wic['data']}, " + (f"its {wic['split']!r} split" if wic["split"] else "the whole file")
+                  + f": {wic['num_pairs']} pairs scored; {wic['skipped']} skipped (target not at its offsets).", ""]
     lines += ["## Table 2: STS (Spearman x 100 of mean-pooled embeddings, best layer)", ""]
     if not summary["table2_sts"]:
         lines += ["(skipped: no --sts data)", ""]

@@ -25,7 +25,7 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
-from datamodules.pairs import read_sts, scorable_wic, word_contexts
+from datamodules.pairs import read_sts, scorable_wic, source_contexts, wic_source
 
 
 def run_anisotropy(args, rank: int, world: int) -> dict:
@@ -46,7 +46,8 @@ def run_isotropy(args, rank: int, world: int) -> dict:
 
 
 def read_contexts(args, limit: int):
-    return word_contexts(read_sentences(args, limit=limit), args.num_words, args.min_sentences, args.seed)
+    """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample."""
+    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed)
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
@@ -62,7 +63,7 @@ def run_wic(args, rank: int, world: int) -> dict:
     (items, skipped), encoder = prepare(args, rank, lambda: scorable_wic(args.data, args.gold))
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, pair_sentences(items))
-    report = {**run_header(args, encoder, reference), "skipped": skipped.to_dict(),
+    report = {**run_header(args, encoder, reference), **wic_source(args.data), "skipped": skipped.to_dict(),
               **semantic.wic(setting, items, reference.variants)}
     return publish(args, rank, "wic", report, encoder)
 
@@ -100,7 +101,7 @@ def run_all(args, rank: int, world: int) -> dict:
                                                                args.minibatches)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants)}}
     if wic_data is not None:
-        reports["wic"] = {**header, "data": args.wic, "skipped": wic_data[1].to_dict(),
+        reports["wic"] = {**header, **wic_source(args.wic), "skipped": wic_data[1].to_dict(),
                           **semantic.wic(setting, wic_data[0], reference.variants)}
     for name, (pairs, unscored) in sts_data.items():
         fitted = refit_on_sentences(setting, reference, pair_sentences(pairs))  # --normalize on sentences

@@ -3,6 +3,7 @@
     python benchmarks/bench_eval.py            # packaged MiniLM: 320 vs 3200 sentences, 64 vs 640 pairs
     python benchmarks/bench_eval.py --quick    # smaller
     python benchmarks/bench_eval.py --smoke    # anisotropy only, smallest (the test suite runs this)
+    python benchmarks/bench_eval.py --quick --only self_similarity   # one evaluation
 
 Each evaluation runs as `analyze.py <command>` in a fresh process on 1x and on 10x data (the 1x content repeated, so
 sentence lengths, and with them the largest batch, are the same), with a fixed glibc mmap threshold (as
@@ -10,8 +11,8 @@ benchmarks/bench_outliers.py) so the peak resident set measures live memory, not
 Its memory must not grow with the data beyond what its protocol samples, so the 10x peak must stay within 1.1x:
 - anisotropy, isotropy: every sentence is encoded (--max_sentences 0) for the outlier statistics and the
   covariance, which stream; the token sample is fixed by the protocol (--num_pairs);
-- self-similarity: the word pool is a fixed-size sample (--max_sentences) of a 10x larger file, and the contexts
-  are fixed by the protocol (--num_words x --min_sentences);
+- self-similarity: the words are drawn from the whole file (--max_sentences 0, the default: three streamed passes),
+  10x larger, and the contexts are fixed by the protocol (--num_words x --min_sentences);
 - wic, sts: every pair is scored; the protocol keeps one cosine per pair and layer (8 bytes each), so those
   grow by design but stay far below the model's own memory.
 """
@@ -69,7 +70,6 @@ def write_data(folder: Path, scale: int, base: int, pairs: int, pool: int) -> di
 def commands(paths: dict[str, Path], quick: bool) -> dict[str, list[str]]:
     num_pairs, words = ("20", ["--num_words", "20", "--min_sentences", "3"]) if quick else (
         "100", ["--num_words", "100", "--min_sentences", "5"])
-    pool = "400" if quick else "2000"
     return {
         # Every batch of these is full (most sentences reach 24 tokens), so the densest batch, and with it the
         # token-sized temporaries of the statistics, is the same at 1x and 10x: only accumulation would show.
@@ -77,7 +77,7 @@ def commands(paths: dict[str, Path], quick: bool) -> dict[str, list[str]]:
                        "--num_pairs", num_pairs, "--max_length", "24"],
         "isotropy": ["isotropy", "--data", str(paths["sentences"]), "--max_sentences", "0", "--num_pairs", num_pairs,
                      "--normalize", "whiten", "--max_length", "24"],
-        "self_similarity": ["self-similarity", "--data", str(paths["pool"]), "--max_sentences", pool, *words,
+        "self_similarity": ["self-similarity", "--data", str(paths["pool"]), "--max_sentences", "0", *words,
                             "--max_length", "128"],
         "wic": ["wic", "--data", str(paths["wic"]), "--max_length", "128"],
         "sts": ["sts", "--data", str(paths["sts"]), "--max_length", "128"],
@@ -117,6 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="anisotropy only, smallest sizes (tests)")
+    parser.add_argument("--only", default=None, help="one evaluation (anisotropy, isotropy, self_similarity, wic, sts)")
     parser.add_argument("--encoder", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -131,7 +132,7 @@ def main() -> None:
         folder = Path(folder)
         data = {scale: write_data(folder, scale, base, pairs, pool) for scale in (1, 10)}
         runs = {scale: commands(data[scale], args.quick or args.smoke) for scale in (1, 10)}
-        for name in (["anisotropy"] if args.smoke else runs[1]):
+        for name in ([args.only] if args.only else ["anisotropy"] if args.smoke else runs[1]):
             small = peak(runs[1][name], encoder, folder / f"{name}-1x")
             large = peak(runs[10][name], encoder, folder / f"{name}-10x")
             print(f"{name}: 1x peak {small:.0f} MiB, 10x peak {large:.0f} MiB")

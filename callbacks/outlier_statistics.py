@@ -12,8 +12,9 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
     outliers/layer_{l}/argmin_dim, argmin_share     the same for the minimum
     outliers/layer_{l}/top{i}_dim, top{i}_mean      the top_k dimensions by |mean| and their means (i = 1..top_k)
     outliers/layer_{l}/max_median_ratio             max |mean| / median |mean| of the layer's mean vector
-    outliers/layer_{l}/anisotropy                   mean cosine of random token pairs (two positions of one sequence,
-                                                    drawn per step from `seed`, the same for every sequence)
+    outliers/layer_{l}/anisotropy                   the paper's anisotropy (§4.1, as `analyze.py anisotropy`): the
+                                                    mean cosine of pairs of random tokens of different sequences
+                                                    (one counted token of each sequence, sequences paired at random)
     outliers/layer_{l}/num_outliers                 dimensions the outlier rule flags (metrics/outliers.py)
     outliers/layer_{l}/kurtosis, kurtosis_max       Pearson kurtosis of each token vector's components (not excess:
                                                     3 for Gaussian), mean and max over the tokens (Bondarenko et al.)
@@ -21,9 +22,20 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
     outliers/layer_{l}/top1_share                   mean share of a token's squared norm on its largest component
     outliers/num_tokens
 
-(`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, MeanCosine, detect_outliers,
-top_mean_dims, max_median_ratio) updated on the device and synced across ranks, so a step's values equal one
-process's on the same global batch. W&B also gets, every `image_every_n_steps` and at each validation, the image
+(`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, TokenSample, detect_outliers,
+top_mean_dims, max_median_ratio, random_tokens, sample_anisotropy) updated on the device and synced across ranks, so a
+step's values equal one process's on the same global batch.
+
+Anisotropy: sequence i of the captured step's global batch (or of the validation set), i counted as the loaders
+split a global batch over ranks (rank r of w holds i = r, r + w, ...: BlockSampler, DistributedSampler), gives the
+token at random.Random(key * 1_000_003 + i).randrange(its counted tokens) (special tokens count, padding never: the
+analysis' default), for the first `anisotropy_sequences` (2000: the paper's 2000 sentences) sequences; the tokens
+gathered across ranks (TokenSample) are paired by random.Random(key).shuffle, first half with second, as in
+analyses/geometry.py. key = `seed` at validation, so an eval-mode validation over the sentences of a file logs what
+`analyze.py anisotropy --seed <seed> --clip none` reports on that file (tested), and pair_seed(seed, step) in training
+(fresh tokens each capture). In training the states are the training step's: dropout on, masked tokens included.
+
+W&B also gets, every `image_every_n_steps` and at each validation, the image
 `outliers/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), the table
 `outliers/table` (a row per layer at each of those steps and validations: outlier dims, dominant dims, shares,
 ratio, anisotropy; it grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/
@@ -40,8 +52,9 @@ from torch import Tensor
 
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback
+from core.errors import UserError
 from core.figures import mean_vectors_figure
-from metrics.geometry import MeanCosine
+from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
 
@@ -75,50 +88,71 @@ class OutlierStatistics(LiveCallback):
         top_k: dimensions of largest |mean| logged per layer.
         min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the paper's share
             rule, and the opt-in robust z-score of ours (sigma, off by default).
-        pairs_per_sequence: random token pairs per sequence for anisotropy.
+        anisotropy_sequences: at most this many sequences of a captured step or of the validation set give their
+            random token to the anisotropy (the paper: 2000 sentences, 1000 pairs).
         on_validation: also over the whole validation set at every validation.
-        seed: draws the anisotropy pairs (with the step).
+        seed: draws the anisotropy's tokens and pairs (with the step, in training).
     """
 
     def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
-                 top_k: int = 3, min_share: float = 0.2, sigma: float | None = None, pairs_per_sequence: int = 16,
+                 top_k: int = 3, min_share: float = 0.2, sigma: float | None = None, anisotropy_sequences: int = 2000,
                  on_validation: bool = True, seed: int = 0) -> None:
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
-        self.top_k, self.rule, self.pairs_per_sequence, self.seed = top_k, OutlierRule(min_share, sigma), \
-            pairs_per_sequence, seed
+        self.top_k, self.rule, self.anisotropy_sequences, self.seed = top_k, OutlierRule(min_share, sigma), \
+            anisotropy_sequences, seed
         self.rows: list[list] = []  # the outlier table, kept in checkpoints
         self.stats: dict[str, NeuronStatistics] = {}
-        self.cosine: dict[str, MeanCosine] = {}
+        self.tokens: dict[str, TokenSample] = {}  # the anisotropy's random token of each sequence, by its index
+        self.seen = dict.fromkeys(PREFIX, 0)  # sequences this rank has captured since the stage's last finish
+
+    def check_settings(self) -> None:
+        super().check_settings()
+        if self.anisotropy_sequences < 2:
+            raise UserError(f"OutlierStatistics: anisotropy_sequences must be at least 2 (one pair), got "
+                            f"{self.anisotropy_sequences}")
 
     def build(self, trainer, pl_module) -> None:
         if self.stats:
             return
         for stage in PREFIX:
             self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size).to(pl_module.device)
-            self.cosine[stage] = MeanCosine(len(self.layers)).to(pl_module.device)
+            self.tokens[stage] = TokenSample(self.anisotropy_sequences, len(self.layers),
+                                             self.hidden_size).to(pl_module.device)
         logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+
+    def key(self, stage: str, step: int | None) -> int:
+        """The anisotropy's seed: `seed` at validation, one per captured step in training."""
+        return pair_seed(self.seed, step) if stage == "train" else self.seed
 
     def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
         hidden, mask = captured.hidden, captured.mask  # [layers, batch, seq, hidden], [batch, seq]
-        stats, cosine = self.stats[stage], self.cosine[stage]
+        stats, tokens = self.stats[stage], self.tokens[stage]
         if stats.device != hidden.device:
             stats.to(hidden.device)
-            cosine.to(hidden.device)
+            tokens.to(hidden.device)
         with torch.no_grad():
             stats.update(hidden, mask)
-            key = pair_seed(self.seed, self.capture_step if stage == "train" else None)
-            first, second = pair_positions(hidden.shape[2], self.pairs_per_sequence, key, hidden.device)
-            a, b = hidden[:, :, first], hidden[:, :, second]  # [layers, batch, pairs, hidden]
-            if mask is not None:
-                valid = mask[:, first] & mask[:, second]  # [batch, pairs]
-                a, b = a[:, valid], b[:, valid]
-            cosine.update(a.flatten(1, -2), b.flatten(1, -2))
+            start, batch = self.seen[stage], hidden.shape[1]
+            self.seen[stage] += batch
+            rank, world = trainer.global_rank, trainer.world_size
+            index = [rank + world * (start + row) for row in range(batch)]  # in the global batch / validation set
+            kept = [row for row in range(batch) if index[row] < tokens.num_slots]
+            if kept:
+                key = self.key(stage, self.capture_step)
+                chosen = torch.tensor(kept, device=hidden.device)
+                vectors, rows = random_tokens(hidden.index_select(1, chosen),
+                                              mask.index_select(0, chosen) if mask is not None else None,
+                                              [index[row] for row in kept], key)
+                if rows:
+                    tokens.update(torch.tensor([index[kept[row]] for row in rows]), vectors)
 
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
-        stats, cosine = self.stats[stage], self.cosine[stage]
-        result, anisotropy = stats.compute(), cosine.compute()  # every rank: the states sync here
+        stats, tokens = self.stats[stage], self.tokens[stage]
+        result, sample = stats.compute(), tokens.compute()  # every rank: the states sync here
+        anisotropy, _ = sample_anisotropy(*sample, self.key(stage, step))
         stats.reset()
-        cosine.reset()
+        tokens.reset()
+        self.seen[stage] = 0
         if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
             return
         self.log_result(trainer, stage, step, result, anisotropy.cpu())

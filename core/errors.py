@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 
@@ -34,6 +35,18 @@ def plain_warnings() -> None:
     warnings.formatwarning = _one_line
     # Lightning's own use of a deprecated torch API: nothing a user can act on
     warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*", FutureWarning)
+    # Lightning's tips (an advert for its cloud logger on every run): nothing to act on. At the loggers that make its
+    # rank-zero lines and at the package loggers (core.cli.HeldLogs hands held lines to those)
+    for package in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
+        for name in (package, f"{package}.utilities.rank_zero"):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _NoTips) for f in logger.filters):
+                logger.addFilter(_NoTips())
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:

@@ -39,15 +39,25 @@ def hidden_size(config) -> int:
     return int(getattr(config, "hidden_size", None) or config.dim)
 
 
-def encoder_layers(model: nn.Module) -> list[nn.Module]:
-    """[embeddings, layer 1, ..., layer L] of a transformers encoder (or a model holding one)."""
+def layer_stack(model: nn.Module) -> nn.Module | None:
+    """The module of a transformers encoder (or a model holding one) that runs its layer list (`encoder` holding
+    `encoder.layer`, or `transformer` holding `transformer.layer`) beside an `embeddings` module: its output's first
+    element is the last layer's [batch, seq, hidden]. None when the encoder has no such pair."""
     base = base_model(find_encoder(model) or model)
     embeddings = getattr(base, "embeddings", None)
     for name in ("encoder", "transformer"):
         container = getattr(base, name, None)
         layers = getattr(container, "layer", None) if container is not None else None
         if isinstance(embeddings, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return [embeddings, *layers]
+            return container
+    return None
+
+
+def encoder_layers(model: nn.Module) -> list[nn.Module]:
+    """[embeddings, layer 1, ..., layer L] of a transformers encoder (or a model holding one)."""
+    stack = layer_stack(model)
+    if stack is not None:
+        return [base_model(find_encoder(model) or model).embeddings, *stack.layer]
     raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers encoder "
                     "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
 

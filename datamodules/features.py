@@ -89,16 +89,23 @@ class FeatureStore:
 class ItemBatches(Dataset):
     """Indexed by a list of item ids (from a BatchSampler): (features [slots, items, hidden], labels [items]). An item
     is a token vector for the position probe (a batch draws tokens across sentences), a pooled sentence for the
-    classifiers."""
+    classifiers. With `step` (the training loader's blocks), the ids are several consecutive optimizer batches of
+    `step` items each: each batch's rows are sorted on their own and stay in their place, so the block's items
+    [i * step, (i + 1) * step) are batch i's items, whatever the others hold."""
 
-    def __init__(self, store: FeatureStore) -> None:
-        self.store = store
+    def __init__(self, store: FeatureStore, step: int | None = None) -> None:
+        self.store, self.step = store, step
 
     def __len__(self) -> int:
         return self.store.items
 
     def __getitem__(self, items: list[int]) -> tuple[Tensor, Tensor]:
-        rows = torch.as_tensor(sorted(items), dtype=torch.long)
+        ids = torch.as_tensor(items, dtype=torch.long)
+        if self.step is None or len(ids) <= self.step:
+            rows = ids.sort().values
+        else:  # one sort, keyed first by the batch each id belongs to
+            batch = torch.arange(len(ids)) // self.step
+            rows = (batch * self.store.items + ids).sort().values - batch * self.store.items
         return self.store.gather(rows), self.store.labels[rows]
 
 

@@ -6,6 +6,7 @@
     pairs = read_sts("stsb")                                   # presets: stsb, sickr, sts12..sts16 (`datasets`)
     pairs = read_sts("STS.input.MSRpar.txt")                   # SentEval STS12-16: STS.gs.MSRpar.txt beside it
     contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
+    contexts = word_contexts(lambda: iter_texts("glue/sst2"))          # a whole source, streamed (bounded memory)
     vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
 
 Every problem with the input is a UserError naming the file and row. A WiC target that is not where its offsets
@@ -19,8 +20,8 @@ import math
 import random
 import re
 import warnings
-from collections import defaultdict
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
-from datamodules.text import iter_records
+from datamodules.text import iter_records, iter_texts, read_split, sample_texts
 
 WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
 # name -> (datasets source, {column: value} a row must have). SICK-R: the SemEval-2014 Task 1 test portion of SICK
@@ -44,6 +45,8 @@ STS_COLUMNS = {
     "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),
     "score": ("score", "label", "relatedness_score", "similarity_score", "gold"),
 }
+# The paper's WiC (§4.3, footnote 5): the SuperGLUE training set, 5,428 pairs (its 638-pair validation set is too small).
+WIC_PRESETS = {"wic": "super_glue:wic:train"}
 VOWELS = "aeiou"
 TRUE_LABELS, FALSE_LABELS = {"true", "t", "1", "yes"}, {"false", "f", "0", "no"}
 MAX_EXAMPLES = 10
@@ -89,7 +92,9 @@ class Skipped:
 
 
 def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipped]:
-    """WiC items with their targets at the given offsets; the others are skipped and counted."""
+    """WiC items with their targets at the given offsets; the others are skipped and counted. `source` "wic" is the
+    paper's (WIC_PRESETS: SuperGLUE's training split)."""
+    source = WIC_PRESETS.get(source, source)
     rows = _original_wic(Path(source), gold) if _is_original_wic(source) else _superglue_wic(source)
     items, skipped = [], Skipped()
     for index, row in enumerate(rows):
@@ -104,6 +109,12 @@ def read_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipp
     if not items:
         raise UserError(f"no WiC item of {source} has its target word at its offsets ({skipped.count} skipped)")
     return items, skipped
+
+
+def wic_source(source: str) -> dict:
+    """{"data": what is read, "split": the split read (None: a whole file)} of a WiC source, for the reports."""
+    data = WIC_PRESETS.get(source, source)
+    return {"data": data, "split": None if _is_original_wic(data) else read_split(data)}
 
 
 def scorable_wic(source: str, gold: str | None = None) -> tuple[list[WicItem], Skipped]:
@@ -349,37 +360,63 @@ class WordContexts:
     words: list[str]  # the sampled words (lowercased)
     sentences: list[str]  # the sentences to encode
     spans: list[list[tuple[int, int, int]]]  # per sentence: (word id, start, end) of each sampled word in it
-    num_candidates: int  # words occurring in at least min_sentences of the pool
+    num_candidates: int  # words occurring in at least min_sentences of the pool: the words that qualified
     pool: int  # sentences searched
     contexts_per_word: int
 
 
-def word_contexts(sentences: list[str], num_words: int = 1000, min_sentences: int = 10, seed: int = 0) -> WordContexts:
+RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
+
+
+def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
+                  seed: int = 0) -> WordContexts:
     """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
+
+    `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
+    three streamed passes: count the sentences each word occurs in; keep a seeded uniform sample of RESERVOIR x
+    `min_sentences` occurrences of each sampled word; fetch the sentences finally drawn). Memory is the vocabulary's
+    counts plus num_words x RESERVOIR x min_sentences occurrences, whatever the size of the source.
 
     Words are letter sequences, lowercased; a word's context in a sentence is its first occurrence. Every word gets
     exactly `min_sentences` contexts (the same count for frequent and rare words). Contexts are drawn rarest word
     first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
     1000 words in the bundled corpus, instead of 10000).
     """
-    occurrences: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-    for index, sentence in enumerate(sentences):
-        seen = set()
-        for match in WORD.finditer(sentence):
-            word = match.group().lower()
-            if word not in seen:
-                seen.add(word)
-                occurrences[word].append((index, match.start(), match.end()))
-    candidates = sorted(word for word, places in occurrences.items() if len(places) >= min_sentences)
+    passes = sentences if callable(sentences) else (lambda: iter(sentences))
+    counts: Counter[str] = Counter()
+    total = 0
+    for sentence in passes():
+        total += 1
+        counts.update({match.group().lower() for match in WORD.finditer(sentence)})
+    candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
-        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {len(sentences)} "
-                        f"sentences; self-similarity needs {num_words} (more sentences: --max_sentences, or fewer "
-                        "words: --num_words)")
+        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {total} "
+                        f"sentences; self-similarity needs {num_words} (more sentences: --max_sentences or "
+                        "--pool_sentences, or fewer words: --num_words)")
     rng = random.Random(seed)
     words = rng.sample(candidates, num_words)
+    num_candidates = len(candidates)
+    del counts, candidates
+    ids = {word: word_id for word_id, word in enumerate(words)}
+    size = RESERVOIR * min_sentences
+    kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
+    seen = [0] * num_words
+    for index, sentence in enumerate(passes()):
+        first = set()
+        for match in WORD.finditer(sentence):
+            word = match.group().lower()
+            word_id = ids.get(word)
+            if word_id is None or word_id in first:
+                continue
+            first.add(word_id)
+            place, seen[word_id] = (index, match.start(), match.end()), seen[word_id] + 1
+            if seen[word_id] <= size:
+                kept[word_id].append(place)
+            elif (slot := rng.randrange(seen[word_id])) < size:  # Algorithm R
+                kept[word_id][slot] = place
     chosen: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for word_id in sorted(range(num_words), key=lambda w: (len(occurrences[words[w]]), words[w])):
-        places = occurrences[words[word_id]]
+    for word_id in sorted(range(num_words), key=lambda w: (seen[w], words[w])):
+        places = kept[word_id]
         drawn = [p for p in places if p[0] in chosen]
         rng.shuffle(drawn)
         if len(drawn) < min_sentences:
@@ -388,8 +425,22 @@ def word_contexts(sentences: list[str], num_words: int = 1000, min_sentences: in
         for index, start, end in drawn[:min_sentences]:
             chosen[index].append((word_id, start, end))
     order = sorted(chosen)
-    return WordContexts(words, [sentences[i] for i in order], [chosen[i] for i in order], len(candidates),
-                        len(sentences), min_sentences)
+    texts = [sentence for index, sentence in enumerate(passes()) if index in chosen]
+    if len(texts) != len(order) or any(texts[i][s:e].lower() != words[w] for i, index in enumerate(order)
+                                       for w, s, e in chosen[index]):
+        raise UserError("the self-similarity source changed while it was read (its three passes differ)")
+    return WordContexts(words, texts, [chosen[i] for i in order], num_candidates, total,
+                        min_sentences)
+
+
+def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int
+                    ) -> WordContexts:
+    """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
+    `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them."""
+    if pool:
+        sentences = sample_texts(iter_texts(source, column), pool, seed)
+        return word_contexts(sentences, num_words, min_sentences, seed)
+    return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed)
 
 
 # ---------------------------------------------------------------- static vectors

@@ -17,7 +17,9 @@ Splits (datamodules/splits.py): the source's own train / validation / test split
 datasets directory), what is missing carved out of train by sentence (seeded; an unlabelled test split, as GLUE's, is
 replaced by validation); a single file is split 80/10/10 (`val_fraction`, `test_fraction`). A training batch is
 `batch_size` items drawn at random across sentences, shuffled each epoch: token vectors for the position probe (the
-paper's batches of 128 vectors), mean-pooled sentence vectors for classification. Position labels are token indices
+paper's batches of 128 vectors), mean-pooled sentence vectors for classification; the training loader serves
+`steps_per_block` consecutive batches at once and the probe steps through them one by one (fewer trainer round trips,
+the same optimizer steps). Position labels are token indices
 in the input (0-indexed, special tokens included unless `exclude_special`); tokens at positions >= `max_positions`
 are dropped from the probe and counted. Layers 0..L, 0 = embedding output. This data module works on one device
 (the cache lives in this process).
@@ -44,6 +46,9 @@ from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
 
+BLOCK_BYTES = 64 * 2 ** 20  # a training block's float32 features at most (unless one batch is more)
+
+
 class ProbeDataModule(pl.LightningDataModule):
     """Reads, splits and encodes the data once; serves cached features. Subclasses say what an item and a label are
     (the hooks of datamodules.features.ProbeTask, and read_split / set_classes)."""
@@ -58,6 +63,7 @@ class ProbeDataModule(pl.LightningDataModule):
         max_length: int | None = None,
         max_sentences: int = 0,
         batch_size: int = 128,
+        steps_per_block: int = 16,
         encode_batch_size: int = 32,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
@@ -132,11 +138,19 @@ class ProbeDataModule(pl.LightningDataModule):
         self._prepare()
 
     def train_dataloader(self) -> DataLoader:
-        """Batches of `batch_size` items (token vectors drawn across sentences, or pooled sentences), shuffled each
-        epoch by a seeded generator."""
+        """Blocks of `steps_per_block` batches of `batch_size` items (token vectors drawn across sentences, or pooled
+        sentences), in the order of one seeded shuffle per epoch: the probe takes one optimizer step per batch of the
+        block, in order (the same steps as one batch per loader batch, fewer trainer round trips)."""
         generator = torch.Generator().manual_seed(self.hparams.seed)
         sampler = RandomSampler(range(self.stores["train"].items), generator=generator)
-        return self._loader("train", sampler, self.hparams.batch_size)
+        return self._loader("train", sampler, self.hparams.batch_size * self.steps_per_block(),
+                            step=self.hparams.batch_size)
+
+    def steps_per_block(self) -> int:
+        """`steps_per_block`, fewer when a block's float32 features would pass BLOCK_BYTES (at least one batch)."""
+        store, h = self.stores["train"], self.hparams
+        item_bytes = 4 * store.array.shape[0 if store.path is None else 1] * store.array.shape[2]  # slots x hidden
+        return max(1, min(h.steps_per_block, BLOCK_BYTES // (item_bytes * h.batch_size)))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", SequentialSampler(range(self.stores["val"].items)), self.hparams.eval_batch_size)
@@ -144,9 +158,9 @@ class ProbeDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", SequentialSampler(range(self.stores["test"].items)), self.hparams.eval_batch_size)
 
-    def _loader(self, split: str, sampler, batch_size: int) -> DataLoader:
+    def _loader(self, split: str, sampler, batch_size: int, step: int | None = None) -> DataLoader:
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(ItemBatches(self.stores[split]), batch_size=None,
+        return DataLoader(ItemBatches(self.stores[split], step), batch_size=None,
                           sampler=BatchSampler(sampler, batch_size, drop_last=False),
                           num_workers=self.hparams.num_workers, pin_memory=on_cuda)
 
@@ -187,7 +201,7 @@ class ProbeDataModule(pl.LightningDataModule):
                                                                *(variant.key for variant in self.variants())]
                                     for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
-            counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed,
+            counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
@@ -199,7 +213,7 @@ class ProbeDataModule(pl.LightningDataModule):
 
     def _check_arguments(self) -> None:
         h = self.hparams
-        for name in ("batch_size", "encode_batch_size", "eval_batch_size"):
+        for name in ("batch_size", "steps_per_block", "encode_batch_size", "eval_batch_size"):
             if h[name] < 1:
                 raise UserError(f"--data.{name} must be at least 1, got {h[name]}")
         if h.max_sentences < 0:

@@ -81,6 +81,20 @@ def split_names(source: str | os.PathLike) -> list[str] | None:
     return None if split is not None else _open_datasets(name, config, local=False)[1]
 
 
+def read_split(source: str | os.PathLike) -> str | None:
+    """The split `iter_records(source)` reads: the name's own `:SPLIT`, else "train", else the first; None for a file
+    or a single table (read whole)."""
+    path = Path(source)
+    if path.is_file():
+        return None
+    if not path.is_dir() and not looks_local(source):
+        named = _parse_hub_name(str(source))[2]
+        if named is not None:
+            return named
+    names = split_names(source)
+    return None if names is None else _choose_split(names, None, str(source))
+
+
 def check_datasets_directory(path: Path) -> None:
     """A directory is data only when it is a `datasets` directory: save_to_disk's output, or a dataset repository
     (table files: parquet, arrow, csv, tsv, json, jsonl; or a dataset card declaring its configs). Any other folder

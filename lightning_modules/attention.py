@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
 
 import torch
 from torch import Tensor, nn
@@ -205,7 +204,8 @@ def load_pretrained(auto_class, source: str, **kwargs):
     clipped softmax's attention function, the gates with their saved weights (read from model.safetensors); softmax
     models load exactly as `from_pretrained` loads them. `output_loading_info=True` returns (model, info) as usual,
     the gate weights no longer among the unexpected keys (a gated model's load report is silenced: the gates are not
-    unexpected; weights missing from the file are one warning instead, unless the info is asked for)."""
+    unexpected; weights missing from the file are one line of transformers' log instead, unless the info is asked
+    for)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source)
@@ -214,9 +214,9 @@ def load_pretrained(auto_class, source: str, **kwargs):
         register_clipped_softmax()
         kwargs.setdefault("attn_implementation", CLIPPED)
     if settings["attention"] != "gated":
-        model = auto_class.from_pretrained(source, **kwargs)
-        install_attention(model, **settings, initialise=False)
-        return model
+        loaded = auto_class.from_pretrained(source, **kwargs)
+        install_attention(loaded[0] if isinstance(loaded, tuple) else loaded, **settings, initialise=False)
+        return loaded
     # gated: transformers' load report would call the gates unexpected (they are loaded next); it is silenced, and
     # anything else it would have reported is one warning
     wanted = kwargs.pop("output_loading_info", False)
@@ -225,10 +225,12 @@ def load_pretrained(auto_class, source: str, **kwargs):
     install_attention(model, **settings, initialise=False)
     load_gates(model, source)
     info["unexpected_keys"] = {key for key in info.get("unexpected_keys", ()) if ".gate_" not in key}
-    if not wanted and (info.get("missing_keys") or info.get("mismatched_keys")):
-        warnings.warn(f"{source}: weights not in the checkpoint or of another shape, randomly initialised: "
-                      f"{sorted(info.get('missing_keys', ()))[:3]} {sorted(info.get('mismatched_keys', ()))[:3]}",
-                      stacklevel=2)
+    if not wanted and (info.get("missing_keys") or info.get("mismatched_keys")):  # at transformers' own verbosity
+        from transformers.utils import logging
+
+        logging.get_logger("transformers").warning(
+            f"{source}: weights not in the checkpoint or of another shape, randomly initialised: "
+            f"{sorted(info.get('missing_keys', ()))[:3]} {sorted(info.get('mismatched_keys', ()))[:3]}")
     return (model, info) if wanted else model
 
 

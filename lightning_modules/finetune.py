@@ -37,8 +37,10 @@ from lightning_modules.encoder import (
     quiet_transformers,
     resolve_model_dir,
 )
+from lightning_modules.softdecay import SoftDecayLayer, wrap
 from lightning_modules.training import TrainingModule, check_optimisation
 from metrics.geometry import Covariance, IsoScoreStar
+from metrics.transforms import SOFTDECAY_ALPHA, check_softdecay_alpha
 
 REPORT = "finetune.json"
 
@@ -93,6 +95,9 @@ class FineTuneModule(TrainingModule):
         dropout: hidden and attention dropout (None: the encoder's own, 0.1 for BERT-family checkpoints).
         regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: the isotropy regulariser (none, istar,
             cosreg; lightning_modules/regularizers.py); zeta also shrinks the report's IsoScore* of the test tokens.
+        softdecay, softdecay_alpha, softdecay_learn_alpha: tokenUni's SoftDecay as a layer on the last layer's token
+            matrix before the head pools it (lightning_modules/softdecay.py), alpha in (-1, 0) (default -0.2), fixed
+            or learned with the model (logged as train/softdecay_alpha, written to finetune.json).
     """
 
     def __init__(
@@ -114,6 +119,9 @@ class FineTuneModule(TrainingModule):
         reg_layers: str | int | list[int] | None = None,
         zeta: float = 0.2,
         reg_shrinkage_tokens: int = 250_000,
+        softdecay: bool = False,
+        softdecay_alpha: float = SOFTDECAY_ALPHA,
+        softdecay_learn_alpha: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -121,6 +129,10 @@ class FineTuneModule(TrainingModule):
         if not classes or len(classes) < 2:
             raise UserError(f"fine-tuning needs at least two classes, got {classes}")
         self.make_regularizer()  # its options checked before the encoder loads
+        check_softdecay_alpha(softdecay_alpha, "--model.softdecay_alpha")  # a bad alpha is an error even unused
+        if softdecay_learn_alpha and not softdecay:
+            raise UserError("--model.softdecay_learn_alpha true needs --model.softdecay true")
+        self.softdecay = SoftDecayLayer(softdecay_alpha, softdecay_learn_alpha) if softdecay else None
         self.encoder_name = encoder or default_encoder()
         self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes))
         self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
@@ -133,6 +145,8 @@ class FineTuneModule(TrainingModule):
                 if isinstance(module, torch.nn.Dropout):
                     module.p = dropout
         self.regularizer.bind(config.num_hidden_layers)
+        if self.softdecay is not None:
+            wrap(self.model, self.softdecay, repr(self.encoder_name))
         self.max_length = model_max_length(self.model, self.tokenizer)
         self.val_loss = MeanMetric()
         self.val_accuracy = MulticlassAccuracy(len(classes), average="micro")
@@ -142,7 +156,19 @@ class FineTuneModule(TrainingModule):
 
     def forward(self, batch: dict[str, Tensor], hidden_states: bool = False):
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "token_type_ids") if key in batch}
-        return self.model(**inputs, output_hidden_states=hidden_states)
+        if self.softdecay is None:
+            return self.model(**inputs, output_hidden_states=hidden_states)
+        self.softdecay.mask = batch["attention_mask"]  # read by the hook on the layer stack (softdecay.wrap)
+        try:
+            return self.model(**inputs, output_hidden_states=hidden_states)
+        finally:
+            self.softdecay.mask = None
+
+    def optimized_parameters(self):
+        """The model's parameters, and a learned SoftDecay alpha (0-dim: never weight-decayed)."""
+        yield from self.model.named_parameters()
+        if self.softdecay is not None:
+            yield from (("softdecay." + name, parameter) for name, parameter in self.softdecay.named_parameters())
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         tap = self.hidden_state_tap
@@ -150,6 +176,8 @@ class FineTuneModule(TrainingModule):
         try:
             out = self(batch, hidden_states=wanted)
             loss = F.cross_entropy(out.logits.float(), batch["labels"])
+            if self.softdecay is not None:  # the alpha of this forward, logged as train/softdecay_alpha
+                self.monitor.add_values({"softdecay_alpha": torch.as_tensor(self.softdecay.alpha, device=loss.device)})
         except BaseException:
             tap.release(self.regularizer)
             raise
@@ -226,6 +254,9 @@ class FineTuneModule(TrainingModule):
             "encoder": self.encoder_name, "regularizer": h.regularizer, "reg_weight": h.reg_weight, "zeta": h.zeta,
             "reg_layers": reg.layers, "accuracy": results["test"]["accuracy"], "val_accuracy": results["val"]["accuracy"],
             "steps": results["steps"],
+            "softdecay": self.softdecay is not None,
+            **({"softdecay_alpha": self.softdecay.value(), "softdecay_alpha_initial": self.softdecay.initial,
+                "softdecay_learn_alpha": self.softdecay.learn} if self.softdecay is not None else {}),
             "layers": [{"layer": layer, "isoscore_star": value}
                        for layer, value in enumerate(results["test"]["isoscore_star"])],
             "classes": list(h.classes), "majority": data.majority(), "splits": data.described(),

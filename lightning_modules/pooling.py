@@ -9,13 +9,13 @@ one seeded random token per sentence.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_modules.encoder import EncodedBatch, Span
+from metrics.geometry import random_tokens as sample_tokens
 
 
 def span_tokens(offsets: Sequence[Span], span: Span) -> list[int]:
@@ -61,17 +61,6 @@ def mean_pool(hidden_states: Tensor, mask: Tensor) -> Tensor:
 
 def random_tokens(batch: EncodedBatch, items: Sequence[int], seed: int) -> tuple[Tensor, list[int]]:
     """One counted token per row, drawn by a generator seeded with (seed, items[row]) so the draw does not depend on
-    batching or ranks: ([layers, rows with a token, hidden], those rows)."""
-    counts = batch.mask.sum(1).tolist()
-    rows, positions = [], []
-    for row, (item, count) in enumerate(zip(items, counts)):
-        if count:
-            pick = random.Random(seed * 1_000_003 + int(item)).randrange(int(count))
-            positions.append(int(batch.mask[row].nonzero()[pick]))
-            rows.append(row)
-    hidden = batch.hidden_states
-    if not rows:
-        return hidden.new_zeros(hidden.shape[0], 0, hidden.shape[-1]), []
-    index_rows = torch.tensor(rows, device=hidden.device)
-    index_positions = torch.tensor(positions, device=hidden.device)
-    return hidden[:, index_rows, index_positions].float(), rows
+    batching or ranks: ([layers, rows with a token, hidden], those rows). metrics.geometry.random_tokens, the sampler
+    the live anisotropy uses too."""
+    return sample_tokens(batch.hidden_states, batch.mask, items, seed)

@@ -60,6 +60,7 @@ class FeatureSpec:
     majority: dict = field(default_factory=dict)  # majority and chance baselines
     data: dict = field(default_factory=dict)  # source, max_length, special tokens, ... for the report
     seed: int = 0
+    batch_size: int = 0  # items per optimizer step; a training batch of the loader holds several (0: one)
     num_hidden_states: int = 0  # the encoder's hidden states (layers 0..L), whichever are cached
 
     @property
@@ -80,6 +81,7 @@ class LinearProbes(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
+        self.automatic_optimization = False  # several optimizer steps per trainer step (training_step)
         self.spec: FeatureSpec | None = None
         self.probe_slots: list[tuple[str, int]] = []
         self.results: dict[str, Tensor] = {}
@@ -103,7 +105,7 @@ class LinearProbes(pl.LightningModule):
         """Create the stacked probes (each slot from its own seeded generator) and the metrics."""
         self.spec, self.probe_slots = spec, self.slots(spec)
         self.probe = StackedProbe(self.probe_slots, spec.hidden_size, spec.num_classes, self.hparams.seed,
-                                  bias=self.use_bias)
+                                  bias=self.use_bias, pad=True)  # stored padded: no padded copy per step
         self.val_accuracy = LayerAccuracy(len(self.probe_slots))
         self.test_accuracy = LayerAccuracy(len(self.probe_slots))
         slots = len(self.probe_slots)  # each slot's epoch of best validation accuracy and its weights (tested)
@@ -115,8 +117,8 @@ class LinearProbes(pl.LightningModule):
 
     @property
     def weight(self) -> Tensor:
-        """[slots, hidden, classes]."""
-        return self.probe.weight
+        """[slots, hidden, classes] (a view of the padded parameter)."""
+        return self.probe.weights
 
     @property
     def bias(self) -> Tensor | None:
@@ -132,22 +134,33 @@ class LinearProbes(pl.LightningModule):
         return self.probe(self.inputs(features))
 
     # ---- steps ----------------------------------------------------------------------------------------------------
-    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
         features, labels = batch  # [slots, items, hidden], [items]
         items, slots = labels.shape[0], len(self.probe_slots)
-        # the sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
-        if stage == "train":
-            loss = self.probe.loss(self.inputs(features), labels)
-        else:
-            logits = self(features)  # [probe slots, items, classes]
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.repeat(slots), reduction="sum") / max(items, 1)
-            getattr(self, f"{stage}_accuracy").update(logits, labels)
-        self.log(f"{stage}/loss", loss.detach() / slots, batch_size=max(items, 1), on_step=stage == "train",
-                 on_epoch=True, prog_bar=stage == "train")
-        return loss
+        logits = self(features)  # [probe slots, items, classes]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.repeat(slots), reduction="sum") / max(items, 1)
+        getattr(self, f"{stage}_accuracy").update(logits, labels)
+        self.log(f"{stage}/loss", loss.detach() / slots, batch_size=max(items, 1), on_epoch=True)
 
-    def training_step(self, batch, batch_idx: int) -> Tensor:
-        return self._shared_step(batch, "train")
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """A block of consecutive batches of `spec.batch_size` items (datamodules/probing.py): one Adam step per
+        batch, in order, as if each were its own trainer step (manual optimisation: fewer trainer round trips)."""
+        features, labels = batch  # [slots, block items, hidden], [block items]
+        items, slots = labels.shape[0], len(self.probe_slots)
+        step = self.spec.batch_size or max(items, 1)
+        inputs = self.inputs(features)  # [probe slots, block items, hidden]
+        optimizer = self.optimizers()
+        total = torch.zeros((), device=features.device)  # the sum over items of each slot's loss, summed over slots
+        for start in range(0, items, step):
+            target = labels[start:start + step]
+            # the sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
+            loss = self.probe.loss(inputs[:, start:start + step], target)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            total += loss.detach() * target.shape[0]
+        self.log("train/loss", total / max(items, 1) / slots, batch_size=max(items, 1), on_step=True, on_epoch=True,
+                 prog_bar=True)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._shared_step(batch, "val")
@@ -192,7 +205,8 @@ class LinearProbes(pl.LightningModule):
                        for i, (kind, layer) in enumerate(self.probe_slots)})
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        # fused: Adam's update in one pass over the weights (the same update as the default for-loop's)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, fused=self.device.type in ("cpu", "cuda"))
 
     # ---- results --------------------------------------------------------------------------------------------------
     def accuracy_of(self, kind: str, result: str = "accuracy") -> list:
@@ -328,7 +342,7 @@ class SentenceClassifier(LinearProbes):
                  seed: int = 0) -> None:
         """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
         "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
-        non-input layer), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
+        non-input layer; for models deeper than 12 layers each layer's own detected outliers), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
         the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
         --data.encoder; checked against the data module's at setup)."""
         super().__init__()
@@ -337,6 +351,7 @@ class SentenceClassifier(LinearProbes):
         self.clip_request = parse_clip(clip)
         self.use_bias = bias
         self.clipped: dict[int, list[int]] = {}
+        self.clip_rule = ""
 
     def slots(self, spec: FeatureSpec) -> list[tuple[str, int]]:
         clipped = [("clipped", layer) for layer in spec.layers] if self.clip_request.mode != "none" else []
@@ -347,8 +362,9 @@ class SentenceClassifier(LinearProbes):
         request = self.clip_request
         if request.mode == "auto" and spec.outlier_source == "given":  # the given dims, in every non-input layer
             request = parse_clip(",".join(map(str, spec.outlier_dims)) or "none")
-        self.clipped = request.resolve(spec.outlier_layers, spec.num_hidden_states or max(spec.layers) + 1,
-                                       spec.hidden_size)
+        num_layers = spec.num_hidden_states or max(spec.layers) + 1
+        self.clipped = request.resolve(spec.outlier_layers, num_layers, spec.hidden_size)
+        self.clip_rule = request.rule(num_layers)
         slots = spec.encoder_slots  # the encoder's cached layers, each with that layer's clipped dims zeroed
         spec_by_slot = {i: self.clipped.get(layer, []) for i, layer in enumerate(spec.layers)}
         self.register_buffer("keep", keep_mask(spec_by_slot, slots, spec.hidden_size), persistent=False)
@@ -375,6 +391,7 @@ class SentenceClassifier(LinearProbes):
             "chance_baseline": baselines["chance"],
             "bias": self.use_bias,
             "clip": self.clip_request.text,
+            "clip_rule": self.clip_rule,
             "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",

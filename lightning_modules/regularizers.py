@@ -18,8 +18,9 @@
   Layers default to all transformer layers (1..L).
 - CosReg (Gao et al., "Representation Degeneration Problem in Training Natural Language Generation Models", ICLR
   2019; the baseline of Rudman & Eickhoff): term = weight x the mean pairwise cosine of the chosen layers' token states
-  (averaged over the layers when several are chosen; metrics/geometry.py's mean_pairwise_cosine). Default: the last
-  layer.
+  (averaged over the layers when several are chosen; metrics/geometry.py's mean_pairwise_cosine: over the N(N - 1)
+  ordered pairs of distinct tokens, ours; the I-STAR authors' baseline divides by N^2, docs/finetuning.md). Default:
+  the last layer.
 
 The batch statistic is the micro-batch's over every rank (gathered): each rank's moments (token count, sum, centred
 outer products; for CosReg the sum of unit vectors) are summed over ranks with a differentiable all-reduce, so every rank

@@ -54,20 +54,27 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
     Nothing of size [slots, items, classes] is kept for backward, and on CPU the chunks (`chunk_elements` logits,
     4 MiB) reuse the same memory where whole-batch logits would fault in fresh pages every step. Equal to
     F.cross_entropy through autograd (tested), faster on CPU. The returned loss saturates at -log(smallest float)
-    for a token whose gold probability underflows; the gradient is exact."""
+    for a token whose gold probability underflows; the gradient is exact. `classes`: the true number of classes when
+    `weight` is already padded (StackedProbe(pad=True)): its gradient is then the padded one, zero in the padding
+    columns, and no padded copy of the weight is made."""
 
     # logits per chunk on CPU; None: the whole batch in one chunk, as always on GPUs (their allocator reuses memory)
     chunk_elements: int | None = 2 ** 20
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor) -> Tensor:
-        slots, items, classes = x.shape[0], x.shape[1], weight.shape[2]
-        padded = pad_weight(weight)  # [slots, hidden, width]
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                classes: int | None = None) -> Tensor:
+        slots, items = x.shape[0], x.shape[1]
+        prepadded = classes is not None and classes != weight.shape[2]
+        classes = weight.shape[2] if classes is None else classes
+        padded = weight if prepadded else pad_weight(weight)  # [slots, hidden, width]
         width = padded.shape[2]
         chunk_elements = StackedLinearCrossEntropy.chunk_elements
         one_piece = x.is_cuda or chunk_elements is None
         rows = max(items, 1) if one_piece else max(1, chunk_elements // (slots * width))  # an empty batch: no chunk
-        grad_weight = torch.zeros(padded.shape, dtype=torch.float32, device=x.device)
+        scale = 1.0 / max(items, 1)  # each slot's mean over items
+        # the first chunk overwrites (beta 0), so the gradient needs no zeroing unless there is no chunk
+        grad_weight = (torch.empty if items else torch.zeros)(padded.shape, dtype=torch.float32, device=x.device)
         grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
         loss = torch.zeros((), device=x.device)
         for start in range(0, items, rows):
@@ -77,20 +84,21 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
             loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
             probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
             with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
-                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs)
+                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs, beta=1 if start else 0, alpha=scale)
             if grad_bias is not None:
                 grad_bias += probs.sum(1)
-        scale = 1.0 / max(items, 1)  # each slot's mean over items
-        ctx.save_for_backward(grad_weight[:, :, :classes] * scale,
-                              grad_bias[:, :classes] * scale if grad_bias is not None else None)
+        # kept on ctx, not saved for backward: backward scales them in place and hands them over (no copies)
+        ctx.grad_weight = grad_weight if prepadded else grad_weight[:, :, :classes].contiguous()
+        ctx.grad_bias = grad_bias[:, :classes] * scale if grad_bias is not None else None
         ctx.dtype = weight.dtype
         return loss * scale
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad_weight, grad_bias = ctx.saved_tensors
-        return (None, (grad_weight * grad).to(ctx.dtype),
-                (grad_bias * grad).to(ctx.dtype) if grad_bias is not None else None, None)
+        grad_weight, grad_bias = ctx.grad_weight, ctx.grad_bias
+        ctx.grad_weight = ctx.grad_bias = None  # backward runs once (no retain_graph: the graph holds no tensors)
+        return (None, grad_weight.mul_(grad).to(ctx.dtype),
+                grad_bias.mul_(grad).to(ctx.dtype) if grad_bias is not None else None, None, None)
 
 
 def slot_seed(seed: int, kind: str, layer: int) -> int:
@@ -103,11 +111,14 @@ class StackedProbe(nn.Module):
 
     Each slot's initial weights come from its own seeded generator (nn.Linear's range, seeds by `slot_seed`), so a
     probe starts the same whichever other probes train beside it. `loss` is the sum over slots of each slot's mean
-    cross-entropy, so every slot gets exactly the gradient it would get alone.
+    cross-entropy, so every slot gets exactly the gradient it would get alone. With `pad`, the weight parameter is
+    stored padded, [slots, hidden, width] by `pad_weight` (no padded copy per step); its padding columns stay zero
+    (their gradient is exactly zero, and Adam does not move a parameter whose gradient has always been zero), and
+    `weights` is the [slots, hidden, classes] view.
     """
 
     def __init__(self, slots: Sequence[tuple[str, int]], hidden: int, classes: int, seed: int = 0,
-                 bias: bool = False) -> None:
+                 bias: bool = False, pad: bool = False) -> None:
         super().__init__()
         bound = 1.0 / math.sqrt(hidden)  # nn.Linear's default initialisation range
         weights, biases = [], []
@@ -115,14 +126,22 @@ class StackedProbe(nn.Module):
             generator = torch.Generator().manual_seed(slot_seed(seed, kind, layer))
             weights.append(torch.empty(hidden, classes).uniform_(-bound, bound, generator=generator))
             biases.append(torch.empty(classes).uniform_(-bound, bound, generator=generator))
-        self.weight = nn.Parameter(torch.stack(weights))  # [slots, hidden, classes]
+        self.classes = classes
+        weight = torch.stack(weights)  # [slots, hidden, classes]
+        self.weight = nn.Parameter(pad_weight(weight) if pad else weight)
         self.bias = nn.Parameter(torch.stack(biases)) if bias else None  # [slots, classes]
+
+    @property
+    def weights(self) -> Tensor:
+        """[slots, hidden, classes] (a view of the padded parameter with pad)."""
+        return self.weight[:, :, :self.classes]
 
     def forward(self, x: Tensor) -> Tensor:
         """x [slots, items, hidden] → logits [slots, items, classes]."""
-        return padded_logits(x, self.weight, self.bias)[:, :, :self.weight.shape[2]]
+        prepadded = self.weight.shape[2] != self.classes
+        return padded_logits(x, self.weight, self.bias, self.classes if prepadded else None)[:, :, :self.classes]
 
     def loss(self, x: Tensor, target: Tensor) -> Tensor:
         """The sum over slots of each slot's mean cross-entropy of x [slots, items, hidden] against target [items]
         (StackedLinearCrossEntropy: the gradient is formed in the forward pass, x's is never made)."""
-        return StackedLinearCrossEntropy.apply(x, self.weight, self.bias, target)
+        return StackedLinearCrossEntropy.apply(x, self.weight, self.bias, target, self.classes)

@@ -157,9 +157,13 @@ class TrainingModule(pl.LightningModule):
 
     # -- optimisation --
 
+    def optimized_parameters(self):
+        """(name, parameter) of what AdamW trains: the model's (a subclass may add its own)."""
+        return self.model.named_parameters()
+
     def configure_optimizers(self):
         decay, no_decay = [], []
-        for name, parameter in self.model.named_parameters():
+        for name, parameter in self.optimized_parameters():
             if not parameter.requires_grad:
                 continue  # the frozen zero position table of a no-PE model
             exempt = parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name

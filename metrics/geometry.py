@@ -11,6 +11,8 @@
     mean_pairwise_cosine(unit_sum, norm_sum, count) # from sums of unit vectors: self-similarity, CosReg
     spectrum_of_moments(*variant.moments(result.mean, result.cov), result.num_tokens)["singular_values"]
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
+    vectors, rows = random_tokens(hidden_states, mask, items, seed)  # one seeded random token of each sentence
+    values, pairs = sample_anisotropy(*sample.compute(), seed)      # the paper's anisotropy of such a sample
 
 Every Metric here has fixed-size tensor states reduced by sum, so memory does not grow with the number of tokens
 and the result is exact under DDP. Two identities keep them streaming:
@@ -23,6 +25,8 @@ and the result is exact under DDP. Two identities keep them streaming:
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -418,3 +422,52 @@ class TokenSample(Metric):
     def compute(self) -> tuple[Tensor, Tensor]:
         """([slots, layers, hidden], filled [slots] bool)."""
         return self.vectors, self.filled > 0
+
+
+# ---- the paper's anisotropy: one random token of each sentence, sentences paired at random (Luo et al. §4.1) ----
+
+def random_tokens(hidden_states: Tensor, mask: Tensor | None, items: Sequence[int], seed: int
+                  ) -> tuple[Tensor, list[int]]:
+    """One counted token of each row, position random.Random(seed * 1_000_003 + items[row]).randrange(count) among its
+    counted tokens (mask [batch, seq]; None: all), so the draw depends on the item, not on batching or ranks:
+    hidden_states [layers, batch, seq, hidden] -> ([layers, rows with a token, hidden] float32, those rows)."""
+    batch, seq = hidden_states.shape[1:3]
+    if mask is not None:  # each row's counted positions, read off the device once
+        counted = mask.bool().nonzero().cpu()  # [n, 2] (row, position), row-major
+        counts = torch.bincount(counted[:, 0], minlength=batch).tolist()
+        columns = counted[:, 1].split(counts)
+    else:
+        counts, columns = [seq] * batch, None
+    rows, positions = [], []
+    for row, (item, count) in enumerate(zip(items, counts)):
+        if count:
+            pick = random.Random(seed * 1_000_003 + int(item)).randrange(int(count))
+            positions.append(int(columns[row][pick]) if columns is not None else pick)
+            rows.append(row)
+    if not rows:
+        return hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1]).float(), []
+    index_rows = torch.tensor(rows, device=hidden_states.device)
+    index_positions = torch.tensor(positions, device=hidden_states.device)
+    return hidden_states[:, index_rows, index_positions].float(), rows
+
+
+def sample_pairs(filled: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """Pair the filled slots of a sample by a seeded permutation (random.Random(seed).shuffle), the first half with the
+    second: (first [pairs], second [pairs]) slot indices."""
+    slots = filled.nonzero().flatten().tolist()
+    random.Random(seed).shuffle(slots)
+    half = len(slots) // 2
+    return torch.tensor(slots[:half], dtype=torch.long), torch.tensor(slots[half:2 * half], dtype=torch.long)
+
+
+def sample_anisotropy(vectors: Tensor, filled: Tensor, seed: int) -> tuple[Tensor, int]:
+    """The mean cosine of the sample's tokens (vectors [slots, layers, hidden], filled [slots]) paired by
+    sample_pairs(filled, seed): ([layers], pairs); nan per layer without a pair. The sample is already the same on
+    every rank (TokenSample): no sync."""
+    first, second = sample_pairs(filled.cpu(), seed)
+    if first.numel() == 0:
+        return torch.full((vectors.shape[1],), float("nan")), 0
+    first, second = first.to(vectors.device), second.to(vectors.device)
+    metric = MeanCosine(vectors.shape[1], sync_on_compute=False).to(vectors.device)
+    metric.update(vectors[first].transpose(0, 1), vectors[second].transpose(0, 1))
+    return metric.compute(), int(first.numel())

@@ -1,6 +1,7 @@
 """The variants every evaluation reports side by side: raw, clipped, and a post-hoc normalisation.
 
     spec = parse_clip("auto").resolve(outliers, num_layers=7, hidden_size=384)   # {layer: dims}: --clip
+    parse_clip("auto").rule(num_layers=7)            # which rule that was, and why: the reports' clip_rule
     variants = [RAW, Clipping(spec, num_layers=7), whitening(cov.compute())]
     vectors = variant.apply(vectors)                 # [layers, ..., hidden] -> a new tensor, same shape
     mean, cov = variant.moments(mean, cov)           # the exact moments of the transformed tokens
@@ -8,9 +9,11 @@
 
 - Clipping zeroes dimensions per layer (`zero_dims`, the one way this project zeroes dimensions: analyses,
   classifiers and callbacks alike), applied to hidden states after the forward pass. Which ones is --clip's choice
-  (`parse_clip`, the same option everywhere): by default (`auto`, the paper's §4) the persistent outlier dims in every
-  non-input layer; `per-layer` each layer's own outliers in that layer only (the paper's Appendix D); given dims; or
-  an explicit per-layer form such as 1-10:896,10-17:678.
+  (`parse_clip`, the same option everywhere): by default (`auto`) the paper's choice by model depth: for base-depth
+  models (at most BASE_DEPTH = 12 transformer layers, §4) the persistent outlier dims in every non-input layer, for
+  deeper ones (the large models of Appendix D, whose outliers move across layer ranges, e.g. BERT-large's) each
+  layer's own outliers in that layer; `per-layer` that second rule whatever the depth; given dims; or an explicit
+  per-layer form such as 1-10:896,10-17:678. `ClipRequest.rule(num_layers)` says which rule applied and why.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
   the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions
@@ -48,6 +51,7 @@ from metrics.outliers import LayerOutliers, persistent_dims
 NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")
 REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}  # the fitted normalisations' variant keys
 SOFTDECAY_ALPHA = -0.2  # --softdecay_alpha's default
+BASE_DEPTH = 12  # --clip auto: persistent dims up to this many transformer layers (§4), each layer's own beyond (App. D)
 
 
 class Variant:
@@ -118,24 +122,50 @@ class ClipRequest:
     dims: tuple[int, ...] = ()
     layers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (layer, dims) for mode "layers"
     notes: tuple[str, ...] = ()  # what parsing merged, to be said
+    origin: str | None = None  # for a spec resolved earlier and passed on as layers (analyze.py paper): its rule
 
     @property
     def needs_outliers(self) -> bool:
         return self.mode in ("auto", "per-layer")
 
+    def persistent(self, num_layers: int) -> bool:
+        """Whether "auto" takes the persistent dims for a model with `num_layers` hidden states (L = num_layers - 1
+        transformer layers): at base depth, L <= BASE_DEPTH."""
+        return self.mode == "auto" and num_layers - 1 <= BASE_DEPTH
+
+    def rule(self, num_layers: int) -> str:
+        """Which rule `resolve` applies to a model with `num_layers` hidden states, and why (the report's clip_rule)."""
+        depth = num_layers - 1
+        if self.origin is not None:
+            return self.origin
+        if self.mode == "auto" and self.persistent(num_layers):
+            return (f"auto: persistent outlier dims (outliers in at least half of layers 1..{depth}) zeroed in every "
+                    f"non-input layer, the paper's §4 rule for base-depth models ({depth} <= {BASE_DEPTH} layers)")
+        if self.mode == "auto":
+            return (f"auto: each non-input layer's own outlier dims zeroed in that layer only, the paper's Appendix D "
+                    f"rule for deep models ({depth} > {BASE_DEPTH} layers: their outliers move across layer ranges)")
+        if self.mode == "per-layer":
+            return "per-layer (as asked): each non-input layer's own outlier dims zeroed in that layer only"
+        if self.mode == "dims":
+            return "given dims (as asked), zeroed in every non-input layer"
+        if self.mode == "layers":
+            return "given per-layer dims (as asked), zeroed in the layers named"
+        return "none: nothing zeroed"
+
     def resolve(self, outliers: Sequence[LayerOutliers] | None, num_layers: int, hidden_size: int
                 ) -> dict[int, list[int]]:
         """{layer: dims} to zero, for a model with `num_layers` hidden states (0 = the embedding output) and the
-        outliers detected on the data (needed by "auto" and "per-layer"). "auto": the persistent dims in every
-        non-input layer (§4); "per-layer": each non-input layer's own outliers in that layer only (Appendix D);
-        given dims: every non-input layer; the explicit form: the layers it names."""
+        outliers detected on the data (needed by "auto" and "per-layer"). "auto": at base depth (<= BASE_DEPTH
+        transformer layers) the persistent dims in every non-input layer (§4), deeper each non-input layer's own
+        outliers in that layer (Appendix D; `rule` says which); "per-layer": the latter at any depth; given dims:
+        every non-input layer; the explicit form: the layers it names."""
         upper = range(1, num_layers)
         if self.mode == "none":
             return {}
         if self.needs_outliers:
             if outliers is None:
                 raise ValueError(f"--clip {self.text} needs the outliers detected on the data")
-            if self.mode == "auto":
+            if self.persistent(num_layers):
                 return clip_spec(dict.fromkeys(upper, persistent_dims(list(outliers))), num_layers, hidden_size)
             return clip_spec({layer.layer: layer.outlier_dims for layer in outliers if layer.layer >= 1},
                              num_layers, hidden_size)
@@ -285,7 +315,7 @@ def check_softdecay_alpha(alpha: float, option: str = "--softdecay_alpha") -> fl
     return float(alpha)
 
 
-def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float) -> Tensor:
+def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float | Tensor) -> Tensor:
     """tokenUni's SoftDecay per sentence and layer: hidden_states [layers, batch, seq, hidden] (or [batch, seq,
     hidden]), mask [batch, seq] (the tokens of each sentence's matrix; padding never) -> the same shape, each
     sentence's counted rows replaced by U S' V^T, the others left as they are.
@@ -294,13 +324,16 @@ def soft_decay(hidden_states: Tensor, mask: Tensor, alpha: float) -> Tensor:
     singular values against the large), rescaled so that max s' = max s. Singular values at rounding level (below
     max s x max(seq, hidden) x float32 epsilon, the rank rule of torch.linalg.matrix_rank) have no direction of
     their own (their singular vectors are arbitrary): they stay 0, so the matrix keeps its rank and padded rows stay
-    out. alpha -> 0- is the identity. Computed in float32 (the map of the singular values in float64)."""
+    out. alpha -> 0- is the identity. Computed in float32 (the map of the singular values in float64). Differentiable
+    in the states and in alpha (a 0-dim tensor: the fine-tuning layer of lightning_modules/softdecay.py, which calls
+    it one unpadded sentence at a time, as SVD gradients are undefined for repeated singular values)."""
     mask = mask.to(hidden_states.device).bool()
     x = hidden_states.float() * mask.unsqueeze(-1)
     u, s, vh = svd(x)
     s64 = s.double()
     top = s64[..., :1]
     significant = s64 > top * max(x.shape[-2:]) * torch.finfo(torch.float32).eps
+    alpha = alpha.double() if isinstance(alpha, Tensor) else alpha
     mapped = torch.where(significant, -torch.log1p(-alpha * (s64 + alpha)) / alpha, torch.zeros_like(s64))
     peak = mapped[..., :1]  # the map is increasing: the largest stays first
     scaled = torch.where(peak > 0, mapped * top / peak.clamp_min(1e-300), s64)  # a matrix of norm < |alpha|: as is

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,9 @@ from datamodules.pairs import (
     read_static_vectors,
     read_sts,
     read_wic,
+    source_contexts,
     target_problem,
+    wic_source,
     word_contexts,
 )
 from tests.test_analyze_eval import STS, WIC, fitted
@@ -103,6 +107,70 @@ def test_word_contexts_are_exact_and_share_sentences():
             seen[word] += 1
     assert set(seen.values()) == {10}
     assert len(contexts.sentences) < 100 * 10 / 2  # contexts shared between words
+
+
+def planted_pool(lines: int = 3000) -> tuple[list[str], dict[str, int]]:
+    """Sentences of digits (no words) with planted words: word k occurs in exactly counts[k] sentences, spread
+    over the whole source, twice in some (only the first counts); the qualifying set is known by construction."""
+    rng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    counts = {f"{letters[k % 26]}{letters[k // 26]}q": k % 25 + 1 for k in range(300)}  # 1..25 sentences each
+    counts["zzq"] = 400  # beyond the reservoir of 10 x min_sentences
+    places: list[list[str]] = [[] for _ in range(lines)]
+    for word, count in counts.items():
+        for index in rng.sample(range(lines), count):
+            places[index].append(word)
+    sentences = []
+    for index, words in enumerate(places):
+        if index % 50 == 0 and words:
+            words = [*words, words[0].upper()]  # a repeat in another case: still one sentence
+        sentences.append(" ".join([f"{index}.", *words, "42"]))
+    return sentences, counts
+
+
+def test_word_pool_streams_the_whole_source_and_counts_the_qualifying_words(tmp_path):
+    sentences, counts = planted_pool()
+    qualifying = {word for word, count in counts.items() if count >= 10}
+    path = tmp_path / "pool.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    streamed = source_contexts(str(path), None, 0, 40, 10, seed=3)  # --pool_sentences 0: the whole file, streamed
+    assert streamed.num_candidates == len(qualifying) == 300 * 16 // 25 + 1 and streamed.pool == len(sentences)
+    assert set(streamed.words) <= qualifying and len(set(streamed.words)) == 40
+    seen = {word: 0 for word in range(40)}
+    for sentence, spans in zip(streamed.sentences, streamed.spans):
+        assert sentence in sentences
+        for word, start, end in spans:
+            assert sentence[start:end] == streamed.words[word]  # the first occurrence (lowercase, before the repeat)
+            seen[word] += 1
+    assert set(seen.values()) == {10}
+    listed = word_contexts(sentences, 40, 10, seed=3)  # the same passes over a list
+    assert (listed.words, listed.sentences, listed.spans) == (streamed.words, streamed.sentences, streamed.spans)
+    frequent = source_contexts(str(path), None, 0, len(qualifying), 10, seed=3)  # every qualifying word, zzq too
+    assert set(frequent.words) == qualifying
+    sample = source_contexts(str(path), None, 600, 5, 3, seed=3)  # a pool of 600 sentences finds fewer words
+    assert sample.pool == 600 and sample.num_candidates < sum(count >= 3 for count in counts.values())
+    calls = []
+
+    def changing():  # a source whose third pass differs from the first two
+        calls.append(1)
+        return iter(sentences if len(calls) < 3 else sentences[1:])
+
+    with pytest.raises(UserError, match=r"^the self-similarity source changed while it was read \(its three passes"):
+        word_contexts(changing, 40, 10, seed=3)
+
+
+def test_wic_reads_the_training_split_by_default(tmp_path):
+    """The preset `wic` is SuperGLUE's training split (the paper's footnote 5), resolved without the hub; a local
+    dataset with splits is read at its train split too, a file whole; the report names which."""
+    assert wic_source("wic") == {"data": "super_glue:wic:train", "split": "train"}
+    assert wic_source("super_glue:wic:validation")["split"] == "validation"
+    rows = [json.loads(line) for line in write_wic(tmp_path / "wic.jsonl").read_text().splitlines()]
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows[:2]),
+                          "train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    assert wic_source(str(tmp_path / "splits")) == {"data": str(tmp_path / "splits"), "split": "train"}
+    items, _ = read_wic(str(tmp_path / "splits"))
+    assert [item.sentence1 for item in items] == [row["sentence1"] for row in rows]  # train's 8, not validation's 2
+    assert wic_source(str(tmp_path / "wic.jsonl"))["split"] is None
 
 
 def test_word_list_too_small_names_the_count_found():

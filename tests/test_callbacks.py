@@ -11,6 +11,7 @@ import copy
 import csv
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -146,8 +147,7 @@ def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3)
     """Per layer from hidden [layers, batch, seq, hidden] (float64): what OutlierStatistics should log."""
     layers, batch, seq, size = hidden.shape
     tokens = hidden.flatten(1, 2).numpy()
-    first, second = pair_positions(seq, PAIRS, pair_seed(0, seed_step))
-    cosines = F.cosine_similarity(hidden[:, :, first], hidden[:, :, second], dim=-1)  # [layers, batch, pairs]
+    anisotropy = direct_anisotropy(hidden, pair_seed(0, seed_step) if seed_step is not None else 0)
     out = []
     for layer in range(layers):
         mean = tokens[layer].mean(0)
@@ -166,9 +166,22 @@ def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3)
                     "argmin_dim": int(min_share.argmax()), "argmin_share": float(min_share.max()),
                     "top_dims": order[:top_k].tolist(), "top_means": mean[order[:top_k]].tolist(),
                     "max_median_ratio": float(np.abs(mean).max() / np.median(np.abs(mean))),
-                    "anisotropy": float(cosines[layer].mean()), "num_tokens": tokens.shape[1],
+                    "anisotropy": float(anisotropy[layer]), "num_tokens": tokens.shape[1],
                     "outlier_dims": sorted(flagged.tolist(), key=lambda d: -abs(mean[d]))})
     return out
+
+
+def direct_anisotropy(hidden: torch.Tensor, key: int) -> torch.Tensor:
+    """The paper's anisotropy of hidden [layers, sequences, seq, hidden] (every token counts), by hand: sequence i's
+    token at random.Random(key * 1000003 + i).randrange(seq), the sequences shuffled by random.Random(key) and the
+    first half paired with the second: mean cosine per layer."""
+    count, seq = hidden.shape[1:3]
+    positions = [random.Random(key * 1_000_003 + i).randrange(seq) for i in range(count)]
+    tokens = hidden[:, torch.arange(count), torch.tensor(positions)]  # [layers, sequences, hidden]
+    order = list(range(count))
+    random.Random(key).shuffle(order)
+    half = count // 2
+    return F.cosine_similarity(tokens[:, order[:half]], tokens[:, order[half:2 * half]], dim=-1).mean(1)
 
 
 def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> list[dict]:
@@ -540,6 +553,8 @@ def test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_lin
      "embedding output)"),
     ({"class_path": "callbacks.attention_geometry.AttentionGeometry", "init_args": {"queries_per_sequence": 0}},
      "AttentionGeometry: queries_per_sequence must be at least 1, got 0"),
+    ({"class_path": "callbacks.outlier_statistics.OutlierStatistics", "init_args": {"anisotropy_sequences": 1}},
+     "OutlierStatistics: anisotropy_sequences must be at least 2 (one pair), got 1"),
 ])
 def test_bad_callback_settings_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path, capsys, spec, message):
     root = tmp_path / "run"
@@ -764,3 +779,40 @@ def test_a_non_wandb_logger_failing_mid_run_warns_once_and_training_goes_on(corp
     assert final_step(root) == 4
     assert sorted(csv_rows(root, "outliers/num_tokens")) == sorted(csv_rows(root, "position_probe/num_tokens")) == [0]
     assert sorted(csv_rows(root, "train/loss")) == [0, 1, 2, 3]  # the logger itself still takes Lightning's metrics
+
+
+@pytest.mark.slow
+def test_validation_anisotropy_is_what_analyze_py_anisotropy_reports_on_the_same_sentences(bert_tok, tmp_path):
+    """An eval-mode validation over a fine-tuning data module's validation split (several padded batches): the logged
+    val_outliers/layer_{l}/anisotropy equals `analyze.py anisotropy --clip none` on a file of the same sentences, in
+    order, with the same seed: the same random token of each sentence and the same pairs (the paper's definition)."""
+    import analyze
+    from datamodules.finetune import FineTuneDataModule
+    from lightning_modules.finetune import FineTuneModule
+    from tests.test_finetune import labelled
+    from tests.tiny import save_tiny_encoder
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    module = FineTuneModule(encoder=str(encoder), classes=["comma", "plain"])
+    data = FineTuneDataModule(source=str(labelled(tmp_path / "data.csv", count=200)), max_length=32,
+                              eval_batch_size=6)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="logs"),
+                         callbacks=[OutlierStatistics(every_n_steps=1, image_every_n_steps=0)],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.validate(module, datamodule=data, verbose=False)
+    trainer.logger.save()
+    (path,) = (tmp_path / "logs").glob("version_*/metrics.csv")
+    with path.open() as handle:
+        (row,) = [r for r in csv.DictReader(handle) if r.get("val_outliers/layer_0/anisotropy")]
+
+    sentences = [text for text, _ in data.splits.texts["val"]]
+    assert len(sentences) == 20
+    (tmp_path / "val.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    assert analyze.main(["anisotropy", "--encoder", str(encoder), "--data", str(tmp_path / "val.txt"),
+                         "--max_sentences", "0", "--max_length", "32", "--clip", "none", "--seed", "0", "--no_progress",
+                         "--device", "cpu", "--output_dir", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "anisotropy.json").read_text())
+    assert report["num_pairs"] == 10 and report["num_sentences"] == 20
+    for layer in report["layers"]:
+        logged_value = float(row[f"val_outliers/layer_{layer['layer']}/anisotropy"])
+        assert logged_value == pytest.approx(layer["raw"], abs=2e-6), layer

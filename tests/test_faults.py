@@ -826,6 +826,19 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "self-similarity: too few words"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
+    ("analyze.py", "self-similarity: a source that changes between its streamed passes (`--max_sentences 0` / "
+                   "`--pool_sentences 0`)"): [
+        "test_analyze_eval_inputs.py::test_word_pool_streams_the_whole_source_and_counts_the_qualifying_words",
+    ],
+    ("analyze.py", "paper: a missing local `--sst2` or `--qqp` (any of its data)"): [
+        "test_paper.py::test_paper_refuses_bad_input_before_writing",
+    ],
+    ("analyze.py", "paper: `--sst2 none --qqp none`"): [
+        "test_paper.py::test_paper_refuses_bad_input_before_writing",
+    ],
+    ("analyze.py", "paper: `--outlier_sentences 0`"): [
+        "test_paper.py::test_paper_refuses_bad_input_before_writing",
+    ],
     ("analyze.py", "anisotropy: under 2 sentences"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],

@@ -357,3 +357,83 @@ def test_pretraining_refuses_bad_regulariser_options_in_one_line(corpus, cache, 
     root = tmp_path / "run"
     assert train.cli_main(tiny_args(root, corpus, cache, *extra, "--model.reg_weight", "1")) == 2
     assert stderr_lines(capfd) == ["train.py: error: " + message] and not root.exists()
+
+
+# ---- SoftDecay inside the model (lightning_modules/softdecay.py) ---------------------------------------------------
+
+SOFTDECAY = ("--model.softdecay", "true", "--model.dropout", "0.0", "--trainer.max_steps", "6",
+             "--model.decay_steps", "6", "--trainer.val_check_interval", "6")
+
+
+@pytest.mark.slow
+def test_softdecay_fine_tuning_learns_alpha_logs_it_and_the_logits_are_the_heads_of_the_transformed_last_layer(
+        inputs, tmp_path):
+    """--model.softdecay true with a learned alpha (from -0.2) and with a fixed one (-0.3): train/softdecay_alpha is
+    logged every step (the learned one moves, the fixed one stays), finetune.json holds the last alpha, and the
+    trained module's logits are the head (pooler + classifier) of the last layer's token matrices transformed by the
+    numpy SoftDecay formula at that alpha, computed from the export (which holds no SoftDecay) and its last layer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from lightning_modules.finetune import FineTuneModule
+    from tests.test_softdecay import direct_soft_decay
+
+    learned, fixed = tmp_path / "learned", tmp_path / "fixed"
+    assert train.cli_main(ft_args(learned, inputs, *SOFTDECAY, "--model.softdecay_learn_alpha", "true")) == 0
+    assert train.cli_main(ft_args(fixed, inputs, *SOFTDECAY, "--model.softdecay_alpha", "-0.3")) == 0
+    for root, initial, learn in ((learned, -0.2, True), (fixed, -0.3, False)):
+        alphas = [logged(root)[step]["train/softdecay_alpha"] for step in range(6)]
+        report = json.loads((root / "finetune.json").read_text())
+        assert (report["softdecay"], report["softdecay_alpha_initial"], report["softdecay_learn_alpha"]) == \
+            (True, initial, learn)
+        assert alphas[0] == pytest.approx(initial, abs=1e-6)
+        if learn:  # moved step by step (Adam, lr 1e-3), and the report holds the alpha after the last update
+            assert all(a != b for a, b in zip(alphas, alphas[1:])) and abs(report["softdecay_alpha"] - initial) > 1e-4
+        else:
+            assert len(set(alphas)) == 1 and report["softdecay_alpha"] == initial  # (logged in float32)
+        module = FineTuneModule.load_from_checkpoint(root / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+        assert module.softdecay.value() == pytest.approx(report["softdecay_alpha"], abs=1e-7)
+        exported = AutoModelForSequenceClassification.from_pretrained(root / "export").eval()
+        tokenizer = AutoTokenizer.from_pretrained(root / "export")
+        batch = tokenizer(corpus_sentences(5, start=5000), padding=True, truncation=True, max_length=32,
+                          return_tensors="pt")
+        with torch.no_grad():
+            last = exported.bert(**batch, output_hidden_states=True).hidden_states[-1].double()
+            transformed = last.clone()
+            for row, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+                transformed[row, :n] = torch.from_numpy(direct_soft_decay(last[row, :n].numpy(),
+                                                                          report["softdecay_alpha"]))
+            expected = exported.classifier(exported.bert.pooler(transformed.float()))
+            torch.testing.assert_close(module(dict(batch)).logits, expected, rtol=1e-4, atol=1e-4)
+            # the last hidden state the regularisers and live statistics read is the transformed one; the others
+            states = module(dict(batch), hidden_states=True).hidden_states  # are the layers' own
+            mask = batch["attention_mask"].bool()
+            torch.testing.assert_close(states[-1][mask], transformed.float()[mask], rtol=1e-4, atol=1e-4)
+            before = exported.bert(**batch, output_hidden_states=True).hidden_states[-2]
+            torch.testing.assert_close(states[-2], before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["alpha below -1", "alpha of 0", "alpha of 1 without softdecay",
+                                  "learned alpha without softdecay", "an encoder without a layer stack"])
+def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
+    alpha = "--model.softdecay_alpha must lie in (-1, 0) (SoftDecay needs alpha < 0, and alpha <= -1 takes the log " \
+            "of a non-positive number for small singular values), got "
+    if case == "an encoder without a layer stack":  # ALBERT: shared layer groups, no encoder.layer list
+        albert = save_tiny_encoder(tmp_path / "albert", "albert", bert_tokenizer(tmp_path / "tok"))
+        capfd.readouterr()  # the save's progress bar
+        extra = ("--model.softdecay", "true", "--model.encoder", str(albert))
+        message = (f"--model.softdecay cannot wrap {str(albert)!r} (AlbertForSequenceClassification): it has no layer "
+                   "stack whose output is the last layer's token matrix (an `encoder.layer` or `transformer.layer` "
+                   "list beside `embeddings`, as BERT, RoBERTa, DistilBERT, ELECTRA)")
+    else:
+        extra, message = {
+            "alpha below -1": (("--model.softdecay", "true", "--model.softdecay_alpha", "-1.5"), alpha + "-1.5"),
+            "alpha of 0": (("--model.softdecay", "true", "--model.softdecay_alpha", "0"), alpha + "0.0"),
+            "alpha of 1 without softdecay": (("--model.softdecay_alpha", "1"), alpha + "1.0"),
+            "learned alpha without softdecay": (("--model.softdecay_learn_alpha", "true"),
+                                                "--model.softdecay_learn_alpha true needs --model.softdecay true"),
+        }[case]
+    root = tmp_path / "run"
+    before = files_under(tmp_path)
+    assert train.cli_main(ft_args(root, inputs, *extra)) == 2
+    assert stderr_lines(capfd) == ["train.py: error: " + message]
+    assert files_under(tmp_path) == before

@@ -11,7 +11,9 @@ import datasets
 import pytest
 
 import analyze
+from datamodules.pairs import WORD
 from datamodules.probing import ClassificationDataModule, PositionDataModule
+from datamodules.text import sample_texts
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -40,6 +42,10 @@ def stand_ins(tmp_path_factory, bert_tok) -> dict[str, Path]:
         "sst5": save_splits(root / "sst5", {"train": labelled(texts[10:70], 3), "validation": labelled(texts[70:85], 3),
                                             "test": labelled(texts[85:105], 3)}),
         "wic": write_wic(root / "wic.jsonl"), "sts": write_sts(root / "sts.tsv"),
+        # WiC with its own splits, as super_glue has them: the paper's default reads the training split
+        "wic_splits": save_splits(root / "wic_splits", {
+            "train": [json.loads(line) for line in write_wic(root / "wic_rows.jsonl").read_text().splitlines()],
+            "validation": [json.loads(line) for line in write_wic(root / "wic_rows.jsonl").read_text().splitlines()[:3]]}),
         "encoder": save_tiny_encoder(root / "planted", "bert", bert_tok, plant=plant)}
     with (root / "qqp.csv").open("w", newline="", encoding="utf-8") as handle:
         csv.writer(handle).writerows([("question1", "question2", "label"),
@@ -48,19 +54,40 @@ def stand_ins(tmp_path_factory, bert_tok) -> dict[str, Path]:
     return sources
 
 
+def document_counts(texts: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for text in texts:
+        for word in {match.group().lower() for match in WORD.finditer(text)}:
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
 @pytest.mark.slow
 def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tmp_path, capsys):
     common = ["--encoder", stand_ins["encoder"], "--no_progress", "--seed", "1", "--max_sentences", "40"]
     out = tmp_path / "paper"
-    code = analyze.main(["paper", *map(str, common), "--num_words", "4", "--min_sentences", "3", "--sst2", str(stand_ins["sst2"]), "--qqp", str(stand_ins["qqp"]),
-                         "--wic", str(stand_ins["wic"]), "--sts", str(stand_ins["sts"]), "--imdb",
+    code = analyze.main(["paper", *map(str, common), "--num_words", "4", "--min_sentences", "3", "--sst2",
+                         str(stand_ins["sst2"]), "--qqp", str(stand_ins["qqp"]), "--outlier_sentences", "51",
+                         "--wic", str(stand_ins["wic_splits"]), "--sts", str(stand_ins["sts"]), "--imdb",
                          str(stand_ins["imdb"]), "--sst5", str(stand_ins["sst5"]), "--epochs", "2",
                          "--output_dir", str(out)])
     assert code == 0
     summary = json.loads((out / "paper.json").read_text())
     outliers = json.loads((out / "outliers" / "outliers.json").read_text())
     assert PLANTED in outliers["persistent_dims"] == summary["section3_outliers"]["persistent_dims"]
-    # the clipping found on SST-2, written out per non-input layer, is the one every step used
+    # §3 on SST-2's and QQP's training sentences together (26 + 25 of --outlier_sentences 51): the statistics equal
+    # the outliers subcommand on exactly those sentences
+    assert summary["section3_sentences"] == outliers["sentences_from"] == {"sst2": 26, "qqp": 25}
+    train = datasets.load_from_disk(str(stand_ins["sst2"]))["train"]["sentence"]
+    with (stand_ins["qqp"]).open(newline="", encoding="utf-8") as handle:
+        questions = [row["question1"] for row in csv.DictReader(handle)]
+    together = tmp_path / "together.txt"
+    together.write_text("\n".join(sample_texts(iter(train), 26, 1) + sample_texts(iter(questions), 25, 2)) + "\n")
+    assert analyze.main(["outliers", *map(str, common[:-2]), "--data", str(together), "--max_sentences", "0",
+                         "--output_dir", str(tmp_path / "direct_outliers")]) == 0
+    direct = json.loads((tmp_path / "direct_outliers" / "outliers.json").read_text())
+    assert outliers["num_sentences"] == direct["num_sentences"] == 51 and outliers["layers"] == direct["layers"]
+    # the clipping found there, written out per non-input layer, is the one every step used
     expected_clip = ",".join(f"{layer}:{'+'.join(map(str, outliers['persistent_dims']))}"
                              for layer in range(1, LAYERS + 1))
     assert summary["clip"] == expected_clip
@@ -69,13 +96,53 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
                                           "self_similarity_qqp", "wic", "sts_sts"}
     for name, report in reports.items():
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
+        assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
+    assert summary["clip_rule"].startswith(f"auto: persistent outlier dims (outliers in at least half of layers "
+                                           f"1..{LAYERS})") and "sentences of" in summary["clip_rule"]
+    # Figure 6 (right): self-similarity minus the same layer's anisotropy of the same variant, the unadjusted beside
+    for name, texts in (("sst2", train), ("qqp", questions)):
+        figure, selfsim = summary["figure6"][name], reports[f"self_similarity_{name}"]
+        anisotropy = reports[f"anisotropy_{name}"]
+        assert set(figure["self_similarity_adjusted"]) == {"raw", "clipped"}
+        for key in ("raw", "clipped"):
+            for layer in range(LAYERS + 1):
+                unadjusted = selfsim["layers"][layer][key]["self_similarity"]
+                assert figure["self_similarity"][key][layer] == unadjusted
+                assert figure["self_similarity_adjusted"][key][layer] == pytest.approx(
+                    unadjusted - anisotropy["layers"][layer][key], abs=2e-6)
+                assert figure["anisotropy"][key][layer] == anisotropy["layers"][layer][key]
+        # the words come from the whole training set (streamed): every word that occurs in 3 of its sentences
+        qualifying = {word for word, count in document_counts(texts).items() if count >= 3}
+        assert figure["words"]["num_candidates"] == len(qualifying) and set(selfsim["words"]) <= qualifying
+        assert figure["words"]["pool_sentences"] == len(texts) and selfsim["adjusted_by"] == f"anisotropy_{name}.json"
+    # clipping lowers the planted model's anisotropy, so it raises the adjusted self-similarity more than the raw one
+    sst2 = summary["figure6"]["sst2"]
+    assert all(sst2["self_similarity_adjusted"]["clipped"][layer] - sst2["self_similarity_adjusted"]["raw"][layer] >
+               sst2["self_similarity"]["clipped"][layer] - sst2["self_similarity"]["raw"][layer]
+               for layer in range(1, LAYERS + 1))
+    # WiC: the training split of a dataset with splits, named with its pair count
+    wic_rows = datasets.load_from_disk(str(stand_ins["wic_splits"]))
+    assert reports["wic"]["split"] == summary["table1_wic"]["split"] == "train"
+    assert summary["table1_wic"]["num_pairs"] == len(wic_rows["train"]) == 8
+    markdown = (out / "paper.md").read_text()
+    assert f"{stand_ins['wic_splits']}, its 'train' split: 8 pairs" in markdown
+    assert "| layer | sst2 anisotropy raw | sst2 anisotropy clipped | sst2 adjusted self-sim raw |" in markdown
+    lines = markdown.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| layer | sst2 anisotropy raw"))
+    row = lines[header + 4]  # the header, its rule, layers 0 and 1, then layer 2
+    assert row.startswith("| 2 |")
+    assert f"{sst2['self_similarity_adjusted']['raw'][2]:.3f}" in row.split(" | ")[3]
+    assert "Outliers (§3) detected on 26 sentences of SST-2 and 25 sentences of QQP" in markdown
+    words = summary["figure6"]["sst2"]["words"]
+    assert (f"SST-2: 4 words of the {words['num_candidates']} that occur in at least 3 of its 60 sentences, 3 contexts "
+            f"each ({words['num_sentences']} sentences encoded)") in markdown
     # each report equals the single subcommand run on the same data with the same clipping
     single = tmp_path / "single"
-    assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", "auto",
+    assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", expected_clip,
                          "--output_dir", str(single / "anisotropy")]) == 0  # SST-2's train split, the same sample
     alone = json.loads((single / "anisotropy" / "anisotropy.json").read_text())
     assert alone["layers"] == reports["anisotropy_sst2"]["layers"]
-    assert analyze.main(["wic", *map(str, common), "--data", str(stand_ins["wic"]), "--clip", expected_clip,
+    assert analyze.main(["wic", *map(str, common), "--data", str(stand_ins["wic_splits"]), "--clip", expected_clip,
                          "--output_dir", str(single / "wic")]) == 0
     wic = json.loads((single / "wic" / "wic.json").read_text())
     assert wic["layers"] == reports["wic"]["layers"] and summary["table1_wic"]["raw"] == wic["best"]
@@ -109,6 +176,9 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
 def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
     out = tmp_path / "paper"
     for argv, message in ((["--sst2", tmp_path / "missing"], "data path not found"),
+                          (["--qqp", tmp_path / "missing.csv"], f"data path not found: {tmp_path / 'missing.csv'}"),
+                          (["--outlier_sentences", "0"], "--outlier_sentences must be positive, got 0"),
+                          (["--sst2", "none"], "--sst2 and --qqp are both none: the outliers (§3) need"),
                           (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
                           (["--wic", stand_ins["sts"]], "is not in WiC format")):
         code = analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
@@ -118,6 +188,29 @@ def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
         errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
         assert code == 2 and len(errors) == 1 and message in errors[0], (argv, errors)
         assert not out.exists()
+
+
+@pytest.mark.slow
+def test_paper_without_sst2_finds_the_outliers_on_qqp_alone(stand_ins, tmp_path):
+    out = tmp_path / "paper"
+    assert analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
+                         "--min_sentences", "3", "--sst2", "none", "--qqp", str(stand_ins["qqp"]), "--wic", "none",
+                         "--sts", "--imdb", "none", "--sst5", "none", "--outlier_sentences", "30", "--seed", "1",
+                         "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "paper.json").read_text())
+    assert summary["section3_sentences"] == {"qqp": 30} and summary["section3_position_probe"] is None
+    assert set(summary["figure6"]) == {"qqp"} and not (out / "position_probe").exists()
+    with (stand_ins["qqp"]).open(newline="", encoding="utf-8") as handle:
+        questions = [row["question1"] for row in csv.DictReader(handle)]
+    together = tmp_path / "qqp.txt"
+    together.write_text("\n".join(sample_texts(iter(questions), 30, 1)) + "\n")
+    assert analyze.main(["outliers", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--data", str(together),
+                         "--max_sentences", "0", "--output_dir", str(tmp_path / "direct")]) == 0
+    direct = json.loads((tmp_path / "direct" / "outliers.json").read_text())
+    outliers = json.loads((out / "outliers" / "outliers.json").read_text())
+    assert outliers["layers"] == direct["layers"]
+    markdown = (out / "paper.md").read_text()
+    assert "(skipped: --sst2 none)" in markdown and "Outliers (§3) detected on 30 sentences of QQP" in markdown
 
 
 def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_path):

@@ -21,7 +21,7 @@ from datamodules.features import GIB, SPLITS
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
-from lightning_modules.stacked import StackedLinearCrossEntropy, slot_seed
+from lightning_modules.stacked import StackedLinearCrossEntropy, StackedProbe, slot_seed
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import all_outlier_dims, detect_outliers, persistent_dims
 from tests.tiny import HIDDEN as TINY_HIDDEN
@@ -129,6 +129,34 @@ def test_fused_cross_entropy_of_an_empty_batch_is_zero_with_zero_gradients(chunk
     loss.backward()
     assert loss.item() == 0 and torch.equal(weight.grad, torch.zeros_like(weight))
     assert b is None or torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5])
+def test_a_padded_probe_trains_as_the_unpadded_one_and_its_padding_stays_zero(chunk_rows, monkeypatch):
+    """StackedProbe(pad=True) stores [slots, hidden, 320] for 300 classes: the same loss, logits and Adam steps as
+    the unpadded probe (whose loss is checked against autograd above), and the 20 padding columns stay exactly 0."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(StackedLinearCrossEntropy, "chunk_elements", 3 * 320 * chunk_rows)
+    slots = [("encoder", 0), ("encoder", 1), ("random", 0)]
+    plain, padded = StackedProbe(slots, 24, 300, seed=1), StackedProbe(slots, 24, 300, seed=1, pad=True)
+    assert plain.weight.shape == (3, 24, 300) and padded.weight.shape == (3, 24, 320)
+    assert torch.equal(padded.weights, plain.weight) and not padded.weight[:, :, 300:].any()
+    optimizers = [torch.optim.Adam(plain.parameters(), lr=0.01), torch.optim.Adam(padded.parameters(), lr=0.01)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, target = torch.randn(3, 17, 24, generator=generator), torch.randint(0, 300, (17,), generator=generator)
+        losses = []
+        for probe, optimizer in zip((plain, padded), optimizers):
+            optimizer.zero_grad()
+            loss = probe.loss(x, target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0])
+        assert not padded.weight.grad[:, :, 300:].any() and not padded.weight[:, :, 300:].any()
+    torch.testing.assert_close(padded.weights, plain.weight)
+    assert (plain.weight - StackedProbe(slots, 24, 300, seed=1).weight).abs().max() > 0.03  # it trained
+    torch.testing.assert_close(padded(x), plain(x))
 
 
 def test_probe_recovers_planted_position_and_contributions_single_out_its_dimension(tmp_path, bert_tok):
@@ -401,10 +429,10 @@ def test_split_and_label_errors(tmp_path, bert_tok):
 
 def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
     """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
-    token once per epoch."""
+    token once per epoch; the loader serves them `steps_per_block` at a time, each batch's rows in its own place."""
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=700))
-    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=16,
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, batch_size=16, steps_per_block=3,
                             random_baseline=False, progress=False)
     dm.prepare_data()
     store = dm.stores["train"]
@@ -414,17 +442,63 @@ def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(t
     for _ in range(2):
         generator = loader.sampler.sampler.generator  # BatchSampler(RandomSampler(items, seeded generator))
         state = generator.get_state()
-        batches = [list(ids) for ids in loader.sampler]
+        blocks = [list(ids) for ids in loader.sampler]
         generator.set_state(state)  # the loader then draws the same permutation
         features = list(loader)
-        assert [len(ids) for ids in batches[:-1]] == [16] * (len(batches) - 1)
-        assert sorted(i for ids in batches for i in ids) == list(range(store.items))  # each token once
+        assert [len(ids) for ids in blocks[:-1]] == [48] * (len(blocks) - 1) and len(blocks) > 2
+        order = [i for ids in blocks for i in ids]  # the epoch's permutation, cut into batches of 16
+        batches = [order[start:start + 16] for start in range(0, len(order), 16)]
+        assert sorted(order) == list(range(store.items))  # each token once
         assert all(len(set(sentence_of[ids].tolist())) > 1 for ids in batches[:-1])  # across sentences
-        for ids, (x, y) in zip(batches, features):
-            rows = torch.tensor(sorted(ids))
+        for block, (x, y) in zip(blocks, features):  # batch i of a block: items [16 i, 16 i + 16), sorted
+            rows = torch.cat([torch.tensor(sorted(block[start:start + 16])) for start in range(0, len(block), 16)])
             assert torch.equal(x, store.gather(rows)) and torch.equal(y, store.labels[rows])
         epochs.append(batches)
     assert epochs[0] != epochs[1]  # shuffled again each epoch
+
+
+@pytest.mark.parametrize("steps_per_block", [1, 3])
+def test_blocks_of_steps_give_the_weights_of_a_plain_adam_loop_over_the_same_batches(tmp_path, bert_tok,
+                                                                                     steps_per_block):
+    """Several Adam steps per trainer step (every layer and the random baseline stacked, validation each epoch)
+    leave the weights a plain PyTorch loop leaves: one autograd cross-entropy and Adam step per batch of 8 token
+    vectors, each slot on its own, in the epoch's shuffled order."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=900))
+    dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, max_positions=16, batch_size=8,
+                            steps_per_block=steps_per_block, random_baseline=True, progress=False, seed=5)
+    model = PositionProbe(lr=0.02, seed=5)
+    seen = []
+
+    class Record(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            seen.append(module.weight.detach().clone())
+
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Record()])
+    trainer.fit(model, datamodule=dm)
+    store, slots = dm.stores["train"], model.probe_slots
+    loader = dm.train_dataloader()  # a fresh loader draws the fit's permutations again (one seeded generator)
+    epochs = [[i for ids in loader.sampler for i in ids] for _ in range(2)]
+    assert trainer.global_step == 2 * -(-store.items // 8)  # one optimizer step per batch of 8
+    bound = TINY_HIDDEN ** -0.5  # each slot's initial weights, from its own seeded generator
+    weights = [torch.empty(TINY_HIDDEN, 16).uniform_(-bound, bound,
+                                                     generator=torch.Generator().manual_seed(slot_seed(5, *slot)))
+               for slot in slots]
+    initial = torch.stack(weights)
+    weights = [nn.Parameter(w.clone()) for w in weights]
+    optimizers = [torch.optim.Adam([w], lr=0.02) for w in weights]
+    for epoch, order in enumerate(epochs):
+        for start in range(0, len(order), 8):
+            rows = torch.tensor(order[start:start + 8])
+            features, positions = store.gather(rows), store.labels[rows]  # [slots, 8, hidden], [8]
+            for i, (weight, optimizer) in enumerate(zip(weights, optimizers)):
+                optimizer.zero_grad()
+                F.cross_entropy(features[i] @ weight, positions).backward()
+                optimizer.step()
+        torch.testing.assert_close(seen[epoch], torch.stack([w.detach() for w in weights]), rtol=1e-4, atol=1e-5)
+    assert (seen[0] - initial).abs().max() > 0.1 and (seen[1] - seen[0]).abs().max() > 0.01  # it trained
 
 
 def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_path, bert_tok):
@@ -439,7 +513,7 @@ def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_
 
     class Record(pl.Callback):
         def on_validation_epoch_end(self, trainer, module):
-            seen.append(module.probe.weight.detach().clone())
+            seen.append(module.weight.detach().clone())
 
     trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

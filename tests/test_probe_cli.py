@@ -114,6 +114,7 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     report = json.loads((out / "classifier.json").read_text())
     dm, model = cli.datamodule, cli.model
     assert report["classes"] == ["long", "short"] and report["clipped_dims_source"] == "detected"
+    assert report["clip_rule"].startswith("auto: persistent") and "(6 <= 12 layers)" in report["clip_rule"]
 
     pooled = torch.stack([h.mean(1) for h in direct_hidden(minilm_path, dm.texts["test"], 32)], dim=1)  # [7, n, 384]
     cached = dm.stores["test"].features()
@@ -224,6 +225,8 @@ def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str
         "label outside fixed classes": ("classify", ["--data.source", labelled, "--data.classes", "[0, 1]"],
                                         "unknown label(s) ['2']"),
         "no label column": ("classify", ["--data.source", good], "no label column 'label'"),
+        "no steps per block": ("position", ["--data.source", good, "--data.steps_per_block", 0],
+                               "--data.steps_per_block must be at least 1, got 0"),
     }
 
 

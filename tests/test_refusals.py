@@ -362,6 +362,47 @@ def test_warnings_print_as_one_line_each():
         "warning: 4 of 40 sentences were truncated\n"
 
 
+def test_lightning_tips_are_dropped_and_its_other_lines_kept():
+    """Lightning logs a tip (an advert for its cloud logger) whenever a Trainer is made: after plain_warnings it never
+    reaches a handler, whether logged directly or held back and handed over by core.cli.HeldLogs; the banner stays."""
+    import logging
+
+    import pytorch_lightning as pl
+
+    from core.cli import HeldLogs
+    from core.errors import plain_warnings
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    keep, package = Keep(), logging.getLogger("pytorch_lightning")
+    package.addHandler(keep)
+    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "pytorch_lightning.utilities.rank_zero")]
+    saved = [logger.filters[:] for logger in loggers]
+    for logger in loggers:  # as before any plain_warnings() of an earlier test
+        logger.filters = [f for f in logger.filters if type(f).__name__ != "_NoTips"]
+    try:
+        pl.Trainer(logger=False, enable_progress_bar=False)
+        assert any(line.startswith("💡 Tip") for line in keep.lines)  # what Lightning does on its own
+        plain_warnings()
+        keep.lines.clear()
+        pl.Trainer(logger=False, enable_progress_bar=False)
+        held = HeldLogs()
+        pl.Trainer(logger=False, enable_progress_bar=False)
+        held.release(emit=True)
+    finally:
+        package.removeHandler(keep)
+        for logger, filters in zip(loggers, saved):
+            logger.filters = filters
+    assert not any("Tip" in line for line in keep.lines)
+    assert sum(line.startswith("GPU available") for line in keep.lines) == 2  # direct and held
+
+
 def run_checkpoint(path: Path, roberta_tok) -> None:
     """A checkpoint as train.py saves one mid-run (tiny RoBERTa weights, hyper-parameters, the tokenizer as text)."""
     torch.manual_seed(0)

@@ -185,3 +185,33 @@ def test_bad_softdecay_settings_of_the_classifiers_are_one_line_exit_2(option, v
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("probe.py: error: ") and message in err[0]
     assert not out.exists()
+
+
+# ---- SoftDecay as a layer inside fine-tuning (lightning_modules/softdecay.py) ----------------------------------------
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_the_fine_tuning_layer_equals_the_post_hoc_transformation_and_a_direct_svd(learn):
+    """The layer on a padded batch [batch, seq, hidden]: each sentence's counted rows equal the post-hoc SoftDecay
+    (metrics.transforms.soft_decay on the padded batch) and the numpy formula on that sentence alone, at the same
+    alpha; padding stays; a learned alpha starts at the given one and gets a finite gradient."""
+    from lightning_modules.softdecay import SoftDecayLayer
+
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(4, 30, 16, generator=generator) + torch.randn(16, generator=generator) * 3
+    lengths = [30, 12, 5, 1]
+    mask = torch.arange(30)[None, :] < torch.tensor(lengths)[:, None]
+    layer = SoftDecayLayer(-0.3, learn=learn)
+    assert layer.value() == pytest.approx(-0.3, abs=1e-7)
+    out = layer(hidden, mask)
+    post_hoc = soft_decay(hidden, mask, layer.value())
+    for row, n in enumerate(lengths):
+        expected = direct_soft_decay(hidden[row, :n].double().numpy(), layer.value())
+        np.testing.assert_allclose(out[row, :n].detach().double().numpy(), expected, atol=2e-4, rtol=1e-5)
+        torch.testing.assert_close(out[row, :n], post_hoc[row, :n], atol=1e-4, rtol=1e-5)
+        assert torch.equal(out[row, n:], hidden[row, n:])
+    if learn:
+        weights = torch.randn(16, generator=generator)
+        (out[mask] @ weights).pow(2).sum().backward()  # a loss on the transformed tokens
+        assert layer.theta.grad is not None and torch.isfinite(layer.theta.grad) and layer.theta.grad != 0
+    else:
+        assert list(layer.parameters()) == []
