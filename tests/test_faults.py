@@ -909,6 +909,16 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "an unknown option"): [
         "test_refusals.py::test_an_unknown_analyze_option_is_one_line_with_the_closest",
     ],
+    ("study.py", "an arm not in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "an arm's setting train.py does not know (or a bad value)"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "a trajectory option analyze.py does not know"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "`--max_steps 0`"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "an output directory whose arm was trained otherwise"): [
+        "test_study.py::test_a_rerun_skips_finished_arms_and_refuses_changed_settings",
+    ],
+    ("study.py", "an arm directory that is not a study arm"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
 }
 FAULT_ROW_TESTS = {
     "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],

@@ -158,5 +158,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"study.py: error: {message}") and "\n" not in err
     assert study.main(["--config", str(tmp_path / "missing.yaml"), "--output_dir", str(out)]) == 2
-    assert capsys.readouterr().err.strip().startswith(f"study.py: error: cannot read study config {tmp_path}")
+    assert capsys.readouterr().err.strip() == f"study.py: error: cannot read study config {tmp_path / 'missing.yaml'}: " \
+                                              "No such file or directory"
     assert not out.exists() and not (tmp_path / "config" / "logs").exists()
+    # an arm directory that holds something else: refused, left as it was
+    config.write_text(yaml.safe_dump(changed), encoding="utf-8")
+    (tmp_path / "other" / "baseline").mkdir(parents=True)
+    (tmp_path / "other" / "baseline" / "notes.txt").write_text("mine\n")
+    assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "other")]) == 2
+    assert capsys.readouterr().err.strip() == f"study.py: error: arm baseline: {tmp_path / 'other' / 'baseline'} holds " \
+                                              "files but no study_arm.json (not a study arm): choose another " \
+                                              "--output_dir or remove it"
+    assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["baseline", "notes.txt"]
