@@ -45,7 +45,6 @@ from lightning_modules.probes import FeatureSpec
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
-
 BLOCK_BYTES = 64 * 2 ** 20  # a training block's float32 features at most (unless one batch is more)
 
 
