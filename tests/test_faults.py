@@ -474,6 +474,54 @@ def longest_shared(text: str, source: str) -> int:
 # The rows of docs/errors.md's tables and the tests that run each of them: bad inputs by (entry point, bad input),
 # faults by their name, each as written in the table's first cells.
 ERROR_ROW_TESTS = {
+    # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
+    ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
+        'test_trajectory.py::test_several_runs_refuse_bad_input_in_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'trajectory: two runs with one label (`--run a=X --run a=Y`, or two directories of one name unlabelled)'): [
+        'test_trajectory.py::test_several_runs_refuse_bad_input_in_one_line_and_write_nothing',
+    ],
+    ('analyze.py, probe.py, train.py', 'a gated export whose model.safetensors lacks the gates'): [
+        'test_attention_variants.py::test_a_gated_export_without_its_gate_weights_is_one_line',
+    ],
+    ('probe.py', 'a batch size or steps per block under 1'): [
+        'test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing',
+    ],
+    ('train.py', 'OutlierStatistics `anisotropy_sequences` below 2'): [
+        'test_callbacks.py::test_bad_callback_settings_are_one_line_exit_2_and_write_nothing',
+    ],
+    ('train.py', 'a clipped-softmax gamma above 0'): [
+        'test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing',
+        'test_attention_variants.py::test_settings_fill_their_defaults_and_refuse_what_is_not_theirs',
+    ],
+    ('train.py', 'a clipped-softmax zeta below 1'): [
+        'test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing',
+        'test_attention_variants.py::test_settings_fill_their_defaults_and_refuse_what_is_not_theirs',
+    ],
+    ('train.py', 'a gate probability outside (0, 1)'): [
+        'test_attention_variants.py::test_settings_fill_their_defaults_and_refuse_what_is_not_theirs',
+    ],
+    ('train.py', "a variant's parameter with another variant"): [
+        'test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing',
+        'test_attention_variants.py::test_settings_fill_their_defaults_and_refuse_what_is_not_theirs',
+    ],
+    ('train.py', 'an unknown attention variant'): [
+        'test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing',
+        'test_attention_variants.py::test_settings_fill_their_defaults_and_refuse_what_is_not_theirs',
+    ],
+    ('train.py', "fine-tuning: `--model.softdecay true` on an encoder it cannot wrap (no `encoder.layer` / `transformer.layer` list: ALBERT's shared layer groups)"): [
+        'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'fine-tuning: `--model.softdecay_alpha` outside (-1, 0) (with or without `--model.softdecay true`)'): [
+        'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'fine-tuning: `--model.softdecay_learn_alpha true` without `--model.softdecay true`'): [
+        'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'resume with another attention variant or its parameters'): [
+        'test_attention_variants.py::test_resuming_with_another_variant_is_one_line',
+        'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
+    ],
     ("train.py", "missing corpus"): ["test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("train.py", "empty corpus"): [
         "test_train.py::test_bad_input_is_one_line_exit_2_and_writes_nothing",
