@@ -395,9 +395,18 @@ def test_outliers_are_detected_by_neuron_statistics_on_the_cached_training_featu
     dm.prepare_data()
     stats = NeuronStatistics(LAYERS + 1, TINY_HIDDEN)
     stats.update(dm.stores["train"].features())  # [layers, tokens, hidden]
-    expected = detect_outliers(stats.compute())
-    assert dm.spec.outlier_dims == all_outlier_dims(expected) and 11 in dm.spec.outlier_dims
-    assert [layer.outlier_dims for layer in dm.spec.outlier_layers] == [layer.outlier_dims for layer in expected]
+    result = stats.compute()
+    expected = detect_outliers(result)
+    assert 11 in dm.spec.outlier_dims and 11 in all_outlier_dims(expected)
+    # The cache may hold the features in float16 (the memory budget decides), which can move a near-tie's argmax: the
+    # two detections agree on every dimension whose share is not within a few tokens of the 20% threshold.
+    share = torch.maximum(result.argmax_share, result.argmin_share)  # [layers, hidden]
+    near = (share - 0.2).abs() < 0.01
+    for spec_layer, layer in zip(dm.spec.outlier_layers, expected, strict=True):
+        differ = set(spec_layer.outlier_dims) ^ set(layer.outlier_dims)
+        assert all(near[layer.layer, d] for d in differ), (layer.layer, differ)
+        assert spec_layer.argmax_share == pytest.approx(layer.argmax_share, abs=0.01)
+        assert spec_layer.argmin_share == pytest.approx(layer.argmin_share, abs=0.01)
 
 
 def test_split_and_label_errors(tmp_path, bert_tok):
