@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -160,6 +161,8 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
         ax.tick_params(labelsize=7)
         if panel.get("log"):
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))  # 3.4, not 3.4 x 10^0
+            ax.yaxis.set_minor_formatter(mticker.FormatStrFormatter("%g"))
         else:
             ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
     axes.flat[0].legend(fontsize=6, ncol=2)
