@@ -139,7 +139,8 @@ class AutoWandbLogger(WandbLogger):
         attempts = [(mode, reason)] + ([("offline", "W&B did not start online")] if mode == "online" else [])
         for attempt, why in attempts:
             try:
-                run = wandb.init(**init, mode=attempt)
+                quiet = {"settings": wandb.Settings(silent=True)} if attempt == "offline" and "settings" not in init else {}
+                run = wandb.init(**init, **quiet, mode=attempt)  # offline: the one line below replaces W&B's banner
             except Exception as error:  # wandb raises many types (CommError, UsageError, timeouts)
                 warnings.warn(f"W&B could not start {attempt} ({_first_line(error)})", LoggingWarning, stacklevel=2)
                 continue

@@ -474,11 +474,15 @@ def test_without_credentials_wandb_goes_offline_with_one_line(tmp_path, monkeypa
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.delenv("WANDB_BASE_URL")
 
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # the suite's own setting: W&B's output is what is checked
     logger = AutoWandbLogger(save_dir=str(tmp_path / "run"))
     logger.log_metrics({"outliers/x": 0.5}, step=3)
     logger.finalize("success")
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("W&B:")]
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("W&B:")]
     assert len(lines) == 1 and "offline (no W&B credentials" in lines[0]
+    # nothing else: W&B's own offline banner and run summary repeat that line
+    assert not [line for line in (captured.out + captured.err).splitlines() if line.lower().startswith("wandb:")]
     (directory,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     assert lines[0].endswith(f"wandb sync {directory}")
     assert read_run(directory).values("outliers/x") == [0.5]
