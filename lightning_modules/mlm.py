@@ -267,7 +267,9 @@ class MLMModule(TrainingModule):
             self.last_val_loss = {"value": float(loss), "step": self.trainer.global_step}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The latest validation's loss and its step beside the weights (analyze.py trajectory reads it)."""
+        """The latest validation's loss and its step beside the weights (analyze.py trajectory reads it), after the
+        base class's check that no step was non-finite."""
+        super().on_save_checkpoint(checkpoint)
         if self.last_val_loss is not None:
             checkpoint["val_loss"] = dict(self.last_val_loss)
 
