@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import analyze
 from analyses.study import run_study
 from core.cli import OneLineArgumentParser
 from core.errors import UserError, plain_warnings
@@ -29,11 +30,18 @@ def build_parser() -> OneLineArgumentParser:
     return parser
 
 
+def parse_trajectory(argv: list[str]):
+    """analyze.py trajectory's own parser and checks, for the study's comparison options."""
+    args = analyze.build_parser().parse_args(argv)
+    analyze.validate(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     plain_warnings()
     args = build_parser().parse_args(argv)
     try:
-        run_study(args.config, args.output_dir, args.arms, args.max_steps)
+        run_study(args.config, args.output_dir, parse_trajectory, args.arms, args.max_steps)
     except UserError as error:
         print(f"study.py: error: {error}", file=sys.stderr)
         return 2

@@ -186,10 +186,9 @@ def check_arm_directory(arm: Arm) -> None:
                         "use another --output_dir or remove it")
 
 
-def trajectory_arguments(options: dict, output_dir: Path):
-    """analyze.py trajectory's options (parsed and validated by analyze.py itself) for the comparison."""
-    import analyze
-
+def trajectory_arguments(options: dict, output_dir: Path, parse_trajectory):
+    """analyze.py trajectory's options for the comparison, parsed and validated by analyze.py itself:
+    `parse_trajectory(argv)` is its parser plus checks (given by the entry point, study.py)."""
     argv = ["trajectory", "--run", str(output_dir), "--output_dir", str(output_dir)]
     for key, value in options.items():
         if key in ("run", "run_dir", "encoders", "output_dir"):
@@ -201,19 +200,18 @@ def trajectory_arguments(options: dict, output_dir: Path):
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            args = analyze.build_parser().parse_args(argv)
+            args = parse_trajectory(argv)
     except SystemExit:
         message = errors.getvalue().strip().splitlines()
         raise UserError(f"study trajectory options: {message[-1].split('error: ', 1)[-1] if message else argv}") \
             from None
-    analyze.validate(args)
     return args
 
 
-def plan_study(config: str | Path, output_dir: str | Path, arms: list[str] | None = None,
+def plan_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms: list[str] | None = None,
                max_steps: int | None = None, write_check: bool = True) -> tuple[dict, list[Arm], object]:
     """Everything checked, nothing written: the study, its arms (resolved by train.py's parser) and the trajectory
-    options."""
+    options (`parse_trajectory`: analyze.py's parser and checks, given by study.py)."""
     study = read_study(config)
     output_dir = Path(output_dir)
     if max_steps is not None and max_steps < 1:
@@ -232,7 +230,7 @@ def plan_study(config: str | Path, output_dir: str | Path, arms: list[str] | Non
         planned.append(Arm(name, output_dir / name, args, resolve(name, args)))
     for arm in planned:
         check_arm_directory(arm)
-    trajectory = trajectory_arguments(study["trajectory"], output_dir)
+    trajectory = trajectory_arguments(study["trajectory"], output_dir, parse_trajectory)
     if write_check:
         check_writable(output_dir)
     return study, planned, trajectory
@@ -268,7 +266,7 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     return seconds
 
 
-def run_study(config: str | Path, output_dir: str | Path, arms: list[str] | None = None,
+def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms: list[str] | None = None,
               max_steps: int | None = None) -> dict:
     """Train the arms in sequence (skipping finished ones), then compare them: <output_dir>/study.json and study.png.
     Returns study.json's content."""
@@ -276,7 +274,7 @@ def run_study(config: str | Path, output_dir: str | Path, arms: list[str] | None
     from analyses.trajectory import compare_runs
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun: every rank runs the study (train.py forms its group)
-    study, planned, trajectory = plan_study(config, output_dir, arms, max_steps, write_check=rank == 0)
+    study, planned, trajectory = plan_study(config, output_dir, parse_trajectory, arms, max_steps, write_check=rank == 0)
     for arm in planned:
         train_arm(arm, rank)
     with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
