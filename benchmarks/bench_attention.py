@@ -15,8 +15,6 @@ median ratio of process CPU times as METRIC lines.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import statistics
 import sys
 import tempfile
@@ -26,28 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import torch  # noqa: E402
 from bench_callbacks import QUICK  # noqa: E402
-from bench_regularizer import fit, mlm_args  # noqa: E402
+from bench_regularizer import fit, mlm_args, step_timing_options  # noqa: E402
 
 ARMS = ("softmax", "clipped_softmax", "gated")
 NAMES = {"clipped_softmax": "clipped_softmax_step", "gated": "gated_attention_step"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--smoke", action="store_true", help="smallest model, 2 timed steps (tests/test_bench.py)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per run")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 keeps timings stable; 0: default)")
-    args = parser.parse_args()
-    for name in ("pytorch_lightning", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    if args.quick or args.smoke:
-        args.rounds, args.steps = (1, 2) if args.smoke else (3, 15)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = step_timing_options(__doc__.split("\n\n")[0], rounds=5, quick_rounds=3,
+                               steps_help="timed optimizer steps per run")
     walls: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cpus: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:

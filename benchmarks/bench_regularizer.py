@@ -142,20 +142,28 @@ def compare(name: str, make_args, steps: int, rounds: int) -> tuple[float, dict]
     return statistics.median(ratios), {"step_s": step, "c0_s": first.seconds[0], "c0_tokens": first.tokens}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_timing_options(description: str, rounds: int, steps_help: str, quick_rounds: int):
+    """The paired step-time benchmarks' options (this script's and bench_attention's), parsed and applied: quieter
+    Lightning, --quick / --smoke sizes, the thread count."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--smoke", action="store_true", help="smallest models, 2 timed steps (tests/test_bench.py)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps of the tiny MLM (MiniLM: a third)")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=30, help=steps_help)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 keeps timings stable; 0: default)")
     args = parser.parse_args()
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if args.quick or args.smoke:
-        args.rounds, args.steps = (1, 2) if args.smoke else (2, 15)
+        args.rounds, args.steps = (1, 2) if args.smoke else (quick_rounds, 15)
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = step_timing_options(__doc__.split("\n\n")[0], rounds=3, quick_rounds=2,
+                               steps_help="timed steps of the tiny MLM (MiniLM: a third)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus, small, encoder = None, None, None
