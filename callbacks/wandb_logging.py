@@ -110,6 +110,9 @@ class AutoWandbLogger(WandbLogger):
 
     def __init__(self, name: str | None = None, save_dir: str | None = None, project: str = "positional-artefacts",
                  offline: bool = False, **kwargs: Any) -> None:
+        # LightningCLI resolves **kwargs down to wandb.init's signature and hands every one of them over, unset ones
+        # as None: dropped here, so that Lightning's defaults (resume="allow") and the quiet offline start stand
+        kwargs = {key: value for key, value in kwargs.items() if value is not None}
         super().__init__(name=name, save_dir=save_dir, project=project, **kwargs)
         self._force_offline = offline
         self._failed = False

@@ -457,7 +457,20 @@ def test_wandb_failing_mid_run_warns_once_and_training_goes_on(corpus, cache, tm
     assert steps == {0, 1}  # everything before the failure was kept, nothing after
 
 
-def test_without_credentials_wandb_goes_offline_with_one_line(tmp_path, monkeypatch, capsys):
+def logger_from_the_command_line(save_dir: str) -> AutoWandbLogger:
+    """The logger as LightningCLI builds it: jsonargparse follows **kwargs down to wandb.init's signature and hands
+    every parameter over, None where unset (settings=None, resume=None included)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(AutoWandbLogger, "logger")
+    config = parser.parse_args(["--logger.save_dir", save_dir])
+    assert "settings" in config.logger and config.logger.settings is None  # what made W&B print its banner before
+    return parser.instantiate(config).logger
+
+
+@pytest.mark.parametrize("built", ["directly", "by the command line"])
+def test_without_credentials_wandb_goes_offline_with_one_line(built, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
@@ -475,7 +488,9 @@ def test_without_credentials_wandb_goes_offline_with_one_line(tmp_path, monkeypa
     monkeypatch.delenv("WANDB_BASE_URL")
 
     monkeypatch.delenv("WANDB_SILENT", raising=False)  # the suite's own setting: W&B's output is what is checked
-    logger = AutoWandbLogger(save_dir=str(tmp_path / "run"))
+    build = AutoWandbLogger if built == "directly" else logger_from_the_command_line
+    logger = build(save_dir=str(tmp_path / "run"))
+    assert logger._wandb_init["resume"] == "allow"  # Lightning's default stands: a re-start resumes the same run
     logger.log_metrics({"outliers/x": 0.5}, step=3)
     logger.finalize("success")
     captured = capsys.readouterr()
