@@ -38,6 +38,7 @@ from torchmetrics import MeanMetric
 from core.errors import UserError
 from core.output import staged_output
 from lightning_modules.attention import attention_settings, install_attention
+from lightning_modules.encoder import quiet_transformers
 from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
     PolynomialSchedule,
     TrainingModule,
@@ -341,7 +342,7 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
     if model.config.vocab_size != module.vocab_size:  # padding rows dropped: the tokenizer's size, the same logits
         model = copy.deepcopy(model).cpu()
         model.resize_token_embeddings(module.vocab_size, mean_resizing=False)
-    with staged_output(directory, "the export") as stage:
+    with staged_output(directory, "the export") as stage, quiet_transformers():  # no bar for a one-shard write
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         umask = os.umask(0)

@@ -267,6 +267,15 @@ def test_the_export_and_the_checkpoint_rebuild_the_variant_and_its_outputs(atten
     assert (gap < 1e-4) == (attention == "softmax"), gap
 
 
+def test_the_export_draws_no_progress_bar(roberta_tok, tmp_path, capfd):
+    module = module_of("softmax", roberta_tok)
+    module.model.save_pretrained(tmp_path / "plain")
+    assert "Writing model shards" in capfd.readouterr().err  # what transformers draws on its own, for one shard
+    export(module, roberta_tok, tmp_path / "export")
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+
+
 def test_a_gated_export_without_its_gate_weights_is_one_line(roberta_tok, tmp_path):
     from safetensors.torch import load_file, save_file
 
