@@ -17,7 +17,8 @@ import torch  # noqa: E402
 
 from tests.tiny import bert_tokenizer, corpus_sentences, roberta_tokenizer  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one intra-op thread per xdist worker (`make test` runs two): the cores are shared out by the workers, not oversubscribed
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Tiny random BERT / RoBERTa / DistilBERT / ALBERT encoders and tokenizers for unit tests (CPU, seconds).
 
-    tokenizer = bert_tokenizer(tmp_path)                      # WordPiece trained on the bundled corpus
+    tokenizer = bert_tokenizer(tmp_path)                      # WordPiece vocabulary of the bundled corpus
     path = save_tiny_encoder(tmp_path / "bert", "bert", tokenizer, plant=lambda model: ...)
     port = free_port()                                        # for a 2-process gloo group
 """
@@ -27,13 +27,36 @@ def corpus_sentences(n: int = 400, start: int = 0) -> list[str]:
 
 
 def bert_tokenizer(directory: Path, vocab_size: int = 600):
-    from tokenizers import BertWordPieceTokenizer
+    """A WordPiece vocabulary of the bundled corpus built deterministically: the special tokens, every character as a
+    word start and as a continuation (##c), the most frequent pieces inside words, then the most frequent words (ties
+    by spelling). tokenizers' own WordPiece
+    trainer breaks frequency ties differently in every process (a Rust HashMap's random seed), so tests that
+    trained one saw another vocabulary, and other model outputs, on each run."""
+    from collections import Counter
+
+    from tokenizers import normalizers, pre_tokenizers
     from transformers import BertTokenizerFast
 
+    normalizer, splitter = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts = Counter(word for sentence in corpus_sentences(2000)
+                     for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(sentence)))
+    base = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted({c for word in counts for c in word}),
+            *sorted({f"##{c}" for word in counts for c in word[1:]})]
+    pieces = Counter()  # word endings of 2-4 characters (##ing, ##ed, ...): a third of the rest
+    for word, count in counts.items():
+        for size in range(2, 5):
+            for start in range(1, len(word) - size + 1):
+                pieces[f"##{word[start:start + size]}"] += count
+
+    def most_frequent(counter: Counter, n: int) -> list[str]:
+        ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))
+        return [token for token, _ in ranked if token not in base][:max(0, n)]
+
+    rest = vocab_size - len(base)
+    vocab = base + most_frequent(pieces, rest // 3)
+    vocab += most_frequent(counts, vocab_size - len(vocab))
     directory.mkdir(parents=True, exist_ok=True)
-    trainer = BertWordPieceTokenizer(lowercase=True)
-    trainer.train_from_iterator(corpus_sentences(2000), vocab_size=vocab_size, min_frequency=1)
-    trainer.save_model(str(directory))
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     return BertTokenizerFast(vocab=str(directory / "vocab.txt"), model_max_length=MAX_POSITIONS)
 
 
