@@ -12,9 +12,9 @@ venv: $(VENV)/.installed
 # torch is pinned first so that the package's own torch range is already satisfied by the CPU wheel on disk.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,demo]'
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq torch==2.13.0
+	$(PY) -m pip install -qq -e '.[dev,demo]'
 	touch $@
 
 # The main job on the embedded defaults: the outlier analysis of the packaged MiniLM on the bundled corpus, then the

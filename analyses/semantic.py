@@ -52,6 +52,10 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
                     metrics[variant.key].update(torch.tensor(done), variant.apply(a), variant.apply(b))
             for p in done:
                 del pending[p]
+    for metric in metrics.values():  # no pair scored here (this rank, or all lost): its zeros are its part of the sum
+        if not metric.update_called:
+            empty = torch.zeros(encoder.num_hidden_states, 0, encoder.hidden_size, device=encoder.device)
+            metric.update(torch.zeros(0, dtype=torch.long), empty, empty)
     return metrics, int(lost.compute()), int(truncated.compute())
 
 

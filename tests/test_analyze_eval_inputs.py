@@ -324,10 +324,12 @@ def test_original_wic_release_and_datasets_directory(tmp_path):
 def test_senteval_sts_files_and_static_vectors(tmp_path):
     (tmp_path / "STS.input.news.txt").write_text("A b.\tC d.\nE f.\tG h.\nI j.\tK l.\n", encoding="utf-8")
     (tmp_path / "STS.gs.news.txt").write_text("4.2\n\n1\n", encoding="utf-8")
-    pairs, unscored = read_sts(str(tmp_path / "STS.input.news.txt"))
+    with pytest.warns(UserWarning, match="has only 2 scored pairs: a Spearman correlation needs at least 3"):
+        pairs, unscored = read_sts(str(tmp_path / "STS.input.news.txt"))
     assert unscored == 1 and [(p.index, p.score) for p in pairs] == [(0, 4.2), (2, 1.0)]
-    pairs, _ = read_sts(str(write_sts(tmp_path / "wide.tsv", [('"Quoted," he said.', "b", 7.5), ("c", "d", 1)])),
-                        score_range=(0, 10))
+    with pytest.warns(UserWarning, match="has only 2 scored pairs"):
+        pairs, _ = read_sts(str(write_sts(tmp_path / "wide.tsv", [('"Quoted," he said.', "b", 7.5), ("c", "d", 1)])),
+                            score_range=(0, 10))
     assert [(p.sentence1, p.score) for p in pairs] == [('"Quoted," he said.', 7.5), ("c", 1.0)]
     (tmp_path / "vectors.txt").write_text("3 2\nthe 1 0\ncat 0.5 0.25\nzebra 9 9\nat home 2 3\n", encoding="utf-8")
     vectors, dim = read_static_vectors(str(tmp_path / "vectors.txt"), {"the", "cat", "dog", "at home"})

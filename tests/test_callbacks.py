@@ -739,6 +739,7 @@ class LoggerSpy(pl.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:this run stops at step 2:UserWarning")  # a resume inside the warm-up, on purpose
 def test_train_py_logs_to_offline_wandb_under_the_root_dir_by_default(corpus, cache, tmp_path):
     LoggerSpy.made.clear()
     root = tmp_path / "run"

@@ -109,8 +109,9 @@ def test_truncation_is_counted_and_warned(tmp_path, bert_tok):
 def test_batches_cover_every_sentence_once(tmp_path, bert_tok):
     encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok))
     texts = corpus_sentences(37, start=500)
-    tokens = sum(int(b.mask.sum()) for b in encoder.batches(texts, batch_size=8, max_length=64, progress=False,
-                                                            sort_buffer=2))
+    with pytest.warns(UserWarning, match=r"\d+ sentences were longer than 64 tokens and were truncated"):
+        tokens = sum(int(b.mask.sum()) for b in encoder.batches(texts, batch_size=8, max_length=64, progress=False,
+                                                                sort_buffer=2))
     assert tokens == sum(min(len(ids), 64) for ids in bert_tok(texts)["input_ids"])
 
 

@@ -254,6 +254,7 @@ def test_ckpt_path_last_reads_the_torn_last_checkpoint_of_a_run_and_names_it(str
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")  # Lightning's: the checkpoints were copied from another run
 @pytest.mark.parametrize("damage", ["torn", "missing"])
 def test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_so(straight, corpus, cache, tmp_path,
                                                                                   capsys, damage):

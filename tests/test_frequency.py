@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -133,9 +134,11 @@ def test_outliers_report_correlation_equals_a_recomputation_from_the_hidden_stat
     assert report["dims"] and (0, DIM) in [(row["layer"], row["dim"]) for row in report["dims"]]
     encoder = load_encoder(str(path), device="cpu")
     ids, hidden = [], []
-    for batch in encoder.batches(sentences, 32, None, progress=False):
-        ids += batch.input_ids[batch.mask].tolist()
-        hidden.append(batch.hidden_states[:, batch.mask].double())  # [layers, tokens, hidden]
+    with warnings.catch_warnings():  # the truncation warning: the report says it, as the analysis truncates alike
+        warnings.simplefilter("ignore", UserWarning)
+        for batch in encoder.batches(sentences, 32, None, progress=False):
+            ids += batch.input_ids[batch.mask].tolist()
+            hidden.append(batch.hidden_states[:, batch.mask].double())  # [layers, tokens, hidden]
     hidden = torch.cat(hidden, 1).numpy()
     ids = np.array(ids)
     types, type_counts = np.unique(ids, return_counts=True)

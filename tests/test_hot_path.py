@@ -181,6 +181,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_named_at_the_next_loggin
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The number of training batches")  # a 6-batch run, log_every_n_steps 50 on purpose
 def test_without_fused_adamw_a_non_finite_step_is_stopped_at_once(corpus, cache, tmp_path, capsys, monkeypatch):
     """A device without fused AdamW kernels (stood in for by an AdamW refusing fused=True): the step cannot be skipped
     on the device, so the check synchronises in that step and stops before its update, naming it."""

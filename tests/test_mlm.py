@@ -182,6 +182,7 @@ def test_streaming_resume_tokenises_one_chunk_not_the_consumed_texts(bpe, tmp_pa
         assert all(torch.equal(masked_a[k], masked_b[k]) for k in ("input_ids", "positions", "targets"))
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 3 workers on 2 cores, on purpose
 def test_streaming_with_several_workers_shards_the_texts_and_resumes_in_the_same_order(bpe, tmp_path):
     """Rank 1 of 2 with 3 loader workers: worker j packs texts 1 + 2 j, + 6, + 12, ... (each text in one shard); the
     loader hands the workers' batches on in turn. Resumed from the state after 7 consumed batches (merged batch by
@@ -350,6 +351,7 @@ def test_block_cache_key_follows_corpus_tokenizer_and_block_length_and_is_reused
     assert prepared() not in (first, edited) and len(builds) == 6
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path):
     """One Lightning step with --trainer.gradient_clip_val equals loss.backward + clip_grad_norm_ + AdamW by hand."""
     import pytorch_lightning as pl
@@ -372,7 +374,7 @@ def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path
         parameters = [p for p in twin.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         optimizer.step()
-        return twin.state_dict(), float(norm), float(loss)
+        return twin.state_dict(), float(norm), float(loss.detach())
 
     clipped, norm, loss = by_hand(clip)
     unclipped, _, _ = by_hand(float("inf"))

@@ -197,6 +197,7 @@ def test_resume_equals_straight_run(runs, corpus, cache, tmp_path, stop, legacy)
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:this run stops at step 2:UserWarning")  # a resume inside the warm-up, on purpose
 @pytest.mark.parametrize("workers", [1, 2])
 def test_streaming_run_resumes_exactly(corpus, cache, tmp_path, capsys, workers):
     """The resumed halves read through loader workers that prefetch 4 batches each: the checkpoint must hold the
@@ -392,6 +393,7 @@ class PoisonAt(pl.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The number of training batches")  # a 6-batch run, log_every_n_steps 50 on purpose
 @pytest.mark.parametrize("log_every", [1, 50])  # checked at step 5's logging step, or at the checkpoint after it
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys, log_every):
     root = tmp_path / "run"
@@ -572,6 +574,7 @@ def test_compare_outliers_prints_both_reports_side_by_side(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:--model.warmup_steps 20 does not end:UserWarning")  # the config's, cut to 5 steps
 def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseline(tmp_path):
     """configs/pretrain/tiny.yaml for 5 steps with and without PE, then probe.py's position probe on each export
     (special tokens excluded): no PE stays at the majority baseline on every layer, PE is far above it."""
