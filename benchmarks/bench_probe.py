@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import pytorch_lightning as pl  # noqa: E402
 
+from core.errors import plain_warnings  # noqa: E402
 from datamodules.probing import PositionDataModule  # noqa: E402
 from datamodules.text import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder  # noqa: E402
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    plain_warnings()  # no Lightning tip between the measurements
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     encoder = load_encoder(args.encoder or default_encoder(), device="cpu")

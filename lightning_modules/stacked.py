@@ -97,8 +97,12 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         grad_weight, grad_bias = ctx.grad_weight, ctx.grad_bias
         ctx.grad_weight = ctx.grad_bias = None  # backward runs once (no retain_graph: the graph holds no tensors)
-        return (None, grad_weight.mul_(grad).to(ctx.dtype),
-                grad_bias.mul_(grad).to(ctx.dtype) if grad_bias is not None else None, None, None)
+        # the loss itself backpropagated (grad 1): no pass over the gradient; read on CPU only (a GPU would sync)
+        if grad.is_cuda or float(grad) != 1.0:
+            grad_weight.mul_(grad)
+            grad_bias = grad_bias.mul_(grad) if grad_bias is not None else None
+        return (None, grad_weight.to(ctx.dtype), grad_bias.to(ctx.dtype) if grad_bias is not None else None, None,
+                None)
 
 
 def slot_seed(seed: int, kind: str, layer: int) -> int:

@@ -96,7 +96,8 @@ def write_lines(path, lines):
 
 @pytest.mark.parametrize("chunk_rows", [None, 5])  # the whole batch at once; chunks of 5 items (the last of 2)
 @pytest.mark.parametrize("classes, bias", [(300, False), (3, True)])
-def test_fused_cross_entropy_equals_autograd(classes, bias, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("factor", [1.0, 2.0])  # the loss itself backpropagated (no scaling pass), or a multiple
+def test_fused_cross_entropy_equals_autograd(classes, bias, chunk_rows, factor, monkeypatch):
     if chunk_rows is not None:  # chunk_elements counts padded logits: 4 slots x width columns x rows
         width = -(-classes // 64) * 64 if classes >= 64 else classes
         monkeypatch.setattr(StackedLinearCrossEntropy, "chunk_elements", 4 * width * chunk_rows)
@@ -106,10 +107,10 @@ def test_fused_cross_entropy_equals_autograd(classes, bias, chunk_rows, monkeypa
     weight = torch.randn(4, 24, classes, generator=generator).requires_grad_()
     b = torch.randn(4, classes, generator=generator).requires_grad_() if bias else None
     fused = StackedLinearCrossEntropy.apply(x, weight, b, target)
-    grads = torch.autograd.grad(2 * fused, [weight] + ([b] if bias else []))
+    grads = torch.autograd.grad(factor * fused, [weight] + ([b] if bias else []))
     logits = torch.bmm(x, weight) + (b.unsqueeze(1) if bias else 0)  # per slot mean cross-entropy, summed
     plain = sum(F.cross_entropy(logits[s], target) for s in range(4))
-    expected = torch.autograd.grad(2 * plain, [weight] + ([b] if bias else []))
+    expected = torch.autograd.grad(factor * plain, [weight] + ([b] if bias else []))
     torch.testing.assert_close(fused, plain)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want)
