@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # The main job on the embedded defaults: the outlier analysis of the packaged MiniLM on the bundled corpus, then the
-# tiny PE / no-PE pretraining comparison below (about 4 minutes on 2 CPU cores in all).
+# tiny PE / no-PE pretraining comparison below (about 7 minutes on 2 CPU cores in all, set-up included).
 demo: venv
 	$(OFFLINE) $(PY) analyze.py outliers --output_dir $(RUNS)/minilm-outliers
 	$(MAKE) --no-print-directory demo-pretrain RUNS=$(RUNS)
