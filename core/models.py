@@ -14,6 +14,7 @@ Layers follow transformers' `hidden_states`: 0 is the embedding output, l the ou
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -167,3 +168,21 @@ def short_name(source: str) -> str:
         if part not in ("model", "export", "snapshots", "checkpoints", "/"):
             return part
     return str(source)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' load report (a table on every load of a masked-LM checkpoint as a bare encoder) and its progress
+    bars (loading weights, writing a one-shard export) silenced; lightning_modules.encoder's `_warn_about_loading`
+    says what matters instead."""
+    from transformers.utils import logging
+
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()  # "Loading weights" for a few milliseconds: noise before a report or an error
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()

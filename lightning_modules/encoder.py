@@ -13,7 +13,6 @@ layer count and maximum positions are read from the model, never assumed.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import json
@@ -27,7 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from core.errors import UserError, first_line
-from core.models import model_max_length, position_embedding, short_name
+from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import local_path
 from core.tokenizers import check_tokenizer_files
 from lightning_modules.attention import install_recorded, load_pretrained
@@ -119,23 +118,6 @@ def load_failure(error: Exception, what: str) -> str:
     if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
         return f"{what}: a JSON file is truncated or corrupt ({text})"
     return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' load report (a table on every load of a masked-LM checkpoint as a bare encoder) silenced;
-    `_warn_about_loading` says what matters instead."""
-    from transformers.utils import logging
-
-    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()  # "Loading weights" for a few milliseconds: noise before a report or an error
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-        if bars:
-            logging.enable_progress_bar()
 
 
 def _warn_about_loading(source, info: Mapping) -> None:

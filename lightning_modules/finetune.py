@@ -27,14 +27,13 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from core.errors import UserError
-from core.models import model_max_length
+from core.models import model_max_length, quiet_transformers
 from core.output import staged_output, write_json
 from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import (
     check_is_encoder,
     default_encoder,
     load_failure,
-    quiet_transformers,
     resolve_model_dir,
 )
 from lightning_modules.softdecay import SoftDecayLayer, wrap

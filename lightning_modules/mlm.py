@@ -36,9 +36,9 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from core.errors import UserError
+from core.models import quiet_transformers
 from core.output import staged_output
 from lightning_modules.attention import attention_settings, install_attention
-from lightning_modules.encoder import quiet_transformers
 from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
     PolynomialSchedule,
     TrainingModule,
