@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from analyses.magnitudes import add_magnitude_arguments, check_magnitude_arguments
 from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     outliers.add_argument("--token_frequency", action="store_true",
                           help="opt-in, ours (Puccetti et al. 2022): Spearman between each token type's frequency in "
                                "the data and the mean |value| of each outlier dim over its tokens (a second pass)")
+    add_magnitude_arguments(outliers)
     anisotropy = command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 "
                          "sentences -> 1000 pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "the runs are drawn together (each labelled LABEL= or by its directory's name)")
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
+    add_magnitude_arguments(trajectory)
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
@@ -198,6 +201,7 @@ def validate(args) -> None:
         raise UserError(f"--sigma must be positive, got {args.sigma}")
     if not 0 < getattr(args, "min_share", 0.2) <= 1:
         raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
+    check_magnitude_arguments(args)
     if getattr(args, "normalize", "none") == "softdecay":
         check_softdecay_alpha(args.softdecay_alpha)
     if hasattr(args, "clip"):

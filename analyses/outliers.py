@@ -2,19 +2,23 @@
 
     python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
     python analyze.py outliers --token_frequency     # also: token frequency vs outlier magnitude (ours; Puccetti)
-    report = outliers_report(args, encoder, statistics, num_sentences, num_truncated)   # outliers.json
+    python analyze.py outliers --massive_rule sun --magnitude_rule int8 --sink_epsilon 0.3   # analyses/magnitudes.py
+    report = outliers_report(args, encoder, statistics, num_sentences, num_truncated, magnitudes)   # outliers.json
 
 The statistics come from one streamed pass (analyses.reference.reference_pass: NeuronStatistics), the rule from
 metrics/outliers.py, the origins from metrics/origins.py, the per-layer magnitudes (kurtosis, max |activation|,
-top-1 share) from NeuronStatistics, and the opt-in token-frequency correlation from metrics/frequency.py.
+top-1 share; Bondarenko et al.'s per-sequence kurtosis and inf-norm) from NeuronStatistics, massive activations,
+attention sinks and the magnitude criterion from analyses/magnitudes.py (the same pass, with eager attention for the
+sinks), and the opt-in token-frequency correlation from metrics/frequency.py.
 """
 
 from __future__ import annotations
 
+from analyses.magnitudes import Magnitudes
 from analyses.reference import number, reference_pass
 from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_truncation
 from core.errors import UserError
-from core.figures import mean_vectors_figure, position_rows_figure
+from core.figures import layer_panels_figure, mean_vectors_figure, position_rows_figure
 from core.models import position_rows
 from lightning_modules.encoder import FrozenEncoder
 from metrics.frequency import TokenDimensionMagnitude, frequency_correlation
@@ -23,18 +27,24 @@ from metrics.origins import summarise_origins, trace_origins
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
 
 
-def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tuple[NeuronStatisticsResult, int, int]:
-    """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
-    reference = reference_pass(setting_of(args, encoder), sentences, statistics=True, desc="outlier statistics")
+def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magnitudes: Magnitudes | None = None
+                       ) -> tuple[NeuronStatisticsResult, int, int]:
+    """Stream this rank's sentences through the encoder into NeuronStatistics (and `magnitudes`): (statistics,
+    sentences, truncated)."""
+    reference = reference_pass(setting_of(args, encoder), sentences, statistics=True, desc="outlier statistics",
+                               magnitudes=magnitudes)
     return reference.statistics, reference.num_sentences, reference.num_truncated
 
 
 def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
-                    num_truncated: int) -> dict:
+                    num_truncated: int, magnitudes: Magnitudes | None = None) -> dict:
+    """outliers.json; with `magnitudes`, each layer's row also holds massive_activations, attention_sinks and
+    magnitude_outliers, and the report their rules."""
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
     layers = detect_outliers(result, rule)
+    extra = magnitudes.layers() if magnitudes is not None else [{} for _ in layers]
     return {
         **run_header(args, encoder),
         "num_sentences": num_sentences,
@@ -43,7 +53,9 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
-        "layers": [{**layer.to_dict(), **magnitudes} for layer, magnitudes in zip(layers, result.magnitudes())],
+        **(magnitudes.header() if magnitudes is not None else {}),
+        "layers": [{**layer.to_dict(), **values, **more} for layer, values, more in zip(layers, result.magnitudes(),
+                                                                                         extra)],
         "persistent_dims": persistent_dims(layers),
         "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
     }
@@ -95,9 +107,40 @@ def position_rows_png(report: dict, encoder: FrozenEncoder):
                                 f"{dims or 'none'}){'; ' + note if note else ''}")
 
 
+def magnitudes_png(report: dict, encoder: FrozenEncoder):
+    """magnitudes.png: per layer, the largest peaks and the median |activation| (Sun et al.'s Figure), the kurtosis
+    per token (ours) and per sequence (Bondarenko et al.), and the attention sinks (Gu et al.) when computed."""
+    rows = report["layers"]
+    layers = [row["layer"] for row in rows]
+    shown = min(3, len(rows[0]["massive_activations"]["top"]))
+    peaks = {f"top {i + 1} peak |x|": [abs(row["massive_activations"]["top"][i]["value"]) for row in rows]
+             for i in range(shown)}
+    panels = [{"title": f"largest |activation| per dimension and the median ({report['massive_rule']['rule']} rule)",
+               "ylabel": "|activation| (log)", "layers": layers, "log": True,
+               "series": {**peaks, "median |x|": [row["massive_activations"]["median_abs"] for row in rows],
+                          f"massive from (x {report['massive_rule']['ratio']:g} median)": [
+                              report["massive_rule"]["ratio"] * row["massive_activations"]["median_abs"]
+                              for row in rows]}},
+              {"title": "kurtosis (Pearson, log)", "ylabel": "kurtosis", "layers": layers, "log": True,
+               "series": {"per token, mean (ours)": [row["kurtosis_mean"] for row in rows],
+                          "per sequence (Bondarenko et al.)": [row["kurtosis_sequence"] for row in rows]}}]
+    if report.get("attention_sinks"):
+        sinks = [row["attention_sinks"] for row in rows]
+        panels.append({"title": f"attention sinks (epsilon {report['attention_sinks']['epsilon']:g}; layer 0 has "
+                                "no attention)", "ylabel": "share / attention", "layers": layers,
+                       "series": {"share of heads that are sinks": [s and s["sink_share"] for s in sinks],
+                                  "attention on the first token": [s and s["first_token_mass"] for s in sinks],
+                                  "attention on special tokens": [s and s["special_token_mass"] for s in sinks]}})
+    return layer_panels_figure(panels, title=f"massive activations, kurtosis and attention sinks: "
+                                             f"{encoder.short_name}", columns=len(panels))
+
+
 def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: FrozenEncoder) -> dict:
-    """mean_vectors.png (Figures 1-2) and, for a model with an absolute position table, position_embeddings.png."""
+    """mean_vectors.png (Figures 1-2), magnitudes.png when the report holds them and, for a model with an absolute
+    position table, position_embeddings.png."""
     figures = {"mean_vectors.png": lambda: mean_vectors_png(report, result, encoder)}
+    if "massive_rule" in report:
+        figures["magnitudes.png"] = lambda: magnitudes_png(report, encoder)
     if position_rows(encoder.model)[0] is not None:
         figures["position_embeddings.png"] = lambda: position_rows_png(report, encoder)
     return figures
@@ -105,8 +148,9 @@ def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: Froze
 
 def run_outliers(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
-    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
-    report = outliers_report(args, encoder, result, num_sentences, num_truncated)
+    magnitudes = Magnitudes.of(args, encoder)
+    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args, magnitudes)
+    report = outliers_report(args, encoder, result, num_sentences, num_truncated, magnitudes)
     if getattr(args, "token_frequency", False):
         report["token_frequency"] = token_frequency_report(args, encoder, sentences, report["layers"])
     finish(args, rank, {"outliers.json": report}, outlier_figures(report, result, encoder))
@@ -126,6 +170,8 @@ def print_outliers(report: dict) -> None:
               f"{', '.join(map(str, layer['outlier_dims'])) or '-'}")
     print(f"persistent outlier dims (in at least half of the non-input layers 1..{report['num_layers']}): "
           f"{report['persistent_dims'] or 'none'}")
+    if "massive_rule" in report:
+        print_magnitudes(report)
     frequency = report.get("token_frequency")
     if frequency is not None:
         print(f"token frequency vs |value| of each outlier dim (Spearman over {frequency['num_types']} token types): " +
@@ -139,3 +185,22 @@ def print_outliers(report: dict) -> None:
     for dim, line in summarise_origins(origins).items():
         if dim in report["persistent_dims"]:
             print(f"  origin of {dim}: {line}")
+
+
+def print_magnitudes(report: dict) -> None:
+    """Per layer: kurtosis per token (ours) and per sequence (Bondarenko et al.), the largest peak (Sun et al.), the
+    magnitude outliers (ours) and the share of sink heads (Gu et al.)."""
+    print(f"massive: {report['massive_rule']['description']}; magnitude outliers: "
+          f"{report['magnitude_rule']['description']}")
+    print(f"{'layer':>5}  {'kurtosis tok/seq':>16}  {'peak |x|: dim @ token (pos), x median':<40} {'massive':<9} "
+          f"{'magnitude dims':<16} sinks")
+    for row in report["layers"]:
+        massive, sinks = row["massive_activations"], row["attention_sinks"]
+        peak = massive["top"][0] if massive["top"] else None
+        where = f"{abs(peak['value']):.3g}: {peak['dim']} @ {peak['token']} ({peak['position']}), {peak['ratio']}x" \
+            if peak else "-"
+        dims = ", ".join(str(entry["dim"]) for entry in row["magnitude_outliers"]["dims"]) or "-"
+        share = "-" if sinks is None else f"{sinks['sink_share']:.0%} of heads"
+        kurtosis = f"{row['kurtosis_mean']:.2f}/{row['kurtosis_sequence']:.2f}"
+        print(f"{row['layer']:>5}  {kurtosis:>16}  {where:<40} {', '.join(map(str, massive['massive_dims'][:3])) or '-':<9} "
+              f"{dims:<16} {share}")

@@ -29,6 +29,7 @@ transformed states), and the reference pass keeps SoftDecay's own token sample a
 
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 from collections.abc import Iterator
@@ -164,14 +165,15 @@ def views(batch: EncodedBatch, variants: list[Variant]) -> list[tuple[str | None
 def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = NO_CLIP, normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
                    sample: int = 0, desc: str = "reference pass", fit: str = "tokens",
-                   softdecay_alpha: float = SOFTDECAY_ALPHA) -> Reference:
+                   softdecay_alpha: float = SOFTDECAY_ALPHA, magnitudes=None) -> Reference:
     """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
     `sample` seeded random sentences (all when fewer), as far as `clip` (metrics.transforms.parse_clip), `normalize` and
     `statistics`, `covariance`, `sample` need them. `normalize` whiten / standardize is estimated from the token
     vectors (`fit="tokens"`) or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS); softdecay
     (`softdecay_alpha`) is fit on nothing, and the pass keeps the token sample and covariance of its transformed
-    states too. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number of
-    sentences."""
+    states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, attention sinks, the magnitude
+    criterion) is updated with every batch, under eager attention when it wants the sinks. Memory: fixed-size states
+    plus the [sample, layers, hidden] token sample(s), whatever the number of sentences."""
     if fit not in ("tokens", "sentences"):
         raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
     encoder = setting.encoder
@@ -188,10 +190,13 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     tokens = {key: TokenSample(len(chosen), layers, hidden).to(device) for key in groups} if sample else {}
     moments = {key: Covariance(layers, hidden).to(device) for key in groups[1:]} if cov is not None else {}
     counted, truncated = counter(device), counter(device)
-    encode = stats is not None or cov is not None or pooled is not None or bool(tokens)
-    if encode:
-        for batch in setting.batches(sentences, desc=desc):
+    encode = stats is not None or cov is not None or pooled is not None or bool(tokens) or magnitudes is not None
+    attention = magnitudes is not None and magnitudes.sinks is not None
+    with encoder.attention_weights() if attention else contextlib.nullcontext():
+        for batch in setting.batches(sentences, desc=desc) if encode else ():
             rows = batch.rows
+            if magnitudes is not None:
+                magnitudes.update(batch)
             if stats is not None:
                 stats.update(batch.hidden_states, batch.mask)
             if cov is not None:

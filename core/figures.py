@@ -117,7 +117,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     """Per-layer curves in side-by-side panels (the paper's Figure 6: before / after clipping).
 
     Each panel: {"title", "ylabel", "layers": [..], "series": {name: [value per layer, None for missing]},
-    "baselines": {name: value} (optional, dashed)}.
+    "baselines": {name: value} (optional, dashed)}, optionally "log": True (a log y axis).
     """
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
@@ -134,6 +134,8 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.set_xticks(layers)
         ax.tick_params(labelsize=7)
+        if panel.get("log"):
+            ax.set_yscale("log")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

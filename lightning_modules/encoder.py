@@ -6,6 +6,8 @@
         batch.mask                                           # [batch, seq] bool: the tokens that count
         batch.rows                                           # each row's index in `texts` (batches sorted by length)
     twin = random_encoder(encoder, seed=0)                   # the same architecture, randomly initialised
+    with encoder.attention_weights():                        # eager attention; each batch also holds
+        batch.attention_mass                                 # [layers 1..L, batch, heads, seq] (metrics/sinks.py)
 
 Layers follow transformers' `hidden_states`: 0 is the embedding output, 1..L the transformer layers. Hidden size,
 layer count and maximum positions are read from the model, never assumed.
@@ -13,6 +15,7 @@ layer count and maximum positions are read from the model, never assumed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
@@ -29,7 +32,8 @@ from core.errors import UserError, first_line
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import local_path
 from core.tokenizers import check_tokenizer_files
-from lightning_modules.attention import install_recorded, load_pretrained
+from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
+from metrics.sinks import key_attention
 
 Span = tuple[int, int]
 
@@ -43,6 +47,8 @@ class EncodedBatch:
     num_truncated: int = 0  # sentences in this batch cut to the maximum length
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
+    attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
+    # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
 
 
 def resolve_model_dir(source: str | Path) -> str:
@@ -172,6 +178,7 @@ class FrozenEncoder(nn.Module):
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         if "output_hidden_states" not in parameters and not takes_kwargs:
             raise UserError(f"{name} cannot return hidden states (its forward takes no output_hidden_states)")
+        self._attention = False  # within attention_weights()
         self.train(False)
 
     @property
@@ -193,13 +200,43 @@ class FrozenEncoder(nn.Module):
         inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
         if token_type_ids is not None and "token_type_ids" in self._forward_keys:
             inputs["token_type_ids"] = token_type_ids.to(device)
+        if self._attention:
+            inputs["output_attentions"] = True
         output = self.model(**inputs, output_hidden_states=True, return_dict=True)
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
         mask = inputs["attention_mask"].bool()
         if self.exclude_special and special_tokens_mask is not None:
             mask &= ~special_tokens_mask.to(device).bool()
-        return EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"])
+        batch = EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"])
+        if self._attention:
+            attentions = getattr(output, "attentions", None)
+            if not attentions or any(weights is None for weights in attentions):
+                raise UserError(f"{self.name} returns no attention weights (its attention implementation "
+                                f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none)")
+            batch.attention_mass = torch.stack([key_attention(weights, mask) for weights in attentions])
+        return batch
+
+    @contextlib.contextmanager
+    def attention_weights(self):
+        """Within: every batch also holds `attention_mass` (EncodedBatch), from the model's own attention
+        probabilities (output_attentions). SDPA and flash attention compute none, so the model runs with transformers'
+        eager attention meanwhile (the same softmax(q k^T / sqrt(d) + mask); hidden states equal SDPA's within float
+        rounding, tested); an implementation that returns its weights (eager, this project's clipped softmax) is kept.
+        The implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every
+        layer at once, [layers, batch, heads, seq, seq]."""
+        config = self.model.config
+        previous = getattr(config, "_attn_implementation", None)
+        switch = previous not in (None, "eager", CLIPPED)
+        if switch:
+            self.model.set_attn_implementation("eager")
+        self._attention = True
+        try:
+            yield self
+        finally:
+            self._attention = False
+            if switch:
+                self.model.set_attn_implementation(previous)
 
     def tokenize(self, texts: Sequence[str], max_length: int | None = None, offsets: bool = False
                  ) -> tuple[dict, int]:

@@ -4,6 +4,7 @@
     stats.update(hidden_states, mask)      # hidden_states [layers, batch, seq, hidden], mask [batch, seq]
     result = stats.compute()               # NeuronStatisticsResult: mean, var, max_abs, argmax/argmin counts
     result.kurtosis_mean, result.kurtosis_max, result.layer_max_abs, result.top1_share_mean   # [layers] each
+    result.kurtosis_sequence, result.inf_norm_sequence    # [layers]: Bondarenko et al.'s, per sequence, averaged
 
 Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
 (smallest) component on the dimension (the paper's outlier rule reads these). Per token vector x (its `hidden`
@@ -17,6 +18,19 @@ components), averaged (or maximised) over the tokens of a layer, the outlier mag
     top-1 share  max_i x_i^2 / sum_i x_i^2: the share of the token's squared norm on its largest component (0 for a
                zero vector); mean over tokens.
 
+Per sequence (each [batch, seq, hidden] row's counted tokens, flattened into one vector of tokens x hidden values),
+averaged over the sequences, exactly as Bondarenko et al.'s code computes them (outlier-free-transformers,
+validate_mlm.py and transformers_language/utils.py: `kurtosis(x)` on `x.view(batch, -1)`, `x.norm(dim=1, p=inf)`, each
+averaged over sequences with an AverageMeter):
+
+    kurtosis_sequence   mu4 / (s^4 + 1e-6), mu4 = mean (x - mean(x))^4 and s torch's default std (Bessel's n - 1) over
+                        the sequence's values: Pearson's kurtosis (not excess), their eps included
+    inf_norm_sequence   the sequence's max |x|
+
+Their sequences are packed blocks of 128 tokens without padding; ours are sentences, so padding is left out (our
+choice; theirs has none to leave out). Only [layers, batch, seq, hidden] input has sequences: [layers, tokens, hidden]
+input leaves these two unset (None).
+
 Every state is a fixed-size tensor reduced by sum or max, so memory does not grow with the number of tokens and
 the result is exact under DDP (torchmetrics syncs the states before `compute`).
 """
@@ -28,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+BONDARENKO_EPS = 1e-6  # their kurtosis(x, eps=1e-6): mu4 / (s^4 + eps)
 
 
 @dataclass
@@ -41,6 +57,9 @@ class NeuronStatisticsResult:
     kurtosis_sum: Tensor | None = None  # [layers]: sum over tokens of each token vector's Pearson kurtosis
     kurtosis_max: Tensor | None = None  # [layers]: its maximum over tokens
     top1_share_sum: Tensor | None = None  # [layers]: sum over tokens of max_i x_i^2 / |x|^2
+    num_sequences: int = 0  # sequences with a counted token (4-d input only)
+    kurtosis_sequence_sum: Tensor | None = None  # [layers]: sum over sequences of Bondarenko et al.'s kurtosis
+    inf_norm_sequence_sum: Tensor | None = None  # [layers]: sum over sequences of the sequence's max |x|
 
     @property
     def kurtosis_mean(self) -> Tensor:  # [layers], mean over counted tokens
@@ -51,15 +70,25 @@ class NeuronStatisticsResult:
         return self.top1_share_sum / max(self.num_tokens, 1)
 
     @property
+    def kurtosis_sequence(self) -> Tensor | None:  # [layers], mean over sequences (None without sequences)
+        return None if not self.num_sequences else self.kurtosis_sequence_sum / self.num_sequences
+
+    @property
+    def inf_norm_sequence(self) -> Tensor | None:  # [layers], mean over sequences (None without sequences)
+        return None if not self.num_sequences else self.inf_norm_sequence_sum / self.num_sequences
+
+    @property
     def layer_max_abs(self) -> Tensor:  # [layers]: the infinity-norm of the layer's activations, over every token
         return self.max_abs.amax(-1)
 
     def magnitudes(self) -> list[dict[str, float]]:
-        """Per layer, the report keys of the outlier magnitudes: kurtosis_mean, kurtosis_max (Pearson, not excess),
-        max_abs (the layer's infinity-norm) and top1_share (mean over tokens)."""
+        """Per layer, the report keys of the outlier magnitudes: kurtosis_mean, kurtosis_max (Pearson, not excess, of
+        each token vector: ours), max_abs (the layer's infinity-norm), top1_share (mean over tokens), and Bondarenko et
+        al.'s kurtosis_sequence and inf_norm_sequence (None without sequences)."""
         columns = {"kurtosis_mean": self.kurtosis_mean, "kurtosis_max": self.kurtosis_max,
-                   "max_abs": self.layer_max_abs, "top1_share": self.top1_share_mean}
-        return [{key: round(float(values[layer]), 6) for key, values in columns.items()}
+                   "max_abs": self.layer_max_abs, "top1_share": self.top1_share_mean,
+                   "kurtosis_sequence": self.kurtosis_sequence, "inf_norm_sequence": self.inf_norm_sequence}
+        return [{key: None if values is None else round(float(values[layer]), 6) for key, values in columns.items()}
                 for layer in range(self.mean.shape[0])]
 
     @property
@@ -92,10 +121,14 @@ class NeuronStatistics(Metric):
         self.add_state("kurtosis_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("kurtosis_max", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="max")
         self.add_state("top1_share_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("num_sequences", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("kurtosis_sequence_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("inf_norm_sequence_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, hidden_states: Tensor, mask: Tensor | None = None) -> None:
         """hidden_states [layers, batch, seq, hidden] (or [layers, tokens, hidden]); mask [batch, seq] bool."""
         if hidden_states.dim() == 4:
+            self._update_sequences(hidden_states, mask)
             tokens = hidden_states[:, mask.bool()] if mask is not None else hidden_states.flatten(1, 2)
         elif hidden_states.dim() == 3:
             tokens = hidden_states
@@ -135,6 +168,28 @@ class NeuronStatistics(Metric):
         top_sq = torch.maximum(largest.double().pow(2), smallest.double().pow(2))
         self.top1_share_sum += torch.where(norm_sq > 0, top_sq / norm_sq.clamp_min(1e-300), 0.0).clamp_(max=1).sum(1)
 
+    def _update_sequences(self, hidden_states: Tensor, mask: Tensor | None) -> None:
+        """Bondarenko et al.'s per-sequence kurtosis and inf-norm (module docstring) of each row of hidden_states
+        [layers, batch, seq, hidden] over its counted tokens (mask [batch, seq]); rows without a token are skipped."""
+        if hidden_states.shape[0] != self.num_layers or hidden_states.shape[-1] != self.hidden_size:
+            return  # update() names the mismatch
+        values = hidden_states.float()
+        weight = (mask.float() if mask is not None else values.new_ones(values.shape[1:3]))[None, :, :, None]
+        count = weight.sum((2, 3), dtype=torch.float64) * self.hidden_size  # [1, batch]: values per sequence
+        kept = count[0] > 0
+        if not kept.any():
+            return
+        mean = (values * weight).sum((2, 3), dtype=torch.float64) / count.clamp_min(1)  # [layers, batch]
+        squares = (values - mean.float()[..., None, None]).mul_(weight).pow_(2)
+        m2 = squares.sum((2, 3), dtype=torch.float64)
+        mu4 = squares.pow_(2).sum((2, 3), dtype=torch.float64) / count.clamp_min(1)
+        std4 = (m2 / (count - 1).clamp_min(1)).pow(2)  # s^4, s with Bessel's correction (torch.std's default)
+        kurtosis = mu4 / (std4 + BONDARENKO_EPS)
+        inf_norm = values.abs().mul_(weight).amax((2, 3)).double()  # [layers, batch]
+        self.num_sequences += kept.sum()
+        self.kurtosis_sequence_sum += kurtosis[:, kept].sum(1)
+        self.inf_norm_sequence_sum += inf_norm[:, kept].sum(1)
+
     def compute(self) -> NeuronStatisticsResult:
         count = self.count.clamp_min(1)
         mean = self.sum / count
@@ -149,4 +204,7 @@ class NeuronStatistics(Metric):
             kurtosis_sum=self.kurtosis_sum.clone(),
             kurtosis_max=self.kurtosis_max.clone(),
             top1_share_sum=self.top1_share_sum.clone(),
+            num_sequences=int(self.num_sequences.item()),
+            kurtosis_sequence_sum=self.kurtosis_sequence_sum.clone(),
+            inf_norm_sequence_sum=self.inf_norm_sequence_sum.clone(),
         )
