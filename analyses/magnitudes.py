@@ -1,16 +1,20 @@
 """Per-layer magnitudes beyond the paper, for `analyze.py outliers` and `trajectory`: massive activations (Sun et al.
 2024), attention sinks (Gu et al. 2025) and the magnitude criterion for outlier dimensions (ours; LLM.int8's fixed
-threshold as an option), taken in the outlier statistics' own reference pass.
+threshold as an option), taken in the outlier statistics' own reference pass, and the sinks in a pass of their own with eager attention.
 
     python analyze.py outliers --massive_rule sun --sink_epsilon 0.5 --magnitude_rule int8
-    python analyze.py outliers --no_attention_sinks          # the pass keeps SDPA attention: no attention weights
+    python analyze.py outliers --no_attention_sinks          # no attention pass (attention_sinks: null)
     magnitudes = Magnitudes.of(args, encoder)                 # the metrics, on the encoder's device
     reference_pass(setting, sentences, statistics=True, magnitudes=magnitudes)   # updated batch by batch
+    magnitudes.attention_pass(setting, sentences)             # the sinks: one more pass, eager attention
     magnitudes.layers()       # per layer {"massive_activations", "attention_sinks", "magnitude_outliers"}
 
 The metrics are metrics/massive.py, metrics/sinks.py and metrics/magnitude.py (sum / max / merged fixed-size states:
-exact under DDP). Attention weights come from the model's own attention, run eagerly for the pass
-(FrozenEncoder.attention_weights), only when the sinks are asked for.
+exact under DDP). Attention weights come from the model's own attention (output_attentions), which SDPA does not
+return: the sinks' pass runs the model with transformers' eager attention (FrozenEncoder.attention_weights) and the
+model is restored afterwards, so every other statistic still comes from the SDPA pass, unchanged (eager's hidden states
+differ from SDPA's by float rounding, 2e-4 on MiniLM's activations of up to 10). The pass costs about one more
+forward over the sentences, only when the sinks are asked for (the default in `outliers` and `trajectory`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from metrics.massive import MassiveActivations, MassiveRule
 from metrics.sinks import EPSILON, AttentionSinks
 
 TOP_K = 5
+QUERIES = "the counted tokens (padding never; special tokens unless --exclude_special)"
 MARKERS = ("##", "Ġ", "▁", "Ċ")  # subword markers stripped before the punctuation test (WordPiece, byte-level BPE, spm)
 
 
@@ -50,8 +55,8 @@ def add_magnitude_arguments(parser) -> None:
                         help=f"attention sinks (Gu et al. 2025): a head is a sink when the first token gets more than "
                              f"this of the attention, averaged over queries (default {EPSILON:g}, theirs)")
     parser.add_argument("--no_attention_sinks", action="store_true",
-                        help="skip the attention sinks (the pass then keeps the model's SDPA attention; default: "
-                             "computed, with eager attention for the pass)")
+                        help="skip the attention sinks and their pass (default: computed, in one more pass over the "
+                             "sentences with eager attention)")
     parser.add_argument("--magnitude_rule", choices=MAGNITUDE_RULES, default="rms",
                         help="magnitude outliers: rms (default, ours: |x_d| > --magnitude_threshold x the token's "
                              "RMS) or int8 (LLM.int8, Dettmers et al. 2022: |x_d| >= --magnitude_threshold), in at "
@@ -80,6 +85,15 @@ def check_magnitude_arguments(args) -> None:
         raise UserError(f"--sink_epsilon must lie in [0, 1), got {args.sink_epsilon}")
     if args.magnitude_share is not None and not 0 < args.magnitude_share <= 1:
         raise UserError(f"--magnitude_share must lie in (0, 1], got {args.magnitude_share}")
+
+
+def rules_of(args) -> dict:
+    """The rules the options ask for, as a report's header holds them (without an encoder: trajectories)."""
+    return {"massive_rule": MassiveRule(args.massive_rule, args.massive_ratio, args.massive_min).to_dict(),
+            "magnitude_rule": MagnitudeRule(args.magnitude_rule, args.magnitude_threshold,
+                                            args.magnitude_share).to_dict(),
+            "attention_sinks": None if args.no_attention_sinks else {"epsilon": args.sink_epsilon,
+                                                                     "queries": QUERIES}}
 
 
 def token_kind(tokenizer, token_id: int, position: int) -> dict:
@@ -131,14 +145,21 @@ class Magnitudes:
     def update(self, batch: EncodedBatch) -> None:
         self.massive.update(batch.hidden_states, batch.mask, batch.input_ids)
         self.counts.update(batch.hidden_states, batch.mask)
-        if self.sinks is not None:
-            self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
+
+    def attention_pass(self, setting, sentences: list[str]) -> None:
+        """The attention sinks of this rank's shard of `sentences` (analyses.reference.Setting), a pass with eager
+        attention; nothing without the sinks."""
+        if self.sinks is None:
+            return
+        with self.encoder.attention_weights():
+            for batch in setting.batches(sentences, desc="attention sinks"):
+                self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
 
     def header(self) -> dict:
         """The rules, once per report."""
         return {"massive_rule": self.massive_rule.to_dict(), "magnitude_rule": self.magnitude_rule.to_dict(),
                 "attention_sinks": None if self.sinks is None else {
-                    "epsilon": self.sinks.epsilon, "queries": "the counted tokens (padding never)",
+                    "epsilon": self.sinks.epsilon, "queries": QUERIES,
                     "special_tokens": self.encoder.tokenizer.convert_ids_to_tokens(self.special_ids)}}
 
     def layers(self) -> list[dict]:

@@ -8,8 +8,8 @@
 The statistics come from one streamed pass (analyses.reference.reference_pass: NeuronStatistics), the rule from
 metrics/outliers.py, the origins from metrics/origins.py, the per-layer magnitudes (kurtosis, max |activation|,
 top-1 share; Bondarenko et al.'s per-sequence kurtosis and inf-norm) from NeuronStatistics, massive activations,
-attention sinks and the magnitude criterion from analyses/magnitudes.py (the same pass, with eager attention for the
-sinks), and the opt-in token-frequency correlation from metrics/frequency.py.
+attention sinks and the magnitude criterion from analyses/magnitudes.py (the same pass; the sinks in one more, with
+eager attention), and the opt-in token-frequency correlation from metrics/frequency.py.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magni
                        ) -> tuple[NeuronStatisticsResult, int, int]:
     """Stream this rank's sentences through the encoder into NeuronStatistics (and `magnitudes`): (statistics,
     sentences, truncated)."""
-    reference = reference_pass(setting_of(args, encoder), sentences, statistics=True, desc="outlier statistics",
-                               magnitudes=magnitudes)
+    setting = setting_of(args, encoder)
+    reference = reference_pass(setting, sentences, statistics=True, desc="outlier statistics", magnitudes=magnitudes)
+    if magnitudes is not None:
+        magnitudes.attention_pass(setting, sentences)
     return reference.statistics, reference.num_sentences, reference.num_truncated
 
 

@@ -29,7 +29,6 @@ transformed states), and the reference pass keeps SoftDecay's own token sample a
 
 from __future__ import annotations
 
-import contextlib
 import random
 import warnings
 from collections.abc import Iterator
@@ -171,9 +170,9 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     `statistics`, `covariance`, `sample` need them. `normalize` whiten / standardize is estimated from the token
     vectors (`fit="tokens"`) or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS); softdecay
     (`softdecay_alpha`) is fit on nothing, and the pass keeps the token sample and covariance of its transformed
-    states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, attention sinks, the magnitude
-    criterion) is updated with every batch, under eager attention when it wants the sinks. Memory: fixed-size states
-    plus the [sample, layers, hidden] token sample(s), whatever the number of sentences."""
+    states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, the magnitude criterion) is updated
+    with every batch. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number
+    of sentences."""
     if fit not in ("tokens", "sentences"):
         raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
     encoder = setting.encoder
@@ -191,9 +190,8 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     moments = {key: Covariance(layers, hidden).to(device) for key in groups[1:]} if cov is not None else {}
     counted, truncated = counter(device), counter(device)
     encode = stats is not None or cov is not None or pooled is not None or bool(tokens) or magnitudes is not None
-    attention = magnitudes is not None and magnitudes.sinks is not None
-    with encoder.attention_weights() if attention else contextlib.nullcontext():
-        for batch in setting.batches(sentences, desc=desc) if encode else ():
+    if encode:
+        for batch in setting.batches(sentences, desc=desc):
             rows = batch.rows
             if magnitudes is not None:
                 magnitudes.update(batch)

@@ -13,7 +13,9 @@ Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the pap
 sentences; one encoder is resident at a time (loaded, analysed, released), so the peak memory is that of one
 analysis whatever the number of checkpoints. Checkpoints are read weights-only (lightning_modules/checkpoints.py).
 Per layer, each point also holds the outlier magnitudes of NeuronStatistics (kurtosis_mean, kurtosis_max, max_abs,
-top1_share), and each point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when
+top1_share; Bondarenko et al.'s kurtosis_sequence, inf_norm_sequence) and of analyses/magnitudes.py (massive_activations,
+attention_sinks, magnitude_outliers, as in outliers.json; the sinks in one more pass with eager attention, unless
+--no_attention_sinks), and each point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when
 none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's name) are analysed on the
 same sentences and written together: one JSON holding each run's own trajectory report, one figure with the runs as
 lines (compare_runs).
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from analyses.geometry import minibatch_isoscores, pair_anisotropy
+from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
 from core.errors import UserError
@@ -124,12 +127,15 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     args.encoder = point.source
     encoder = collectively(lambda: open_encoder(args))
     setting = setting_of(args, encoder, rank, world)
+    magnitudes = Magnitudes.of(args, encoder)
     reference = reference_pass(setting, sentences, rule=OutlierRule(args.min_share, args.sigma), statistics=True,
-                               covariance=True, sample=2 * args.num_pairs, desc=f"step {point.step}")
+                               covariance=True, sample=2 * args.num_pairs, desc=f"step {point.step}",
+                               magnitudes=magnitudes)
+    magnitudes.attention_pass(setting, sentences)
     if reference.statistics.num_tokens == 0:
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     layers = detect_outliers(reference.statistics, OutlierRule(args.min_share, args.sigma))
-    magnitudes = reference.statistics.magnitudes()
+    statistics, more = reference.statistics.magnitudes(), magnitudes.layers()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
@@ -139,11 +145,11 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
               "num_truncated": reference.num_truncated, "num_pairs": pairs, "num_minibatches": batches,
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, **magnitudes[layer.layer],
+                          "outlier_dims": layer.outlier_dims, **statistics[layer.layer], **more[layer.layer],
                           "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
     max_length = args.max_length or encoder.max_length
-    del encoder, setting, reference  # one encoder resident at a time
+    del encoder, setting, reference, magnitudes  # one encoder resident at a time
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -193,6 +199,10 @@ def trajectory_of(args, points: list[Point], sentences: list[str], rank: int, wo
             "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,
             "minibatch_tokens": args.minibatch, "anisotropy": "raw: mean cosine of random token pairs",
             "kurtosis": "Pearson (not excess) kurtosis of each token vector's components: mean and max over tokens",
+            "kurtosis_sequence": "Bondarenko et al.'s: the kurtosis of each sequence's flattened tokens x hidden values "
+                                 "(mu4 / (s^4 + 1e-6)), averaged over sequences; inf_norm_sequence: each sequence's max "
+                                 "|x|, averaged",
+            **rules_of(args),
             "checkpoints": checkpoints}
 
 

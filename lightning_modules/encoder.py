@@ -221,8 +221,8 @@ class FrozenEncoder(nn.Module):
     def attention_weights(self):
         """Within: every batch also holds `attention_mass` (EncodedBatch), from the model's own attention
         probabilities (output_attentions). SDPA and flash attention compute none, so the model runs with transformers'
-        eager attention meanwhile (the same softmax(q k^T / sqrt(d) + mask); hidden states equal SDPA's within float
-        rounding, tested); an implementation that returns its weights (eager, this project's clipped softmax) is kept.
+        eager attention meanwhile (the same softmax(q k^T / sqrt(d) + mask); its hidden states differ from SDPA's by
+        float rounding); an implementation that returns its weights (eager, this project's clipped softmax) is kept.
         The implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every
         layer at once, [layers, batch, heads, seq, seq]."""
         config = self.model.config
