@@ -109,7 +109,7 @@ def test_state_size_does_not_grow_with_tokens():
     for hidden, mask in random_batches(1, n=6):
         metric.update(hidden, mask)
         sizes.append(sum(state.numel() for state in metric.metric_state.values()))
-    assert len(set(sizes)) == 1 and sizes[0] == 1 + 5 * LAYERS * HIDDEN + 3 * LAYERS
+    assert len(set(sizes)) == 1 and sizes[0] == 1 + 5 * LAYERS * HIDDEN + 3 * LAYERS + 1 + 2 * LAYERS  # + sequences
 
 
 def test_rejects_mismatched_shapes():

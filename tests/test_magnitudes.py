@@ -1,0 +1,259 @@
+"""Bondarenko et al.'s per-sequence kurtosis and inf-norm, massive activations (Sun et al.), the magnitude criterion
+(ours) and attention sinks (Gu et al.), each against a computation made another way: scipy and their own formula on
+flattened sequences, planted values, Gaussian noise, attention weights read off a tiny model by hand; and DDP with 2
+processes equal to 1."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from metrics.magnitude import MagnitudeCounts, MagnitudeRule
+from metrics.massive import MassiveActivations, MassiveRule, histogram_quantile
+from metrics.neuron_stats import BONDARENKO_EPS, NeuronStatistics
+from metrics.outliers import OutlierRule, detect_outliers
+from metrics.sinks import AttentionSinks, attention_key_mass, key_attention
+from tests.tiny import free_port
+
+LAYERS, HIDDEN = 3, 24
+
+
+def ragged_batches(seed: int, n: int = 4):
+    """[layers, batch, seq, hidden] with ragged masks (a row without any token too), one dimension planted large."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for index in range(n):
+        batch, seq = 5, int(torch.randint(3, 9, (1,), generator=generator))
+        hidden = torch.randn(LAYERS, batch, seq, HIDDEN, generator=generator)
+        hidden[:, :, :, 7] += 6.0 * torch.rand(LAYERS, batch, seq, generator=generator)
+        mask = torch.rand(batch, seq, generator=generator) > 0.3
+        mask[:, 0] = True
+        if index == 1:
+            mask[2] = False  # a sequence without a counted token: not a sequence of the average
+        ids = torch.randint(5, 100, (batch, seq), generator=generator)
+        batches.append((hidden, mask, ids))
+    return batches
+
+
+def their_kurtosis(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers_language/utils.py of outlier-free-transformers, verbatim: x (B, d)."""
+    mu = x.mean(dim=1, keepdims=True)
+    s = x.std(dim=1)
+    mu4 = ((x - mu) ** 4.0).mean(dim=1)
+    return mu4 / (s ** 4.0 + eps)
+
+
+def direct_sequences(batches):
+    """Per layer, over the sequences with a token: the mean of scipy's kurtosis of the flattened tokens x hidden
+    values turned into theirs (m4 / (s^4 + eps), s with n - 1), the same from their own function, and the mean max |x|."""
+    scipy_based, theirs, inf = [], [], []
+    for hidden, mask, _ in batches:
+        for row in range(mask.shape[0]):
+            if not mask[row].any():
+                continue
+            values = hidden[:, row, mask[row]].flatten(1).double()  # [layers, tokens * hidden]
+            n = values.shape[1]
+            pearson = scipy.stats.kurtosis(values.numpy(), axis=1, fisher=False, bias=True)  # m4 / m2^2
+            m2 = values.var(1, unbiased=False).numpy()
+            scipy_based.append(pearson * m2 ** 2 / ((m2 * n / (n - 1)) ** 2 + BONDARENKO_EPS))
+            theirs.append(their_kurtosis(values).numpy())
+            inf.append(values.abs().amax(1).numpy())
+    return np.mean(scipy_based, 0), np.mean(theirs, 0), np.mean(inf, 0), len(inf)
+
+
+def test_bondarenko_kurtosis_and_inf_norm_equal_scipy_and_their_code_on_flattened_sequences():
+    batches = ragged_batches(0)
+    metric = NeuronStatistics(LAYERS, HIDDEN)
+    for hidden, mask, _ in batches:
+        metric.update(hidden, mask)
+    result = metric.compute()
+    by_scipy, by_theirs, inf, count = direct_sequences(batches)
+    assert result.num_sequences == count == sum(int(m.any(1).sum()) for _, m, _ in batches)
+    np.testing.assert_allclose(result.kurtosis_sequence.numpy(), by_scipy, rtol=1e-5)
+    np.testing.assert_allclose(result.kurtosis_sequence.numpy(), by_theirs, rtol=1e-5)
+    np.testing.assert_allclose(result.inf_norm_sequence.numpy(), inf, rtol=1e-6)
+    rows = result.magnitudes()
+    assert rows[1]["kurtosis_sequence"] == pytest.approx(by_scipy[1], rel=1e-5)
+    # [layers, tokens, hidden] input has no sequences: the keys are None, the per-token ones still there
+    flat = NeuronStatistics(LAYERS, HIDDEN)
+    flat.update(batches[0][0].flatten(1, 2))
+    assert flat.compute().magnitudes()[0]["kurtosis_sequence"] is None
+    assert flat.compute().magnitudes()[0]["kurtosis_mean"] is not None
+
+
+def test_massive_activation_planted_is_found_with_its_dimension_position_token_and_ratio():
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(LAYERS, 6, 10, HIDDEN, generator=generator)
+    mask = torch.ones(6, 10, dtype=torch.bool)
+    mask[4, 7:] = False
+    ids = torch.randint(5, 90, (6, 10), generator=generator)
+    hidden[1, 3, 4, 5] = -500.0  # layer 1, sequence 3, position 4, dimension 5
+    hidden[2, 4, 8, 6] = 1e4  # padding: never counted
+    metric = MassiveActivations(LAYERS, HIDDEN)
+    metric.update(hidden[:, :3], mask[:3], ids[:3])
+    metric.update(hidden[:, 3:], mask[3:], ids[3:])
+    result = metric.compute()
+    top = int(result.top(1)[1, 0])
+    assert top == 5 and result.peak_value[1, 5] == -500.0
+    assert int(result.peak_position[1, 5]) == 4 and int(result.peak_token[1, 5]) == int(ids[3, 4])
+    assert float(result.peak_abs[2].max()) < 10  # the padded 1e4 was not counted
+    exact = hidden[:, mask].abs().flatten(1).median(1).values.double()
+    np.testing.assert_allclose(result.median.numpy(), exact.numpy(), rtol=0.019)  # the histogram's resolution
+    assert result.num_values == int(mask.sum()) * HIDDEN
+    ratio = 500 / float(result.median[1])
+    assert MassiveRule().passes(-500.0, float(result.median[1])) and ratio > 20
+    assert not MassiveRule().passes(float(result.peak_abs[0].max()), float(result.median[0]))  # Gaussian: ~ 5 / 0.67
+    assert not MassiveRule("sun").passes(-500.0, float(result.median[1]))  # 500 / 0.67 < 1000
+    assert MassiveRule("sun", ratio=500).passes(-500.0, float(result.median[1]))
+    assert not MassiveRule("sun", ratio=500, min_abs=600).passes(-500.0, float(result.median[1]))
+
+
+def test_histogram_median_within_its_resolution_at_any_scale():
+    generator = torch.Generator().manual_seed(2)
+    for scale in (1e-4, 1.0, 3e3):
+        values = (torch.randn(1, 4, 50, 16, generator=generator) * scale)
+        metric = MassiveActivations(1, 16)
+        metric.update(values)
+        exact = float(values.abs().flatten().median())
+        assert float(metric.compute().median[0]) == pytest.approx(exact, rel=0.019)
+    empty = torch.zeros(2, 770, dtype=torch.long)
+    assert torch.isnan(histogram_quantile(empty, 0.5)).all()
+
+
+def gaussian_tokens(seed: int, tokens: int = 17000, hidden: int = 128) -> torch.Tensor:
+    return torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def test_magnitude_criterion_finds_a_planted_outlier_and_nothing_in_gaussian_noise():
+    rule = MagnitudeRule()
+    noise = gaussian_tokens(3)
+    counts = MagnitudeCounts(1, 128, rule)
+    counts.update(noise)
+    assert rule.outliers(*counts.compute()) == [[]]  # 128-dim Gaussian token vectors: no dimension passes
+    planted = noise.clone()
+    planted[0, :10200, 41] += -8.0  # a real outlier, far out in 60% of the tokens (MiniLM's 223: 41-69%)
+    counts = MagnitudeCounts(1, 128, rule)
+    counts.update(planted[:, :9000])
+    counts.update(planted[:, 9000:])
+    found = rule.outliers(*counts.compute())
+    rms = planted.pow(2).mean(-1, keepdim=True).sqrt()
+    share = float((planted[0, :, 41].abs() > 4 * rms[0, :, 0]).double().mean())
+    assert [d for d, _ in found[0]] == [41] and found[0][0][1] == pytest.approx(share, abs=1e-6) and share > 0.55
+    # a mild offset (-2.5 sd) passes the paper's share rule in a 128-dim model but not the magnitude criterion
+    mild = noise.clone()
+    mild[0, :, 9] -= 2.5
+    stats = NeuronStatistics(1, 128)
+    stats.update(mild)
+    assert 9 in detect_outliers(stats.compute(), OutlierRule())[0].outlier_dims
+    counts = MagnitudeCounts(1, 128, rule)
+    counts.update(mild)
+    above, total = counts.compute()
+    assert rule.outliers(above, total) == [[]] and 0.02 < float(above[0, 9]) / total < 0.1
+
+
+def test_int8_rule_is_a_fixed_threshold_of_six():
+    rule = MagnitudeRule("int8")
+    assert (rule.threshold, rule.min_share) == (6.0, 0.06)
+    tokens = gaussian_tokens(4, tokens=2000, hidden=32)
+    tokens[0, :160, 3] = 6.5  # 8% of the tokens at 6.5
+    tokens[0, :100, 4] = 6.5  # 5%: below the share
+    tokens[0, :, 5] *= 50  # huge spread: |x| >= 6 in about 90% of the tokens whatever the RMS
+    counts = MagnitudeCounts(1, 32, rule)
+    counts.update(tokens)
+    found = dict(rule.outliers(*counts.compute())[0])
+    expected = (tokens[0].abs() >= 6).double().mean(0)
+    assert sorted(found) == [3, 5] and found[5] == pytest.approx(float(expected[5]), abs=1e-6)
+
+
+def test_key_mass_from_queries_and_keys_equals_the_softmax_weights():
+    generator = torch.Generator().manual_seed(5)
+    queries, keys = torch.randn(2, 2, 7, 4, 8, generator=generator).unbind(0)  # [batch, seq, heads, head_dim]
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], dtype=torch.bool)
+    scores = torch.einsum("bqhd,bkhd->bhqk", queries, keys) / 8 ** 0.5
+    probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+    expected = key_attention(probs, mask)
+    torch.testing.assert_close(attention_key_mass(queries, keys, mask, mask, chunk=3), expected)
+    by_hand = torch.stack([probs[b, :, mask[b]].mean(1) for b in range(2)])  # mean over real queries
+    torch.testing.assert_close(expected, by_hand)
+
+
+def sink_inputs(seed: int, layers: int = 2, batch: int = 6, heads: int = 3, seq: int = 9):
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.rand(layers, batch, heads, seq, seq, generator=generator) ** 4
+    probs[..., 0] += torch.rand(layers, batch, heads, 1, generator=generator) * 3  # some heads lean on token 0
+    mask = torch.rand(batch, seq, generator=generator) > 0.25
+    mask[:, 0] = True
+    probs = probs.masked_fill(~mask[None, :, None, None, :], 0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    kinds = torch.full((batch, seq), -1)
+    kinds[:, 0] = 0
+    kinds[torch.arange(batch), mask.sum(1) - 1] = 1  # a [SEP] at each sequence's last token
+    return probs, mask, kinds
+
+
+def test_sink_share_and_special_mass_by_hand_loops():
+    probs, mask, kinds = sink_inputs(6)
+    masses = torch.stack([key_attention(p, mask) for p in probs])
+    sinks = AttentionSinks(2, 3, epsilon=0.3, num_kinds=2)
+    sinks.update(masses, mask, kinds)
+    result = sinks.compute()
+    for layer in range(2):
+        first, sink, special = [], [], np.zeros(2)
+        for b in range(6):
+            queries = mask[b].nonzero().flatten().tolist()
+            for h in range(3):
+                rows = [probs[layer, b, h, i] for i in queries]
+                first.append(sum(float(r[0]) for r in rows) / len(rows))
+                sink.append(first[-1] > 0.3)
+                for kind in (0, 1):
+                    special[kind] += sum(float(r[k]) for r in rows for k in range(9) if kinds[b, k] == kind) / len(rows)
+        assert float(result["sink_share"][layer]) == pytest.approx(np.mean(sink), abs=1e-9)
+        assert 0 < np.mean(sink) < 1
+        assert float(result["first_token_mass"][layer]) == pytest.approx(np.mean(first), abs=1e-6)
+        np.testing.assert_allclose(result["special_mass"][layer].numpy(), special / 18, atol=1e-6)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(run_metrics(rank, world), out) if rank == 0 else run_metrics(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_metrics(rank: int, world: int) -> dict:
+    """The new metrics over this rank's share of the batches (uneven), computed (synced under DDP)."""
+    massive, counts, stats = MassiveActivations(LAYERS, HIDDEN), MagnitudeCounts(LAYERS, HIDDEN), \
+        NeuronStatistics(LAYERS, HIDDEN)
+    for hidden, mask, ids in ragged_batches(7, n=5)[rank::world]:
+        massive.update(hidden, mask, ids)
+        counts.update(hidden, mask)
+        stats.update(hidden, mask)
+    sinks = AttentionSinks(2, 3, epsilon=0.2, num_kinds=2)
+    for seed in (8, 9, 10)[rank::world]:
+        probs, mask, kinds = sink_inputs(seed)
+        sinks.update(torch.stack([key_attention(p, mask) for p in probs]), mask, kinds)
+    peaks, above, result = massive.compute(), counts.compute(), stats.compute()
+    return {"median": peaks.median, "peak_abs": peaks.peak_abs, "peak_position": peaks.peak_position,
+            "peak_token": peaks.peak_token, "above": above[0], "count": above[1],
+            "kurtosis_sequence": result.kurtosis_sequence, "inf_norm_sequence": result.inf_norm_sequence,
+            **{f"sinks_{key}": value for key, value in sinks.compute().items()}}
+
+
+def test_ddp_two_processes_equal_one(tmp_path):
+    out = str(tmp_path / "synced.pt")
+    mp.start_processes(_ddp_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn", join=True)
+    synced, single = torch.load(out), run_metrics(0, 1)
+    assert synced.keys() == single.keys()
+    for key, value in single.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(synced[key], value, rtol=1e-9, atol=1e-12, msg=key)
+        else:
+            assert synced[key] == value, key
