@@ -79,11 +79,81 @@ def test_two_process_ddp_report_equals_single_process(tmp_path, bert_tok):
         assert (a["argmax_dim"], a["argmin_dim"], a["outlier_dims"]) == (b["argmax_dim"], b["argmin_dim"], b["outlier_dims"])
         assert (a["argmax_share"], a["argmin_share"]) == (b["argmax_share"], b["argmin_share"])
         assert a["outlier_means"] == pytest.approx(b["outlier_means"], abs=1e-5)
+        assert a["magnitude_outliers"] == b["magnitude_outliers"]
+        assert a["massive_activations"] == b["massive_activations"]  # the peaks merged across ranks, the histogram
+        for key in ("kurtosis_sequence", "inf_norm_sequence"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6)
+        if b["attention_sinks"] is not None:
+            for key in ("sink_share", "first_token_mass", "first_token_mass_by_head", "special_token_mass"):
+                assert a["attention_sinks"][key] == pytest.approx(b["attention_sinks"][key], abs=1e-6)
 
 
 def _truncation_warning(truncated: int, total: int, length: int) -> str:
     return (f"warning: {truncated} of {total} sentences were longer than {length} tokens and were truncated "
             "(counted in the report as num_truncated)")
+
+
+def plant_bias(model) -> None:
+    """Layer 2's output LayerNorm adds 10 to dimension 5 of every token: a magnitude outlier there."""
+    model.encoder.layer[1].output.LayerNorm.bias[5] = 10.0
+
+
+def test_magnitudes_in_the_report_equal_a_direct_computation(tmp_path, bert_tok):
+    """massive_activations, magnitude_outliers, kurtosis_sequence / inf_norm_sequence and attention_sinks of
+    outliers.json against the tiny model's own hidden states and eager attention weights, computed here by hand."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=plant_bias)
+    texts = [text for text in corpus_sentences(60, start=500) if text and len(bert_tok(text)["input_ids"]) <= 40][:12]
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    model = AutoModel.from_pretrained(encoder, attn_implementation="eager").eval()
+    inputs = bert_tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        output = model(**inputs, output_hidden_states=True, output_attentions=True)
+    mask = inputs["attention_mask"].bool()
+    first = torch.stack([a[:, :, :, 0] for a in output.attentions])  # [layers, batch, heads, queries]
+    per_head = (first * mask[None, :, None, :]).sum(-1) / mask.sum(1)[None, :, None]  # mean over real queries
+    epsilon = float(per_head[1].flatten().median()) + 1e-4  # a share strictly between 0 and 1 in layer 2
+    assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / "out", "--max_sentences", 0,
+               "--sink_epsilon", epsilon, "--batch_size", 5) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert (tmp_path / "out" / "magnitudes.png").read_bytes()[:4] == b"\x89PNG"
+    sep, cls = bert_tok.sep_token_id, bert_tok.cls_token_id
+    for layer, row in enumerate(report["layers"]):
+        hidden = output.hidden_states[layer]  # [batch, seq, hidden]
+        tokens = hidden[mask]
+        peak = tokens.abs().amax(0)
+        dim = int(peak.argmax())
+        flat = (hidden.abs()[..., dim] * mask).flatten().argmax()
+        b, position = divmod(int(flat), hidden.shape[1])
+        top = row["massive_activations"]["top"][0]
+        assert (top["dim"], top["position"], top["token"]) == (dim, position, bert_tok.convert_ids_to_tokens(
+            int(inputs["input_ids"][b, position])))
+        assert top["value"] == pytest.approx(float(hidden[b, position, dim]), abs=1e-4)
+        assert row["massive_activations"]["median_abs"] == pytest.approx(float(tokens.abs().median()), rel=0.02)
+        rms = tokens.pow(2).mean(-1, keepdim=True).sqrt()
+        share = (tokens.abs() > 4 * rms).double().mean(0)
+        assert [entry["dim"] for entry in row["magnitude_outliers"]["dims"]] == \
+            sorted((share >= 0.2).nonzero().flatten().tolist(), key=lambda d: -float(share[d]))
+        sequences = [hidden[i, mask[i]].flatten().double() for i in range(len(texts))]
+        kurtosis = [((x - x.mean()) ** 4).mean() / (x.std() ** 4 + 1e-6) for x in sequences]
+        assert row["kurtosis_sequence"] == pytest.approx(float(sum(kurtosis) / len(kurtosis)), rel=1e-4)
+        assert row["inf_norm_sequence"] == pytest.approx(float(sum(x.abs().max() for x in sequences)) / len(texts),
+                                                         rel=1e-5)
+        sinks = row["attention_sinks"]
+        if layer == 0:
+            assert sinks is None
+            continue
+        heads = per_head[layer - 1]  # [batch, heads]
+        assert sinks["sink_share"] == pytest.approx(float((heads > epsilon).double().mean()), abs=1e-6)
+        assert sinks["first_token_mass"] == pytest.approx(float(heads.mean()), abs=1e-5)
+        attention = output.attentions[layer - 1]  # [batch, heads, queries, keys]
+        for token, name in ((cls, "[CLS]"), (sep, "[SEP]")):
+            keys = (inputs["input_ids"] == token) & mask
+            mass = (attention * keys[:, None, None, :]).sum(-1)  # [batch, heads, queries]
+            expected = ((mass * mask[:, None, :]).sum(-1) / mask.sum(1)[:, None]).mean()
+            assert sinks["special_token_mass_by_token"][name] == pytest.approx(float(expected), abs=1e-5)
+    assert 0 < report["layers"][2]["attention_sinks"]["sink_share"] < 1
+    assert [entry["dim"] for entry in report["layers"][2]["magnitude_outliers"]["dims"]] == [5]
 
 
 def test_long_sentences_are_truncated_counted_and_warned(tmp_path, bert_tok, capsys):
@@ -166,6 +236,9 @@ def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
         "unwritable output": (["--encoder", encoder, "--data", good, "--output_dir", blocker / "out"],
                               "cannot write to output directory"),
         "bad batch size": (["--encoder", encoder, "--data", good, "--batch_size", 0], "--batch_size must be positive"),
+        "bad sink epsilon": (["--encoder", encoder, "--data", good, "--sink_epsilon", 1.5], "--sink_epsilon must lie"),
+        "bad massive ratio": (["--encoder", encoder, "--data", good, "--massive_ratio", 0],
+                              "--massive_ratio must be positive"),
     }
 
 
