@@ -1,6 +1,7 @@
 """Per-layer magnitudes beyond the paper, for `analyze.py outliers` and `trajectory`: massive activations (Sun et al.
 2024), attention sinks (Gu et al. 2025) and the magnitude criterion for outlier dimensions (ours; LLM.int8's fixed
-threshold as an option), taken in the outlier statistics' own reference pass, and the sinks in a pass of their own with eager attention.
+threshold as an option), taken in the outlier statistics' own reference pass, and the sinks in a pass of their own
+with eager attention.
 
     python analyze.py outliers --massive_rule sun --sink_epsilon 0.5 --magnitude_rule int8
     python analyze.py outliers --no_attention_sinks          # no attention pass (attention_sinks: null)
@@ -35,7 +36,7 @@ from metrics.sinks import EPSILON, AttentionSinks
 
 TOP_K = 5
 QUERIES = "the counted tokens (padding never; special tokens unless --exclude_special)"
-MARKERS = ("##", "Ġ", "▁", "Ċ")  # subword markers stripped before the punctuation test (WordPiece, byte-level BPE, spm)
+MARKERS = ("##", "Ġ", "▁", "Ċ")  # subword markers stripped before the punctuation test (WordPiece, BPE, spm)
 
 
 def add_magnitude_arguments(parser) -> None:

@@ -204,5 +204,5 @@ def print_magnitudes(report: dict) -> None:
         dims = ", ".join(str(entry["dim"]) for entry in row["magnitude_outliers"]["dims"]) or "-"
         share = "-" if sinks is None else f"{sinks['sink_share']:.0%} of heads"
         kurtosis = f"{row['kurtosis_mean']:.2f}/{row['kurtosis_sequence']:.2f}"
-        print(f"{row['layer']:>5}  {kurtosis:>16}  {where:<40} {', '.join(map(str, massive['massive_dims'][:3])) or '-':<9} "
-              f"{dims:<16} {share}")
+        massive_dims = ", ".join(map(str, massive["massive_dims"][:3])) or "-"
+        print(f"{row['layer']:>5}  {kurtosis:>16}  {where:<40} {massive_dims:<9} {dims:<16} {share}")

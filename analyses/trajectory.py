@@ -13,9 +13,9 @@ Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the pap
 sentences; one encoder is resident at a time (loaded, analysed, released), so the peak memory is that of one
 analysis whatever the number of checkpoints. Checkpoints are read weights-only (lightning_modules/checkpoints.py).
 Per layer, each point also holds the outlier magnitudes of NeuronStatistics (kurtosis_mean, kurtosis_max, max_abs,
-top1_share; Bondarenko et al.'s kurtosis_sequence, inf_norm_sequence) and of analyses/magnitudes.py (massive_activations,
-attention_sinks, magnitude_outliers, as in outliers.json; the sinks in one more pass with eager attention, unless
---no_attention_sinks), and each point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when
+top1_share; Bondarenko et al.'s kurtosis_sequence, inf_norm_sequence) and of analyses/magnitudes.py
+(massive_activations, attention_sinks, magnitude_outliers, as in outliers.json; the sinks in one more pass with eager
+attention, unless --no_attention_sinks), and each point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when
 none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's name) are analysed on the
 same sentences and written together: one JSON holding each run's own trajectory report, one figure with the runs as
 lines (compare_runs).
@@ -199,9 +199,9 @@ def trajectory_of(args, points: list[Point], sentences: list[str], rank: int, wo
             "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,
             "minibatch_tokens": args.minibatch, "anisotropy": "raw: mean cosine of random token pairs",
             "kurtosis": "Pearson (not excess) kurtosis of each token vector's components: mean and max over tokens",
-            "kurtosis_sequence": "Bondarenko et al.'s: the kurtosis of each sequence's flattened tokens x hidden values "
-                                 "(mu4 / (s^4 + 1e-6)), averaged over sequences; inf_norm_sequence: each sequence's max "
-                                 "|x|, averaged",
+            "kurtosis_sequence": "Bondarenko et al.'s: the kurtosis of each sequence's flattened tokens x hidden "
+                                 "values (mu4 / (s^4 + 1e-6)), averaged over sequences; inf_norm_sequence: each "
+                                 "sequence's max |x|, averaged",
             **rules_of(args),
             "checkpoints": checkpoints}
 

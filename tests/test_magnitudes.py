@@ -51,7 +51,8 @@ def their_kurtosis(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def direct_sequences(batches):
     """Per layer, over the sequences with a token: the mean of scipy's kurtosis of the flattened tokens x hidden
-    values turned into theirs (m4 / (s^4 + eps), s with n - 1), the same from their own function, and the mean max |x|."""
+    values turned into theirs (m4 / (s^4 + eps), s with n - 1), the same from their own function, and the mean
+    max |x|."""
     scipy_based, theirs, inf = [], [], []
     for hidden, mask, _ in batches:
         for row in range(mask.shape[0]):

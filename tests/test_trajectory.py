@@ -76,6 +76,16 @@ def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run,
             assert row["argmin_share"] == pytest.approx(separate["argmin_share"], abs=1e-9)
             assert row["anisotropy"] == pytest.approx(cosines["raw"], abs=1e-9)
             assert row["isoscore_star"] == pytest.approx(iso["raw"]["isoscore_star"], abs=1e-9)
+    # the magnitudes beyond the paper: as `analyze.py outliers` of the same checkpoint reports them
+    assert analyze.main(["outliers", "--encoder", points[0]["path"], "--data", str(sentences), *COMMON[:3],
+                         *COMMON[-2:], "--output_dir", str(tmp_path / "o")]) == 0
+    outliers = json.loads((tmp_path / "o" / "outliers.json").read_text())
+    assert report["massive_rule"] == outliers["massive_rule"] and report["magnitude_rule"] == outliers["magnitude_rule"]
+    for row, separate in zip(points[0]["layers"], outliers["layers"]):
+        for key in ("kurtosis_sequence", "inf_norm_sequence", "massive_activations", "attention_sinks",
+                    "magnitude_outliers"):
+            assert row[key] == separate[key], key
+    assert points[0]["layers"][1]["attention_sinks"]["first_token_mass"] > 0
     # the weights moved: the points differ
     assert points[0]["layers"][2]["anisotropy"] != points[2]["layers"][2]["anisotropy"]
     # --encoders: any list, in the order given, each step read from its checkpoint
