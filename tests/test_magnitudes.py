@@ -258,3 +258,37 @@ def test_ddp_two_processes_equal_one(tmp_path):
             torch.testing.assert_close(synced[key], value, rtol=1e-9, atol=1e-12, msg=key)
         else:
             assert synced[key] == value, key
+
+
+def test_attention_weights_run_eager_and_restore_the_implementation(tmp_path, bert_tok):
+    from transformers import AutoModel
+
+    from lightning_modules.attention import CLIPPED, install_attention
+    from lightning_modules.encoder import FrozenEncoder, load_encoder
+    from tests.tiny import corpus_sentences, save_tiny_encoder, tiny_config
+
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu")
+    texts = [text for text in corpus_sentences(30, start=100) if text][:6]
+    plain = next(encoder.batches(texts, batch_size=6, progress=False))
+    assert encoder.model.config._attn_implementation == "sdpa" and plain.attention_mass is None
+    with encoder.attention_weights():
+        assert encoder.model.config._attn_implementation == "eager"
+        eager = next(encoder.batches(texts, batch_size=6, progress=False))
+        direct = encoder.model(input_ids=eager.input_ids, attention_mask=eager.attention_mask, output_attentions=True)
+    torch.testing.assert_close(eager.hidden_states, plain.hidden_states, atol=1e-5, rtol=1e-5)  # float rounding
+    torch.testing.assert_close(eager.attention_mass, torch.stack([key_attention(a, eager.mask)
+                                                                  for a in direct.attentions]))
+    assert eager.attention_mass.shape == (3, 6, 4, eager.mask.shape[1])
+    assert encoder.model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="inside"):
+        with encoder.attention_weights():
+            raise RuntimeError("inside")
+    assert encoder.model.config._attn_implementation == "sdpa"  # restored on an error too
+    # an implementation that returns its weights is kept: clipped softmax (its weights, clipped, are the ones read)
+    model = install_attention(AutoModel.from_config(tiny_config("bert", len(bert_tok))), "clipped_softmax",
+                              gamma=-0.025, zeta=1.0)
+    clipped = FrozenEncoder(model, bert_tok)
+    with clipped.attention_weights():
+        assert model.config._attn_implementation == CLIPPED
+        assert next(clipped.batches(texts, batch_size=6, progress=False)).attention_mass is not None
+    assert model.config._attn_implementation == CLIPPED
