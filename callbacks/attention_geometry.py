@@ -19,7 +19,16 @@ l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py):
                                                        attention, the softmax before clipping or gating)
     attention/num_tokens
 
-(`val_attention/...` for validation.) No forward hook (they are skipped once the model is compiled): layer l's
+and, unless `sinks` is false, the attention sinks of Gu et al. (ICLR 2025; metrics/sinks.py) of every sequence's
+attention softmax(q k^T / sqrt(d)) over its keys, each query's row averaged over the sequence's tokens:
+
+    sinks/layer_{l}/sink_share             share of (sequence, head) whose first token gets more than `sink_epsilon`
+                                           (0.3) of the attention
+    sinks/layer_{l}/first_token_mass       mean attention on the first token
+    sinks/layer_{l}/special_token_mass     mean attention on special tokens (the config's bos / eos / cls / sep ids;
+                                           logged when the batch holds input_ids and the config names any)
+
+(`val_attention/...`, `val_sinks/...` for validation.) No forward hook (they are skipped once the model is compiled): layer l's
 queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns through its tap
 (core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the states the forward
 made, not a forward. The training step's projection weights are copied when its capture starts (the optimizer
@@ -41,10 +50,12 @@ from callbacks.live import Captured, LiveCallback
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.figures import over_steps_figure
-from core.models import attention_projections
+from core.models import attention_projections, find_encoder
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
+from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
 
 PREFIX = {"train": "attention", "val": "val_attention"}
+SINKS = {"train": "sinks", "val": "val_sinks"}
 TITLES = {"qk_mean_cosine": "cosine of mean query and mean key", "query_mean_norm_ratio": "|mean query| / mean |query|",
           "key_mean_norm_ratio": "|mean key| / mean |key|", "query_anisotropy": "query anisotropy (random pairs)",
           "key_anisotropy": "key anisotropy (random pairs)", "entropy": "attention entropy / log(length)"}
@@ -62,13 +73,18 @@ class AttentionGeometry(LiveCallback):
         queries_per_sequence: random query positions per sequence whose attention entropy is taken.
         on_validation: also over the whole validation set at every validation.
         seed: draws the pairs and query positions (with the step).
+        sinks: also the attention sinks (Gu et al. 2025): every query's attention, in chunks of 256 queries.
+        sink_epsilon: a head of a sequence is a sink when its first token gets more than this (Gu et al.: 0.3).
     """
 
     def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
                  pairs_per_sequence: int = 16, queries_per_sequence: int = 16, on_validation: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, sinks: bool = True, sink_epsilon: float = EPSILON) -> None:
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
         self.pairs_per_sequence, self.queries_per_sequence, self.seed = pairs_per_sequence, queries_per_sequence, seed
+        self.sinks, self.sink_epsilon = sinks, sink_epsilon
+        self.sink_metrics: dict[str, AttentionSinks] = {}
+        self.special_ids: list[int] = []
         self.attention_layers: list[int] = []
         self.projections: list = []  # (query Linear, key Linear, heads) of each watched layer
         self.history: list[list] = []  # [step, stage, layer, *NAMES values] per capture: the images; in checkpoints
@@ -81,6 +97,8 @@ class AttentionGeometry(LiveCallback):
         for name in ("pairs_per_sequence", "queries_per_sequence"):
             if getattr(self, name) < 1:
                 raise UserError(f"AttentionGeometry: {name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.sink_epsilon < 1:
+            raise UserError(f"AttentionGeometry: sink_epsilon must lie in [0, 1), got {self.sink_epsilon}")
 
     def capture_layers(self, pl_module, available: int) -> list[int]:
         """The inputs of the watched transformer layers: hidden state l - 1 for layer l."""
@@ -100,6 +118,15 @@ class AttentionGeometry(LiveCallback):
             self.geometry[stage] = QueryKeyGeometry(len(self.attention_layers), heads,
                                                     query.out_features // heads).to(pl_module.device)
         logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+        if self.sinks:
+            config = find_encoder(pl_module).config
+            pad = getattr(config, "pad_token_id", None)
+            self.special_ids = sorted({i for i in (getattr(config, f"{name}_token_id", None) for name in
+                                                   ("bos", "eos", "cls", "sep")) if i is not None and i != pad})
+            for stage in SINKS:
+                self.sink_metrics[stage] = AttentionSinks(len(self.attention_layers), heads, self.sink_epsilon,
+                                                          len(self.special_ids)).to(pl_module.device)
+            logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in SINKS.values()])
 
     def weights(self, copy: bool = True) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
         """The projections' current weights, detached (copies unless `copy` is False): (query weight, bias, key
@@ -126,6 +153,7 @@ class AttentionGeometry(LiveCallback):
         key = pair_seed(self.seed, self.capture_step if stage == "train" else None)
         pairs = pair_positions(seq, self.pairs_per_sequence, key, hidden.device)
         rows = pair_positions(seq, self.queries_per_sequence, key + 1, hidden.device)[0]
+        masses = []
         with torch.no_grad():
             for index, (query, query_bias, key_weight, key_bias, heads) in enumerate(weights):
                 queries = project_heads(hidden[index], query.to(hidden.device),
@@ -133,8 +161,43 @@ class AttentionGeometry(LiveCallback):
                 keys = project_heads(hidden[index], key_weight.to(hidden.device),
                                      None if key_bias is None else key_bias.to(hidden.device), heads)
                 geometry.update(index, queries, keys, mask, pairs, rows)
+                if self.sink_metrics:
+                    real = torch.ones(hidden.shape[1:3], dtype=torch.bool, device=hidden.device) if mask is None \
+                        else mask.to(hidden.device).bool()
+                    masses.append(attention_key_mass(queries, keys, real, real))
+            if masses:
+                self.update_sinks(stage, torch.stack(masses), real, captured.input_ids)
+
+    def update_sinks(self, stage: str, masses: Tensor, mask: Tensor, input_ids: Tensor | None) -> None:
+        """masses [watched layers, batch, heads, seq] (metrics/sinks.py) with the special-token kind of each key."""
+        metric = self.sink_metrics[stage]
+        if metric.device != masses.device:
+            metric.to(masses.device)
+        kinds = None
+        if input_ids is not None and self.special_ids:
+            kinds = torch.full_like(input_ids, -1)
+            for index, token in enumerate(self.special_ids):
+                kinds[input_ids == token] = index
+        metric.update(masses, mask, kinds)
+
+    def finish_sinks(self, stage: str, trainer, step: int) -> None:
+        """The sinks' scalars (every rank computes: the states sync; rank zero logs)."""
+        metric = self.sink_metrics[stage]
+        result = metric.compute()
+        metric.reset()
+        if not trainer.is_global_zero or not logs.real_loggers(trainer) or result["num_sequences"] == 0:
+            return
+        prefix, scalars = SINKS[stage], {}
+        for i, layer in enumerate(self.attention_layers):
+            scalars[f"{prefix}/layer_{layer}/sink_share"] = float(result["sink_share"][i])
+            scalars[f"{prefix}/layer_{layer}/first_token_mass"] = float(result["first_token_mass"][i])
+            if self.special_ids:
+                scalars[f"{prefix}/layer_{layer}/special_token_mass"] = float(result["special_mass"][i].sum())
+        logs.log_scalars(trainer, scalars, step)
 
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
+        if self.sink_metrics:
+            self.finish_sinks(stage, trainer, step)
         geometry = self.geometry[stage]
         result = geometry.compute()  # every rank: the states sync here
         geometry.reset()

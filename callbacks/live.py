@@ -46,6 +46,7 @@ class Captured:
     mask: Tensor | None  # [batch, seq] bool, True for real tokens
     features: Tensor | None = None  # [layers, tokens, hidden] when there is no sequence structure
     labels: Tensor | None = None  # [tokens] positions of `features`
+    input_ids: Tensor | None = None  # [batch, seq] the batch's token ids, when it has them
 
     @property
     def tokens(self) -> Tensor:
@@ -174,7 +175,8 @@ class LiveCallback(pl.Callback):
             capture.__exit__(None, None, None)
             hidden = capture.stack()
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        return Captured(hidden=hidden, mask=mask.bool() if mask is not None else None)
+        return Captured(hidden=hidden, mask=mask.bool() if mask is not None else None,
+                        input_ids=batch.get("input_ids") if isinstance(batch, dict) else None)
 
     def _drop(self) -> None:
         if self._tapped:

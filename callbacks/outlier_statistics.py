@@ -20,6 +20,13 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
                                                     3 for Gaussian), mean and max over the tokens (Bondarenko et al.)
     outliers/layer_{l}/max_abs                      the layer's max |activation| (infinity-norm) over the tokens
     outliers/layer_{l}/top1_share                   mean share of a token's squared norm on its largest component
+    outliers/layer_{l}/kurtosis_sequence, inf_norm_sequence   Bondarenko et al.'s, as their code computes them: the
+                                                    kurtosis and the max |x| of each sequence's flattened tokens x
+                                                    hidden values, averaged over the sequences
+    outliers/layer_{l}/massive_ratio, massive_dim    the largest |activation| over the layer's median |activation|,
+                                                    and its dimension (Sun et al. 2024; metrics/massive.py)
+    outliers/layer_{l}/num_magnitude_outliers       dimensions above 4 x the token's RMS in at least 20% of the tokens
+                                                    (ours; metrics/magnitude.py's default rule)
     outliers/num_tokens
 
 (`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, TokenSample, detect_outliers,
@@ -55,6 +62,8 @@ from callbacks.live import Captured, LiveCallback
 from core.errors import UserError
 from core.figures import mean_vectors_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
+from metrics.magnitude import MagnitudeCounts, MagnitudeRule
+from metrics.massive import MassiveActivations
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
 
@@ -102,6 +111,8 @@ class OutlierStatistics(LiveCallback):
             anisotropy_sequences, seed
         self.rows: list[list] = []  # the outlier table, kept in checkpoints
         self.stats: dict[str, NeuronStatistics] = {}
+        self.massive: dict[str, MassiveActivations] = {}  # the peak |x| per dimension and the median |x| per layer
+        self.magnitude: dict[str, MagnitudeCounts] = {}  # tokens above the magnitude rule's threshold
         self.tokens: dict[str, TokenSample] = {}  # the anisotropy's random token of each sequence, by its index
         self.seen = dict.fromkeys(PREFIX, 0)  # sequences this rank has captured since the stage's last finish
 
@@ -116,6 +127,8 @@ class OutlierStatistics(LiveCallback):
             return
         for stage in PREFIX:
             self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size).to(pl_module.device)
+            self.massive[stage] = MassiveActivations(len(self.layers), self.hidden_size).to(pl_module.device)
+            self.magnitude[stage] = MagnitudeCounts(len(self.layers), self.hidden_size).to(pl_module.device)
             self.tokens[stage] = TokenSample(self.anisotropy_sequences, len(self.layers),
                                              self.hidden_size).to(pl_module.device)
         logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
@@ -128,10 +141,12 @@ class OutlierStatistics(LiveCallback):
         hidden, mask = captured.hidden, captured.mask  # [layers, batch, seq, hidden], [batch, seq]
         stats, tokens = self.stats[stage], self.tokens[stage]
         if stats.device != hidden.device:
-            stats.to(hidden.device)
-            tokens.to(hidden.device)
+            for metric in (stats, tokens, self.massive[stage], self.magnitude[stage]):
+                metric.to(hidden.device)
         with torch.no_grad():
             stats.update(hidden, mask)
+            self.massive[stage].update(hidden, mask)
+            self.magnitude[stage].update(hidden, mask)
             start, batch = self.seen[stage], hidden.shape[1]
             self.seen[stage] += batch
             rank, world = trainer.global_rank, trainer.world_size
@@ -149,15 +164,19 @@ class OutlierStatistics(LiveCallback):
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
         stats, tokens = self.stats[stage], self.tokens[stage]
         result, sample = stats.compute(), tokens.compute()  # every rank: the states sync here
+        massive, (above, counted) = self.massive[stage].compute(), self.magnitude[stage].compute()
         anisotropy, _ = sample_anisotropy(*sample, self.key(stage, step))
-        stats.reset()
-        tokens.reset()
+        for metric in (stats, tokens, self.massive[stage], self.magnitude[stage]):
+            metric.reset()
+        peak, dims = massive.peak_abs.max(-1)  # [layers]
+        extra = {"massive_ratio": (peak / massive.median.to(peak)).cpu(), "massive_dim": dims.cpu(),
+                 "num_magnitude_outliers": [len(found) for found in MagnitudeRule().outliers(above, counted)]}
         self.seen[stage] = 0
         if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
             return
-        self.log_result(trainer, stage, step, result, anisotropy.cpu())
+        self.log_result(trainer, stage, step, result, anisotropy.cpu(), extra)
 
-    def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor) -> None:
+    def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor, extra: dict) -> None:
         prefix = PREFIX[stage]
         result = replace(result, **{name: getattr(result, name).cpu() for name in (
             "mean", "var", "max_abs", "argmax_count", "argmin_count", "kurtosis_sum", "kurtosis_max", "top1_share_sum")})
@@ -178,7 +197,12 @@ class OutlierStatistics(LiveCallback):
                             f"{key}/num_outliers": len(outliers.outlier_dims),
                             f"{key}/kurtosis": magnitudes[i]["kurtosis_mean"],
                             f"{key}/kurtosis_max": magnitudes[i]["kurtosis_max"],
-                            f"{key}/max_abs": magnitudes[i]["max_abs"], f"{key}/top1_share": magnitudes[i]["top1_share"]})
+                            f"{key}/max_abs": magnitudes[i]["max_abs"], f"{key}/top1_share": magnitudes[i]["top1_share"],
+                            f"{key}/kurtosis_sequence": magnitudes[i]["kurtosis_sequence"],
+                            f"{key}/inf_norm_sequence": magnitudes[i]["inf_norm_sequence"],
+                            f"{key}/massive_ratio": float(extra["massive_ratio"][i]),
+                            f"{key}/massive_dim": int(extra["massive_dim"][i]),
+                            f"{key}/num_magnitude_outliers": extra["num_magnitude_outliers"][i]})
             for rank in range(dims.shape[1]):
                 metrics[f"{key}/top{rank + 1}_dim"] = int(dims[i, rank])
                 metrics[f"{key}/top{rank + 1}_mean"] = float(means[i, rank])

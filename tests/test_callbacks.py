@@ -53,6 +53,7 @@ class Recorder(pl.Callback):
     def __init__(self, every_n_steps: int = EVERY) -> None:
         self.every, self.train, self.val = every_n_steps, {}, []
         self.attention, self.val_attention = {}, []  # direct_attention of the same batches
+        self.ids, self.val_ids = {}, []  # the batches' input_ids
         Recorder.made.append(self)
 
     @staticmethod
@@ -70,11 +71,13 @@ class Recorder(pl.Callback):
         if trainer.global_step % self.every == 0:
             self.train[trainer.global_step] = (self.direct(pl_module, batch), self.probe(trainer))
             self.attention[trainer.global_step] = direct_attention(pl_module, batch)
+            self.ids[trainer.global_step] = batch["input_ids"].clone()
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if not trainer.sanity_checking:
             self.val.append((self.direct(pl_module, batch), self.probe(trainer)))
             self.val_attention.append(direct_attention(pl_module, batch))
+            self.val_ids.append(batch["input_ids"].clone())
 
 
 def direct_attention(pl_module, batch) -> dict:
@@ -342,6 +345,65 @@ def test_attention_geometry_equals_the_eager_attention_probabilities_and_project
     assert expected_attention([recorder.attention[2]], 2) != expected_attention([recorder.attention[0]], 2)
 
 
+def direct_sinks(probabilities: list[torch.Tensor], ids: torch.Tensor, special: tuple[int, ...]) -> list[dict]:
+    """Per transformer layer from the eager attention [batch, heads, seq, seq] (every position a token) and the
+    input ids, by hand: Gu et al.'s share of (sequence, head) whose first token gets > 0.3 of the attention averaged
+    over the queries, that mean attention, and the mean attention on the special tokens."""
+    out = []
+    for weights in probabilities:
+        first = weights[..., 0].mean(-1)  # [batch, heads]
+        keys = torch.isin(ids, torch.tensor(special))[:, None, None, :]
+        out.append({"sink_share": float((first > 0.3).double().mean()), "first_token_mass": float(first.mean()),
+                    "special_token_mass": float((weights * keys).sum(-1).mean())})
+    return out
+
+
+def direct_magnitudes(hidden: torch.Tensor) -> list[dict]:
+    """Per layer from hidden [layers, batch, seq, hidden] (every position a token), by hand: Bondarenko et al.'s
+    per-sequence kurtosis (their formula) and inf-norm, the peak over the median |x| and its dimension, and the
+    dimensions above 4 x the token's RMS in at least 20% of the tokens."""
+    out = []
+    for layer in hidden:
+        flat = layer.flatten(1)  # [batch, seq * hidden]
+        centred = flat - flat.mean(1, keepdim=True)
+        kurtosis = (centred ** 4).mean(1) / (flat.std(1) ** 4 + 1e-6)
+        tokens = layer.flatten(0, 1)
+        rms = tokens.pow(2).mean(-1, keepdim=True).sqrt()
+        out.append({"kurtosis_sequence": float(kurtosis.mean()), "inf_norm_sequence": float(flat.abs().amax(1).mean()),
+                    "massive_ratio": float(tokens.abs().max() / tokens.abs().median()),
+                    "massive_dim": int(tokens.abs().amax(0).argmax()),
+                    "num_magnitude_outliers": int(((tokens.abs() > 4 * rms).double().mean(0) >= 0.2).sum())})
+    return out
+
+
+@pytest.mark.slow
+def test_sinks_and_magnitudes_equal_a_direct_computation(single):
+    """The live attention sinks (AttentionGeometry) and the per-sequence kurtosis, massive activations and magnitude
+    outliers (OutlierStatistics) of each captured step and of the validation, against the eager attention and the
+    hidden states of the same batches, by hand."""
+    run, recorder, _ = single
+    special = (0, 2)  # the tiny RoBERTa's <s> and </s> (pad 1 is not one)
+    stages = [("", step, [recorder.attention[step]], [recorder.ids[step]], recorder.train[step][0])
+              for step in (0, 2, 4)]
+    stages.append(("val_", STEPS, recorder.val_attention, recorder.val_ids,
+                   torch.cat([hidden for hidden, _ in recorder.val], dim=1)))
+    for prefix, step, records, ids, hidden in stages:
+        probabilities = [torch.cat([r["probabilities"][layer] for r in records]) for layer in range(LAYERS - 1)]
+        row = logged(run, f"{prefix}sinks", step)
+        for layer, want in enumerate(direct_sinks(probabilities, torch.cat(ids), special), 1):
+            for name, value in want.items():
+                assert row[f"{prefix}sinks/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, name)
+        row = logged(run, f"{prefix}outliers", step)
+        for layer, want in enumerate(direct_magnitudes(hidden)):
+            key = f"{prefix}outliers/layer_{layer}"
+            for name in ("kurtosis_sequence", "inf_norm_sequence"):
+                assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (step, key, name)
+            assert row[f"{key}/massive_ratio"] == pytest.approx(want["massive_ratio"], rel=0.02)  # the histogram
+            assert (row[f"{key}/massive_dim"], row[f"{key}/num_magnitude_outliers"]) == \
+                (want["massive_dim"], want["num_magnitude_outliers"])
+    assert run.metrics["sinks/*"] == run.metrics["val_sinks/*"] == "trainer/global_step"
+
+
 @pytest.mark.slow
 def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_path):
     root = tmp_path / "ddp"
@@ -353,7 +415,8 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)),
+                ("sinks", (0, 2, 4)), ("val_sinks", (STEPS,)))
     assert same_statistics(one, two, prefixes) > 250
 
 
@@ -388,7 +451,8 @@ def test_compiled_run_captures_every_step_and_logs_what_the_eager_run_logs(singl
     assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)),
+                ("sinks", (0, 2, 4)), ("val_sinks", (STEPS,)))
     assert same_statistics(one, two, prefixes) > 250
     losses = [{row["trainer/global_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
               for run in (one, two)]
