@@ -17,7 +17,7 @@ per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, s
                                                     (one counted token of each sequence, sequences paired at random)
     outliers/layer_{l}/num_outliers                 dimensions the outlier rule flags (metrics/outliers.py)
     outliers/layer_{l}/kurtosis, kurtosis_max       Pearson kurtosis of each token vector's components (not excess:
-                                                    3 for Gaussian), mean and max over the tokens (Bondarenko et al.)
+                                                    3 for Gaussian), mean and max over the tokens (ours)
     outliers/layer_{l}/max_abs                      the layer's max |activation| (infinity-norm) over the tokens
     outliers/layer_{l}/top1_share                   mean share of a token's squared norm on its largest component
     outliers/layer_{l}/kurtosis_sequence, inf_norm_sequence   Bondarenko et al.'s, as their code computes them: the

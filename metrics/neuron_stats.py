@@ -8,8 +8,8 @@
 
 Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
 (smallest) component on the dimension (the paper's outlier rule reads these). Per token vector x (its `hidden`
-components), averaged (or maximised) over the tokens of a layer, the outlier magnitudes of Bondarenko et al. (NeurIPS
-2023) and a share of ours:
+components), averaged (or maximised) over the tokens of a layer, outlier magnitudes of ours (the kurtosis after
+Bondarenko et al., NeurIPS 2023, whose code takes it per sequence: below):
 
     kurtosis   Pearson's (not excess) kurtosis of the components, m4 / m2^2 with m_k = mean_i (x_i - mean(x))^k:
                3 for Gaussian components, (h^2 - 3h + 3) / (h - 1) for one non-zero component of h; a constant
