@@ -38,7 +38,7 @@ STUDY_KEYS = ("train_config", "arms", "trajectory")
 ARM_FILE = "study_arm.json"  # in each arm's run directory: its train.py arguments, resolved config and training time
 SET_BY_STUDY = ("trainer.default_root_dir", "trainer.max_steps", "checkpoint.dirpath", "checkpoint.save_top_k",
                 "ckpt_path")  # an arm may not set these: the study does (one run directory per arm, every checkpoint)
-TRAJECTORY_FLAGS = ("exclude_special", "no_progress", "no_attention_sinks")  # analyze.py trajectory store_true options
+TRAJECTORY_FLAGS = ("exclude_special", "no_progress", "no_attention_sinks")  # store_true trajectory options
 
 
 @dataclass
