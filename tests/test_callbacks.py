@@ -636,6 +636,8 @@ def test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_lin
      "embedding output)"),
     ({"class_path": "callbacks.attention_geometry.AttentionGeometry", "init_args": {"queries_per_sequence": 0}},
      "AttentionGeometry: queries_per_sequence must be at least 1, got 0"),
+    ({"class_path": "callbacks.attention_geometry.AttentionGeometry", "init_args": {"sink_epsilon": 1.0}},
+     "AttentionGeometry: sink_epsilon must lie in [0, 1), got 1.0"),
     ({"class_path": "callbacks.outlier_statistics.OutlierStatistics", "init_args": {"anisotropy_sequences": 1}},
      "OutlierStatistics: anisotropy_sequences must be at least 2 (one pair), got 1"),
 ])
