@@ -9,6 +9,9 @@
    the N run (the statistics stream: fixed-size states, nothing kept per token).
 2. Time: the same pre-tokenised batches through the bare transformers forward (output_hidden_states=True) and
    through FrozenEncoder + NeuronStatistics.update, interleaved; the statistics may add at most 10%.
+3. Measured, no target (issues 26-27): the same with the massive activations and the magnitude criterion added
+   (`analyze.py outliers`' reference pass), and the attention sinks' pass (eager attention, output_attentions,
+   AttentionSinks) against the bare SDPA forward.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from datamodules.text import DEFAULT_CORPUS, iter_texts, sample_texts  # noqa: E402
 from lightning_modules.encoder import default_encoder, load_encoder  # noqa: E402
+from metrics.magnitude import MagnitudeCounts  # noqa: E402
+from metrics.massive import MassiveActivations  # noqa: E402
 from metrics.neuron_stats import NeuronStatistics  # noqa: E402
+from metrics.sinks import AttentionSinks  # noqa: E402
 
 
 def child(encoder_path: str, sentences: int, max_length: int, batch_size: int) -> None:
@@ -60,11 +66,17 @@ def measure_memory(encoder_path: str, base: int, max_length: int, batch_size: in
     return runs[0], runs[1]
 
 
-def measure_time(encoder_path: str, num_batches: int, max_length: int, batch_size: int, repeats: int) -> tuple[float, float]:
+def measure_time(encoder_path: str, num_batches: int, max_length: int, batch_size: int, repeats: int
+                 ) -> tuple[float, float, float, float]:
+    """CPU seconds of: the bare forward, + NeuronStatistics, + massive activations and magnitude counts, and the
+    attention sinks' eager pass."""
     encoder = load_encoder(encoder_path, device="cpu")
     texts = sample_texts(iter_texts(DEFAULT_CORPUS), num_batches * batch_size, seed=1)
     batches = [encoder.tokenize(texts[i:i + batch_size], max_length)[0] for i in range(0, len(texts), batch_size)]
-    stats = NeuronStatistics(encoder.num_hidden_states, encoder.hidden_size)
+    layers, hidden = encoder.num_hidden_states, encoder.hidden_size
+    stats = NeuronStatistics(layers, hidden)
+    massive, counts = MassiveActivations(layers, hidden), MagnitudeCounts(layers, hidden)
+    sinks = AttentionSinks(encoder.num_layers, encoder.model.config.num_attention_heads)
 
     @torch.no_grad()
     def bare(inputs):
@@ -75,20 +87,32 @@ def measure_time(encoder_path: str, num_batches: int, max_length: int, batch_siz
         batch = encoder(**inputs)
         stats.update(batch.hidden_states, batch.mask)
 
-    # Interleaved batch by batch, so a load change on the machine hits both sides alike; per batch the faster of
+    def with_magnitudes(inputs):
+        batch = encoder(**inputs)
+        stats.update(batch.hidden_states, batch.mask)
+        massive.update(batch.hidden_states, batch.mask, batch.input_ids)
+        counts.update(batch.hidden_states, batch.mask)
+
+    def sink_pass(inputs):
+        with encoder.attention_weights():
+            batch = encoder(**inputs)
+        sinks.update(batch.attention_mass, batch.mask)
+
+    # Interleaved batch by batch, so a load change on the machine hits every side alike; per batch the fastest of
     # `repeats` tries counts (the usual defence against interference), summed over batches. One intra-op thread
     # and process CPU time: the work done, not the share of a busy machine this process happened to get.
-    totals = {bare: 0.0, with_statistics: 0.0}
+    sides = (bare, with_statistics, with_magnitudes, sink_pass)
+    totals = dict.fromkeys(sides, 0.0)
     for inputs in batches:
-        best = {bare: float("inf"), with_statistics: float("inf")}
+        best = dict.fromkeys(sides, float("inf"))
         for _ in range(repeats + 1):  # the first round warms up
-            for fn in (bare, with_statistics):
+            for fn in sides:
                 start = time.process_time()
                 fn(inputs)
                 best[fn] = min(best[fn], time.process_time() - start)
         for fn in totals:
             totals[fn] += best[fn]
-    return totals[bare], totals[with_statistics]
+    return tuple(totals[fn] for fn in sides)
 
 
 def main() -> None:
@@ -109,11 +133,16 @@ def main() -> None:
     print(f"memory: {base} sentences ({small['tokens']} tokens) peak {small['peak_mib']:.0f} MiB; "
           f"{10 * base} sentences ({large['tokens']} tokens) peak {large['peak_mib']:.0f} MiB; "
           f"metric state {large['state_bytes'] / 1024:.0f} KiB")
-    bare, stats = measure_time(encoder, batches, args.max_length, args.batch_size, repeats)
+    bare, stats, magnitudes, sinks = measure_time(encoder, batches, args.max_length, args.batch_size, repeats)
     print(f"CPU time over {batches} batches of {args.batch_size} (1 thread): bare forward {bare:.3f}s, "
-          f"forward + statistics {stats:.3f}s")
+          f"forward + statistics {stats:.3f}s, + massive activations and magnitude counts {magnitudes:.3f}s, "
+          f"attention sinks' eager pass {sinks:.3f}s")
     print(f"RATIO outlier_stats_peak_memory_10x {large['peak_mib'] / small['peak_mib']:.3f} target <=1.10")
     print(f"RATIO outlier_stats_time_overhead {stats / bare:.3f} target <=1.10")
+    print(f"METRIC outlier_magnitudes_time_ratio {magnitudes / bare:.3f} (forward + NeuronStatistics + "
+          "MassiveActivations + MagnitudeCounts vs the bare forward)")
+    print(f"METRIC attention_sinks_pass_time_ratio {sinks / bare:.3f} (the sinks' pass, eager attention with "
+          "output_attentions + AttentionSinks, vs the bare SDPA forward)")
 
 
 if __name__ == "__main__":
