@@ -49,7 +49,8 @@ def add_magnitude_arguments(parser) -> None:
                         help=f"times the layer's median |x| (default {MASSIVE_DEFAULTS['ratio']['ratio']:g} for "
                              f"ratio, {MASSIVE_DEFAULTS['sun']['ratio']:g} for sun)")
     parser.add_argument("--massive_min", type=float, default=None,
-                        help=f"sun's absolute floor on |x| (default {MASSIVE_DEFAULTS['sun']['min_abs']:g})")
+                        help=f"an absolute floor on |x| (default {MASSIVE_DEFAULTS['sun']['min_abs']:g} for sun, none "
+                             "for ratio)")
     parser.add_argument("--massive_top_k", type=int, default=TOP_K,
                         help=f"dimensions of largest peak |x| reported per layer (default {TOP_K})")
     parser.add_argument("--sink_epsilon", type=float, default=EPSILON,
