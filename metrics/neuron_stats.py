@@ -173,22 +173,25 @@ class NeuronStatistics(Metric):
         [layers, batch, seq, hidden] over its counted tokens (mask [batch, seq]); rows without a token are skipped."""
         if hidden_states.shape[0] != self.num_layers or hidden_states.shape[-1] != self.hidden_size:
             return  # update() names the mismatch
-        values = hidden_states.float()
-        weight = (mask.float() if mask is not None else values.new_ones(values.shape[1:3]))[None, :, :, None]
-        count = weight.sum((2, 3), dtype=torch.float64) * self.hidden_size  # [1, batch]: values per sequence
-        kept = count[0] > 0
+        weight = (mask.float() if mask is not None else hidden_states.new_ones(hidden_states.shape[1:3]).float())
+        weight = weight.to(hidden_states.device)[:, :, None]  # [batch, seq, 1]
+        count = weight.sum((1, 2), dtype=torch.float64) * self.hidden_size  # [batch]: values per sequence
+        kept = count > 0
         if not kept.any():
             return
-        mean = (values * weight).sum((2, 3), dtype=torch.float64) / count.clamp_min(1)  # [layers, batch]
-        squares = (values - mean.float()[..., None, None]).mul_(weight).pow_(2)
-        m2 = squares.sum((2, 3), dtype=torch.float64)
-        mu4 = squares.pow_(2).sum((2, 3), dtype=torch.float64) / count.clamp_min(1)
-        std4 = (m2 / (count - 1).clamp_min(1)).pow(2)  # s^4, s with Bessel's correction (torch.std's default)
-        kurtosis = mu4 / (std4 + BONDARENKO_EPS)
-        inf_norm = values.abs().mul_(weight).amax((2, 3)).double()  # [layers, batch]
+        kurtosis, inf_norm = [], []
+        for layer in hidden_states:  # one layer's temporaries at a time: [batch, seq, hidden]
+            values = layer.float()
+            mean = (values * weight).sum((1, 2), dtype=torch.float64) / count.clamp_min(1)  # [batch]
+            squares = (values - mean.float()[:, None, None]).mul_(weight).pow_(2)
+            m2 = squares.sum((1, 2), dtype=torch.float64)
+            mu4 = squares.pow_(2).sum((1, 2), dtype=torch.float64) / count.clamp_min(1)
+            std4 = (m2 / (count - 1).clamp_min(1)).pow(2)  # s^4, s with Bessel's correction (torch.std's default)
+            kurtosis.append(mu4 / (std4 + BONDARENKO_EPS))
+            inf_norm.append(values.abs().mul_(weight).amax((1, 2)).double())
         self.num_sequences += kept.sum()
-        self.kurtosis_sequence_sum += kurtosis[:, kept].sum(1)
-        self.inf_norm_sequence_sum += inf_norm[:, kept].sum(1)
+        self.kurtosis_sequence_sum += torch.stack(kurtosis)[:, kept].sum(1)
+        self.inf_norm_sequence_sum += torch.stack(inf_norm)[:, kept].sum(1)
 
     def compute(self) -> NeuronStatisticsResult:
         count = self.count.clamp_min(1)
