@@ -16,9 +16,9 @@ Per layer, each point also holds the outlier magnitudes of NeuronStatistics (kur
 top1_share; Bondarenko et al.'s kurtosis_sequence, inf_norm_sequence) and of analyses/magnitudes.py
 (massive_activations, attention_sinks, magnitude_outliers, as in outliers.json; the sinks in one more pass with eager
 attention, unless --no_attention_sinks), and each point the MLM validation loss its checkpoint records (val_loss, at
-val_loss_step; null when none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's name) are analysed on the
-same sentences and written together: one JSON holding each run's own trajectory report, one figure with the runs as
-lines (compare_runs).
+val_loss_step; null when none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's
+name) are analysed on the same sentences and written together: one JSON holding each run's own trajectory report, one
+figure with the runs as lines (compare_runs).
 """
 
 from __future__ import annotations
