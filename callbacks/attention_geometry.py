@@ -32,8 +32,8 @@ attention softmax(q k^T / sqrt(d)) over its keys, each query's row averaged over
 compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns
 through its tap (core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the
 states the forward made, not a forward. The training step's projection weights are copied when its capture starts
-(the optimizer updates them before the batch ends), so the queries and keys are those of the step's forward. A model whose
-attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
+(the optimizer updates them before the batch ends), so the queries and keys are those of the step's forward. A model
+whose attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
 one line. Statistics sync across ranks (sum states): a step's values equal one process's on the same global batch.
 W&B and TensorBoard also get, every `image_every_n_steps` and at each validation, the image `attention/over_steps`
 (each statistic per layer against the step); W&B the summaries `attention/<statistic>_by_layer` (latest, a list over
