@@ -34,6 +34,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from core.errors import UserError
 from core.lock import RunLock
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
+from core.trainer_checks import check_trainer_settings, check_unique_callbacks, lightning_refusals
 
 LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
 
@@ -61,9 +62,32 @@ def parse_error_line(message: str, parser) -> str:
                or re.search(r"Key \"([\w.]+)\" is not expected", message))
     if unknown:
         return unknown_key(unknown.group(1), valid_keys(parser))
+    bad_value = bad_value_line(message)
+    if bad_value:
+        return bad_value
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     text = " ".join(lines[:3]) if lines else "invalid arguments"
     return re.sub(r"<class '(\w+)'>", r"\1", text)
+
+
+def bad_value_line(message: str) -> str | None:
+    """A value its key's type refuses, naming the key: `--model.lr: expected a float, got nan`, also inside a
+    class given by class_path (probe.py's --model.* and --data.*), where jsonargparse only names the group."""
+    nested = re.search(r"Parser key \"([\w.]+)\":.*?Problem with given class_path '[\w.]+':\s*Parser key \"([\w.]+)\":"
+                       r"\s*(.+)", message, re.S)
+    flat = re.match(r"\s*Parser key \"([\w.]+)\":\s*\n\s*(?!Does not validate)(.+)", message, re.S)
+    if nested:
+        key, detail = f"{nested.group(1)}.{nested.group(2)}", nested.group(3)
+    elif flat:
+        key, detail = flat.groups()
+    else:
+        return None
+    detail = detail.strip().splitlines()[0].strip()
+    expected = re.fullmatch(r"Expected a <class '(\w+)'>\. Got value: (.*)", detail)
+    if expected:
+        detail = f"expected {'an' if expected.group(1)[0] in 'aeiou' else 'a'} {expected.group(1)}, got " \
+                 f"{expected.group(2)}"
+    return f"--{key}: " + re.sub(r"<class '(\w+)'>", r"\1", detail)
 
 
 def unknown_key(key: str, candidates: list[str]) -> str:
@@ -177,8 +201,10 @@ class ProjectCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def instantiate_classes(self) -> None:
-        """Lightning's; a UserError raised by a class's __init__ (a bad argument) comes out as itself, not inside
-        jsonargparse's report of every type it tried."""
+        """Lightning's, after the trainer's own options are checked (nothing is built before); a UserError raised by
+        a class's __init__ (a bad argument) comes out as itself, not inside jsonargparse's report of every type it
+        tried."""
+        check_trainer_settings(self._get(self.config, "trainer"))
         try:
             super().instantiate_classes()
         except Exception as error:
@@ -188,6 +214,17 @@ class ProjectCLI(LightningCLI):
             if cause is None:
                 raise
             raise UserError(str(cause)) from None
+
+    def instantiate_trainer(self, **kwargs):
+        """Lightning's, its callbacks checked first (no stateful one twice) and its refusals one line (core/
+        trainer_checks.py)."""
+        settings = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = settings.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        extra = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        check_unique_callbacks([*callbacks, *extra])
+        with lightning_refusals():
+            return super().instantiate_trainer(**kwargs)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's: a checkpoint's hyper-parameters override the config's model arguments; here read weights-only
