@@ -36,6 +36,7 @@ from analyses.session import distributed
 from analyses.trajectory import run_trajectory
 from core.cli import OneLineArgumentParser
 from core.errors import UserError, plain_warnings
+from core.trainer_checks import check_device
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
@@ -206,6 +207,7 @@ def validate(args) -> None:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
+    check_device(getattr(args, "device", None))
     if getattr(args, "encoder", "") is None:
         args.encoder = default_encoder()
 
