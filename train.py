@@ -47,7 +47,9 @@ from callbacks.checkpointing import (
     PretrainCheckpoint,
     check_fresh_start,
     check_resume,
+    check_resume_directory,
     checkpoint_dir,
+    hpc_checkpoint,
     last_checkpoint,
     resume_target,
 )
@@ -97,16 +99,22 @@ class TrainCLI(ProjectCLI):
         self.lock_run()  # rank 0: one live run per directory
         arguments = self.config_init[self.subcommand]
         ckpt_path = arguments.get("ckpt_path")
+        folder = Path(trainer.checkpoint_callback.dirpath)
         if ckpt_path == "last":
-            folder = Path(trainer.checkpoint_callback.dirpath)
             path = last_checkpoint(folder) or (folder / LAST if (folder / PREVIOUS).is_file() else None)
-        elif ckpt_path and ckpt_path not in ("best", "hpc", "registry"):
+        elif ckpt_path == "hpc":
+            path = hpc_checkpoint(trainer.default_root_dir)
+        elif ckpt_path in ("best", "registry"):
+            raise UserError(f"--ckpt_path {ckpt_path} cannot resume a run: give last, hpc or a checkpoint file")
+        elif ckpt_path:
             path = Path(ckpt_path)
             if not path.is_file():
                 raise UserError(f"checkpoint not found: {ckpt_path}")
         else:
             path = None
         if path is not None:
+            # a resume writes into default_root_dir: never over another run (a path of another run, a link to one)
+            check_resume_directory(path, ckpt_path, trainer.default_root_dir, folder)
             path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
             check_resume(path, model, data, trainer.world_size, self.kind)
             arguments["ckpt_path"] = str(path)
