@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from core.errors import UserError, first_line
-from core.output import atomic_file
+from core.errors import UserError
+from core.output import atomic_file, disk_full, write_error
 from core.safe_load import WeightsOnlyCheckpointIO
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
@@ -162,8 +162,10 @@ class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
         try:
             with atomic_file(path, keep_previous=previous) as handle:
                 torch.save(checkpoint, handle)
-        except OSError as error:
-            raise UserError(f"cannot save checkpoint {path}: {error.strerror or first_line(error)}; {kept}") from None
+        except Exception as error:  # torch.save turns a full disk into "RuntimeError: [enforce fail ...]"
+            if not isinstance(error, OSError) and not disk_full(error):
+                raise
+            raise UserError(f"cannot save checkpoint {path}: {write_error(error, path)}; {kept}") from None
 
 
 def checkpoint_dir(root: str | None) -> str:

@@ -23,16 +23,18 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from core.errors import UserError
 from core.lock import RunLock
+from core.output import disk_full, failed_file, write_error
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
 from core.trainer_checks import check_trainer_settings, check_unique_callbacks, lightning_refusals
 
@@ -180,6 +182,7 @@ class ProjectCLI(LightningCLI):
         self._held = HeldLogs()
         self._lock: RunLock | None = None
         kwargs.setdefault("parser_class", OneLineParser)
+        kwargs.setdefault("save_config_callback", AtomicSaveConfig)
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -273,13 +276,58 @@ class ProjectCLI(LightningCLI):
             after = getattr(self, f"after_{subcommand}", None)
             if callable(after):
                 after()
-        except BaseException:
+        except BaseException as error:
             self._held.release(emit=False)
+            full = full_disk_error(error, self.trainer.default_root_dir)
+            if full is not None:
+                raise full from None
             raise
         finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+
+def full_disk_error(error: BaseException, root) -> UserError | None:
+    """A full disk met anywhere in a run (config.yaml, a logger's files, a report) as one line naming the file (or the
+    run directory) and the disk; the writers of checkpoints, exports and reports say it themselves."""
+    if isinstance(error, UserError) or not disk_full(error):
+        return None
+    where = failed_file(error) or root
+    return UserError(f"cannot write {where}: {write_error(error, where)}")
+
+
+class AtomicSaveConfig(SaveConfigCallback):
+    """Lightning's config.yaml, written whole (a temporary file beside it, renamed into place) or not at all: a full
+    disk leaves a resumed run's earlier config.yaml as it was."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        parser, self.parser = self.parser, _AtomicSave(self.parser)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            self.parser = parser
+
+
+class _AtomicSave:
+    """A parser whose `save` of one local file goes through a temporary file and `os.replace`."""
+
+    def __init__(self, parser) -> None:
+        self._parser = parser
+
+    def __getattr__(self, name: str):
+        return getattr(self._parser, name)
+
+    def save(self, config, path, **kwargs) -> None:
+        if kwargs.get("multifile") or "://" in str(path):
+            return self._parser.save(config, path, **kwargs)
+        target = Path(path)
+        temporary = target.with_name(f".{target.name}.tmp")
+        try:
+            self._parser.save(config, str(temporary), **{**kwargs, "overwrite": True})
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 def config_paths(argv) -> list[str]:

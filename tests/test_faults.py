@@ -63,8 +63,24 @@ def test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing(tmp_pat
         (stage / "a.json").write_text("{}")
         monkeypatch.setattr(Path, "write_bytes", full_disk)
         (stage / "b.bin").write_bytes(b"x" * 1000)
-    assert str(raised.value) == f"cannot write report to {out}: No space left on device"
+    assert str(raised.value) == f"cannot write report to {out}: No space left on device {on_disk(out)}"
     assert not (tmp_path / "runs").exists()
+
+
+def on_disk(path: Path) -> str:
+    """'on the disk mounted at <mount> (<size>)' as df sees the filesystem of `path` (its nearest existing parent):
+    how a full-disk message names the disk."""
+    while not path.exists():
+        path = path.parent
+    target, size = subprocess.run(["df", "-B1", "--output=target,size", str(path)], capture_output=True, text=True,
+                                  check=True).stdout.splitlines()[-1].rsplit(None, 1)
+    size, unit = float(size), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"on the disk mounted at {target.strip()} ({size:.0f} B)" if unit == "B" else \
+        f"on the disk mounted at {target.strip()} ({size:.1f} {unit})"
 
 
 def test_atomic_file_keeps_the_old_content_when_the_writer_dies(tmp_path):
@@ -299,7 +315,8 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_bef
     monkeypatch.undo()
     last = root / "checkpoints" / "last.ckpt"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"train.py: error: cannot save checkpoint {last}: No space left on device; the one saved before is kept "
+        f"train.py: error: cannot save checkpoint {last}: No space left on device {on_disk(last)}; the one saved "
+        "before is kept "
         "(resume with --ckpt_path last once there is room)")
     assert checkpoint(root)["global_step"] == 2  # whole, weights-only
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no torn temporary file, nothing renamed
@@ -331,7 +348,8 @@ def test_disk_full_while_analyze_writes_its_report(tmp_path, bert_tok, sentences
                          str(out), "--no_progress"])
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert code == 2
-    assert errors == [f"analyze.py outliers: error: cannot write report to {out}: No space left on device"]
+    assert errors == [f"analyze.py outliers: error: cannot write report to {out}: No space left on device "
+                      f"{on_disk(out)}"]
     assert not (tmp_path / "runs").exists()  # no partial report, and no directory the run created
 
 
@@ -350,7 +368,7 @@ def test_disk_full_while_probe_writes_its_report(tmp_path, bert_tok, sentences_f
                         "--trainer.default_root_dir", str(out)])
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert exited.value.code == 2
-    assert errors == [f"probe.py: error: cannot write report to {out}: No space left on device"]
+    assert errors == [f"probe.py: error: cannot write report to {out}: No space left on device {on_disk(out)}"]
     assert not (tmp_path / "runs").exists()
 
 
