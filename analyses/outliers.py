@@ -23,14 +23,16 @@ from metrics.origins import summarise_origins, trace_origins
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
 
 
-def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args) -> tuple[NeuronStatisticsResult, int, int]:
-    """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated)."""
+def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args
+                       ) -> tuple[NeuronStatisticsResult, int, int, int]:
+    """Stream this rank's sentences through the encoder into NeuronStatistics: (statistics, sentences, truncated,
+    special tokens written in the text)."""
     reference = reference_pass(setting_of(args, encoder), sentences, statistics=True, desc="outlier statistics")
-    return reference.statistics, reference.num_sentences, reference.num_truncated
+    return reference.statistics, reference.num_sentences, reference.num_truncated, reference.num_special_in_text
 
 
 def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
-                    num_truncated: int) -> dict:
+                    num_truncated: int, num_special_in_text: int = 0) -> dict:
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
@@ -40,6 +42,7 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "num_sentences": num_sentences,
         "num_tokens": result.num_tokens,
         "num_truncated": num_truncated,
+        "num_special_in_text": num_special_in_text,
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
@@ -105,8 +108,8 @@ def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: Froze
 
 def run_outliers(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
-    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args)
-    report = outliers_report(args, encoder, result, num_sentences, num_truncated)
+    result, num_sentences, num_truncated, special = collect_statistics(encoder, sentences, args)
+    report = outliers_report(args, encoder, result, num_sentences, num_truncated, special)
     if getattr(args, "token_frequency", False):
         report["token_frequency"] = token_frequency_report(args, encoder, sentences, report["layers"])
     finish(args, rank, {"outliers.json": report}, outlier_figures(report, result, encoder))

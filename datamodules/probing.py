@@ -203,6 +203,7 @@ class ProbeDataModule(pl.LightningDataModule):
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
+                  "num_special_in_text": extracted.num_special_in_text,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
         )

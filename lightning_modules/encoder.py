@@ -41,6 +41,7 @@ class EncodedBatch:
     input_ids: Tensor  # [batch, seq]
     attention_mask: Tensor  # [batch, seq] long, 1 for real tokens (special tokens included)
     num_truncated: int = 0  # sentences in this batch cut to the maximum length
+    num_special_in_text: int = 0  # special tokens written in the text ("[SEP]" in a line), not added by the tokenizer
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
 
@@ -167,6 +168,7 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
+        self.special_ids = special_ids(tokenizer)  # [n] long: the ids --exclude_special drops wherever they stand
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -190,6 +192,7 @@ class FrozenEncoder(nn.Module):
                 token_type_ids: Tensor | None = None) -> EncodedBatch:
         """input_ids, attention_mask: [batch, seq] → EncodedBatch with hidden_states [layers, batch, seq, hidden]."""
         device = self.device
+        in_text = in_text_specials(input_ids, attention_mask, special_tokens_mask, self.special_ids)  # where given
         inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
         if token_type_ids is not None and "token_type_ids" in self._forward_keys:
             inputs["token_type_ids"] = token_type_ids.to(device)
@@ -197,9 +200,11 @@ class FrozenEncoder(nn.Module):
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
         mask = inputs["attention_mask"].bool()
-        if self.exclude_special and special_tokens_mask is not None:
-            mask &= ~special_tokens_mask.to(device).bool()
-        return EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"])
+        if self.exclude_special:
+            added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
+            mask &= ~(added | in_text).to(device)
+        return EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"],
+                            num_special_in_text=int(in_text.sum()))
 
     def tokenize(self, texts: Sequence[str], max_length: int | None = None, offsets: bool = False
                  ) -> tuple[dict, int]:
@@ -264,6 +269,24 @@ class FrozenEncoder(nn.Module):
         if truncated_total:
             warnings.warn(f"{truncated_total} sentences were longer than {max_length} tokens and were truncated",
                           stacklevel=2)
+
+
+def special_ids(tokenizer) -> Tensor:
+    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones), which
+    --exclude_special drops wherever they stand: added around a sentence or written in its text. [UNK] is not among
+    them: it stands for a word of the text the vocabulary lacks, and counts as that word."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) - {getattr(tokenizer, "unk_token_id", None)}
+    return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
+
+
+def in_text_specials(input_ids: Tensor, attention_mask: Tensor, special_tokens_mask: Tensor | None,
+                     ids: Tensor) -> Tensor:
+    """[batch, seq] bool: the tokens of the text whose id is a special id (`ids`) but which the tokenizer did not add
+    (`special_tokens_mask`: its [CLS] / [SEP] / <s> ...): "[SEP]" or "</s>" written in a line. Padding never counts."""
+    found = torch.isin(input_ids, ids.to(input_ids.device)) & attention_mask.bool()
+    if special_tokens_mask is not None:
+        found &= ~special_tokens_mask.to(input_ids.device).bool()
+    return found
 
 
 def pad(encoded: Mapping[str, list[list[int]]], pad_token_id: int) -> dict[str, Tensor]:
