@@ -64,6 +64,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    parser.add_argument("--allow_random_weights", action="store_true",
+                        help="analyse an encoder whose checkpoint lacks some of its weights (or holds them in another "
+                             "shape), which are then randomly initialised (default: refused)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
 
 

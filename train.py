@@ -82,9 +82,8 @@ class TrainCLI(ProjectCLI):
                              "checkpoint.every_n_train_steps": 1000, "checkpoint.enable_version_counter": False})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
 
-    def check_run(self, accumulation: int) -> None:
-        """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
-        when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
+    def check_settings(self, accumulation: int) -> None:
+        """The checks both share that read no data and write nothing (study.py checks its arms with them too)."""
         model, data, trainer = self.model, self.datamodule, self.trainer
         if trainer.fast_dev_run:  # a smoke test: the schedule's end, no warm-up warning
             schedule_end(model.hparams.decay_steps, trainer.max_steps)
@@ -95,6 +94,12 @@ class TrainCLI(ProjectCLI):
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
         if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
             trainer.checkpoint_callback.check_settings()
+
+    def check_run(self, accumulation: int) -> None:
+        """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
+        when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
+        trainer = self.trainer
+        self.check_settings(accumulation)
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         self.lock_run()  # rank 0: one live run per directory
         arguments = self.config_init[self.subcommand]
@@ -141,6 +146,11 @@ class PretrainCLI(TrainCLI):
             parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
                                   apply_on="instantiate")
 
+    def check_arguments(self) -> None:
+        """What before_fit checks without reading data or writing anything (study.py's arms, built with run=False)."""
+        check_block_length(self.datamodule.hparams.block_length, self.model)
+        self.check_settings(self.datamodule.accumulation(self.trainer.world_size))
+
     def before_fit(self) -> None:
         """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
         for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
@@ -182,6 +192,15 @@ def print_summary(report: dict, path: Path) -> None:
     print("IsoScore* of the test tokens by layer: " + ", ".join(f"{row['layer']}: {row['isoscore_star']:.3f}"
                                                                for row in report["layers"]))
     print(f"wrote {path} and {path.parent / 'export'}")
+
+
+def check_arguments(args: list[str]) -> None:
+    """train.py's own checks of pretraining arguments (those after `fit`), nothing run or written: its parser, each
+    class's checks as it is built, the trainer's options, and what before_fit checks before it reads data. study.py
+    checks every arm with it before it trains any."""
+    cli = PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                      args=args, run=False)
+    cli.check_arguments()
 
 
 def model_class_path(argv: list[str]) -> str | None:

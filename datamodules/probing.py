@@ -75,6 +75,7 @@ class ProbeDataModule(pl.LightningDataModule):
         min_share: float = OutlierRule.min_share,
         sigma: float = OutlierRule.sigma,
         exclude_special: bool = False,
+        allow_random_weights: bool = False,
         max_memory_gb: float = 4.0,
         cache_dir: str | None = None,
         num_workers: int = 0,
@@ -239,7 +240,9 @@ class ProbeDataModule(pl.LightningDataModule):
         if isinstance(self.encoder, FrozenEncoder):
             primary = self.encoder
         else:
-            primary = load_encoder(self.encoder or default_encoder(), device=device, exclude_special=h.exclude_special)
+            primary = load_encoder(self.encoder or default_encoder(), device=device, exclude_special=h.exclude_special,
+                                   allow_random_weights=h.allow_random_weights,
+                                   allow_option="--model.allow_random_weights true")
         primary.check_max_length(h.max_length)
         return [primary, random_encoder(primary, h.seed)] if h.random_baseline else [primary]
 

@@ -65,10 +65,14 @@ def resolve_model_dir(source: str | Path) -> str:
 
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 exclude_special: bool = False) -> FrozenEncoder:
+                 exclude_special: bool = False, allow_random_weights: bool = False,
+                 allow_option: str = "--allow_random_weights") -> FrozenEncoder:
     """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
 
-    `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere.
+    `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere. Encoder weights the
+    checkpoint lacks (or holds in another shape: weights of another architecture under this config.json) are refused,
+    naming how many, unless `allow_random_weights` (then a warning names them); `allow_option` is the option that
+    allows them, as the refusal names it.
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -104,7 +108,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
-    _warn_about_loading(source, info)
+    check_loading(source, info, model, allow_random_weights, allow_option)
     return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
@@ -121,12 +125,26 @@ def load_failure(error: Exception, what: str) -> str:
     return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
 
 
-def _warn_about_loading(source, info: Mapping) -> None:
-    """One warning when encoder weights were not in the checkpoint (randomly initialised) or had another shape. The
-    pooler (unused: hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys)
-    are expected when a masked-LM checkpoint is loaded as an encoder and are not reported."""
+def check_loading(source, info: Mapping, model: nn.Module, allow: bool = False,
+                  option: str = "--allow_random_weights") -> None:
+    """Encoder weights that were not in the checkpoint or had another shape there would be randomly initialised: one
+    line naming how many, or with `allow` (`option` on the command line), a warning naming them. The pooler (unused:
+    hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys) are expected when a
+    masked-LM checkpoint is loaded as an encoder and are not counted."""
     missing = sorted(key for key in info.get("missing_keys", ()) if not key.split(".")[0] == "pooler")
     mismatched = sorted(str(key[0] if isinstance(key, tuple) else key) for key in info.get("mismatched_keys", ()))
+    if (missing or mismatched) and not allow:
+        total = sum(1 for key in model.state_dict() if key.split(".")[0] != "pooler")
+        parts = ([f"{len(missing)} of its {total} weights are not in the checkpoint"] if missing else []) + \
+                ([f"{len(mismatched)} have another shape there"] if mismatched else [])
+        raise UserError(f"encoder {source}: {' and '.join(parts)} (e.g. {(missing + mismatched)[0]}): its weights do "
+                        "not match its config.json (another architecture's?), so they would be randomly "
+                        f"initialised; {option} analyses such a partly random model")
+    _warn_about_loading(source, missing, mismatched)
+
+
+def _warn_about_loading(source, missing: list[str], mismatched: list[str]) -> None:
+    """One warning naming the encoder weights that were randomly initialised (allowed by the user)."""
     for what, keys in (("not in the checkpoint (randomly initialised)", missing),
                        ("of another shape in the checkpoint (randomly initialised)", mismatched)):
         if keys:
