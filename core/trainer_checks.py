@@ -94,10 +94,11 @@ def check_accelerator(accelerator, devices) -> None:
             raise UserError(f"--trainer.accelerator {accelerator}: this machine has no CUDA GPU ({no_gpu_reason()}); "
                             "use --trainer.accelerator cpu (or auto)")
         wanted = requested_indices(devices)
-        if wanted is not None and (max(wanted, default=-1) >= count):
-            asked = len(wanted) if isinstance(devices, int) or str(devices).isdigit() else f"GPUs {sorted(wanted)}"
+        if wanted is not None and max(wanted, default=-1) >= count:
+            asked = f"{len(wanted)} GPUs" if isinstance(devices, int) or str(devices).isdigit() else \
+                f"GPUs {sorted(wanted)}"
             raise UserError(f"--trainer.devices {devices} asks for {asked} but this machine has {count} GPU"
-                            f"{'s' if count != 1 else ''} (0..{count - 1}); use --trainer.devices {count} or fewer")
+                            f"{'s' if count != 1 else ''}; use --trainer.devices {count} or fewer")
     elif name == "mps" and not (torch.backends.mps.is_available()):
         raise UserError(f"--trainer.accelerator {accelerator}: Apple's MPS is not available on this machine; use "
                         "--trainer.accelerator cpu (or auto)")

@@ -36,7 +36,7 @@ def gpu_request() -> tuple[tuple[str, ...], str]:
                 "use --trainer.accelerator cpu (or auto)")
     return (("--trainer.accelerator", "gpu", "--trainer.devices", str(count + 1)),
             f"--trainer.devices {count + 1} asks for {count + 1} GPUs but this machine has {count} GPU"
-            f"{'s' if count != 1 else ''} (0..{count - 1}); use --trainer.devices {count} or fewer")
+            f"{'s' if count != 1 else ''}; use --trainer.devices {count} or fewer")
 
 
 TRAIN = {
