@@ -98,7 +98,7 @@ class TrainCLI(ProjectCLI):
     def check_run(self, accumulation: int) -> None:
         """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
         when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
-        trainer = self.trainer
+        model, data, trainer = self.model, self.datamodule, self.trainer
         self.check_settings(accumulation)
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         self.lock_run()  # rank 0: one live run per directory

@@ -155,7 +155,9 @@ def test_w_and_b_media_on_a_full_disk_is_one_warning_naming_the_file_and_the_dis
     from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, log_figure
 
     logger = AutoWandbLogger(save_dir=str(disk / "run"))
-    logger.experiment  # the offline run starts while there is room
+    from pytorch_lightning.loggers.logger import DummyExperiment
+
+    assert not isinstance(logger.experiment, DummyExperiment)  # the offline run starts while there is room
 
     class Trainer:
         loggers, global_step, is_global_zero = [logger], 3, True

@@ -8,19 +8,26 @@ train nothing, a bad value inside --model.* naming its key, and analyze.py's --d
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import analyze
 import train
-from core.trainer_checks import check_trainer_settings, check_val_check_interval
 from core.errors import UserError
-from tests.test_refusals import encoder, files_under, stderr_lines  # noqa: F401  (encoder: a fixture)
+from core.trainer_checks import check_trainer_settings, check_val_check_interval
+from tests.test_refusals import files_under, stderr_lines
 from tests.test_train import tiny_args
-from tests.test_untrusted import run_entry_point, probe_args
+from tests.test_untrusted import probe_args, run_entry_point
+from tests.tiny import save_tiny_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory, bert_tok) -> Path:
+    return save_tiny_encoder(tmp_path_factory.mktemp("encoder") / "bert", "bert", bert_tok)
 WANDB = json.dumps({"class_path": "callbacks.wandb_logging.AutoWandbLogger"})  # train.py's own logger (offline here)
 STATS = "callbacks.outlier_statistics.OutlierStatistics"
 
