@@ -55,7 +55,7 @@ from callbacks.checkpointing import (
 )
 from callbacks.live import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
-from core.cli import ProjectCLI
+from core.cli import HeldLogs, ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.finetune import FineTuneDataModule
 from datamodules.mlm import MLMDataModule, check_block_length
@@ -198,9 +198,13 @@ def check_arguments(args: list[str]) -> None:
     """train.py's own checks of pretraining arguments (those after `fit`), nothing run or written: its parser, each
     class's checks as it is built, the trainer's options, and what before_fit checks before it reads data. study.py
     checks every arm with it before it trains any."""
-    cli = PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                      args=args, run=False)
-    cli.check_arguments()
+    held = HeldLogs()  # Lightning's banner of a trainer that is only built: not printed
+    try:
+        cli = PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                          args=args, run=False)
+        cli.check_arguments()
+    finally:
+        held.release(emit=False)
 
 
 def model_class_path(argv: list[str]) -> str | None:
