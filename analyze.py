@@ -37,6 +37,7 @@ from analyses.session import distributed
 from analyses.trajectory import run_trajectory
 from core.cli import OneLineArgumentParser
 from core.errors import UserError, plain_warnings
+from core.trainer_checks import check_device
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import DEFAULT_CORPUS
 from lightning_modules.encoder import default_encoder
@@ -64,6 +65,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    parser.add_argument("--allow_random_weights", action="store_true",
+                        help="analyse an encoder whose checkpoint lacks some of its weights (or holds them in another "
+                             "shape), which are then randomly initialised (default: refused)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
 
 
@@ -210,6 +214,7 @@ def validate(args) -> None:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
+    check_device(getattr(args, "device", None))
     if getattr(args, "encoder", "") is None:
         args.encoder = default_encoder()
 

@@ -31,6 +31,7 @@ class ProbeCLI(ProjectCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.encoder", "data.init_args.encoder")
+        parser.link_arguments("model.init_args.allow_random_weights", "data.init_args.allow_random_weights")
         parser.link_arguments("seed_everything", "model.init_args.seed")
         parser.link_arguments("seed_everything", "data.init_args.seed")
 

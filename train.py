@@ -47,13 +47,15 @@ from callbacks.checkpointing import (
     PretrainCheckpoint,
     check_fresh_start,
     check_resume,
+    check_resume_directory,
     checkpoint_dir,
+    hpc_checkpoint,
     last_checkpoint,
     resume_target,
 )
 from callbacks.live import check_callbacks
 from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
-from core.cli import ProjectCLI
+from core.cli import HeldLogs, ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.finetune import FineTuneDataModule
 from datamodules.mlm import MLMDataModule, check_block_length
@@ -80,9 +82,8 @@ class TrainCLI(ProjectCLI):
                              "checkpoint.every_n_train_steps": 1000, "checkpoint.enable_version_counter": False})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
 
-    def check_run(self, accumulation: int) -> None:
-        """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
-        when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
+    def check_settings(self, accumulation: int) -> None:
+        """The checks both share that read no data and write nothing (study.py checks its arms with them too)."""
         model, data, trainer = self.model, self.datamodule, self.trainer
         if trainer.fast_dev_run:  # a smoke test: the schedule's end, no warm-up warning
             schedule_end(model.hparams.decay_steps, trainer.max_steps)
@@ -93,20 +94,32 @@ class TrainCLI(ProjectCLI):
         check_callbacks(trainer, model)  # live-statistics callbacks: hidden states capturable, layers valid
         if isinstance(trainer.checkpoint_callback, PretrainCheckpoint):
             trainer.checkpoint_callback.check_settings()
+
+    def check_run(self, accumulation: int) -> None:
+        """The checks both share, then the run directory's lock and the resume target (weights-only; previous.ckpt
+        when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
+        model, data, trainer = self.model, self.datamodule, self.trainer
+        self.check_settings(accumulation)
         use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
         self.lock_run()  # rank 0: one live run per directory
         arguments = self.config_init[self.subcommand]
         ckpt_path = arguments.get("ckpt_path")
+        folder = Path(trainer.checkpoint_callback.dirpath)
         if ckpt_path == "last":
-            folder = Path(trainer.checkpoint_callback.dirpath)
             path = last_checkpoint(folder) or (folder / LAST if (folder / PREVIOUS).is_file() else None)
-        elif ckpt_path and ckpt_path not in ("best", "hpc", "registry"):
+        elif ckpt_path == "hpc":
+            path = hpc_checkpoint(trainer.default_root_dir)
+        elif ckpt_path in ("best", "registry"):
+            raise UserError(f"--ckpt_path {ckpt_path} cannot resume a run: give last, hpc or a checkpoint file")
+        elif ckpt_path:
             path = Path(ckpt_path)
             if not path.is_file():
                 raise UserError(f"checkpoint not found: {ckpt_path}")
         else:
             path = None
         if path is not None:
+            # a resume writes into default_root_dir: never over another run (a path of another run, a link to one)
+            check_resume_directory(path, ckpt_path, trainer.default_root_dir, folder)
             path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
             check_resume(path, model, data, trainer.world_size, self.kind)
             arguments["ckpt_path"] = str(path)
@@ -132,6 +145,11 @@ class PretrainCLI(TrainCLI):
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
             parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
                                   apply_on="instantiate")
+
+    def check_arguments(self) -> None:
+        """What before_fit checks without reading data or writing anything (study.py's arms, built with run=False)."""
+        check_block_length(self.datamodule.hparams.block_length, self.model)
+        self.check_settings(self.datamodule.accumulation(self.trainer.world_size))
 
     def before_fit(self) -> None:
         """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
@@ -174,6 +192,19 @@ def print_summary(report: dict, path: Path) -> None:
     print("IsoScore* of the test tokens by layer: " + ", ".join(f"{row['layer']}: {row['isoscore_star']:.3f}"
                                                                for row in report["layers"]))
     print(f"wrote {path} and {path.parent / 'export'}")
+
+
+def check_arguments(args: list[str]) -> None:
+    """train.py's own checks of pretraining arguments (those after `fit`), nothing run or written: its parser, each
+    class's checks as it is built, the trainer's options, and what before_fit checks before it reads data. study.py
+    checks every arm with it before it trains any."""
+    held = HeldLogs()  # Lightning's banner of a trainer that is only built: not printed
+    try:
+        cli = PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                          args=args, run=False)
+        cli.check_arguments()
+    finally:
+        held.release(emit=False)
 
 
 def model_class_path(argv: list[str]) -> str | None:

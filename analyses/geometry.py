@@ -60,7 +60,7 @@ def anisotropy(setting: Setting, reference: Reference) -> dict:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {got}"
                         + (f" of {total} sentences" if got != total else ""))
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
-            "layers": per_layer(values, setting.encoder.num_hidden_states)}
+            "num_special_in_text": reference.num_special_in_text, "layers": per_layer(values, setting.encoder.num_hidden_states)}
 
 
 def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta: float = 0.2, minibatch: int = 250,
@@ -113,7 +113,8 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
         values[key].update(sequence_energy_top1=result["energy_top1"], sequence_cdf_auc=result["cdf_auc"])
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
-    return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens, "zeta": zeta,
+    return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
+            "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             "corpus_spectra": spectra,
             "sequence_spectra": {key: [[round(float(v), 6) for v in row] for row in result["spectrum"]]
@@ -160,7 +161,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     groups = [None] + [variant.key for variant in variants if variant.per_sentence]  # as views() orders them
     sampling = baseline is None
     tokens = {key: TokenSample(len(contexts.sentences), layers, hidden).to(device) for key in groups} if sampling else {}
-    lost, truncated = counter(device), counter(device)
+    lost, truncated, special = counter(device), counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
         wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
@@ -174,6 +175,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
                 tokens[key].update(torch.tensor([rows[r] for r in kept]), sampled)
         lost.update(sum(len(w) for w in wanted) - len(found))
         truncated.update(batch.num_truncated)
+        special.update(batch.num_special_in_text)
     if sampling:
         samples = {key: metric.compute() for key, metric in tokens.items()}
         anisotropy, pairs = pair_anisotropy(samples[None], variants, setting.seed, samples)
@@ -193,4 +195,4 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "num_sentences": len(contexts.sentences), "adjusted_by": adjusted_by, "baseline_pairs": pairs,
             "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
-            "words": contexts.words, "layers": rows}
+            "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows}

@@ -28,18 +28,18 @@ from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, per
 
 
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magnitudes: Magnitudes | None = None
-                       ) -> tuple[NeuronStatisticsResult, int, int]:
+                       ) -> tuple[NeuronStatisticsResult, int, int, int]:
     """Stream this rank's sentences through the encoder into NeuronStatistics (and `magnitudes`): (statistics,
-    sentences, truncated)."""
+    sentences, truncated, special tokens written in the text)."""
     setting = setting_of(args, encoder)
     reference = reference_pass(setting, sentences, statistics=True, desc="outlier statistics", magnitudes=magnitudes)
     if magnitudes is not None:
         magnitudes.attention_pass(setting, sentences)
-    return reference.statistics, reference.num_sentences, reference.num_truncated
+    return reference.statistics, reference.num_sentences, reference.num_truncated, reference.num_special_in_text
 
 
 def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
-                    num_truncated: int, magnitudes: Magnitudes | None = None) -> dict:
+                    num_truncated: int, num_special_in_text: int = 0, magnitudes: Magnitudes | None = None) -> dict:
     """outliers.json; with `magnitudes`, each layer's row also holds massive_activations, attention_sinks and
     magnitude_outliers, and the report their rules."""
     if result.num_tokens == 0:
@@ -52,6 +52,7 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "num_sentences": num_sentences,
         "num_tokens": result.num_tokens,
         "num_truncated": num_truncated,
+        "num_special_in_text": num_special_in_text,
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
@@ -151,8 +152,8 @@ def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: Froze
 def run_outliers(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
     magnitudes = Magnitudes.of(args, encoder)
-    result, num_sentences, num_truncated = collect_statistics(encoder, sentences, args, magnitudes)
-    report = outliers_report(args, encoder, result, num_sentences, num_truncated, magnitudes)
+    result, num_sentences, num_truncated, special = collect_statistics(encoder, sentences, args, magnitudes)
+    report = outliers_report(args, encoder, result, num_sentences, num_truncated, special, magnitudes)
     if getattr(args, "token_frequency", False):
         report["token_frequency"] = token_frequency_report(args, encoder, sentences, report["layers"])
     finish(args, rank, {"outliers.json": report}, outlier_figures(report, result, encoder))

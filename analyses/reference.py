@@ -112,6 +112,7 @@ class Reference:
     samples: dict = field(default_factory=dict)  # {per-sentence variant key: its own token sample, as `sample`}
     clip_rule: str = ""  # which clipping rule applied to this model, and why (ClipRequest.rule)
     moments: dict = field(default_factory=dict)  # {per-sentence variant key: CovarianceResult of its own tokens}
+    num_special_in_text: int = 0  # special tokens written in the sentences ("[SEP]" in a line; EncodedBatch)
 
     def header(self) -> dict:
         header = {"clip": self.clip, "clip_rule": self.clip_rule, "clipped_dims": clipped_dims(self.clipped or {}),
@@ -188,7 +189,7 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     groups = [None] + [variant.key for variant in per_sentence]  # views(): the raw states, then each variant's own
     tokens = {key: TokenSample(len(chosen), layers, hidden).to(device) for key in groups} if sample else {}
     moments = {key: Covariance(layers, hidden).to(device) for key in groups[1:]} if cov is not None else {}
-    counted, truncated = counter(device), counter(device)
+    counted, truncated, special = counter(device), counter(device), counter(device)
     encode = stats is not None or cov is not None or pooled is not None or bool(tokens) or magnitudes is not None
     if encode:
         for batch in setting.batches(sentences, desc=desc):
@@ -211,9 +212,11 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
                                        vectors[:, wanted])
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
+            special.update(batch.num_special_in_text)
     reference = Reference([RAW], clip.text, None, normalize, *((int(counted.compute()), int(truncated.compute()))
                                                                if encode else (0, 0)))
     reference.clip_rule = clip.rule(layers)
+    reference.num_special_in_text = int(special.compute()) if encode else 0
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)

@@ -95,7 +95,7 @@ def run_all(args, rank: int, world: int) -> dict:
     reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
-                                           reference.num_truncated),
+                                           reference.num_truncated, reference.num_special_in_text),
                "anisotropy": {**header, **geometry.anisotropy(setting, reference)},
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches)},

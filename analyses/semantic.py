@@ -32,7 +32,7 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
     """
     encoder = setting.encoder
     metrics = {v.key: PairCosine(num_pairs, encoder.num_hidden_states).to(encoder.device) for v in variants}
-    lost, truncated = counter(encoder.device), counter(encoder.device)
+    lost, truncated, special = counter(encoder.device), counter(encoder.device), counter(encoder.device)
     pending: dict[int, list] = {}
     for batch in setting.batches(texts, offsets, desc, pairs=True):
         rows = batch.rows
@@ -41,6 +41,7 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
         found = picked[0][1]
         lost.update(len(rows) - len(found))
         truncated.update(batch.num_truncated)
+        special.update(batch.num_special_in_text)
         for column, row in enumerate(found):
             pending.setdefault(rows[row] // 2, [None, None])[rows[row] % 2] = [v[:, column] for v, _ in picked]
         done = [p for p, sides in pending.items() if sides[0] is not None and sides[1] is not None]
@@ -56,7 +57,8 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
         if not metric.update_called:
             empty = torch.zeros(encoder.num_hidden_states, 0, encoder.hidden_size, device=encoder.device)
             metric.update(torch.zeros(0, dtype=torch.long), empty, empty)
-    return metrics, int(lost.compute()), int(truncated.compute())
+    return metrics, int(lost.compute()), {"num_truncated": int(truncated.compute()),
+                                          "num_special_in_text": int(special.compute())}
 
 
 def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict:
@@ -71,11 +73,10 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         vectors, found = span_vectors(batch, [[spans[row]] for row in rows])
         return vectors, [r for r, _ in found]
 
-    metrics, lost, truncated = _pair_loop(setting, texts, variants, len(items), vectors_of, True, "wic")
+    metrics, lost, counts = _pair_loop(setting, texts, variants, len(items), vectors_of, True, "wic")
     labels = torch.tensor([item.label for item in items])
     thresholds = torch.tensor(THRESHOLDS, dtype=torch.float64)
-    report = {"num_pairs": len(items), "targets_lost_to_truncation": lost, "num_truncated": truncated,
-              "thresholds": THRESHOLDS}
+    report = {"num_pairs": len(items), "targets_lost_to_truncation": lost, **counts, "thresholds": THRESHOLDS}
     per_variant = {}
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()
@@ -108,9 +109,9 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
     def vectors_of(rows, batch):
         return mean_pool(batch.hidden_states, batch.mask), list(range(len(rows)))
 
-    metrics, _, truncated = _pair_loop(setting, texts, variants, len(pairs), vectors_of, False, "sts")
+    metrics, _, counts = _pair_loop(setting, texts, variants, len(pairs), vectors_of, False, "sts")
     gold = torch.tensor([pair.score for pair in pairs], dtype=torch.float64)
-    report = {"num_pairs": len(pairs), "num_truncated": truncated}
+    report = {"num_pairs": len(pairs), **counts}
     per_variant = {}
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()

@@ -81,7 +81,8 @@ def open_encoder(args) -> FrozenEncoder:
     device = args.device
     if device is None and torch.cuda.is_available() and dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"
-    encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special)
+    encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special,
+                           allow_random_weights=getattr(args, "allow_random_weights", False))
     encoder.check_max_length(args.max_length)
     clip = getattr(args, "clip", None)
     if clip is not None and not clip.needs_outliers:  # given dims or layers: check them against this model now

@@ -12,10 +12,11 @@ checkpoint of every arm on the same sentences and writes <output_dir>/study.json
 outlier dims and shares, kurtosis, max |activation|, anisotropy, IsoScore*; per checkpoint the MLM validation loss it
 records) and study.png (the arms as lines against the step).
 
-Everything is checked before anything is written: the study file, every arm's train.py arguments (parsed by
-train.py's own parser: an unknown key or a bad value is one line naming the arm), the trajectory options, and each
-arm directory already there (it must hold this study's arm with the same resolved config). A re-run skips the arms
-finished (their export is there), resumes an arm stopped midway (`--ckpt_path last`), and redoes the comparison.
+Everything is checked before anything is written: the study file, every arm's train.py arguments (by train.py's own
+parser and checks, train.check_arguments: an unknown key or a bad value is one line naming the arm), the trajectory
+options, and each arm directory already there (it must hold this study's arm with the same resolved config). A re-run
+skips the arms finished (their export is there), resumes an arm stopped midway (`--ckpt_path last`), and redoes the
+comparison.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from core.errors import UserError
-from core.output import atomic_file, check_writable
+from core.output import atomic_file, check_writable, write_error
 
 STUDY_KEYS = ("train_config", "arms", "trajectory")
 ARM_FILE = "study_arm.json"  # in each arm's run directory: its train.py arguments, resolved config and training time
@@ -129,7 +130,7 @@ def quiet_cli():
 
 def resolve(name: str, args: list[str]) -> dict:
     """The config train.py resolves from `args` (its own parser: --print_config), without running anything."""
-    from train import TRAINER_DEFAULTS, MLMDataModule, MLMModule, PretrainCLI
+    from train import TRAINER_DEFAULTS, MLMDataModule, MLMModule, PretrainCLI, check_arguments
 
     out = io.StringIO()
     try:
@@ -144,6 +145,12 @@ def resolve(name: str, args: list[str]) -> dict:
     config = yaml.safe_load(out.getvalue())
     if not isinstance(config, dict) or "model" not in config:
         raise UserError(f"arm {name}: train.py resolved no config from {' '.join(args)}")
+    try:  # its values too, as train.py checks them before it reads data (an unknown attention variant, ...)
+        with quiet_cli(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the arm's own warnings come when it trains
+            check_arguments(args)
+    except UserError as error:
+        raise UserError(f"arm {name}: {error}") from None
     config.pop("ckpt_path", None)
     return config
 
@@ -247,9 +254,8 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
         return None
     record = arm.run_dir / ARM_FILE
     if rank == 0:
-        with atomic_file(record) as handle:
-            handle.write(json.dumps({"arm": arm.name, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
-                                     "config": arm.config}, indent=2).encode())
+        write_record(record, {"arm": arm.name, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
+                              "config": arm.config})
         print(f"study: training arm {arm.name} in {arm.run_dir}")
     started = time.perf_counter()
     with quiet_cli():
@@ -261,9 +267,17 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
         return seconds
     saved = json.loads(record.read_text(encoding="utf-8"))
     saved["train_seconds"] = round(seconds + saved.get("train_seconds", 0.0), 1)  # a resumed arm adds up
-    with atomic_file(record) as handle:
-        handle.write(json.dumps(saved, indent=2).encode())
+    write_record(record, saved)
     return seconds
+
+
+def write_record(record: Path, payload: dict) -> None:
+    """An arm's study_arm.json, whole or not at all (a full disk: one line naming it and the disk)."""
+    try:
+        with atomic_file(record) as handle:
+            handle.write(json.dumps(payload, indent=2).encode())
+    except OSError as error:
+        raise UserError(f"cannot write {record}: {write_error(error, record)}") from None
 
 
 def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms: list[str] | None = None,

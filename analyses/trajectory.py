@@ -142,7 +142,8 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     star, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, args.minibatches)
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
               "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
-              "num_truncated": reference.num_truncated, "num_pairs": pairs, "num_minibatches": batches,
+              "num_truncated": reference.num_truncated,
+              "num_special_in_text": reference.num_special_in_text, "num_pairs": pairs, "num_minibatches": batches,
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
                           "outlier_dims": layer.outlier_dims, **statistics[layer.layer], **more[layer.layer],

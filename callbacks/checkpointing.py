@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from core.errors import UserError, first_line
-from core.output import atomic_file
+from core.errors import UserError
+from core.output import atomic_file, disk_full, write_error
 from core.safe_load import WeightsOnlyCheckpointIO
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
@@ -162,8 +162,10 @@ class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
         try:
             with atomic_file(path, keep_previous=previous) as handle:
                 torch.save(checkpoint, handle)
-        except OSError as error:
-            raise UserError(f"cannot save checkpoint {path}: {error.strerror or first_line(error)}; {kept}") from None
+        except Exception as error:  # torch.save turns a full disk into "RuntimeError: [enforce fail ...]"
+            if not isinstance(error, OSError) and not disk_full(error):
+                raise
+            raise UserError(f"cannot save checkpoint {path}: {write_error(error, path)}; {kept}") from None
 
 
 def checkpoint_dir(root: str | None) -> str:
@@ -199,15 +201,55 @@ def resume_target(path: Path, kind: str = "mlm") -> Path:
     return previous
 
 
+def earlier_run(root: str | Path) -> list[str]:
+    """What of a run `root` holds: its checkpoints (checkpoints/*.ckpt, Lightning's hpc_ckpt_*.ckpt) and export."""
+    root = Path(root)
+    earlier = sorted(p.name for p in (root / "checkpoints").glob("*.ckpt")) if (root / "checkpoints").is_dir() else []
+    earlier += sorted(p.name for p in root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []
+    if (root / "export" / "config.json").is_file():
+        earlier.append("export/")
+    return earlier
+
+
 def check_fresh_start(root: str | Path) -> None:
     """A run started without --ckpt_path must not overwrite the checkpoints and export of an earlier run."""
     root = Path(root)
-    earlier = sorted(p.name for p in (root / "checkpoints").glob("*.ckpt")) if (root / "checkpoints").is_dir() else []
-    if (root / "export" / "config.json").is_file():
-        earlier.append("export/")
+    earlier = earlier_run(root)
     if earlier:
         raise UserError(f"{root} holds an earlier run ({', '.join(earlier)}): resume it with --ckpt_path last, or "
                         "start this one in another --trainer.default_root_dir (or remove that run first)")
+
+
+def run_of(path: str | Path) -> Path:
+    """The run directory a checkpoint file belongs to (symbolic links followed): <run>/checkpoints/X.ckpt, or
+    Lightning's <run>/hpc_ckpt_N.ckpt."""
+    real = Path(os.path.realpath(path))
+    return real.parent.parent if real.parent.name == "checkpoints" else real.parent
+
+
+def check_resume_directory(path: Path, given: str, root: str | Path, folder: str | Path) -> None:
+    """A resume writes its checkpoints, export and config into `root`: when `root` holds a run, the checkpoint must be
+    that run's own (in `folder`, its checkpoint directory, or `root` itself: hpc_ckpt_N.ckpt), whichever way it is
+    named (a path into another run, relative, through a symbolic link). `given`: --ckpt_path as given."""
+    real = Path(os.path.realpath(path)).parent
+    if real in (Path(os.path.realpath(folder)), Path(os.path.realpath(root))):
+        return
+    earlier = earlier_run(root)
+    if earlier:
+        other = run_of(path)
+        raise UserError(f"{root} holds another run ({', '.join(earlier)}) and --ckpt_path {given} is a checkpoint of "
+                        f"{other}: a resume writes into --trainer.default_root_dir and would overwrite that run; resume "
+                        f"in the checkpoint's own directory (--trainer.default_root_dir {other}) or in an empty one")
+
+
+def hpc_checkpoint(root: str | Path) -> Path:
+    """`--ckpt_path hpc`: Lightning's newest hpc_ckpt_N.ckpt in the run directory (saved on SLURM's USR1)."""
+    found = sorted(Path(root).glob("hpc_ckpt_*.ckpt"),
+                   key=lambda p: int(p.stem.rsplit("_", 1)[-1]) if p.stem.rsplit("_", 1)[-1].isdigit() else -1)
+    if not found:
+        raise UserError(f"--ckpt_path hpc: no HPC checkpoint (hpc_ckpt_<n>.ckpt, which Lightning saves on SLURM's "
+                        f"USR1 signal) in {root}; resume with --ckpt_path last or a checkpoint file")
+    return found[-1]
 
 
 def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm") -> None:

@@ -37,6 +37,7 @@ from pytorch_lightning.loggers.logger import DummyExperiment, DummyLogger, rank_
 from pytorch_lightning.utilities import rank_zero_only
 
 from core.figures import figure_array
+from core.output import disk_full, failed_file, write_error
 
 DEFAULT_HOST = "https://api.wandb.ai"
 STEP_METRIC = "trainer/global_step"
@@ -47,6 +48,9 @@ class LoggingWarning(UserWarning):
 
 
 def _first_line(error: BaseException) -> str:
+    where = failed_file(error) if disk_full(error) else None
+    if where:  # a full disk under W&B's files (media written by the client itself): the file and the disk
+        return f"cannot write {where}: {write_error(error, where)}"
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 

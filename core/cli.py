@@ -23,17 +23,20 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from core.errors import UserError
 from core.lock import RunLock
+from core.output import disk_full, failed_file, write_error
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
+from core.trainer_checks import check_trainer_settings, check_unique_callbacks, lightning_refusals
 
 LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
 
@@ -61,9 +64,32 @@ def parse_error_line(message: str, parser) -> str:
                or re.search(r"Key \"([\w.]+)\" is not expected", message))
     if unknown:
         return unknown_key(unknown.group(1), valid_keys(parser))
+    bad_value = bad_value_line(message)
+    if bad_value:
+        return bad_value
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     text = " ".join(lines[:3]) if lines else "invalid arguments"
     return re.sub(r"<class '(\w+)'>", r"\1", text)
+
+
+def bad_value_line(message: str) -> str | None:
+    """A value its key's type refuses, naming the key: `--model.lr: expected a float, got nan`, also inside a
+    class given by class_path (probe.py's --model.* and --data.*), where jsonargparse only names the group."""
+    nested = re.search(r"Parser key \"([\w.]+)\":.*?Problem with given class_path '[\w.]+':\s*Parser key \"([\w.]+)\":"
+                       r"\s*(.+)", message, re.S)
+    flat = re.match(r"\s*Parser key \"([\w.]+)\":\s*\n\s*(?!Does not validate)(.+)", message, re.S)
+    if nested:
+        key, detail = f"{nested.group(1)}.{nested.group(2)}", nested.group(3)
+    elif flat:
+        key, detail = flat.groups()
+    else:
+        return None
+    detail = detail.strip().splitlines()[0].strip()
+    expected = re.fullmatch(r"Expected a <class '(\w+)'>\. Got value: (.*)", detail)
+    if expected:
+        detail = f"expected {'an' if expected.group(1)[0] in 'aeiou' else 'a'} {expected.group(1)}, got " \
+                 f"{expected.group(2)}"
+    return f"--{key}: " + re.sub(r"<class '(\w+)'>", r"\1", detail)
 
 
 def unknown_key(key: str, candidates: list[str]) -> str:
@@ -156,6 +182,7 @@ class ProjectCLI(LightningCLI):
         self._held = HeldLogs()
         self._lock: RunLock | None = None
         kwargs.setdefault("parser_class", OneLineParser)
+        kwargs.setdefault("save_config_callback", AtomicSaveConfig)
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -177,8 +204,10 @@ class ProjectCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def instantiate_classes(self) -> None:
-        """Lightning's; a UserError raised by a class's __init__ (a bad argument) comes out as itself, not inside
-        jsonargparse's report of every type it tried."""
+        """Lightning's, after the trainer's own options are checked (nothing is built before); a UserError raised by
+        a class's __init__ (a bad argument) comes out as itself, not inside jsonargparse's report of every type it
+        tried."""
+        check_trainer_settings(self._get(self.config, "trainer"))
         try:
             super().instantiate_classes()
         except Exception as error:
@@ -188,6 +217,17 @@ class ProjectCLI(LightningCLI):
             if cause is None:
                 raise
             raise UserError(str(cause)) from None
+
+    def instantiate_trainer(self, **kwargs):
+        """Lightning's, its callbacks checked first (no stateful one twice) and its refusals one line (core/
+        trainer_checks.py)."""
+        settings = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = settings.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        extra = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
+        check_unique_callbacks([*callbacks, *extra])
+        with lightning_refusals():
+            return super().instantiate_trainer(**kwargs)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's: a checkpoint's hyper-parameters override the config's model arguments; here read weights-only
@@ -236,13 +276,58 @@ class ProjectCLI(LightningCLI):
             after = getattr(self, f"after_{subcommand}", None)
             if callable(after):
                 after()
-        except BaseException:
+        except BaseException as error:
             self._held.release(emit=False)
+            full = full_disk_error(error, self.trainer.default_root_dir)
+            if full is not None:
+                raise full from None
             raise
         finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+
+def full_disk_error(error: BaseException, root) -> UserError | None:
+    """A full disk met anywhere in a run (config.yaml, a logger's files, a report) as one line naming the file (or the
+    run directory) and the disk; the writers of checkpoints, exports and reports say it themselves."""
+    if isinstance(error, UserError) or not disk_full(error):
+        return None
+    where = failed_file(error) or root
+    return UserError(f"cannot write {where}: {write_error(error, where)}")
+
+
+class AtomicSaveConfig(SaveConfigCallback):
+    """Lightning's config.yaml, written whole (a temporary file beside it, renamed into place) or not at all: a full
+    disk leaves a resumed run's earlier config.yaml as it was."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        parser, self.parser = self.parser, _AtomicSave(self.parser)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            self.parser = parser
+
+
+class _AtomicSave:
+    """A parser whose `save` of one local file goes through a temporary file and `os.replace`."""
+
+    def __init__(self, parser) -> None:
+        self._parser = parser
+
+    def __getattr__(self, name: str):
+        return getattr(self._parser, name)
+
+    def save(self, config, path, **kwargs) -> None:
+        if kwargs.get("multifile") or "://" in str(path):
+            return self._parser.save(config, path, **kwargs)
+        target = Path(path)
+        temporary = target.with_name(f".{target.name}.tmp")
+        try:
+            self._parser.save(config, str(temporary), **{**kwargs, "overwrite": True})
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 def config_paths(argv) -> list[str]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.output import missing_directories, remove_empty
+from core.output import missing_directories, remove_empty, write_error
 
 LOCK_NAME = ".run.lock"
 
@@ -84,8 +84,15 @@ class RunLock:
             if owner:
                 print(f"note: {self.directory} was locked by {describe(owner)}, which is no longer running: taking "
                       "the lock over", file=sys.stderr)
-            _write(fd, {"program": self.program, "pid": os.getpid(), "host": socket.gethostname(),
-                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job": os.environ.get("SLURM_JOB_ID")})
+            try:
+                _write(fd, {"program": self.program, "pid": os.getpid(), "host": socket.gethostname(),
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job": os.environ.get("SLURM_JOB_ID")})
+            except OSError as error:  # a full disk: the lock file goes (we hold it), one line
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                os.close(fd)
+                raise UserError(f"cannot write to output directory {self.directory}: "
+                                f"{write_error(error, self.directory)}") from None
             self._fd = fd
             return
         raise UserError(in_use(self.directory, owner))  # its lock file kept changing hands: other runs are starting

@@ -173,7 +173,7 @@ def short_name(source: str) -> str:
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' load report (a table on every load of a masked-LM checkpoint as a bare encoder) and its progress
-    bars (loading weights, writing a one-shard export) silenced; lightning_modules.encoder's `_warn_about_loading`
+    bars (loading weights, writing a one-shard export) silenced; lightning_modules.encoder's `check_loading`
     says what matters instead."""
     from transformers.utils import logging
 

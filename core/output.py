@@ -5,11 +5,14 @@
     with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
         torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
+    write_error(error, "runs/x")    # a full disk (torch.save's and safetensors' own errors too) names the disk:
+                                    # "No space left on device on the disk mounted at /scratch (1.0 TiB)"
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -44,8 +47,10 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report") -> Iterat
                 target = output / path.relative_to(stage)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, target)
-    except OSError as error:
-        raise UserError(f"cannot write {what} to {output}: {error.strerror or error}") from None
+    except Exception as error:  # an OSError, or a writer's own error around a full disk (torch.save, safetensors)
+        if not isinstance(error, OSError) and not disk_full(error):
+            raise
+        raise UserError(f"cannot write {what} to {output}: {write_error(error, output)}") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         remove_empty(created)
@@ -124,3 +129,66 @@ def check_writable(output_dir: str | os.PathLike) -> None:
     directory behind that was not there before)."""
     with staged_output(output_dir):
         pass
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(error: BaseException | None) -> OSError | bool:
+    """Whether `error`, or an error it was raised from or while handling, is a full disk (or a full quota): an OSError
+    ENOSPC / EDQUOT (returned, to name its file), torch.save's `RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos` around one, safetensors' `No space left on device (os error 28)`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return error
+        if any(text in str(error) for text in ("No space left on device", "Disk quota exceeded", "os error 28")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def write_error(error: BaseException, path: str | os.PathLike) -> str:
+    """What went wrong writing under `path`, for a one-line message: a full disk names the disk (its mount point,
+    free and total space), any other OSError its strerror."""
+    full = disk_full(error)
+    if full:
+        reason = full.strerror if isinstance(full, OSError) and full.strerror else "No space left on device"
+        return f"{reason} on {disk_of(path)}"
+    return getattr(error, "strerror", None) or " ".join(str(error).split()) or type(error).__name__
+
+
+def disk_of(path: str | os.PathLike) -> str:
+    """'the disk mounted at /scratch (1.0 TiB)': the filesystem that holds `path` (or its nearest existing parent),
+    and its size (not its free space: the partial file is gone by the time the message is written)."""
+    place = Path(os.path.abspath(path))
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    mount = place
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        stat = os.statvfs(place)
+    except OSError:
+        return f"the disk mounted at {mount}"
+    return f"the disk mounted at {mount} ({human_bytes(stat.f_blocks * stat.f_frsize)})"
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def failed_file(error: BaseException | None) -> str | None:
+    """The file an OSError in `error`'s chain names (the target of a rename), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and (error.filename2 or error.filename):
+            return str(error.filename2 or error.filename)
+        error = error.__cause__ or error.__context__
+    return None

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from datamodules.splits import SPLITS
-from lightning_modules.encoder import FrozenEncoder
+from lightning_modules.encoder import FrozenEncoder, in_text_specials
 from metrics.neuron_stats import NeuronStatistics
 from metrics.transforms import Variant
 
@@ -138,6 +138,7 @@ class Extracted:
     num_truncated: int
     statistics: NeuronStatistics  # of the first encoder's hidden states on the training split
     storage: dict  # {"dtype", "gib", "splits": {split: "memory" | "memory-mapped file"}}: how the features are held
+    num_special_in_text: int = 0  # special tokens written in the sentences (excluded with exclude_special)
 
 
 class FeatureExtractor:
@@ -157,11 +158,14 @@ class FeatureExtractor:
             cleanup()
         self._cleanups = []
 
-    def mask(self, batch: dict) -> Tensor:
-        """[batch, seq] bool: tokens that count (not padding; not special tokens when excluded)."""
+    def mask(self, batch: dict, special: Tensor | None = None) -> Tensor:
+        """[batch, seq] bool: tokens that count (not padding; not special tokens when excluded: those the tokenizer
+        added and, with `special` ([n] ids, FrozenEncoder.special_ids), those written in the text)."""
         mask = batch["attention_mask"].bool()
         if self.exclude_special and "special_tokens_mask" in batch:
             mask &= ~batch["special_tokens_mask"].bool()
+            if special is not None:
+                mask &= ~in_text_specials(batch["input_ids"], batch["attention_mask"], None, special)
         return mask
 
     @torch.no_grad()
@@ -181,12 +185,15 @@ class FeatureExtractor:
             chunk = [split for split, _ in entries[start:start + self.batch_size]]
             routes.append({split: torch.tensor([r for r, s in enumerate(chunk) if s == split], dtype=torch.long)
                            for split in SPLITS if split in chunk})
-        keeps = [task.items_of(self.mask(inputs)) for inputs, _ in batches]
+        special = primary.special_ids
+        keeps = [task.items_of(self.mask(inputs, special)) for inputs, _ in batches]
+        in_text = sum(int(in_text_specials(inputs["input_ids"], inputs["attention_mask"],
+                                           inputs.get("special_tokens_mask"), special).sum()) for inputs, _ in batches)
         counts = {split: {"sentences": len(texts[split])} for split in SPLITS}
         for (inputs, _), keep, route in zip(batches, keeps, routes):
             for split, rows in route.items():
                 extra = {"items": int(task.item_counts(keep[rows]).sum()),
-                         **task.split_counts(self.mask(inputs)[rows], keep[rows])}
+                         **task.split_counts(self.mask(inputs, special)[rows], keep[rows])}
                 for key, value in extra.items():
                     counts[split][key] = counts[split].get(key, 0) + value
         numbers = {split: counts[split]["items"] * num_slots * primary.hidden_size for split in SPLITS}
@@ -206,7 +213,7 @@ class FeatureExtractor:
         with bar:
             for (inputs, _), keep, route in zip(batches, keeps, routes):
                 hidden = [self.select(encoder(**inputs).hidden_states) for encoder in encoders]
-                hidden += [variant.states(hidden[0], self.mask(inputs)) for variant in variants]  # per sentence
+                hidden += [variant.states(hidden[0], self.mask(inputs, special)) for variant in variants]  # per sentence
                 for split, rows in route.items():
                     split_keep = torch.zeros_like(keep)  # the items of this split's rows only: no row copies
                     split_keep[rows] = keep[rows]
@@ -230,7 +237,7 @@ class FeatureExtractor:
                    "gib": round(sum(numbers.values()) * dtype.itemsize / GIB, 4),
                    "splits": {split: "memory" if paths[split] is None else "memory-mapped file" for split in SPLITS}}
         return Extracted(stores, ordered_texts, ordered_labels, counts, sum(truncated for _, truncated in batches),
-                         statistics, storage)
+                         statistics, storage, in_text)
 
     def select(self, hidden_states: Tensor) -> Tensor:
         """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""

@@ -75,6 +75,7 @@ class ProbeDataModule(pl.LightningDataModule):
         min_share: float = OutlierRule.min_share,
         sigma: float = OutlierRule.sigma,
         exclude_special: bool = False,
+        allow_random_weights: bool = False,
         max_memory_gb: float = 4.0,
         cache_dir: str | None = None,
         num_workers: int = 0,
@@ -203,6 +204,7 @@ class ProbeDataModule(pl.LightningDataModule):
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
+                  "num_special_in_text": extracted.num_special_in_text,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
         )
@@ -238,7 +240,9 @@ class ProbeDataModule(pl.LightningDataModule):
         if isinstance(self.encoder, FrozenEncoder):
             primary = self.encoder
         else:
-            primary = load_encoder(self.encoder or default_encoder(), device=device, exclude_special=h.exclude_special)
+            primary = load_encoder(self.encoder or default_encoder(), device=device, exclude_special=h.exclude_special,
+                                   allow_random_weights=h.allow_random_weights,
+                                   allow_option="--model.allow_random_weights true")
         primary.check_max_length(h.max_length)
         return [primary, random_encoder(primary, h.seed)] if h.random_baseline else [primary]
 

@@ -45,6 +45,7 @@ class EncodedBatch:
     input_ids: Tensor  # [batch, seq]
     attention_mask: Tensor  # [batch, seq] long, 1 for real tokens (special tokens included)
     num_truncated: int = 0  # sentences in this batch cut to the maximum length
+    num_special_in_text: int = 0  # special tokens written in the text ("[SEP]" in a line), not added by the tokenizer
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
     attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
@@ -70,10 +71,14 @@ def resolve_model_dir(source: str | Path) -> str:
 
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 exclude_special: bool = False) -> FrozenEncoder:
+                 exclude_special: bool = False, allow_random_weights: bool = False,
+                 allow_option: str = "--allow_random_weights") -> FrozenEncoder:
     """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
 
-    `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere.
+    `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere. Encoder weights the
+    checkpoint lacks (or holds in another shape: weights of another architecture under this config.json) are refused,
+    naming how many, unless `allow_random_weights` (then a warning names them); `allow_option` is the option that
+    allows them, as the refusal names it.
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -109,7 +114,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
-    _warn_about_loading(source, info)
+    check_loading(source, info, model, allow_random_weights, allow_option)
     return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
         device=device, dtype=dtype
     )
@@ -126,12 +131,26 @@ def load_failure(error: Exception, what: str) -> str:
     return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
 
 
-def _warn_about_loading(source, info: Mapping) -> None:
-    """One warning when encoder weights were not in the checkpoint (randomly initialised) or had another shape. The
-    pooler (unused: hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys)
-    are expected when a masked-LM checkpoint is loaded as an encoder and are not reported."""
+def check_loading(source, info: Mapping, model: nn.Module, allow: bool = False,
+                  option: str = "--allow_random_weights") -> None:
+    """Encoder weights that were not in the checkpoint or had another shape there would be randomly initialised: one
+    line naming how many, or with `allow` (`option` on the command line), a warning naming them. The pooler (unused:
+    hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys) are expected when a
+    masked-LM checkpoint is loaded as an encoder and are not counted."""
     missing = sorted(key for key in info.get("missing_keys", ()) if not key.split(".")[0] == "pooler")
     mismatched = sorted(str(key[0] if isinstance(key, tuple) else key) for key in info.get("mismatched_keys", ()))
+    if (missing or mismatched) and not allow:
+        total = sum(1 for key in model.state_dict() if key.split(".")[0] != "pooler")
+        parts = ([f"{len(missing)} of its {total} weights are not in the checkpoint"] if missing else []) + \
+                ([f"{len(mismatched)} have another shape there"] if mismatched else [])
+        raise UserError(f"encoder {source}: {' and '.join(parts)} (e.g. {(missing + mismatched)[0]}): its weights do "
+                        "not match its config.json (another architecture's?), so they would be randomly "
+                        f"initialised; {option} analyses such a partly random model")
+    _warn_about_loading(source, missing, mismatched)
+
+
+def _warn_about_loading(source, missing: list[str], mismatched: list[str]) -> None:
+    """One warning naming the encoder weights that were randomly initialised (allowed by the user)."""
     for what, keys in (("not in the checkpoint (randomly initialised)", missing),
                        ("of another shape in the checkpoint (randomly initialised)", mismatched)):
         if keys:
@@ -173,6 +192,7 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
+        self.special_ids = special_ids(tokenizer)  # [n] long: the ids --exclude_special drops wherever they stand
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -197,6 +217,7 @@ class FrozenEncoder(nn.Module):
                 token_type_ids: Tensor | None = None) -> EncodedBatch:
         """input_ids, attention_mask: [batch, seq] → EncodedBatch with hidden_states [layers, batch, seq, hidden]."""
         device = self.device
+        in_text = in_text_specials(input_ids, attention_mask, special_tokens_mask, self.special_ids)  # where given
         inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
         if token_type_ids is not None and "token_type_ids" in self._forward_keys:
             inputs["token_type_ids"] = token_type_ids.to(device)
@@ -206,9 +227,11 @@ class FrozenEncoder(nn.Module):
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
         mask = inputs["attention_mask"].bool()
-        if self.exclude_special and special_tokens_mask is not None:
-            mask &= ~special_tokens_mask.to(device).bool()
-        batch = EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"])
+        if self.exclude_special:
+            added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
+            mask &= ~(added | in_text).to(device)
+        batch = EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"],
+                             num_special_in_text=int(in_text.sum()))
         if self._attention:
             attentions = getattr(output, "attentions", None)
             if not attentions or any(weights is None for weights in attentions):
@@ -301,6 +324,24 @@ class FrozenEncoder(nn.Module):
         if truncated_total:
             warnings.warn(f"{truncated_total} sentences were longer than {max_length} tokens and were truncated",
                           stacklevel=2)
+
+
+def special_ids(tokenizer) -> Tensor:
+    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones), which
+    --exclude_special drops wherever they stand: added around a sentence or written in its text. [UNK] is not among
+    them: it stands for a word of the text the vocabulary lacks, and counts as that word."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) - {getattr(tokenizer, "unk_token_id", None)}
+    return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
+
+
+def in_text_specials(input_ids: Tensor, attention_mask: Tensor, special_tokens_mask: Tensor | None,
+                     ids: Tensor) -> Tensor:
+    """[batch, seq] bool: the tokens of the text whose id is a special id (`ids`) but which the tokenizer did not add
+    (`special_tokens_mask`: its [CLS] / [SEP] / <s> ...): "[SEP]" or "</s>" written in a line. Padding never counts."""
+    found = torch.isin(input_ids, ids.to(input_ids.device)) & attention_mask.bool()
+    if special_tokens_mask is not None:
+        found &= ~special_tokens_mask.to(input_ids.device).bool()
+    return found
 
 
 def pad(encoded: Mapping[str, list[list[int]]], pad_token_id: int) -> dict[str, Tensor]:

@@ -250,9 +250,11 @@ class PositionProbe(LinearProbes):
 
     use_bias = False
 
-    def __init__(self, encoder: str | None = None, lr: float = 1e-3, top_k: int = 10, seed: int = 0) -> None:
+    def __init__(self, encoder: str | None = None, lr: float = 1e-3, top_k: int = 10, seed: int = 0,
+                 allow_random_weights: bool = False) -> None:
         """encoder: the encoder whose features are probed (probe.py links it to --data.encoder; checked against the
-        data module's at setup); top_k: contributing dims listed."""
+        data module's at setup); top_k: contributing dims listed; allow_random_weights: probe an encoder whose
+        checkpoint lacks some of its weights, randomly initialised then (default: refused; linked to the data)."""
         super().__init__()
         self.save_hyperparameters()
         check_learning_rate(lr)
@@ -339,12 +341,12 @@ class SentenceClassifier(LinearProbes):
     the paper's §4.4, unless `bias`), with and without the outlier dimensions clipped (zeroed), all in one run."""
 
     def __init__(self, encoder: str | None = None, lr: float = 1e-3, clip: str = "auto", bias: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, allow_random_weights: bool = False) -> None:
         """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
         "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
         non-input layer; for models deeper than 12 layers each layer's own detected outliers), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
         the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
-        --data.encoder; checked against the data module's at setup)."""
+        --data.encoder; checked against the data module's at setup); allow_random_weights: as PositionProbe's."""
         super().__init__()
         self.save_hyperparameters()
         check_learning_rate(lr)

@@ -208,5 +208,10 @@ def test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_na
     dropped = next(key for key in weights if key.endswith("layer.1.output.dense.weight"))
     save_file({key: value for key, value in weights.items() if key != dropped}, path / "model.safetensors",
               metadata={"format": "pt"})
+    total = sum(1 for key in encoder.model.state_dict() if not key.startswith("pooler."))
+    with pytest.raises(UserError, match=rf"^encoder {path}: 1 of its {total} weights are not in the checkpoint \(e\.g\. "
+                                        r"encoder\.layer\.1\.output\.dense\.weight\): .*randomly initialised; "
+                                        r"--allow_random_weights analyses such a partly random model$"):
+        load_encoder(path)  # refused by default (issue 31)
     with pytest.warns(UserWarning, match=r"not in the checkpoint \(randomly initialised\): .*layer\.1\.output\.dense\.weight"):
-        load_encoder(path)
+        load_encoder(path, allow_random_weights=True)

@@ -63,8 +63,24 @@ def test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing(tmp_pat
         (stage / "a.json").write_text("{}")
         monkeypatch.setattr(Path, "write_bytes", full_disk)
         (stage / "b.bin").write_bytes(b"x" * 1000)
-    assert str(raised.value) == f"cannot write report to {out}: No space left on device"
+    assert str(raised.value) == f"cannot write report to {out}: No space left on device {on_disk(out)}"
     assert not (tmp_path / "runs").exists()
+
+
+def on_disk(path: Path) -> str:
+    """'on the disk mounted at <mount> (<size>)' as df sees the filesystem of `path` (its nearest existing parent):
+    how a full-disk message names the disk."""
+    while not path.exists():
+        path = path.parent
+    target, size = subprocess.run(["df", "-B1", "--output=target,size", str(path)], capture_output=True, text=True,
+                                  check=True).stdout.splitlines()[-1].rsplit(None, 1)
+    size, unit = float(size), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"on the disk mounted at {target.strip()} ({size:.0f} B)" if unit == "B" else \
+        f"on the disk mounted at {target.strip()} ({size:.1f} {unit})"
 
 
 def test_atomic_file_keeps_the_old_content_when_the_writer_dies(tmp_path):
@@ -299,7 +315,8 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_bef
     monkeypatch.undo()
     last = root / "checkpoints" / "last.ckpt"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"train.py: error: cannot save checkpoint {last}: No space left on device; the one saved before is kept "
+        f"train.py: error: cannot save checkpoint {last}: No space left on device {on_disk(last)}; the one saved "
+        "before is kept "
         "(resume with --ckpt_path last once there is room)")
     assert checkpoint(root)["global_step"] == 2  # whole, weights-only
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no torn temporary file, nothing renamed
@@ -331,7 +348,8 @@ def test_disk_full_while_analyze_writes_its_report(tmp_path, bert_tok, sentences
                          str(out), "--no_progress"])
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert code == 2
-    assert errors == [f"analyze.py outliers: error: cannot write report to {out}: No space left on device"]
+    assert errors == [f"analyze.py outliers: error: cannot write report to {out}: No space left on device "
+                      f"{on_disk(out)}"]
     assert not (tmp_path / "runs").exists()  # no partial report, and no directory the run created
 
 
@@ -350,7 +368,7 @@ def test_disk_full_while_probe_writes_its_report(tmp_path, bert_tok, sentences_f
                         "--trainer.default_root_dir", str(out)])
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert exited.value.code == 2
-    assert errors == [f"probe.py: error: cannot write report to {out}: No space left on device"]
+    assert errors == [f"probe.py: error: cannot write report to {out}: No space left on device {on_disk(out)}"]
     assert not (tmp_path / "runs").exists()
 
 
@@ -760,6 +778,39 @@ ERROR_ROW_TESTS = {
      "a model whose attention cannot be read (its queries and keys are no projection of the hidden states)"): [
         "test_callbacks.py::test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_line",
     ],
+    ('train.py', '`--trainer.max_steps` or `--trainer.max_epochs` below -1'): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', 'a run that trains nothing (`--trainer.max_steps 0`, `--trainer.max_epochs 0`, `--trainer.limit_train_batches 0`)'): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+        'test_lightning_refusals.py::test_the_checks_pass_what_lightning_accepts',
+    ],
+    ('train.py', '`--trainer.val_check_interval` 0 (or a fraction outside (0, 1])'): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+        'test_lightning_refusals.py::test_the_checks_pass_what_lightning_accepts',
+    ],
+    ('train.py', 'a GPU (or Apple MPS) the machine lacks, or more GPUs than it has'): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', "a stateful callback twice (the config's OutlierStatistics added again with `--trainer.callbacks+`)"): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', 'another trainer setting Lightning refuses (`--trainer.devices 0`, ...)'): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', "a value its option's type refuses"): [
+        'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', "a resume from another run's checkpoint into a directory that holds a run (a path into it, a relative path, a symbolic link; `last` or `hpc` finding a link to it)"): [
+        'test_resume_directory.py::test_a_resume_from_another_run_into_a_directory_with_a_run_is_refused',
+        'test_resume_directory.py::test_a_checkpoint_of_another_run_resumes_in_an_empty_directory_and_leaves_that_run_alone',
+    ],
+    ('train.py', '`--ckpt_path hpc` without an HPC checkpoint, `--ckpt_path best` or `registry`'): [
+        'test_resume_directory.py::test_hpc_without_an_hpc_checkpoint_and_best_are_one_line',
+    ],
+    ('train.py', 'disk full before training (config.yaml, the logs, the lock)'): [
+        'test_full_disk.py::test_a_full_disk_at_the_start_keeps_the_earlier_config_and_leaves_no_lock',
+    ],
     ("probe.py", "missing data"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "missing encoder"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
     ("probe.py", "`--data.max_length` above the model's positions"): [
@@ -808,6 +859,19 @@ ERROR_ROW_TESTS = {
     ],
     ("probe.py", "a data directory that is no `datasets` directory"): [
         "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ('probe.py', '`--trainer.max_epochs` or `--trainer.max_steps` below -1'): [
+        'test_lightning_refusals.py::test_probe_refuses_runs_that_train_nothing_and_names_bad_keys',
+    ],
+    ('probe.py', 'a run that trains nothing (`--trainer.max_epochs 0`, `--trainer.max_steps 0`, `--trainer.limit_train_batches 0`)'): [
+        'test_lightning_refusals.py::test_probe_refuses_runs_that_train_nothing_and_names_bad_keys',
+    ],
+    ('probe.py', "a value its option's type refuses, inside `--model.*` or `--data.*`"): [
+        'test_lightning_refusals.py::test_probe_refuses_runs_that_train_nothing_and_names_bad_keys',
+    ],
+    ('probe.py', 'an encoder whose weights do not match its config.json'): [
+        'test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing',
+        'test_refusals.py::test_a_partly_random_model_is_analysed_only_when_asked_for',
     ],
     ("analyze.py", "unknown hub id (offline or not found)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
@@ -958,6 +1022,14 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "an unknown option"): [
         "test_refusals.py::test_an_unknown_analyze_option_is_one_line_with_the_closest",
     ],
+    ('analyze.py', 'a `--device` the machine lacks, or no device'): [
+        'test_lightning_refusals.py::test_analyze_refuses_a_device_the_machine_lacks',
+    ],
+    ('analyze.py', "an encoder whose weights do not match its config.json (DistilBERT's weights under a BERT config)"): [
+        'test_refusals.py::test_analyze_failures_are_one_line_exit_2_and_write_nothing',
+        'test_refusals.py::test_a_partly_random_model_is_analysed_only_when_asked_for',
+        'test_encoder.py::test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_named',
+    ],
     ("study.py", "an arm not in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm's setting train.py does not know (or a bad value)"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
@@ -984,12 +1056,18 @@ FAULT_ROW_TESTS = {
         "test_faults.py::test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank",
         "test_analyze_outliers.py::test_an_error_on_one_rank_stops_every_rank",
     ],
-    "disk full while writing a report": [
+    "disk full while writing a report or an export": [
+        "test_full_disk.py::test_a_report_or_an_export_on_a_full_disk_is_one_line_and_keeps_the_earlier_one",
         "test_faults.py::test_disk_full_while_analyze_writes_its_report",
         "test_faults.py::test_disk_full_while_probe_writes_its_report",
         "test_faults.py::test_full_disk_while_staging_a_report_is_one_line_and_leaves_nothing",
     ],
+    "disk full under W&B's files": [
+        "test_full_disk.py::test_w_and_b_media_on_a_full_disk_is_one_warning_naming_the_file_and_the_disk",
+    ],
     "disk full while saving a checkpoint (train.py)": [
+        "test_full_disk.py::test_the_real_torch_save_on_a_full_disk_is_one_line_and_keeps_the_checkpoint_before",
+        "test_full_disk.py::test_train_on_a_disk_that_fills_up_stops_with_one_line_and_its_last_checkpoint",
         "test_faults.py::test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before",
         "test_faults.py::test_atomic_file_keeps_the_file_it_replaces_as_the_previous_one",
     ],

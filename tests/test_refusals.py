@@ -17,6 +17,7 @@ import torch
 import analyze
 import probe
 import train
+from core.models import quiet_transformers
 from core.tokenizers import tokenizer_files
 from lightning_modules.mlm import build_model, check_warmup
 from tests.test_train import tiny_args
@@ -197,6 +198,26 @@ def truncated_copy(encoder: Path, folder: Path, name: str = "model.safetensors")
     return folder
 
 
+def mismatched_encoder(folder: Path, encoder: Path) -> tuple[Path, str]:
+    """DistilBERT's weights under `encoder`'s BERT config.json (issue 31), and how the refusal describes them: the
+    BERT weights (pooler aside) the DistilBERT checkpoint lacks, counted by name."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    with quiet_transformers():  # no "Writing model shards" bar among the lines the tests read
+        save_tiny_encoder(folder, "distilbert", AutoTokenizer.from_pretrained(encoder))
+    shutil.copy(encoder / "config.json", folder / "config.json")
+    with safe_open(str(folder / "model.safetensors"), "pt") as saved:
+        present = set(saved.keys())
+    wanted = [key for key in AutoModel.from_config(AutoConfig.from_pretrained(encoder)).state_dict()
+              if not key.startswith("pooler.")]
+    missing = sorted(key for key in wanted if key not in present)
+    assert 0 < len(missing) < len(wanted)  # a few embeddings share their names: "most weights missing"
+    return folder, (f"encoder {folder}: {len(missing)} of its {len(wanted)} weights are not in the checkpoint (e.g. "
+                    f"{missing[0]}): its weights do not match its config.json (another architecture's?), so they "
+                    "would be randomly initialised; ")
+
+
 def probe_cases(tmp: Path, encoder: Path) -> dict[str, tuple[tuple, str]]:
     (tmp / "a-file").write_text("not a directory")
     typo = tmp / "typo.yaml"
@@ -204,7 +225,10 @@ def probe_cases(tmp: Path, encoder: Path) -> dict[str, tuple[tuple, str]]:
     table = tmp / "table.csv"
     table.write_text("id,score\n1,2\n")
     torn = truncated_copy(encoder, tmp / "torn-bert")
+    mixed, refused = mismatched_encoder(tmp / "mixed", encoder)
     return {
+        "weights that do not match the config": (("--model.encoder", mixed), refused + "--model.allow_random_weights "
+                                                 "true analyses such a partly random model"),
         "negative learning rate": (("--model.lr", "-1"), "--model.lr must be a positive number, got -1.0"),
         "default_root_dir is a file": (("--trainer.default_root_dir", tmp / "a-file"),
                                        f"cannot write to output directory {tmp / 'a-file'}: File exists"),
@@ -225,7 +249,7 @@ def probe_cases(tmp: Path, encoder: Path) -> dict[str, tuple[tuple, str]]:
     }
 
 
-PROBE_CASES = ["negative learning rate", "default_root_dir is a file", "a truncated model.safetensors",
+PROBE_CASES = ["weights that do not match the config", "negative learning rate", "default_root_dir is a file", "a truncated model.safetensors",
                "a typo in a YAML key", "no text column", "a directory that is no dataset",
                "missing data (found in prepare_data)"]
 
@@ -266,7 +290,11 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
     torn_tokenizer = truncated_copy(encoder, tmp / "torn-tokenizer", "tokenizer.json")
     wide = tmp / "wide.csv"
     wide.write_text("text\n" + "x" * (16 * 2**20 + 1) + "\n")
+    mixed, refused = mismatched_encoder(tmp / "mixed", encoder)
     return {
+        "weights that do not match the config": (["outliers", "--encoder", str(mixed), *data],
+                                                 refused + "--allow_random_weights analyses such a partly random "
+                                                 "model"),
         "a truncated model.safetensors": (["outliers", "--encoder", str(torn), *data],
                                           f"cannot load encoder '{torn}': model.safetensors is truncated or corrupt "
                                           "(Error while deserializing header: incomplete metadata, file not fully "
@@ -306,7 +334,7 @@ def analyze_cases(tmp: Path, encoder: Path, sentences: Path) -> dict[str, tuple[
     }
 
 
-ANALYZE_CASES = ["a truncated model.safetensors", "a checkpoint whose hyper-parameters lack vocab_size",
+ANALYZE_CASES = ["weights that do not match the config", "a truncated model.safetensors", "a checkpoint whose hyper-parameters lack vocab_size",
                  "a WiC file with one scorable pair", "a directory that is no dataset",
                  "--max_length that only the special tokens fill", "an encoder directory without tokenizer files",
                  "WiC targets all lost to truncation", "a checkpoint whose hyper-parameters describe no model",
@@ -326,6 +354,20 @@ def test_analyze_failures_are_one_line_exit_2_and_write_nothing(case, encoder, s
         lines = [line[:len(f"analyze.py {argv[0]}: error: {message}")] for line in lines]
     assert lines == [f"analyze.py {argv[0]}: error: {message}"]
     assert files_under(tmp_path) == before
+
+
+def test_a_partly_random_model_is_analysed_only_when_asked_for(encoder, sentences_file, tmp_path, recwarn):
+    mixed, refused = mismatched_encoder(tmp_path / "mixed", encoder)
+    count = refused.split(": ", 1)[1].split(" of ")[0]
+    out = tmp_path / "out"
+    assert analyze.main(["outliers", "--encoder", str(mixed), "--data", str(sentences_file), "--output_dir", str(out),
+                         "--no_progress", "--max_length", "16", "--allow_random_weights"]) == 0
+    said = [str(w.message) for w in recwarn if "randomly initialised" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(f"({count} in all)"), said  # named, and the run goes on
+    assert json.loads((out / "outliers.json").read_text())["encoder"] == str(mixed)
+    cli = probe.cli_main(probe_args(mixed, sentences_file, tmp_path / "probe", "--model.allow_random_weights",
+                                    "true")[1:], run=False)  # (no subcommand: built, not run)
+    assert cli.datamodule.hparams.allow_random_weights is True  # the data module loads the encoder: linked
 
 
 def test_an_unknown_analyze_option_is_one_line_with_the_closest(encoder, sentences_file, tmp_path, capfd):

@@ -150,6 +150,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
     changed = yaml.safe_load(config.read_text())
     for arms, trajectory, message in (
             ({"gated": {"model.attention_kind": "gated"}}, {}, "arm gated: unknown option 'model.attention_kind'"),
+            # values train.py checks as it builds the model and the trainer (issue 31): before any arm trains
+            ({"baseline": {}, "gated": {"model.attention": "sparsemax"}}, {},
+             "arm gated: --model.attention must be one of softmax, clipped_softmax, gated, got 'sparsemax'"),
+            ({"a": {"trainer.val_check_interval": 0}}, {}, "arm a: --trainer.val_check_interval must be a number of "
+                                                           "training batches"),
             ({"a": {"trainer.default_root_dir": "x"}}, {},
              f"study config {config}: arm a may not set trainer.default_root_dir (the study sets it for every arm)"),
             ({"a": {}}, {"no_such_option": 1}, "study trajectory options: unknown option --no_such_option")):

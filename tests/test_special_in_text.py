@@ -1,0 +1,89 @@
+"""Issue 31: special tokens written in the text are special tokens. `--exclude_special` drops every token whose id is
+a special id ([CLS], [SEP], [PAD], [MASK], <s>, </s> ... written in a line, not only those the tokenizer adds; [UNK]
+stands for a word and counts), padding never counts, and every report says how many it found in the text
+(`num_special_in_text`). Counts planted in the sentences, checked against the tokens of the same sentences with the
+special tokens taken out of the text (docs/analyses.md).
+
+    .venv/bin/pytest tests/test_special_in_text.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import analyze
+from datamodules.probing import PositionDataModule
+from lightning_modules.encoder import FrozenEncoder, load_encoder
+from tests.tiny import save_tiny_encoder
+
+# (sentence, special tokens written in it): BERT's ids; [UNK] is a word the vocabulary lacks, not a special token
+BERT_LINES = [("he said [SEP] no more", 1), ("[CLS] she came [MASK] late [PAD] and left", 3),
+              ("the house was quiet", 0), ("an [UNK] word stays", 0), ("[SEP][SEP] two at once", 2)]
+ROBERTA_LINES = [("first part </s> second part", 1), ("<s> a <mask> b <pad>", 3), ("no special here", 0)]
+SPECIALS = ("[SEP]", "[CLS]", "[MASK]", "[PAD]", "</s>", "<s>", "<mask>", "<pad>")
+
+
+def counted_by_hand(tokenizer, lines) -> int:
+    """The tokens that count with --exclude_special: those of the pieces of each line between its special tokens,
+    each piece tokenised alone, none added (as a tokenizer splits a text at its special tokens first)."""
+    pattern = "|".join(re.escape(token) for token in SPECIALS)
+    return sum(len(tokenizer(piece, add_special_tokens=False)["input_ids"]) for text, _ in lines
+               for piece in re.split(pattern, text) if piece)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_the_encoder_excludes_special_tokens_written_in_the_text_and_counts_them(kind, bert_tok, roberta_tok,
+                                                                                  tmp_path):
+    tokenizer, lines = (bert_tok, BERT_LINES) if kind == "bert" else (roberta_tok, ROBERTA_LINES)
+    encoder = load_encoder(save_tiny_encoder(tmp_path / kind, kind, tokenizer), device="cpu", exclude_special=True)
+    texts = [text for text, _ in lines]
+    batches = list(encoder.batches(texts, batch_size=2, progress=False))  # padded: [PAD] ids beyond each line
+    assert sum(b.num_special_in_text for b in batches) == sum(n for _, n in lines)
+    assert sum(int(b.mask.sum()) for b in batches) == counted_by_hand(tokenizer, lines)
+    for batch in batches:  # a planted special id never counts where it stands; padding never does either
+        kept = batch.input_ids[batch.mask]
+        assert not set(kept.tolist()) & set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+    included = FrozenEncoder(encoder.model, tokenizer, exclude_special=False)
+    every = sum(len(ids) for ids in tokenizer(texts)["input_ids"])  # the added ones and those in the text
+    assert sum(int(b.mask.sum()) for b in included.batches(texts, batch_size=2, progress=False)) == every
+
+
+def test_every_report_says_how_many_special_tokens_it_found_in_the_text(bert_tok, tmp_path):
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    lines = BERT_LINES * 4  # 20 sentences: anisotropy's pairs need a few
+    data = tmp_path / "lines.txt"
+    data.write_text("".join(f"{text}\n" for text, _ in lines))
+    planted = sum(n for _, n in lines)
+    common = ["--encoder", str(encoder), "--data", str(data), "--no_progress", "--clip", "none"]
+    reports = {}
+    for name, extra in (("outliers", ["--exclude_special"]), ("anisotropy", ["--exclude_special", "--num_pairs", "5"]),
+                        ("outliers-included", [])):
+        command = name.split("-")[0]
+        out = tmp_path / name
+        argv = [command, *common, "--output_dir", str(out), *extra]
+        if command == "outliers":
+            argv.remove("--clip"), argv.remove("none")
+        assert analyze.main(argv) == 0
+        reports[name] = json.loads((out / f"{command}.json").read_text())
+    for name in ("outliers", "anisotropy"):
+        assert reports[name]["special_tokens"] == "excluded" and reports[name]["num_special_in_text"] == planted
+    assert reports["outliers"]["num_tokens"] == counted_by_hand(bert_tok, lines)
+    included = reports["outliers-included"]
+    assert included["special_tokens"] == "included" and included["num_special_in_text"] == planted
+    assert included["num_tokens"] == sum(len(ids) for ids in bert_tok([t for t, _ in lines])["input_ids"])
+
+
+def test_the_probes_features_exclude_special_tokens_written_in_the_text(bert_tok, tmp_path):
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu", exclude_special=True)
+    lines = BERT_LINES * 4
+    data = tmp_path / "lines.txt"
+    data.write_text("".join(f"{text}\n" for text, _ in lines))
+    module = PositionDataModule(source=str(data), encoder=encoder, exclude_special=True, random_baseline=False,
+                                max_length=16, max_positions=16, progress=False)
+    module.setup("fit")
+    assert module.spec.data["num_special_in_text"] == sum(n for _, n in lines)
+    assert sum(split["tokens"] for split in module.spec.counts.values()) == counted_by_hand(bert_tok, lines)
+    module.close()
