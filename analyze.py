@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from analyses.intervene import HELP as INTERVENE_HELP, add_intervene_arguments, run_intervene
+from analyses.intervene import INTERVENE_HELP, add_intervene_arguments, run_intervene
 from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
 from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic

@@ -53,7 +53,7 @@ from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
 from metrics.transforms import RAW
 
-HELP = ("interventions inside the forward pass (position table, token types, LayerNorm weights, activations) with "
+INTERVENE_HELP = ("interventions inside the forward pass (position table, token types, LayerNorm weights, activations) with "
         "random-dimension controls and p-values: outlier statistics, anisotropy, MLM loss, STS, position probe")
 MLM_PROBABILITY = 0.15
 
@@ -76,7 +76,7 @@ def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--score_range", default="0,5", help="declared range of the --sts gold scores LO,HI "
                         "(default 0,5; SICK-R is 1,5)")
     parser.add_argument("--probe", action="store_true", help="also the all-layer position probe's test accuracy for "
-                        f"every variant, quick settings (ours): {PROBE['epochs']} epochs by default, "
+                        f"every variant, quick settings (ours): {PROBE['epochs']} epochs at lr {PROBE['lr']} by default, "
                         "--probe_sentences of --data split 80/10/10 (one process only)")
     parser.add_argument("--probe_sentences", type=int, default=PROBE["sentences"],
                         help=f"sentences of --data for the probe (default {PROBE['sentences']})")
@@ -194,7 +194,7 @@ def quiet_lightning():
     logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
+            warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|LeafSpec).*")
             yield
     finally:
         logger.setLevel(level)
@@ -259,6 +259,25 @@ def control_dims(hidden: int, excluded: set[int], size: int, count: int, seed: i
             for _ in range(count)]
 
 
+def intervention_result(run: Run, name: str, request: Request, baseline: Measured, dims: list[int],
+                        controls: list[list[int]]) -> dict:
+    """One intervention's pass, its effects, and (dimension-based) its controls' passes and summary."""
+    dimensional = name in DIMENSION_BASED
+    if dimensional and not dims:
+        return {"skipped": "no dims: the unmodified model has no persistent outlier dims on this data (give --dims)"}
+    layers = tuple(request.layers) if request.layers is not None and dimensional else None
+    means = baseline.statistics.mean if name == "activation_mean" else None
+    after = measure(run, Intervention(name, tuple(dims), layers, run.args.seed, means), name)
+    entry = {"measured": after, "effects": effects(after, baseline, dims), "layers": layers}
+    if dimensional and controls:
+        drawn = [effects(measure(run, Intervention(name, tuple(chosen), layers, run.args.seed, means),
+                                 f"{name} control {i + 1}/{len(controls)}"), baseline, dims)
+                 for i, chosen in enumerate(controls)]
+        entry["controls"] = {key: control_summary(value, torch.stack([d[key] for d in drawn]))
+                             for key, value in entry["effects"].items()}
+    return entry
+
+
 def run_intervene(args, rank: int, world: int) -> dict:
     request = parse_request(args, world)
 
@@ -283,23 +302,7 @@ def run_intervene(args, rank: int, world: int) -> dict:
     controls = control_dims(encoder.hidden_size, set(all_outlier_dims(outliers)) | set(dims), len(dims),
                             args.controls, args.seed) if dims and any(n in DIMENSION_BASED for n in request.names) \
         else []
-    results = {}
-    for name in request.names:
-        layers = tuple(request.layers) if request.layers is not None and name in DIMENSION_BASED else None
-        make = lambda chosen: Intervention(name, tuple(chosen), layers, args.seed,  # noqa: E731
-                                           baseline.statistics.mean if name == "activation_mean" else None)
-        if name in DIMENSION_BASED and not dims:
-            results[name] = {"skipped": "no dims: the unmodified model has no persistent outlier dims on this data "
-                                        "(give --dims)"}
-            continue
-        after = measure(run, make(dims), name)
-        entry = {"measured": after, "effects": effects(after, baseline, dims), "layers": layers}
-        if name in DIMENSION_BASED and controls:
-            drawn = [effects(measure(run, make(chosen), f"{name} control {i + 1}/{len(controls)}"), baseline, dims)
-                     for i, chosen in enumerate(controls)]
-            entry["controls"] = {key: control_summary(value, torch.stack([d[key] for d in drawn]))
-                                 for key, value in entry["effects"].items()}
-        results[name] = entry
+    results = {name: intervention_result(run, name, request, baseline, dims, controls) for name in request.names}
     report = report_of(args, encoder, run, baseline, results, dims, outliers, rule, controls)
     figures = {"intervene.png": lambda: intervention_figure(report, encoder.short_name)}
     finish(args, rank, {"intervene.json": report}, figures)
