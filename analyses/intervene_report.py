@@ -118,17 +118,18 @@ def print_intervene(report: dict) -> None:
     print(f"\ninterventions on {report['encoder']}, {report['data']}: {report['num_sentences']} sentences, "
           f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
     controls = report["controls"]
-    print(f"dims: {dims or 'none'} ({report['dims_from']}); controls: {controls['count']} random sets of "
-          f"{len(dims)} non-outlier dims (seed {controls['seed']})")
+    drawn = f"{controls['count']} random sets of {len(dims)} non-outlier dims (seed {controls['seed']})" \
+        if controls["count"] else "none"
+    print(f"dims: {dims or 'none'} ({report['dims_from']}); controls: {drawn}")
     mlm = report["mlm"]
     print(f"MLM loss: {'15% of the tokens masked, the same masks for every variant' if mlm['head'] else mlm['note']}")
     print("effect = after - before; per-layer metrics averaged over layers 1..L; p = (1 + controls at least as "
           "large) / (controls + 1)")
     headers = ["intervention", "metric", "before", "after", "effect", "controls mean ± sd", "p"]
-    rows = []
+    rows, skipped = [], []
     for name, entry in report["interventions"].items():
         if "skipped" in entry:
-            rows.append([name, f"skipped: {entry['skipped']}", "", "", "", "", ""])
+            skipped.append(f"{name} skipped: {entry['skipped']}")
             continue
         for key, label in LABELS.items():
             effect_key = key if key == "mlm_loss" else f"{key}_mean"
@@ -150,6 +151,8 @@ def print_intervene(report: dict) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for line in skipped:
+        print(line)
 
 
 def mean_of(values: list | None) -> float | None:
