@@ -93,7 +93,7 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
                               f"split 80/10/10, Adam at lr {PROBE['lr']}, batches of {PROBE['batch_size']} token "
                               "vectors, bias-free linear probes of every layer, each tested with its best-validation "
                               "epoch's weights, no random-encoder baseline"} if args.probe else None,
-        "encoder_passes": len(run.passes),
+        "variant_passes": len(run.passes),  # one pass over the sentences per variant measured
         "effects_note": EFFECTS_NOTE,
         "baseline": {"stats": stats_of(baseline, tracked), "tasks": tasks_of(baseline)},
         "interventions": entries,

@@ -329,3 +329,39 @@ def test_minilm_end_to_end_baseline_equals_the_other_analyses(minilm_path, tmp_p
     assert set(report["interventions"]["layernorm_zero"]["controls"]) >= {"anisotropy", "probe_mean", "sts"}
     assert "layernorm_zero" in printed and "position probe accuracy" in printed
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
+
+
+def test_a_checkpoints_head_gives_the_training_loss(tmp_path, roberta_tok):
+    """A train.py .ckpt with a padded vocabulary: load_encoder(masked_lm=True) keeps its head, and masked_lm_loss on
+    padded sentences equals the training loss (lightning_modules.mlm.mlm_loss, padding rows cut) of each alone."""
+    from core.tokenizers import tokenizer_files, vocab_limit
+    from datamodules.masking import SentenceMasker
+    from lightning_modules.encoder import load_encoder
+    from lightning_modules.interventions import masked_lm_loss
+    from lightning_modules.mlm import build_model, mlm_loss, padded_vocab
+
+    vocab = vocab_limit(roberta_tok)
+    hparams = {"vocab_size": vocab, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "intermediate_size": 64, "max_position_embeddings": 66, "position_embeddings": True,
+               "pad_vocab_to_multiple_of": 64}
+    torch.manual_seed(0)
+    model = build_model(padded_vocab(vocab, 64), HIDDEN, 2, 4, 64, 66, dropout=0.0, position_embeddings=True).eval()
+    assert model.config.vocab_size > vocab  # the head has padding rows
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{key}": value for key, value in model.state_dict().items()},
+                "hyper_parameters": hparams, "global_step": 1,
+                "MLMDataModule": {"tokenizer_files": tokenizer_files(roberta_tok)}}, path)
+    encoder = load_encoder(path, device="cpu", masked_lm=True)
+    assert encoder.masked_lm is not None and encoder.mlm_vocab_size == vocab
+    inputs, _ = encoder.tokenize(corpus_sentences(4, start=200), max_length=24)
+    batch = SentenceMasker(roberta_tok, seed=0)(inputs["input_ids"], inputs["attention_mask"], [0, 1, 2, 3])
+    loss, count = masked_lm_loss(encoder, batch)
+    total, expected_count = 0.0, 0
+    for row in range(4):
+        length = int(inputs["attention_mask"][row].sum())
+        alone = {"input_ids": batch["input_ids"][row:row + 1, :length], "positions": batch["positions"][row:row + 1],
+                 "targets": batch["targets"][row:row + 1]}
+        with torch.no_grad():
+            value, n = mlm_loss(model, alone, vocab_size=vocab)
+        total, expected_count = total + value.item() * int(n), expected_count + int(n)
+    assert int(count) == expected_count and loss.item() == pytest.approx(total / expected_count, abs=1e-5)
