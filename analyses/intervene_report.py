@@ -110,7 +110,9 @@ def series_of(entry: dict, key: str, dims: list[int]) -> list | None:
 
 
 def fmt(value, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:+.{digits}f}" if isinstance(value, float) else str(value)
+    """A signed number (-0.000 printed as +0.000), "-" for None."""
+    return "-" if value is None else f"{round(value, digits) + 0.0:+.{digits}f}" if isinstance(value, float) \
+        else str(value)
 
 
 def print_intervene(report: dict) -> None:
