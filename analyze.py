@@ -12,6 +12,7 @@
     python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
     python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
     python analyze.py trajectory --run pe=runs/a --run nope=runs/b   # several runs in one figure and one JSON
+    python analyze.py intervene --interventions position_mean layernorm_zero --probe   # inside the forward pass
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from analyses.intervene import INTERVENE_HELP, add_intervene_arguments, run_intervene
 from analyses.magnitudes import add_magnitude_arguments, check_magnitude_arguments
 from analyses.outliers import run_outliers
 from analyses.paper import STS_SETS, run_paper
@@ -163,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     add_magnitude_arguments(trajectory)
+    intervene = command("intervene", run_intervene, INTERVENE_HELP, "intervene", variants=False)
+    add_intervene_arguments(intervene)
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")

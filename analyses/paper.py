@@ -145,14 +145,19 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     return reports, found.statistics, clip
 
 
-def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, output_dir) -> dict:
-    """Fit (every epoch validated), test with each layer's best-validation weights, write the probe's report."""
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="gpu" if data.encoder.device.type == "cuda" else "cpu",
+def fit_probe(model: pl.LightningModule, data: pl.LightningDataModule, epochs: int, progress: bool, root) -> None:
+    """Fit on one device (every epoch validated), then test with each layer's best-validation weights."""
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="gpu" if data.encoder.device.type == "cuda" else "cpu",
                          devices=1, logger=False, enable_checkpointing=False, check_val_every_n_epoch=1,
-                         num_sanity_val_steps=0, enable_progress_bar=not args.no_progress, enable_model_summary=False,
-                         default_root_dir=str(output_dir))
+                         num_sanity_val_steps=0, enable_progress_bar=progress, enable_model_summary=False,
+                         default_root_dir=str(root))
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
+
+
+def train_probe(args, model: pl.LightningModule, data: pl.LightningDataModule, output_dir) -> dict:
+    """Fit (every epoch validated), test with each layer's best-validation weights, write the probe's report."""
+    fit_probe(model, data, args.epochs, not args.no_progress, output_dir)
     report = model.write_outputs(output_dir)
     data.close()
     return report

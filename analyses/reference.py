@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 from torchmetrics.aggregation import SumMetric
 
-from lightning_modules.encoder import EncodedBatch, FrozenEncoder
+from lightning_modules.encoder import EncodedBatch, FrozenEncoder, TokenizedBatch
 from lightning_modules.pooling import mean_pool, random_tokens
 from metrics.geometry import Covariance, CovarianceResult, TokenSample
 from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
@@ -69,27 +69,44 @@ class Setting:
     progress: bool = True
     rank: int = 0
     world: int = 1
+    replay: dict | None = None  # opt-in: each text list tokenised once and its batches kept (see `tokenized`)
 
     def shard(self, count: int) -> list[int]:
         """The items of this rank: i with i % world == rank."""
         return list(range(self.rank, count, self.world))
 
-    def batches(self, texts: list[str], offsets: bool = False, desc: str = "encoding", pairs: bool = False
-                ) -> Iterator[EncodedBatch]:
-        """The encoder's batches over this rank's shard of `texts`, each batch's `rows` mapped back to positions in
-        `texts`. With `pairs`, texts 2p and 2p + 1 are pair p, and pairs (not sentences) are sharded, so both sides of
-        a pair stay on one rank, in one buffer of batches (an even batch size)."""
+    def tokenized(self, texts: list[str], offsets: bool = False, pairs: bool = False) -> Iterable[TokenizedBatch]:
+        """This rank's shard of `texts` tokenised in batches, each batch's `rows` mapped back to positions in `texts`.
+        With `pairs`, texts 2p and 2p + 1 are pair p, and pairs (not sentences) are sharded, so both sides of a pair
+        stay on one rank, in one buffer of batches (an even batch size). With `replay` (a dict), a text list is
+        tokenised once, on first use, and the same batches are served again after (analyze.py intervene: every
+        variant of the model reads the same padded batches)."""
         if pairs:
             mine = [2 * p + side for p in self.shard(len(texts) // 2) for side in (0, 1)]
             batch_size = max(2, self.batch_size - self.batch_size % 2)
         else:
             mine, batch_size = self.shard(len(texts)), self.batch_size
+
+        def tokenize() -> Iterator[TokenizedBatch]:
+            for item in self.encoder.tokenized_batches([texts[i] for i in mine], batch_size, self.max_length, offsets):
+                yield replace(item, rows=[mine[r] for r in item.rows])
+
+        if self.replay is None:
+            return tokenize()
+        key = (tuple(texts), offsets, pairs)
+        if key not in self.replay:
+            self.replay[key] = list(tokenize())
+        return self.replay[key]
+
+    def batches(self, texts: list[str], offsets: bool = False, desc: str = "encoding", pairs: bool = False
+                ) -> Iterator[EncodedBatch]:
+        """The encoder's batches over this rank's shard of `texts` (`tokenized`), each batch's `rows` mapped back to
+        positions in `texts`."""
+        count = len(self.shard(len(texts) // 2)) * 2 if pairs else len(self.shard(len(texts)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # truncations are counted in the reports instead
-            for batch in self.encoder.batches([texts[i] for i in mine], batch_size, self.max_length, offsets,
-                                              self.progress, desc):
-                batch.rows = [mine[r] for r in batch.rows]
-                yield batch
+            yield from self.encoder.encode(self.tokenized(texts, offsets, pairs), count, self.progress, desc,
+                                           self.max_length)
 
 
 @dataclass

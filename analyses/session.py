@@ -77,12 +77,13 @@ def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None
     return list(itertools.islice(texts, rank, None, world))
 
 
-def open_encoder(args) -> FrozenEncoder:
+def open_encoder(args, masked_lm: bool = False) -> FrozenEncoder:
+    """--encoder on --device (under torchrun, this rank's GPU); with `masked_lm`, with its MLM head when it has one."""
     device = args.device
     if device is None and torch.cuda.is_available() and dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"
     encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special,
-                           allow_random_weights=getattr(args, "allow_random_weights", False))
+                           allow_random_weights=getattr(args, "allow_random_weights", False), masked_lm=masked_lm)
     encoder.check_max_length(args.max_length)
     clip = getattr(args, "clip", None)
     if clip is not None and not clip.needs_outliers:  # given dims or layers: check them against this model now
@@ -94,13 +95,14 @@ def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> S
     return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
 
 
-def prepare(args, rank: int, read: Callable[[], T]) -> tuple[T, FrozenEncoder]:
-    """Read the data, check the output directory and load the encoder, failing together on every rank."""
+def prepare(args, rank: int, read: Callable[[], T], masked_lm: bool = False) -> tuple[T, FrozenEncoder]:
+    """Read the data, check the output directory and load the encoder (`masked_lm`: with its MLM head when it has
+    one), failing together on every rank."""
     def step():
         data = read()
         if rank == 0:
             check_writable(args.output_dir)
-        return data, open_encoder(args)
+        return data, open_encoder(args, masked_lm)
 
     return collectively(step)
 

@@ -4,6 +4,7 @@
     position_rows_figure(rows, dims=[d1, d2])                                    # Figures 3-4
     save_figure(fig, "runs/x/mean_vectors.png")                                 # or figure_array(fig): RGB for loggers
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
+    layer_bands_figure([{..., "bands": {"raw": ([.8, .7], [1., .9], "controls")}}])   # the same, shaded bands
     over_steps_figure([{"title": "entropy", "series": {"layer 1": ([0, 100], [.9, .7])}}])       # live, over time
 """
 
@@ -142,6 +143,32 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     if title:
         fig.suptitle(textwrap.fill(title, width=int(10 * 5.2 * columns)), fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def layer_bands_figure(panels: Sequence[Mapping], title: str = "", columns: int = 2):
+    """layer_panels_figure with shaded bands and one legend for all panels below them (the panels share their series):
+    each panel may add "bands": {series name: (low, high, label)} (per-layer lists, None for missing), drawn in its
+    series' colour.
+
+    analyze.py intervene: before vs after per layer, the controls' mean ± sd as a band around each intervention."""
+    fig = layer_panels_figure(panels, title, columns)
+    entries: dict[str, object] = {}
+    for ax, panel in zip(fig.axes, panels):
+        colours = {line.get_label(): line.get_color() for line in ax.get_lines()}
+        layers = list(panel["layers"])
+        for name, (low, high, label) in (panel.get("bands") or {}).items():
+            ax.fill_between(layers, [np.nan if v is None else v for v in low],
+                            [np.nan if v is None else v for v in high], color=colours.get(name, "#888888"),
+                            alpha=0.25, linewidth=0, label=label)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    rows = -(-len(entries) // 3)
+    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    height = fig.get_size_inches()[1]
+    fig.tight_layout(rect=(0, min(0.4, (0.25 * rows + 0.1) / height), 1, 1))
     return fig
 
 

@@ -6,6 +6,8 @@
     position_offset(model)         # RoBERTa numbers positions from padding_idx + 1, BERT from 0
     model_max_length(model)        # the longest input: table size minus the offset
     position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
+    token_type_embedding(model)    # the token-type (segment) table (nn.Embedding) or None
+    mlm_head(masked_lm)            # hidden [..., hidden] -> logits [..., vocab rows] of a masked-LM's head, or None
     layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm over the hidden size
     short_name("runs/x/export")    # "x"
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor, nn
@@ -106,6 +109,32 @@ def position_offset(model: nn.Module) -> int:
     """RoBERTa-style embeddings number positions from padding_idx + 1; BERT-style from 0."""
     padding_idx = getattr(getattr(base_model(model), "embeddings", None), "padding_idx", None)
     return padding_idx + 1 if isinstance(padding_idx, int) else 0
+
+
+def token_type_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token-type (segment) embedding table of an encoder, or None when it has none (DistilBERT)."""
+    table = getattr(getattr(base_model(model), "embeddings", None), "token_type_embeddings", None)
+    return table if isinstance(table, nn.Embedding) else None
+
+
+def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    """The LM head of a transformers masked-LM model as a function hidden [..., hidden] -> logits [..., vocab rows]:
+    `lm_head` (RoBERTa and its kin), `cls` (BERT), `predictions` (ALBERT), DistilBERT's vocab_transform ->
+    activation -> vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions -> generator_lm_head; None for
+    a layout not among these (or a bare encoder)."""
+    for name in ("lm_head", "cls", "predictions"):
+        head = getattr(masked_lm, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    parts = [getattr(masked_lm, name, None) for name in ("vocab_transform", "activation", "vocab_layer_norm",
+                                                          "vocab_projector")]
+    if all(isinstance(part, nn.Module) for part in parts):
+        transform, activation, norm, projector = parts
+        return lambda hidden: projector(norm(activation(transform(hidden))))
+    predictions, head = getattr(masked_lm, "generator_predictions", None), getattr(masked_lm, "generator_lm_head", None)
+    if isinstance(predictions, nn.Module) and isinstance(head, nn.Module):
+        return lambda hidden: head(predictions(hidden))
+    return None
 
 
 def model_max_length(model: nn.Module, tokenizer=None) -> int:

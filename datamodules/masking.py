@@ -3,6 +3,7 @@
     collator = MaskCollator(tokenizer, block_length=128, mlm_probability=0.15, seed=0)
     batch = collator({"blocks": blocks [batch, seq], "keys": keys [batch]})
     batch["input_ids"] [batch, seq], batch["positions"] [batch, k], batch["targets"] [batch, k]  (-100 = none)
+    SentenceMasker(tokenizer, seed=0)(input_ids, attention_mask, keys)   # the same rule on padded sentences
 
 Exactly round(0.15 × (block_length - 2)) non-special positions of each block are predicted; of those 80% become
 <mask>, 10% a random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
@@ -55,3 +56,34 @@ class MaskCollator:
         if "stream_state" in item:  # where a streaming rank stands after this batch; the datamodule strips it
             out["stream_state"] = item["stream_state"]
         return out
+
+
+class SentenceMasker:
+    """MaskCollator's rule on padded sentences, each sentence its own block: round(0.15 × (length - 2)) of its
+    non-special tokens (at least 1) are predicted, 80% of them become <mask>, 10% a random token, 10% stay, with the
+    randomness tied to (seed, the sentence's key), so the masks are the same whatever the batching or the ranks
+    (analyze.py intervene: the same masks for every variant of a model).
+
+        masker = SentenceMasker(tokenizer, seed=0)
+        batch = masker(input_ids, attention_mask, keys)   # [batch, seq] (right-padded), [batch], keys [batch]
+        batch["input_ids"], batch["attention_mask"] [batch, seq]; batch["positions"], batch["targets"] [batch, k]
+    """
+
+    def __init__(self, tokenizer, mlm_probability: float = 0.15, seed: int = 0) -> None:
+        self.tokenizer, self.mlm_probability, self.seed = tokenizer, mlm_probability, seed
+        self.collators: dict[int, MaskCollator] = {}  # one per sentence length
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys) -> dict[str, torch.Tensor]:
+        masked, picked = input_ids.clone(), []
+        for row, (length, key) in enumerate(zip(attention_mask.sum(1).tolist(), keys)):
+            if length not in self.collators:
+                self.collators[length] = MaskCollator(self.tokenizer, length, self.mlm_probability, self.seed)
+            out = self.collators[length]({"blocks": input_ids[row:row + 1, :length].numpy(), "keys": [int(key)]})
+            masked[row, :length] = out["input_ids"][0]
+            picked.append((out["positions"][0], out["targets"][0]))
+        k = max((len(positions) for positions, _ in picked), default=0)
+        positions = torch.zeros(len(picked), k, dtype=torch.long)
+        targets = torch.full((len(picked), k), -100, dtype=torch.long)
+        for row, (where, what) in enumerate(picked):
+            positions[row, :len(where)], targets[row, :len(what)] = where, what
+        return {"input_ids": masked, "attention_mask": attention_mask, "positions": positions, "targets": targets}

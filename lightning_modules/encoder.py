@@ -20,7 +20,7 @@ import inspect
 import itertools
 import json
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from core.errors import UserError, first_line
-from core.models import model_max_length, position_embedding, quiet_transformers, short_name
+from core.models import mlm_head, model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import local_path
-from core.tokenizers import check_tokenizer_files
+from core.tokenizers import check_tokenizer_files, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from metrics.sinks import key_attention
 
@@ -50,6 +50,14 @@ class EncodedBatch:
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
     attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
     # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
+
+
+@dataclass
+class TokenizedBatch:
+    inputs: dict[str, Tensor]  # input_ids, attention_mask, special_tokens_mask (, token_type_ids): [batch, seq]
+    rows: list[int]  # each row's index in the texts given to `tokenized_batches`
+    num_truncated: int = 0
+    offsets: list[list[Span]] | None = None
 
 
 def resolve_model_dir(source: str | Path) -> str:
@@ -72,15 +80,18 @@ def resolve_model_dir(source: str | Path) -> str:
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  exclude_special: bool = False, allow_random_weights: bool = False,
-                 allow_option: str = "--allow_random_weights") -> FrozenEncoder:
+                 allow_option: str = "--allow_random_weights", masked_lm: bool = False) -> FrozenEncoder:
     """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
 
     `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere. Encoder weights the
     checkpoint lacks (or holds in another shape: weights of another architecture under this config.json) are refused,
     naming how many, unless `allow_random_weights` (then a warning names them); `allow_option` is the option that
-    allows them, as the refusal names it.
+    allows them, as the refusal names it. With `masked_lm`, the model is loaded with its masked-LM head (the encoder is
+    the head model's own base model, sharing its weights), kept as `encoder.masked_lm` when the head's weights were all
+    in the checkpoint, else None and `encoder.head_note` says why (a bare encoder's checkpoint, as the packaged
+    MiniLM's, has no head); only the base model's weights count for the refusal.
     """
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
     model_dir = resolve_model_dir(source)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -88,12 +99,14 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     if model_dir.endswith(".ckpt"):  # train.py's checkpoint: model from its hyper-parameters, embedded tokenizer
         from lightning_modules.checkpoints import load_checkpoint_model
 
-        masked_lm, tokenizer = load_checkpoint_model(model_dir)
+        model, tokenizer = load_checkpoint_model(model_dir)
         if Path(source).expanduser().is_dir():
             warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
                           f"{model_dir}", stacklevel=2)
-        return FrozenEncoder(masked_lm.roberta, tokenizer, name=str(source),
-                             exclude_special=exclude_special).to(device=device, dtype=dtype)
+        encoder = FrozenEncoder(model.roberta, tokenizer, name=str(source), exclude_special=exclude_special)
+        if masked_lm:  # the head's rows past the tokenizer's vocabulary (pad_vocab_to_multiple_of) are never predicted
+            encoder.attach_head(model, "", vocab_size=vocab_limit(tokenizer))
+        return encoder.to(device=device, dtype=dtype)
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as error:
@@ -109,15 +122,37 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
         with quiet_transformers():  # an export's attention variant (config.json's attention_variant) rebuilt
-            model, info = load_pretrained(AutoModel, model_dir, dtype=dtype, output_loading_info=True)
+            model, info = load_pretrained(AutoModelForMaskedLM if masked_lm else AutoModel, model_dir, dtype=dtype,
+                                          output_loading_info=True)
     except UserError:
         raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
-    check_loading(source, info, model, allow_random_weights, allow_option)
-    return FrozenEncoder(model, tokenizer, name=str(source), exclude_special=exclude_special).to(
-        device=device, dtype=dtype
-    )
+    head, info = split_head(model, info) if masked_lm else (None, info)
+    base = model.base_model if masked_lm else model
+    check_loading(source, info, base, allow_random_weights, allow_option)
+    encoder = FrozenEncoder(base, tokenizer, name=str(source),
+                            exclude_special=exclude_special)
+    if masked_lm:
+        encoder.attach_head(model if head is None else None, head or "")
+    return encoder.to(device=device, dtype=dtype)
+
+
+def split_head(model: nn.Module, info: Mapping) -> tuple[str | None, dict]:
+    """A masked-LM model's load report split in two: (None when its head's weights were all in the checkpoint, else
+    why it has no head; the report of its base model alone, key prefixes stripped, for `check_loading`)."""
+    prefix = f"{model.base_model_prefix}."
+    base, head = {}, []
+    for kind in ("missing_keys", "mismatched_keys"):
+        keys = [key[0] if isinstance(key, tuple) else key for key in info.get(kind, ())]
+        head += [str(key) for key in keys if not str(key).startswith(prefix)]
+        base[kind] = [str(key).removeprefix(prefix) for key in keys if str(key).startswith(prefix)]
+    if mlm_head(model) is None:
+        return f"no MLM head ({type(model).__name__}: a head layout this project does not know)", base
+    if head:
+        shown = ", ".join(sorted(head)[:3]) + (", ..." if len(head) > 3 else "")
+        return f"no MLM head (its weights are not in the checkpoint: {shown})", base
+    return None, base
 
 
 def load_failure(error: Exception, what: str) -> str:
@@ -199,7 +234,15 @@ class FrozenEncoder(nn.Module):
         if "output_hidden_states" not in parameters and not takes_kwargs:
             raise UserError(f"{name} cannot return hidden states (its forward takes no output_hidden_states)")
         self._attention = False  # within attention_weights()
+        self.masked_lm: nn.Module | None = None  # the model with its MLM head (attach_head), sharing `model`'s weights
+        self.head_note = "not loaded with its MLM head"
+        self.mlm_vocab_size: int | None = None  # logits past it (padding rows of a head) are never predicted
         self.train(False)
+
+    def attach_head(self, masked_lm: nn.Module | None, note: str, vocab_size: int | None = None) -> None:
+        """Keep the masked-LM model whose base model is `self.model` (None: no usable head, `note` says why)."""
+        self.masked_lm = masked_lm.eval().requires_grad_(False) if masked_lm is not None else None
+        self.head_note, self.mlm_vocab_size = note, vocab_size
 
     @property
     def num_hidden_states(self) -> int:
@@ -299,31 +342,46 @@ class FrozenEncoder(nn.Module):
                             "or more")
         return max_length
 
-    def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
-                offsets: bool = False, progress: bool = True, desc: str = "encoding", sort_buffer: int = 32
-                ) -> Iterator[EncodedBatch]:
-        """Encode `texts` in batches; a buffer of `sort_buffer` batches is sorted by length to cut padding, and each
-        batch's `rows` say where its sentences stand in `texts` (`offsets` as in `tokenize`)."""
+    def tokenized_batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
+                          offsets: bool = False, sort_buffer: int = 32) -> Iterator[TokenizedBatch]:
+        """`texts` tokenised and padded in batches, a buffer of `sort_buffer` batches sorted by length to cut padding;
+        each batch's `rows` say where its sentences stand in `texts` (`offsets` as in `tokenize`). Kept, they can be
+        encoded again and again (`encode`) without tokenising twice."""
         max_length = self.check_max_length(max_length)
         order = iter(range(len(texts)))
-        bar = tqdm(total=len(texts), unit="sent", desc=f"{desc} ({self.short_name})", disable=not progress,
+        while chunk := list(itertools.islice(order, batch_size * sort_buffer)):
+            chunk.sort(key=lambda i: len(texts[i]))
+            for start in range(0, len(chunk), batch_size):
+                rows = chunk[start:start + batch_size]
+                inputs, truncated = self.tokenize([texts[i] for i in rows], max_length, offsets)
+                spans = inputs.pop("offsets", None)
+                yield TokenizedBatch(inputs, rows, truncated, spans)
+
+    def encode(self, tokenized: Iterable[TokenizedBatch], total: int, progress: bool = True, desc: str = "encoding",
+               max_length: int | None = None) -> Iterator[EncodedBatch]:
+        """Each tokenised batch through the encoder (`total` sentences, for the progress bar); one warning at the end
+        when sentences were truncated to `max_length`."""
+        bar = tqdm(total=total, unit="sent", desc=f"{desc} ({self.short_name})", disable=not progress,
                    dynamic_ncols=True, leave=False)
         truncated_total = 0
         with bar:
-            while chunk := list(itertools.islice(order, batch_size * sort_buffer)):
-                chunk.sort(key=lambda i: len(texts[i]))
-                for start in range(0, len(chunk), batch_size):
-                    rows = chunk[start:start + batch_size]
-                    inputs, truncated = self.tokenize([texts[i] for i in rows], max_length, offsets)
-                    spans = inputs.pop("offsets", None)
-                    batch = self(**inputs)
-                    batch.num_truncated, batch.rows, batch.offsets = truncated, rows, spans
-                    truncated_total += truncated
-                    bar.update(len(rows))
-                    yield batch
+            for item in tokenized:
+                batch = self(**item.inputs)
+                batch.num_truncated, batch.rows, batch.offsets = item.num_truncated, item.rows, item.offsets
+                truncated_total += item.num_truncated
+                bar.update(len(item.rows))
+                yield batch
         if truncated_total:
-            warnings.warn(f"{truncated_total} sentences were longer than {max_length} tokens and were truncated",
-                          stacklevel=2)
+            warnings.warn(f"{truncated_total} sentences were longer than {max_length or self.max_length} tokens and "
+                          "were truncated", stacklevel=2)
+
+    def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
+                offsets: bool = False, progress: bool = True, desc: str = "encoding", sort_buffer: int = 32
+                ) -> Iterator[EncodedBatch]:
+        """Encode `texts` in batches (`tokenized_batches`, then `encode`): a buffer of `sort_buffer` batches is sorted
+        by length to cut padding, and each batch's `rows` say where its sentences stand in `texts`."""
+        return self.encode(self.tokenized_batches(texts, batch_size, max_length, offsets, sort_buffer), len(texts),
+                           progress, desc, max_length)
 
 
 def special_ids(tokenizer) -> Tensor:

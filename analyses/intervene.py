@@ -1,0 +1,312 @@
+"""`analyze.py intervene`: test causes, not only correlations: interventions inside the forward pass of an encoder
+(lightning_modules/interventions.py), each dimension-based one beside the same intervention on random dimensions.
+
+    python analyze.py intervene          # packaged MiniLM: layernorm_zero of its persistent outliers vs 10 controls
+    python analyze.py intervene --interventions position_mean token_type_zero layernorm_zero --probe
+    python analyze.py intervene --encoder runs/demo/tiny-pe --interventions position_mean activation_zero  # + MLM loss
+    python analyze.py intervene --interventions activation_mean --dims 223 --layers 1-3 --controls 20 --sts stsb
+    torchrun --nproc_per_node 2 analyze.py intervene ...      # sentences (and STS pairs) sharded, metrics synced
+
+The sentences are tokenised once (analyses.reference.Setting's replay) and every variant of the model reads the same
+padded batches: the unmodified model (the baseline), each intervention, and each control, one encoder pass each (a
+second one over the masked copy for the MLM loss, and the STS pairs and the probe's data, when asked for). Each pass
+is the reference pass of `analyze.py outliers` and `anisotropy` (NeuronStatistics; the paper's seeded random-token
+sample, the same tokens for every variant, so differences are paired), under the intervention. The baseline also
+gives the dimensions (`--dims auto`: the persistent outliers by the outliers analysis' rule, --min_share / --sigma)
+and the per-dim means activation_mean sets. The report and figure: analyses/intervene_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import tempfile
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from analyses import semantic
+from analyses.geometry import pair_anisotropy
+from analyses.intervene_report import PROBE, intervention_figure, print_intervene, report_of
+from analyses.paper import fit_probe
+from analyses.reference import Setting, counter, reference_pass
+from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_truncation
+from core.errors import UserError
+from datamodules.masking import SentenceMasker
+from datamodules.pairs import STS_PRESETS, read_sts
+from datamodules.probing import PositionDataModule
+from lightning_modules.encoder import FrozenEncoder
+from lightning_modules.interventions import (
+    DIMENSION_BASED,
+    INTERVENTIONS,
+    Intervention,
+    check_intervention,
+    intervene,
+    masked_lm_loss,
+)
+from lightning_modules.probes import PositionProbe
+from metrics.controls import control_summary
+from metrics.neuron_stats import NeuronStatisticsResult
+from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
+from metrics.transforms import RAW
+
+INTERVENE_HELP = ("interventions inside the forward pass (position table, token types, LayerNorm weights, activations) with "
+        "random-dimension controls and p-values: outlier statistics, anisotropy, MLM loss, STS, position probe")
+MLM_PROBABILITY = 0.15
+
+
+def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interventions", nargs="+", choices=list(INTERVENTIONS), default=["layernorm_zero"],
+                        metavar="NAME", help="one or several of " + ", ".join(INTERVENTIONS) + " (default "
+                        "layernorm_zero; docs/interventions.md says what each does)")
+    parser.add_argument("--dims", default="auto", help="the dims of layernorm_zero / activation_zero / "
+                        "activation_mean and the ones tracked: auto (default: the persistent outlier dims of the "
+                        "unmodified model on the same data, by --min_share / --sigma) or a list, 223 or 77,588 "
+                        "(0-indexed)")
+    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output) where "
+                        "activation_zero / activation_mean act and whose LayerNorms layernorm_zero edits: all "
+                        "(default) or a list and ranges, 1-3,6")
+    parser.add_argument("--controls", type=int, default=10, help="random sets of as many non-outlier dims on which "
+                        "each dimension-based intervention is repeated, seeded by --seed (default 10; 0: none)")
+    parser.add_argument("--sts", default=None, help="STS pairs (a file, or a preset: " + ", ".join(STS_PRESETS) +
+                        "): Spearman of mean-pooled cosines per layer for every variant (default: none)")
+    parser.add_argument("--score_range", default="0,5", help="declared range of the --sts gold scores LO,HI "
+                        "(default 0,5; SICK-R is 1,5)")
+    parser.add_argument("--probe", action="store_true", help="also the all-layer position probe's test accuracy for "
+                        f"every variant, quick settings (ours): {PROBE['epochs']} epochs at lr {PROBE['lr']} by default, "
+                        "--probe_sentences of --data split 80/10/10 (one process only)")
+    parser.add_argument("--probe_sentences", type=int, default=PROBE["sentences"],
+                        help=f"sentences of --data for the probe (default {PROBE['sentences']})")
+    parser.add_argument("--probe_epochs", type=int, default=PROBE["epochs"],
+                        help=f"probe epochs (default {PROBE['epochs']}; the paper trains 10)")
+    parser.add_argument("--num_pairs", type=int, default=1000,
+                        help="anisotropy: token pairs, one random token from each of 2 x this many random sentences "
+                             "(default 1000, the paper's)")
+
+
+@dataclass
+class Request:
+    names: list[str]
+    dims: list[int] | None  # None: auto
+    layers: list[int] | None  # None: all
+
+
+def parse_numbers(text: str, option: str) -> list[int]:
+    """"1-3,6" -> [1, 2, 3, 6]."""
+    numbers = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            numbers += range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise UserError(f"{option} must be a list of numbers and ranges (1-3,6), got {text!r}") from None
+    if not numbers:
+        raise UserError(f"{option} {text!r} names nothing")
+    return sorted(set(numbers))
+
+
+def parse_request(args, world: int) -> Request:
+    """What to do, checked before anything is read or loaded."""
+    if args.controls < 0:
+        raise UserError(f"--controls must be 0 or more, got {args.controls}")
+    if args.probe and (args.probe_epochs < 1 or args.probe_sentences < 10):
+        raise UserError(f"--probe needs --probe_epochs >= 1 and --probe_sentences >= 10, got {args.probe_epochs} "
+                        f"and {args.probe_sentences}")
+    if args.probe and world > 1:
+        raise UserError("--probe trains in one process (its feature cache lives in one process): run intervene "
+                        "without torchrun, or without --probe")
+    dims = None if args.dims == "auto" else parse_numbers(args.dims, "--dims")
+    layers = None if args.layers == "all" else parse_numbers(args.layers, "--layers")
+    return Request(list(dict.fromkeys(args.interventions)), dims, layers)
+
+
+def check_request(request: Request, encoder: FrozenEncoder) -> None:
+    """One line, before any pass, when the model cannot take an intervention or a dim or layer is out of range."""
+    for name in request.names:
+        check_intervention(encoder.model, name, encoder.name)
+    bad = [d for d in request.dims or [] if not 0 <= d < encoder.hidden_size]
+    if bad:
+        raise UserError(f"--dims {bad}: the dims of {encoder.name} run 0..{encoder.hidden_size - 1} (0-indexed)")
+    bad = [layer for layer in request.layers or [] if not 0 <= layer < encoder.num_hidden_states]
+    if bad:
+        raise UserError(f"--layers {bad}: the layers of {encoder.name} run 0..{encoder.num_hidden_states - 1} "
+                        "(0 = embedding output)")
+
+
+@dataclass
+class Measured:
+    """What one encoder pass of one variant of the model gives."""
+
+    statistics: NeuronStatisticsResult
+    anisotropy: Tensor  # [layers]
+    num_pairs: int
+    num_sentences: int
+    num_truncated: int
+    mlm_loss: float | None = None
+    masked_tokens: int = 0
+    sts: Tensor | None = None  # [layers], Spearman x 100
+    probe: Tensor | None = None  # [layers], test accuracy
+
+    @property
+    def share(self) -> Tensor:
+        """[layers, hidden]: the share of the token vectors whose max or min lies on each dim."""
+        return self.statistics.argmax_share + self.statistics.argmin_share
+
+    def series(self) -> dict[str, Tensor]:
+        """The per-layer values the effects compare."""
+        values = {"kurtosis": self.statistics.kurtosis_mean, "max_abs": self.statistics.layer_max_abs,
+                  "anisotropy": self.anisotropy}
+        return {**values, **({"sts": self.sts} if self.sts is not None else {}),
+                **({"probe": self.probe} if self.probe is not None else {})}
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    encoder: FrozenEncoder
+    setting: Setting
+    sentences: list[str]
+    sts_pairs: list | None = None
+    masks: list[dict] | None = None  # the masked copy of every batch (MLM loss), None without an MLM head
+    passes: list[str] = field(default_factory=list)
+
+
+def mlm_pass(run: Run, desc: str) -> tuple[float, int]:
+    """The MLM loss over every masked token of this rank's sentences (synced): (mean cross-entropy, masked tokens)."""
+    device = run.encoder.device
+    total, count = counter(device), counter(device)
+    for batch in run.masks:
+        loss, masked = masked_lm_loss(run.encoder, batch)
+        if int(masked):
+            total.update(loss.double() * masked)
+            count.update(masked)
+    return float(total.compute() / count.compute().clamp_min(1)), int(count.compute())
+
+
+@contextlib.contextmanager
+def quiet_lightning():
+    """Lightning's banner lines and data-loader advice silenced for the probes trained inside one report."""
+    logger = logging.getLogger("pytorch_lightning")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|LeafSpec).*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def probe_pass(run: Run) -> Tensor:
+    """The all-layer position probe's test accuracy [layers] on the encoder as it is now (under the intervention)."""
+    args = run.args
+    with tempfile.TemporaryDirectory() as root, quiet_lightning():
+        data = PositionDataModule(source=args.data, encoder=run.encoder, text_column=args.text_column,
+                                  max_length=args.max_length, max_sentences=args.probe_sentences,
+                                  batch_size=PROBE["batch_size"], random_baseline=False,
+                                  exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root)
+        model = PositionProbe(lr=PROBE["lr"], seed=args.seed)
+        fit_probe(model, data, args.probe_epochs, False, root)
+        data.close()
+    return torch.tensor(model.accuracy_of("encoder"), dtype=torch.float64)
+
+
+def measure(run: Run, intervention: Intervention | None, desc: str) -> Measured:
+    """One pass of the model under `intervention` (None: unmodified) over the sentences, and the tasks asked for."""
+    args = run.args
+    run.passes.append(desc)
+    with intervene(run.encoder.model, intervention):
+        reference = reference_pass(run.setting, run.sentences, statistics=True, sample=2 * args.num_pairs, desc=desc)
+        anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
+        measured = Measured(reference.statistics, anisotropy[RAW.key].cpu(), pairs, reference.num_sentences,
+                            reference.num_truncated)
+        if run.masks is not None:
+            measured.mlm_loss, measured.masked_tokens = mlm_pass(run, desc)
+        if run.sts_pairs is not None:
+            layers = semantic.sts(run.setting, run.sts_pairs, [RAW])["layers"]
+            measured.sts = torch.tensor([float("nan") if row[RAW.key] is None else row[RAW.key] for row in layers],
+                                        dtype=torch.float64)
+        if args.probe:
+            measured.probe = probe_pass(run)
+    return measured
+
+
+def effects(after: Measured, before: Measured, dims: list[int]) -> dict[str, Tensor]:
+    """after - before: per layer (0..L), and the mean over the non-input layers 1..L (`<name>_mean`); the summed share
+    of `dims` (outlier_share) when there are dims; the MLM loss (a number) when measured."""
+    changes = {"outlier_share": (after.share[:, dims].sum(1) - before.share[:, dims].sum(1)).cpu()} if dims else {}
+    changes.update({key: (value.double().cpu() - before.series()[key].double().cpu())
+                    for key, value in after.series().items()})
+    result = {}
+    for key, change in changes.items():
+        result[key] = change
+        result[f"{key}_mean"] = change[1:].nanmean()
+    if after.mlm_loss is not None:
+        result["mlm_loss"] = torch.tensor(after.mlm_loss - before.mlm_loss, dtype=torch.float64)
+    return result
+
+
+def control_dims(hidden: int, excluded: set[int], size: int, count: int, seed: int) -> list[list[int]]:
+    """`count` seeded random sets of `size` dims, none of them in `excluded` (the outliers and the chosen dims)."""
+    candidates = [d for d in range(hidden) if d not in excluded]
+    if count and len(candidates) < size:
+        raise UserError(f"{size} control dims wanted, but only {len(candidates)} dims are not outliers or chosen")
+    generator = torch.Generator().manual_seed(seed)
+    return [sorted(candidates[i] for i in torch.randperm(len(candidates), generator=generator)[:size].tolist())
+            for _ in range(count)]
+
+
+def intervention_result(run: Run, name: str, request: Request, baseline: Measured, dims: list[int],
+                        controls: list[list[int]]) -> dict:
+    """One intervention's pass, its effects, and (dimension-based) its controls' passes and summary."""
+    dimensional = name in DIMENSION_BASED
+    if dimensional and not dims:
+        return {"skipped": "no dims: the unmodified model has no persistent outlier dims on this data (give --dims)"}
+    layers = tuple(request.layers) if request.layers is not None and dimensional else None
+    means = baseline.statistics.mean if name == "activation_mean" else None
+    after = measure(run, Intervention(name, tuple(dims), layers, run.args.seed, means), name)
+    entry = {"measured": after, "effects": effects(after, baseline, dims), "layers": layers}
+    if dimensional and controls:
+        drawn = [effects(measure(run, Intervention(name, tuple(chosen), layers, run.args.seed, means),
+                                 f"{name} control {i + 1}/{len(controls)}"), baseline, dims)
+                 for i, chosen in enumerate(controls)]
+        entry["controls"] = {key: control_summary(value, torch.stack([d[key] for d in drawn]))
+                             for key, value in entry["effects"].items()}
+    return entry
+
+
+def run_intervene(args, rank: int, world: int) -> dict:
+    request = parse_request(args, world)
+
+    def read():
+        sentences = read_sentences(args)  # every rank holds them all; Setting shards them
+        return sentences, read_sts(args.sts, None, args.score_range)[0] if args.sts else None
+
+    (sentences, sts_pairs), encoder = prepare(args, rank, read, masked_lm=True)
+    collectively(lambda: check_request(request, encoder))
+    setting = replace(setting_of(args, encoder, rank, world), replay={})  # tokenised once, replayed for every variant
+    run = Run(args, encoder, setting, sentences, sts_pairs)
+    if encoder.masked_lm is not None:  # the same masks for every variant: tied to (seed, sentence index)
+        masker = SentenceMasker(encoder.tokenizer, MLM_PROBABILITY, args.seed)
+        run.masks = [masker(item.inputs["input_ids"], item.inputs["attention_mask"], item.rows)
+                     for item in setting.tokenized(sentences)]
+    baseline = measure(run, None, "unmodified model")
+    if baseline.statistics.num_tokens == 0:
+        raise UserError("no tokens counted (all special tokens excluded?)")
+    rule = OutlierRule(args.min_share, args.sigma)
+    outliers = detect_outliers(baseline.statistics, rule)
+    dims = persistent_dims(outliers) if request.dims is None else request.dims
+    controls = control_dims(encoder.hidden_size, set(all_outlier_dims(outliers)) | set(dims), len(dims),
+                            args.controls, args.seed) if dims and any(n in DIMENSION_BASED for n in request.names) \
+        else []
+    results = {name: intervention_result(run, name, request, baseline, dims, controls) for name in request.names}
+    report = report_of(args, encoder, run, baseline, results, dims, outliers, rule, controls)
+    figures = {"intervene.png": lambda: intervention_figure(report, encoder.short_name)}
+    finish(args, rank, {"intervene.json": report}, figures)
+    if rank == 0:
+        print_intervene(report)
+        warn_truncation({"intervene": report})
+    return report
