@@ -17,18 +17,10 @@ from torch import Tensor
 
 from analyses.reference import Reference, Setting, counter, number, per_layer, views
 from core.errors import UserError
-from datamodules.pairs import WordContexts
+from datamodules.words import WordContexts
 from lightning_modules.pooling import random_tokens, span_vectors
-from metrics.geometry import (
-    IsoScoreStar,
-    MeanCosine,
-    SelfSimilarity,
-    SequenceSpectrum,
-    TokenSample,
-    isoscore,
-    sample_pairs,
-    spectrum_of_moments,
-)
+from metrics.geometry import MeanCosine, SelfSimilarity, TokenSample, sample_pairs
+from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
 from metrics.transforms import Variant
 
 

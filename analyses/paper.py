@@ -36,9 +36,10 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
-from datamodules.pairs import read_sts, read_wic, source_contexts, wic_source
+from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
+from datamodules.words import source_contexts
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.transforms import parse_clip

@@ -25,7 +25,8 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
-from datamodules.pairs import read_sts, scorable_wic, source_contexts, wic_source
+from datamodules.pairs import read_sts, scorable_wic, wic_source
+from datamodules.words import source_contexts
 
 
 def run_anisotropy(args, rank: int, world: int) -> dict:

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from analyses.reference import Setting, counter, number, per_layer, views
 from core.errors import UserError
-from datamodules.pairs import StsPair, WicItem, read_static_vectors, sentence_words, static_sentence_vector
+from datamodules.pairs import StsPair, WicItem
+from datamodules.words import read_static_vectors, sentence_words, static_sentence_vector
 from lightning_modules.pooling import mean_pool, span_vectors
 from metrics.geometry import cosine
 from metrics.similarity import PairCosine, spearman, threshold_accuracy

@@ -38,7 +38,8 @@ from lightning_modules.encoder import (
 )
 from lightning_modules.softdecay import SoftDecayLayer, wrap
 from lightning_modules.training import TrainingModule, check_optimisation
-from metrics.geometry import Covariance, IsoScoreStar
+from metrics.geometry import Covariance
+from metrics.isotropy import IsoScoreStar
 from metrics.transforms import SOFTDECAY_ALPHA, check_softdecay_alpha
 
 REPORT = "finetune.json"

@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
-from metrics.geometry import CovarianceResult, eigh, svd
+from metrics.geometry import CovarianceResult
+from metrics.isotropy import eigh, svd
 from metrics.outliers import LayerOutliers, persistent_dims
 
 NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")

@@ -14,8 +14,8 @@ from scipy.stats import spearmanr
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
-from datamodules.pairs import word_contexts
-from metrics.geometry import isoscore_star
+from datamodules.words import word_contexts
+from metrics.isotropy import isoscore_star
 from tests.test_geometry import isoscore_reference, one_thread
 from tests.tiny import corpus_sentences
 

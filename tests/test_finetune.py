@@ -22,7 +22,8 @@ import yaml
 import train
 from datamodules.finetune import FineTuneDataModule
 from lightning_modules.encoder import load_encoder
-from metrics.geometry import Covariance, isoscore_star
+from metrics.geometry import Covariance
+from metrics.isotropy import isoscore_star
 from tests.test_refusals import files_under, stderr_lines
 from tests.tiny import bert_tokenizer, corpus_sentences, save_tiny_encoder
 

@@ -11,9 +11,9 @@ import datasets
 import pytest
 
 import analyze
-from datamodules.pairs import WORD
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import sample_texts
+from datamodules.words import WORD
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
