@@ -86,7 +86,8 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
                              "sentence embeddings of the pairs), or tokenUni's SoftDecay (Yan et al. 2022) of each "
-                             "sentence's token matrix")
+                             "sentence's token matrix at every layer, post hoc at a fixed alpha (ours: tokenUni learn "
+                             "it inside the last layer)")
     parser.add_argument("--softdecay_alpha", type=float, default=SOFTDECAY_ALPHA,
                         help=f"SoftDecay's alpha, in (-1, 0) (default {SOFTDECAY_ALPHA})")
     add_rule_arguments(parser)

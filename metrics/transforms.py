@@ -33,7 +33,9 @@ Both normalisations are affine per layer, so they commute with averaging sub-wor
   sentence's token matrix H = U S V^T (padding excluded), s' = -log(1 - alpha (s + alpha)) / alpha with alpha < 0,
   rescaled so that max s' = max s, and H' = U S' V^T. A variant like it is `per_sentence`: protocols take its word
   pieces, tokens and pooled sentences from `states(hidden_states, mask)` of each batch instead of the raw states
-  (analyses/reference.py `views`), and `apply` is the identity.
+  (analyses/reference.py `views`), and `apply` is the identity. The map is tokenUni's; applying it post hoc, at a
+  fixed alpha, to each sentence's token matrix at every layer of a frozen encoder is ours (tokenUni learn alpha with
+  the map inside the last layer, before its LayerNorm: lightning_modules/softdecay.py; docs/analyses.md says why).
 """
 
 from __future__ import annotations
