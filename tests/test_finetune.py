@@ -402,7 +402,8 @@ def test_softdecay_fine_tuning_learns_alpha_logs_it_and_the_logits_are_the_heads
         batch = tokenizer(corpus_sentences(5, start=5000), padding=True, truncation=True, max_length=32,
                           return_tensors="pt")
         last, seen = exported.bert.encoder.layer[-1].output, {}
-        handle = last.register_forward_hook(lambda m, args, out: seen.update(x=args[1], z=m.dense(args[0]) + args[1]))
+        handle = last.register_forward_hook(
+            lambda m, args, out, seen=seen: seen.update(x=args[1], z=m.dense(args[0]) + args[1]))
         with torch.no_grad():
             states = exported.bert(**batch, output_hidden_states=True).hidden_states
             handle.remove()
