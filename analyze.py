@@ -15,8 +15,9 @@
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
-dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4, and
-each layer's own outliers in that layer for deeper ones, its Appendix D; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4 clips
+its base models, and each layer's own outliers in that layer for deeper ones, as its Appendix D its large ones: the
+12-layer threshold is ours; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
 `--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
@@ -77,9 +78,10 @@ def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (default, the paper's choice by depth: the persistent outlier dims, detected on "
-                             "the same data, zeroed in every non-input layer for models of at most 12 layers; each "
-                             "layer's own outliers in that layer for deeper ones), per-layer (the latter at any "
+                        help="auto (default: the paper's two clippings told apart by depth, a threshold of ours: the "
+                             "persistent outlier dims, detected on the same data, zeroed in every non-input layer for "
+                             "models of at most 12 layers; each layer's own outliers in that layer for deeper ones), "
+                             "per-layer (the latter at any "
                              "depth), none, dims "
                              "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
@@ -139,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
                            f"none (default {default})")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
-    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers, drawn "
-                       "from --sst2 and --qqp together, half from each (ours; default 10000, the paper's 10k)")
+    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
+                       "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "
+                       "10k of both); a set with fewer is used whole, and paper.md says how many were used")
     paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; default the "
                        "seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "

@@ -1,4 +1,4 @@
-"""The outlier analysis (the paper's §3): per-layer outlier dimensions, persistent ones, and their origins.
+"""The outlier analysis (the paper's §3, with our numbers for its rule): per-layer outlier dimensions, persistent ones, and their origins.
 
     python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
     python analyze.py outliers --token_frequency     # also: token frequency vs outlier magnitude (ours; Puccetti)
@@ -42,7 +42,8 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "num_truncated": num_truncated,
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
-        "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
+        "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe(),
+                 "persistence": rule.describe_persistence()},
         "layers": [{**layer.to_dict(), **magnitudes} for layer, magnitudes in zip(layers, result.magnitudes())],
         "persistent_dims": persistent_dims(layers),
         "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
@@ -124,8 +125,7 @@ def print_outliers(report: dict) -> None:
         print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "
               f"{layer['argmin_dim']:>10} ({layer['argmin_share']:6.1%})  "
               f"{', '.join(map(str, layer['outlier_dims'])) or '-'}")
-    print(f"persistent outlier dims (in at least half of the non-input layers 1..{report['num_layers']}): "
-          f"{report['persistent_dims'] or 'none'}")
+    print(f"{report['rule']['persistence']}: {report['persistent_dims'] or 'none'}")
     frequency = report.get("token_frequency")
     if frequency is not None:
         print(f"token frequency vs |value| of each outlier dim (Spearman over {frequency['num_types']} token types): " +

@@ -68,14 +68,15 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
         "section3_outliers": {"layers": [{key: layer[key] for key in ("layer", "argmax_dim", "argmax_share",
                                                                         "argmin_dim", "argmin_share", "outlier_dims")}
                                          for layer in outliers["layers"]],
-                              "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"]},
+                              "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"],
+                              "persistence": outliers["rule"]["persistence"]},
         "section3_position_probe": None if probe is None else {
             "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "top_dims": row["top_contribution_dims"][:5],
                         "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
                        for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
             "majority": probe["baselines"]["majority"], "outlier_dims": probe["outlier_dims"]},
-        "section3_sentences": outliers["sentences_from"],
+        "section3_sentences": outliers["sentences_from"], "section3_sentences_asked": outliers["sentences_asked"],
         "figure6": {name: _figure6(reports, name) for name in ("sst2", "qqp") if f"anisotropy_{name}" in reports},
         "table1_wic": None, "table2_sts": [], "table3_classifiers": {}, "notes": notes,
     }
@@ -94,8 +95,16 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     return summary
 
 
+def sample_line(used: dict[str, int], asked: int) -> str:
+    """Where §3's sentences came from: "N sentences of SST-2 and M of QQP (of A asked of each; QQP has only M: used
+    whole)"."""
+    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in used.items())
+    short = [f"{NAMES[name]} has only {count}" for name, count in used.items() if count < asked]
+    return f"{found} ({asked} asked of each{'; ' + ', '.join(short) + ': used whole' if short else ''})"
+
+
 def paper_markdown(summary: dict) -> str:
-    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in summary["section3_sentences"].items())
+    found = sample_line(summary["section3_sentences"], summary["section3_sentences_asked"])
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
              f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
              f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
@@ -103,8 +112,7 @@ def paper_markdown(summary: dict) -> str:
     section = summary["section3_outliers"]
     lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
               "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",
-              f"Rule: {section['rule']}. Persistent (at least half of layers 1..L): "
-              f"{section['persistent_dims'] or 'none'}.", "",
+              f"Rule: {section['rule']}. Dims {section['persistence']}: {section['persistent_dims'] or 'none'}.", "",
               "| layer | argmax dim (share) | argmin dim (share) | outlier dims |", "| --- | --- | --- | --- |"]
     lines += [f"| {row['layer']} | {row['argmax_dim']} ({row['argmax_share']:.1%}) | {row['argmin_dim']} "
               f"({row['argmin_share']:.1%}) | {', '.join(map(str, row['outlier_dims'])) or '-'} |"
@@ -134,9 +142,10 @@ def paper_markdown(summary: dict) -> str:
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:
-        lines += ["", "Adjusted self-similarity: self-similarity minus the anisotropy of the same layer and variant "
-                  "(raw with raw, clipped with clipped), as the paper after Ethayarajh (2019); the unadjusted values "
-                  "are in paper.json (`figure6.<set>.self_similarity`).", ""]
+        lines += ["", "Adjusted self-similarity: self-similarity minus the anisotropy of the same layer (the paper "
+                  "subtracts the anisotropy, after Ethayarajh 2019); each variant by its own (raw with raw, clipped "
+                  "with clipped) is ours, as the paper names no variant; the unadjusted values are in paper.json "
+                  "(`figure6.<set>.self_similarity`).", ""]
         lines += ["| layer | " + " | ".join(f"{name} {labels[measure]} {key}" for name, measure, key in columns)
                   + " |", "| --- |" + " --- |" * len(columns)]
         for layer in range(len(next(iter(figure.values()))["anisotropy"]["raw"])):

@@ -37,7 +37,7 @@ STS_COLUMNS = {
     "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),
     "score": ("score", "label", "relatedness_score", "similarity_score", "gold"),
 }
-# The paper's WiC (§4.3, footnote 5): the SuperGLUE training set, 5,428 pairs (its 638-pair validation set is too small).
+# The paper's WiC (§4.2, footnote 5): the SuperGLUE training set, 5,428 pairs (its 638-pair validation set is too small).
 WIC_PRESETS = {"wic": "super_glue:wic:train"}
 VOWELS = "aeiou"
 TRUE_LABELS, FALSE_LABELS = {"true", "t", "1", "yes"}, {"false", "f", "0", "no"}

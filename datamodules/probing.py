@@ -9,8 +9,8 @@
 The encoder runs exactly once per sentence in total (datamodules/features.py); every probe of every layer and epoch
 reads the cache. With `random_baseline`, a randomly initialised encoder of the same architecture (seeded) runs once
 too, and its layers are appended as extra slots, so its probes train in the same run. Outlier dimensions are
-detected with NeuronStatistics + detect_outliers (the paper's rule) on the training split's hidden states, and the
-persistent ones (an outlier in at least half the non-input layers) are the spec's `outlier_dims`, unless they are
+detected with NeuronStatistics + detect_outliers (the paper's criterion, our numbers) on the training split's hidden
+states, and the persistent ones (an outlier in at least half the non-input layers: ours) are the spec's `outlier_dims`, unless they are
 given.
 
 Splits (datamodules/splits.py): the source's own train / validation / test splits when it has them (glue/sst2, a
@@ -191,7 +191,7 @@ class ProbeDataModule(pl.LightningDataModule):
             if bad:
                 raise UserError(f"outlier dims {bad} out of range 0..{primary.hidden_size - 1}")
             outlier_dims, outlier_source = sorted(set(h.outlier_dims)), "given"
-        else:  # the persistent outliers of the paper's rule, over the cached non-input layers
+        else:  # the persistent outliers (metrics/outliers.py: the paper's criterion, our numbers), non-input layers
             outlier_dims, outlier_source = persistent_dims(outlier_layers), "detected"
         self.spec = FeatureSpec(
             encoder=primary.name, layers=layers, hidden_size=primary.hidden_size, num_classes=len(classes),

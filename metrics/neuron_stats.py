@@ -6,7 +6,7 @@
     result.kurtosis_mean, result.kurtosis_max, result.layer_max_abs, result.top1_share_mean   # [layers] each
 
 Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
-(smallest) component on the dimension (the paper's outlier rule reads these). Per token vector x (its `hidden`
+(smallest) component on the dimension (the outlier rule, metrics/outliers.py, reads these). Per token vector x (its `hidden`
 components), averaged (or maximised) over the tokens of a layer, the outlier magnitudes of Bondarenko et al. (NeurIPS
 2023) and a share of ours:
 

@@ -114,7 +114,8 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     report = json.loads((out / "classifier.json").read_text())
     dm, model = cli.datamodule, cli.model
     assert report["classes"] == ["long", "short"] and report["clipped_dims_source"] == "detected"
-    assert report["clip_rule"].startswith("auto: persistent") and "(6 <= 12 layers)" in report["clip_rule"]
+    assert report["clip_rule"].startswith("auto: persistent")
+    assert "(6 <= 12 layers, a threshold of ours" in report["clip_rule"]
 
     pooled = torch.stack([h.mean(1) for h in direct_hidden(minilm_path, dm.texts["test"], 32)], dim=1)  # [7, n, 384]
     cached = dm.stores["test"].features()
