@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
                        "isotropy")
     selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
-                      "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=0)
+                      "(Ethayarajh 2019), raw and adjusted by the anisotropy of 2000 random sentences of --data",
+                      "self_similarity", max_sentences=0)
     wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
                   "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
@@ -168,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    for sub in (anisotropy, isotropy, everything, paper, trajectory):
+    for sub in (anisotropy, isotropy, selfsim, everything, paper, trajectory):
         sub.add_argument("--num_pairs", type=int, default=1000,
-                         help="token pairs: one random token from each of 2 x this many random sentences")
+                         help="token pairs: one random token from each of 2 x this many random sentences (default "
+                              "1000; self-similarity: its anisotropy baseline, 2 x this many sentences of --data)")
     for sub in (isotropy, everything, trajectory):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
