@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-_INIT_KIND = {"encoder": 0, "clipped": 0, "softdecay": 0, "random": 1}  # clipped, SoftDecay: from the raw twin's weights
+_INIT_KIND = {"encoder": 0, "clipped": 0, "softdecay": 0, "random": 1, "control": 2}  # clipped, SoftDecay: the raw twin's
 
 
 def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:
@@ -64,6 +64,7 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                 classes: int | None = None) -> Tensor:
+        """x [slots, items, hidden], weight [slots, hidden, classes (or padded)], target [items] or [slots, items]."""
         slots, items = x.shape[0], x.shape[1]
         prepadded = classes is not None and classes != weight.shape[2]
         classes = weight.shape[2] if classes is None else classes
@@ -80,7 +81,8 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, items, rows):
             chunk = x[:, start:start + rows].to(padded.dtype)  # [slots, rows, hidden]
             probs = torch.softmax(padded_logits(chunk, padded, bias, classes), -1).float()  # [slots, rows, width]
-            index = target[start:start + rows].view(1, -1, 1).expand(slots, -1, 1)
+            index = (target[:, start:start + rows] if target.dim() == 2 else
+                     target[start:start + rows].view(1, -1).expand(slots, -1)).unsqueeze(-1)  # [slots, rows, 1]
             loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
             probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
             with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
@@ -147,5 +149,6 @@ class StackedProbe(nn.Module):
 
     def loss(self, x: Tensor, target: Tensor) -> Tensor:
         """The sum over slots of each slot's mean cross-entropy of x [slots, items, hidden] against target [items]
+        (every slot's) or [slots, items] (each slot's own: a control task beside the task)
         (StackedLinearCrossEntropy: the gradient is formed in the forward pass, x's is never made)."""
         return StackedLinearCrossEntropy.apply(x, self.weight, self.bias, target, self.classes)

@@ -16,7 +16,8 @@ from transformers import AutoModel, AutoTokenizer
 
 import probe
 from datamodules.probing import ClassificationDataModule, PositionDataModule
-from lightning_modules.probes import FeatureSpec, PositionProbe, SentenceClassifier
+from lightning_modules.linear_probes import FeatureSpec
+from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import detect_outliers, persistent_dims
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
