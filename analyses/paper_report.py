@@ -39,7 +39,8 @@ def _classifier(report: dict) -> dict:
     best = max(rows, key=lambda row: (row.get("val_accuracy") or -1.0, -row["layer"]))
     last = report["layers"][-1]
     return {"data": report["source"], "best_layer": best["layer"], "raw": best["accuracy"],
-            "clipped": best["accuracy_clipped"], "last_layer": last["layer"], "last_raw": last["accuracy"],
+            "clipped": best["accuracy_clipped"], "control": best.get("control_accuracy"),
+            "selectivity": best.get("selectivity"), "last_layer": last["layer"], "last_raw": last["accuracy"],
             "last_clipped": last["accuracy_clipped"], "majority": report["majority_baseline"],
             "test_sentences": report["splits"]["test"]["sentences"], "splits_from": report["splits_from"]}
 
@@ -71,7 +72,8 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
                               "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"],
                               "persistence": outliers["rule"]["persistence"]},
         "section3_position_probe": None if probe is None else {
-            "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "top_dims": row["top_contribution_dims"][:5],
+            "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "control_accuracy": row.get("control_accuracy"),
+                        "selectivity": row.get("selectivity"), "top_dims": row["top_contribution_dims"][:5],
                         "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
                        for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
@@ -126,10 +128,13 @@ def paper_markdown(summary: dict) -> str:
         lines += ["![accuracy per layer](position_probe/accuracy_by_layer.png)",
                   "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)",
                   "", f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
-                  "(their contribution rank per layer, 1 = largest).", "",
-                  "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
+                  "(their contribution rank per layer, 1 = largest). Control task (Hewitt & Liang 2019; ours, the paper "
+                  "has none): the same probe on a random position per token type; selectivity = accuracy - control "
+                  "accuracy.", "",
+                  "| layer | accuracy | random-init encoder | control task | selectivity | top contributing dims | "
+                  "outlier ranks |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {fmt(row.get('control_accuracy'))} | "
+                  f"{fmt(row.get('selectivity'))} | {', '.join(map(str, row['top_dims']))} | "
                   f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
                   for row, r in zip(probe["layers"], random)]
     lines += ["", "## §4.1 Anisotropy and self-similarity (Figure 6)", "", "![Figure 6](figure6.png)", ""]
@@ -171,11 +176,14 @@ def paper_markdown(summary: dict) -> str:
             f"{fmt(row[key]['spearman'], 2)} (layer {row[key]['layer']})" if row.get(key) else "-" for key in VARIANTS)
             + " |" for row in summary["table2_sts"]]
     lines += ["", "## Table 3: frozen-encoder classifiers (test accuracy, bias-free linear maps, §4.4)", "",
-              "| task | best layer (validation) | raw | clipped | last layer | raw | clipped | majority |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {name} | {row['best_layer']} | {fmt(row['raw'])} | {fmt(row['clipped'])} | {row['last_layer']} | "
-              f"{fmt(row['last_raw'])} | {fmt(row['last_clipped'])} | {fmt(row['majority'])} |"
-              for name, row in summary["table3_classifiers"].items()] or ["| (skipped) | | | | | | | |"]
+              "Control task (Hewitt & Liang 2019; ours, the paper has none): the same classifier on a random class per "
+              "sentence; selectivity = raw accuracy - control accuracy, at the best layer.", "",
+              "| task | best layer (validation) | raw | clipped | control task | selectivity | last layer | raw | clipped "
+              "| majority |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {row['best_layer']} | {fmt(row['raw'])} | {fmt(row['clipped'])} | {fmt(row.get('control'))} "
+              f"| {fmt(row.get('selectivity'))} | {row['last_layer']} | {fmt(row['last_raw'])} | "
+              f"{fmt(row['last_clipped'])} | {fmt(row['majority'])} |"
+              for name, row in summary["table3_classifiers"].items()] or ["| (skipped) | | | | | | | | | |"]
     lines += [""] + [f"Note: {note}" for note in summary["notes"]]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -165,7 +165,16 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
         best = max((r for r in report["layers"] if r["layer"] >= 1), key=lambda r: (r["val_accuracy"], -r["layer"]))
         assert (row["best_layer"], row["raw"], row["clipped"]) == (best["layer"], best["accuracy"],
                                                                    best["accuracy_clipped"])
+        assert (row["control"], row["selectivity"]) == (best["control_accuracy"], best["selectivity"])
+        assert row["selectivity"] == pytest.approx(row["raw"] - row["control"])
+    # the control task beside the random-init encoder: per layer, selectivity = accuracy - control accuracy
+    section = summary["section3_position_probe"]
+    for entry, row in zip(section["layers"], probe["layers"]):
+        assert (entry["control_accuracy"], entry["selectivity"]) == (row["control_accuracy"], row["selectivity"])
+        assert entry["selectivity"] == pytest.approx(entry["accuracy"] - entry["control_accuracy"])
     markdown = (out / "paper.md").read_text()
+    assert "| layer | accuracy | random-init encoder | control task | selectivity |" in markdown
+    assert "| task | best layer (validation) | raw | clipped | control task | selectivity |" in markdown
     for heading in ("## §3 Outlier neurons", "## §3 Position probe", "## §4.1 Anisotropy", "## Table 1: WiC",
                     "## Table 2: STS", "## Table 3"):
         assert heading in markdown
