@@ -136,7 +136,7 @@ class LinearProbes(pl.LightningModule):
         """The labels each probe slot learns: [items] (the task's, for every slot), or [probe slots, items] when
         the batch carries control labels (third), which the control-task slots learn."""
         labels = batch[1]
-        if len(batch) < 3 or not bool(self.control_rows.any()):
+        if len(batch) < 3 or not self.spec.control:  # (a Python test: no device sync per step)
             return labels
         return torch.where(self.control_rows.unsqueeze(1), batch[2].unsqueeze(0), labels.unsqueeze(0))
 
