@@ -125,7 +125,8 @@ class SentenceClassifier(LinearProbes):
                  seed: int = 0) -> None:
         """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
         "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
-        non-input layer; for models deeper than 12 layers each layer's own detected outliers), "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
+        non-input layer; for models deeper than 12 layers, a threshold of ours, each layer's own detected outliers),
+        "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
         the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
         --data.encoder; checked against the data module's at setup)."""
         super().__init__()
