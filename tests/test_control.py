@@ -49,12 +49,12 @@ def test_position_items_carry_their_token_id_as_type_and_one_control_label_per_t
     control label in every split; the labels are positions drawn from the training positions' distribution."""
     texts = corpus_sentences(60, start=300)
     encoder = FrozenEncoder(Planted(len(bert_tok), "position"), bert_tok, name="planted")
-    dm = PositionDataModule(source=str(write_lines(tmp_path / "s.txt", texts)), encoder=encoder, max_length=12,
+    dm = PositionDataModule(source=str(write_lines(tmp_path / "s.txt", texts)), encoder=encoder, max_length=10,
                             max_positions=10, random_baseline=False, progress=False, seed=2)
     dm.prepare_data()
     label_of = {}
     for split, store in dm.stores.items():
-        ids = [bert_tok(text, truncation=True, max_length=12)["input_ids"][:10] for text in dm.texts[split]]
+        ids = [bert_tok(text, truncation=True, max_length=10)["input_ids"] for text in dm.texts[split]]
         assert store.types[:store.items].tolist() == [i for row in ids for i in row]
         for t, label in zip(store.types[:store.items].tolist(), store.control.tolist()):
             assert label_of.setdefault(t, label) == label
