@@ -121,12 +121,17 @@ class LinearProbes(pl.LightningModule):
         """[slots, classes] (None for a bias-free probe)."""
         return self.probe.bias
 
-    def inputs(self, features: Tensor) -> Tensor:
-        """The features each probe slot reads: [probe slots, items, hidden]: the data's, the probe's own
-        (`extra_inputs`), and the encoder's again for the control-task probes."""
+    def input_parts(self, features: Tensor) -> list[Tensor]:
+        """The features the probe slots read, in slot order: the data's, the probe's own (`extra_inputs`), and the
+        encoder's again (a view, no copy) for the control-task probes."""
         parts = [features, *self.extra_inputs(features)]
         if self.spec.control:
             parts.append(features[:self.spec.encoder_slots])
+        return parts
+
+    def inputs(self, features: Tensor) -> Tensor:
+        """The features each probe slot reads, stacked: [probe slots, items, hidden]."""
+        parts = self.input_parts(features)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def extra_inputs(self, features: Tensor) -> list[Tensor]:
@@ -160,13 +165,13 @@ class LinearProbes(pl.LightningModule):
         features, targets = batch[0], self.targets(batch)  # [slots, block items, hidden], [(probe slots,) items]
         items, slots = targets.shape[-1], len(self.probe_slots)
         step = self.spec.batch_size or max(items, 1)
-        inputs = self.inputs(features)  # [probe slots, block items, hidden]
+        inputs = self.input_parts(features)  # [part slots, block items, hidden] each, in probe-slot order
         optimizer = self.optimizers()
         total = torch.zeros((), device=features.device)  # the sum over items of each slot's loss, summed over slots
         for start in range(0, items, step):
             target = targets[..., start:start + step]
             # the sum over slots of each slot's mean loss: every slot's gradient is the one it would get alone
-            loss = self.probe.loss(inputs[:, start:start + step], target)
+            loss = self.probe.loss(tuple(part[:, start:start + step] for part in inputs), target)
             optimizer.zero_grad()
             self.manual_backward(loss)
             optimizer.step()

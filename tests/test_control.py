@@ -8,15 +8,42 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
+from lightning_modules.stacked import StackedLinearCrossEntropy
 from metrics.control import control_labels, text_key
 from tests.test_probe import PLANTED, Planted, fit, write_lines
 from tests.tiny import corpus_sentences
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5])  # the whole batch at once; chunks of 5 items
+@pytest.mark.parametrize("classes, bias", [(300, False), (3, True)])
+def test_fused_cross_entropy_of_parts_with_a_target_per_slot_equals_autograd(classes, bias, chunk_rows, monkeypatch):
+    """The control probes' loss: features given as parts (4 task slots, then 2 control slots reading the first two
+    slots' features again, never copied) and one target row per slot equal autograd on the stacked copy."""
+    if chunk_rows is not None:
+        width = -(-classes // 64) * 64 if classes >= 64 else classes
+        monkeypatch.setattr(StackedLinearCrossEntropy, "chunk_elements", 6 * width * chunk_rows)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 37, 24, generator=generator)
+    task, control = (torch.randint(0, classes, (37,), generator=generator) for _ in range(2))
+    targets = torch.stack([task] * 4 + [control] * 2)
+    weight = torch.randn(6, 24, classes, generator=generator).requires_grad_()
+    b = torch.randn(6, classes, generator=generator).requires_grad_() if bias else None
+    fused = StackedLinearCrossEntropy.apply((x, x[:2]), weight, b, targets)
+    grads = torch.autograd.grad(fused, [weight] + ([b] if bias else []))
+    stacked = torch.cat([x, x[:2]])
+    logits = torch.bmm(stacked, weight) + (b.unsqueeze(1) if bias else 0)
+    plain = sum(F.cross_entropy(logits[s], targets[s]) for s in range(6))
+    expected = torch.autograd.grad(plain, [weight] + ([b] if bias else []))
+    torch.testing.assert_close(fused, plain)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
 
 
 def test_control_labels_are_a_function_of_the_type_and_random_otherwise():
