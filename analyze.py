@@ -16,8 +16,9 @@
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
-dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4, and
-each layer's own outliers in that layer for deeper ones, its Appendix D; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
+dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4 clips
+its base models, and each layer's own outliers in that layer for deeper ones, as its Appendix D its large ones: the
+12-layer threshold is ours; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
 and, with
 `--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
@@ -84,16 +85,18 @@ def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", default="auto",
-                        help="auto (default, the paper's choice by depth: the persistent outlier dims, detected on "
-                             "the same data, zeroed in every non-input layer for models of at most 12 layers; each "
-                             "layer's own outliers in that layer for deeper ones), per-layer (the latter at any "
+                        help="auto (default: the paper's two clippings told apart by depth, a threshold of ours: the "
+                             "persistent outlier dims, detected on the same data, zeroed in every non-input layer for "
+                             "models of at most 12 layers; each layer's own outliers in that layer for deeper ones), "
+                             "per-layer (the latter at any "
                              "depth), none, dims "
                              "(557 or 77,588: every non-input layer), or layers:dims (1-10:896,10-17:678); 0-indexed")
     parser.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
                         help="also report whitened (Su et al. 2021) or standardised (Timkey & van Schijndel 2021) "
                              "vectors, estimated on the token vectors of the same data (sts: on the mean-pooled "
                              "sentence embeddings of the pairs), or tokenUni's SoftDecay (Yan et al. 2022) of each "
-                             "sentence's token matrix")
+                             "sentence's token matrix at every layer, post hoc at a fixed alpha (ours: tokenUni learn "
+                             "it inside the last layer)")
     parser.add_argument("--softdecay_alpha", type=float, default=SOFTDECAY_ALPHA,
                         help=f"SoftDecay's alpha, in (-1, 0) (default {SOFTDECAY_ALPHA})")
     add_rule_arguments(parser)
@@ -123,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
                        "isotropy")
     selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
-                      "(Ethayarajh 2019), raw and anisotropy-adjusted", "self_similarity", max_sentences=0)
+                      "(Ethayarajh 2019), raw and adjusted by the anisotropy of 2000 random sentences of --data",
+                      "self_similarity", max_sentences=0)
     wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
                   "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
@@ -146,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
                            f"none (default {default})")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
-    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers, drawn "
-                       "from --sst2 and --qqp together, half from each (ours; default 10000, the paper's 10k)")
+    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
+                       "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "
+                       "10k of both); a set with fewer is used whole, and paper.md says how many were used")
     paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; default the "
                        "seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "
@@ -175,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
-    for sub in (anisotropy, isotropy, everything, paper, trajectory):
+    for sub in (anisotropy, isotropy, selfsim, everything, paper, trajectory):
         sub.add_argument("--num_pairs", type=int, default=1000,
-                         help="token pairs: one random token from each of 2 x this many random sentences")
+                         help="token pairs: one random token from each of 2 x this many random sentences (default "
+                              "1000; self-similarity: its anisotropy baseline, 2 x this many sentences of --data)")
     for sub in (isotropy, everything, trajectory):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")

@@ -3,7 +3,7 @@ self-similarity (Ethayarajh 2019), each per layer and per variant (raw, clipped,
 
     anisotropy(setting, reference)                    # {"layers": [{"layer", "raw", "clipped"}], ...}
     isotropy(setting, reference)                      # IsoScore, IsoScore*, singular-value spectrum per layer
-    self_similarity(setting, word_contexts(pool), reference.variants)
+    self_similarity(setting, word_contexts(pool), reference.variants, Baseline(anisotropy_report, name))
 
 Each returns the JSON-ready body of its report; analyses/runs.py adds the header, writes and prints it.
 """
@@ -15,20 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from analyses.reference import Reference, Setting, counter, number, per_layer, views
+from analyses.reference import Reference, Setting, counter, number, per_layer, reference_pass, views
 from core.errors import UserError
-from datamodules.pairs import WordContexts
-from lightning_modules.pooling import random_tokens, span_vectors
-from metrics.geometry import (
-    IsoScoreStar,
-    MeanCosine,
-    SelfSimilarity,
-    SequenceSpectrum,
-    TokenSample,
-    isoscore,
-    sample_pairs,
-    spectrum_of_moments,
-)
+from datamodules.words import WordContexts
+from lightning_modules.pooling import span_vectors
+from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
+from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
 from metrics.transforms import Variant
 
 
@@ -139,60 +131,76 @@ def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Vari
 
 @dataclass
 class Baseline:
-    """An anisotropy report ({"layers": [{"layer", <variant>: value}], "num_pairs"}) to adjust a self-similarity by,
-    and its name for the report."""
+    """An anisotropy report ({"layers": [{"layer", <variant>: value}], "num_pairs", "num_sentences"}) to adjust a
+    self-similarity by, its name for the report, and the pairs the protocol asked for (None: as many as it found)."""
 
     report: dict
     name: str
+    wanted_pairs: int | None = None
 
     def values(self, key: str) -> Tensor:
         return torch.tensor([float("nan") if row[key] is None else row[key] for row in self.report["layers"]],
                             dtype=torch.float64)
 
+    def describe(self) -> dict:
+        """What the report says of its adjustment: which anisotropy, from how many pairs and sentences, and why it has
+        fewer pairs than the protocol's when it has."""
+        pairs, sentences = self.report["num_pairs"], self.report["num_sentences"]
+        short = self.wanted_pairs is not None and pairs < self.wanted_pairs
+        return {"adjusted_by": self.name, "baseline_pairs": pairs, "baseline_sentences": sentences,
+                "baseline_note": (f"the source has {sentences} sentences with a token, not the protocol's "
+                                  f"{2 * self.wanted_pairs}: {pairs} pairs instead of {self.wanted_pairs}")
+                if short else None}
 
-def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant],
-                    baseline: Baseline | None = None) -> dict:
-    """Ethayarajh (2019) eq. 1 per layer and variant, adjusted by the anisotropy of the same variant (adjusted =
-    self-similarity - anisotropy): `baseline`'s (`analyze.py paper`: the anisotropy report of the same data, Figure 6's
-    left panel), else that of random token pairs of the self-similarity sentences."""
+
+def anisotropy_baseline(setting: Setting, sentences: list[str], variants: list[Variant], num_pairs: int,
+                        source: str) -> Baseline:
+    """The paper's anisotropy protocol (Luo et al. 2021 §4.1, as `analyze.py anisotropy`) on `sentences` (2 x
+    `num_pairs` random sentences of the self-similarity's source): one seeded random token of each, paired at random,
+    the mean cosine per layer of each of `variants` (the self-similarity's: the same clipping and fitted
+    normalisation; SoftDecay from its own transformed states). One more encoder pass over those sentences."""
+    per_sentence = next((variant for variant in variants if variant.per_sentence), None)
+    reference = reference_pass(setting, sentences, normalize="softdecay" if per_sentence else "none",
+                               sample=2 * num_pairs, desc="anisotropy baseline",
+                               **({"softdecay_alpha": per_sentence.alpha} if per_sentence else {}))
+    values, pairs = pair_anisotropy(reference.sample, variants, setting.seed, reference.samples)
+    report = {"num_pairs": pairs, "num_sentences": int(reference.sample[1].sum()),
+              "layers": per_layer(values, setting.encoder.num_hidden_states)}
+    return Baseline(report, f"anisotropy of {len(sentences)} random sentences of {source} (the paper's §4.1 protocol, "
+                    "as analyze.py anisotropy, with the self-similarity's variants)", num_pairs)
+
+
+def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Variant], baseline: Baseline) -> dict:
+    """Ethayarajh (2019) eq. 1 per layer and variant, adjusted by the anisotropy of the same layer and variant
+    (adjusted = self-similarity - anisotropy): `baseline`, the paper's anisotropy protocol on the same source
+    (`analyze.py paper` and `all`: the anisotropy report of the same data; the standalone subcommand:
+    anisotropy_baseline)."""
     encoder = setting.encoder
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
-    groups = [None] + [variant.key for variant in variants if variant.per_sentence]  # as views() orders them
-    sampling = baseline is None
-    tokens = {key: TokenSample(len(contexts.sentences), layers, hidden).to(device) for key in groups} if sampling else {}
     lost, truncated, special = counter(device), counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
         wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
-        for key, view, group in views(batch, variants):
+        for _, view, group in views(batch, variants):
             vectors, found = span_vectors(view, wanted)
             word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
             for variant in group:
                 metrics[variant.key].update(word_ids, variant.apply(vectors))
-            if sampling:
-                sampled, kept = random_tokens(view, rows, setting.seed)
-                tokens[key].update(torch.tensor([rows[r] for r in kept]), sampled)
         lost.update(sum(len(w) for w in wanted) - len(found))
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
-    if sampling:
-        samples = {key: metric.compute() for key, metric in tokens.items()}
-        anisotropy, pairs = pair_anisotropy(samples[None], variants, setting.seed, samples)
-        adjusted_by = "anisotropy of random token pairs of the self-similarity sentences"
-    else:
-        anisotropy = {variant.key: baseline.values(variant.key) for variant in variants}
-        pairs, adjusted_by = baseline.report["num_pairs"], baseline.name
     values, counted = {}, 0
     for variant in variants:
         result = metrics[variant.key].compute()
-        values[variant.key] = {"self_similarity": result.mean, "anisotropy": anisotropy[variant.key],
-                               "adjusted": result.mean - anisotropy[variant.key].to(result.mean)}
+        anisotropy = baseline.values(variant.key)
+        values[variant.key] = {"self_similarity": result.mean, "anisotropy": anisotropy,
+                               "adjusted": result.mean - anisotropy.to(result.mean)}
         counted = result.num_words
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
-            "num_sentences": len(contexts.sentences), "adjusted_by": adjusted_by, "baseline_pairs": pairs,
+            "num_sentences": len(contexts.sentences), **baseline.describe(),
             "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
             "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows}

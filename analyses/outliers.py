@@ -1,4 +1,4 @@
-"""The outlier analysis (the paper's §3): per-layer outlier dimensions, persistent ones, and their origins.
+"""The outlier analysis (the paper's §3, with our numbers for its rule): per-layer outlier dimensions, persistent ones, and their origins.
 
     python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
     python analyze.py outliers --token_frequency     # also: token frequency vs outlier magnitude (ours; Puccetti)
@@ -55,7 +55,8 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
         "num_special_in_text": num_special_in_text,
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
-        "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
+        "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe(),
+                 "persistence": rule.describe_persistence()},
         **(magnitudes.header() if magnitudes is not None else {}),
         "layers": [{**layer.to_dict(), **values, **more} for layer, values, more in zip(layers, result.magnitudes(),
                                                                                          extra)],
@@ -171,8 +172,7 @@ def print_outliers(report: dict) -> None:
         print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "
               f"{layer['argmin_dim']:>10} ({layer['argmin_share']:6.1%})  "
               f"{', '.join(map(str, layer['outlier_dims'])) or '-'}")
-    print(f"persistent outlier dims (in at least half of the non-input layers 1..{report['num_layers']}): "
-          f"{report['persistent_dims'] or 'none'}")
+    print(f"{report['rule']['persistence']}: {report['persistent_dims'] or 'none'}")
     if "massive_rule" in report:
         print_magnitudes(report)
     frequency = report.get("token_frequency")

@@ -6,8 +6,8 @@ anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and
         --sts STS.input.x.txt sick.txt --imdb none --sst5 sst5/ --output_dir runs/paper/bert     # local stand-ins
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
-note. The outliers are detected once, on --outlier_sentences (10k) of the SST-2 and QQP training sets together, half
-from each, and the clipping they give (--clip auto: the persistent dims in every non-input layer for base-depth models,
+note. The outliers are detected once, on --outlier_sentences (10k) of each of the SST-2 and QQP training sets
+together (the paper's "10k sentences from the training sets of both SST-2 and QQP", 3.68M tokens), and the clipping they give (--clip auto: the persistent dims in every non-input layer for base-depth models,
 each layer's own outliers for deeper ones) is the one every evaluation and classifier uses. Self-similarity draws its
 words from the whole of each training set (streamed); Figure 6 shows it adjusted (minus the anisotropy of the same
 layer and variant). WiC is its training split (`wic`). Everything is written to a staging directory and lands in
@@ -36,9 +36,10 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
-from datamodules.pairs import read_sts, read_wic, source_contexts, wic_source
+from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
+from datamodules.words import source_contexts
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.transforms import parse_clip
@@ -54,7 +55,7 @@ class Inputs:
     sst2: list[str] | None
     qqp: list[str] | None
     outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
-    outlier_sources: dict = field(default_factory=dict)  # {"sst2": count, "qqp": count}
+    outlier_sources: dict = field(default_factory=dict)  # {"sst2": count used, "qqp": count used}
     contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}
     wic: tuple | None = None  # (items, skipped)
     wic_source: dict = field(default_factory=dict)  # {"data", "split"}
@@ -69,13 +70,15 @@ def sentences_of(source: str, column: str | None, limit: int, seed: int) -> list
     return texts
 
 
+SEED_OFFSETS = {"sst2": 0, "qqp": 1}  # each training set's sample seed is --seed + this, whichever others are read
+
+
 def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[list[str], dict[str, int]]:
-    """§3's sentences: --outlier_sentences drawn from the given training sets together, an equal seeded share of
-    each (the paper takes 10k sentences from SST-2's and QQP's; the equal shares are ours), SST-2's first."""
-    shares = [args.outlier_sentences // len(sources) + (i < args.outlier_sentences % len(sources))
-              for i in range(len(sources))]
-    picked = {name: sentences_of(source, column, share, args.seed + i)
-              for i, ((name, (source, column)), share) in enumerate(zip(sources.items(), shares))}
+    """§3's sentences: a seeded sample of --outlier_sentences from each given training set (the paper's "10k sentences
+    from the training sets of both SST-2 and QQP ... 3.68M tokens": 10k of each), together, SST-2's first; a set with
+    fewer sentences is used whole (not topped up from the other). Returns (sentences, {name: count used})."""
+    picked = {name: sentences_of(source, column, args.outlier_sentences, args.seed + SEED_OFFSETS[name])
+              for name, (source, column) in sources.items()}
     return [text for texts in picked.values() for text in texts], {name: len(texts) for name, texts in picked.items()}
 
 
@@ -117,7 +120,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
     reports["outliers"] = {**outliers_report(args, encoder, found.statistics, found.num_sentences, found.num_truncated,
                                              found.num_special_in_text),
-                           "sentences_from": inputs.outlier_sources}
+                           "sentences_from": inputs.outlier_sources, "sentences_asked": args.outlier_sentences}
     clip = explicit_clip(found.clipped)
     rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
     args.clip = replace(parse_clip(clip), origin=rule)  # the outliers found on SST-2 and QQP, everywhere after
@@ -128,7 +131,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
         header = run_header(args, encoder, reference)
         reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
-        baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json")
+        baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json", args.num_pairs)
         reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(
             setting, inputs.contexts[name], reference.variants, baseline)}
     if inputs.wic is not None:

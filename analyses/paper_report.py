@@ -39,7 +39,8 @@ def _classifier(report: dict) -> dict:
     best = max(rows, key=lambda row: (row.get("val_accuracy") or -1.0, -row["layer"]))
     last = report["layers"][-1]
     return {"data": report["source"], "best_layer": best["layer"], "raw": best["accuracy"],
-            "clipped": best["accuracy_clipped"], "last_layer": last["layer"], "last_raw": last["accuracy"],
+            "clipped": best["accuracy_clipped"], "control": best.get("control_accuracy"),
+            "selectivity": best.get("selectivity"), "last_layer": last["layer"], "last_raw": last["accuracy"],
             "last_clipped": last["accuracy_clipped"], "majority": report["majority_baseline"],
             "test_sentences": report["splits"]["test"]["sentences"], "splits_from": report["splits_from"]}
 
@@ -68,14 +69,16 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
         "section3_outliers": {"layers": [{key: layer[key] for key in ("layer", "argmax_dim", "argmax_share",
                                                                         "argmin_dim", "argmin_share", "outlier_dims")}
                                          for layer in outliers["layers"]],
-                              "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"]},
+                              "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"],
+                              "persistence": outliers["rule"]["persistence"]},
         "section3_position_probe": None if probe is None else {
-            "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "top_dims": row["top_contribution_dims"][:5],
+            "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "control_accuracy": row.get("control_accuracy"),
+                        "selectivity": row.get("selectivity"), "top_dims": row["top_contribution_dims"][:5],
                         "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
                        for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
             "majority": probe["baselines"]["majority"], "outlier_dims": probe["outlier_dims"]},
-        "section3_sentences": outliers["sentences_from"],
+        "section3_sentences": outliers["sentences_from"], "section3_sentences_asked": outliers["sentences_asked"],
         "figure6": {name: _figure6(reports, name) for name in ("sst2", "qqp") if f"anisotropy_{name}" in reports},
         "table1_wic": None, "table2_sts": [], "table3_classifiers": {}, "notes": notes,
     }
@@ -94,8 +97,16 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     return summary
 
 
+def sample_line(used: dict[str, int], asked: int) -> str:
+    """Where §3's sentences came from: "N sentences of SST-2 and M of QQP (of A asked of each; QQP has only M: used
+    whole)"."""
+    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in used.items())
+    short = [f"{NAMES[name]} has only {count}" for name, count in used.items() if count < asked]
+    return f"{found} ({asked} asked of each{'; ' + ', '.join(short) + ': used whole' if short else ''})"
+
+
 def paper_markdown(summary: dict) -> str:
-    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in summary["section3_sentences"].items())
+    found = sample_line(summary["section3_sentences"], summary["section3_sentences_asked"])
     lines = [f"# Positional artefacts: {summary['encoder']}", "",
              f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
              f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
@@ -103,8 +114,7 @@ def paper_markdown(summary: dict) -> str:
     section = summary["section3_outliers"]
     lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
               "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",
-              f"Rule: {section['rule']}. Persistent (at least half of layers 1..L): "
-              f"{section['persistent_dims'] or 'none'}.", "",
+              f"Rule: {section['rule']}. Dims {section['persistence']}: {section['persistent_dims'] or 'none'}.", "",
               "| layer | argmax dim (share) | argmin dim (share) | outlier dims |", "| --- | --- | --- | --- |"]
     lines += [f"| {row['layer']} | {row['argmax_dim']} ({row['argmax_share']:.1%}) | {row['argmin_dim']} "
               f"({row['argmin_share']:.1%}) | {', '.join(map(str, row['outlier_dims'])) or '-'} |"
@@ -118,10 +128,13 @@ def paper_markdown(summary: dict) -> str:
         lines += ["![accuracy per layer](position_probe/accuracy_by_layer.png)",
                   "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)",
                   "", f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
-                  "(their contribution rank per layer, 1 = largest).", "",
-                  "| layer | accuracy | random-init encoder | top contributing dims | outlier ranks |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {', '.join(map(str, row['top_dims']))} | "
+                  "(their contribution rank per layer, 1 = largest). Control task (Hewitt & Liang 2019; ours, the paper "
+                  "has none): the same probe on a random position per token type; selectivity = accuracy - control "
+                  "accuracy.", "",
+                  "| layer | accuracy | random-init encoder | control task | selectivity | top contributing dims | "
+                  "outlier ranks |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {fmt(row.get('control_accuracy'))} | "
+                  f"{fmt(row.get('selectivity'))} | {', '.join(map(str, row['top_dims']))} | "
                   f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
                   for row, r in zip(probe["layers"], random)]
     lines += ["", "## §4.1 Anisotropy and self-similarity (Figure 6)", "", "![Figure 6](figure6.png)", ""]
@@ -134,9 +147,10 @@ def paper_markdown(summary: dict) -> str:
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:
-        lines += ["", "Adjusted self-similarity: self-similarity minus the anisotropy of the same layer and variant "
-                  "(raw with raw, clipped with clipped), as the paper after Ethayarajh (2019); the unadjusted values "
-                  "are in paper.json (`figure6.<set>.self_similarity`).", ""]
+        lines += ["", "Adjusted self-similarity: self-similarity minus the anisotropy of the same layer (the paper "
+                  "subtracts the anisotropy, after Ethayarajh 2019); each variant by its own (raw with raw, clipped "
+                  "with clipped) is ours, as the paper names no variant; the unadjusted values are in paper.json "
+                  "(`figure6.<set>.self_similarity`).", ""]
         lines += ["| layer | " + " | ".join(f"{name} {labels[measure]} {key}" for name, measure, key in columns)
                   + " |", "| --- |" + " --- |" * len(columns)]
         for layer in range(len(next(iter(figure.values()))["anisotropy"]["raw"])):
@@ -162,11 +176,14 @@ def paper_markdown(summary: dict) -> str:
             f"{fmt(row[key]['spearman'], 2)} (layer {row[key]['layer']})" if row.get(key) else "-" for key in VARIANTS)
             + " |" for row in summary["table2_sts"]]
     lines += ["", "## Table 3: frozen-encoder classifiers (test accuracy, bias-free linear maps, §4.4)", "",
-              "| task | best layer (validation) | raw | clipped | last layer | raw | clipped | majority |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {name} | {row['best_layer']} | {fmt(row['raw'])} | {fmt(row['clipped'])} | {row['last_layer']} | "
-              f"{fmt(row['last_raw'])} | {fmt(row['last_clipped'])} | {fmt(row['majority'])} |"
-              for name, row in summary["table3_classifiers"].items()] or ["| (skipped) | | | | | | | |"]
+              "Control task (Hewitt & Liang 2019; ours, the paper has none): the same classifier on a random class per "
+              "sentence; selectivity = raw accuracy - control accuracy, at the best layer.", "",
+              "| task | best layer (validation) | raw | clipped | control task | selectivity | last layer | raw | clipped "
+              "| majority |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {row['best_layer']} | {fmt(row['raw'])} | {fmt(row['clipped'])} | {fmt(row.get('control'))} "
+              f"| {fmt(row.get('selectivity'))} | {row['last_layer']} | {fmt(row['last_raw'])} | "
+              f"{fmt(row['last_clipped'])} | {fmt(row['majority'])} |"
+              for name, row in summary["table3_classifiers"].items()] or ["| (skipped) | | | | | | | | | |"]
     lines += [""] + [f"Note: {note}" for note in summary["notes"]]
     return "\n".join(lines).rstrip() + "\n"
 

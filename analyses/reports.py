@@ -205,7 +205,7 @@ def normalisation_line(summary: dict) -> str:
         return "none"
     if summary["normalize"] == "softdecay":
         return (f"softdecay (tokenUni's SoftDecay, alpha {summary.get('softdecay_alpha')}, of each sentence's token "
-                "matrix: nothing fit)")
+                "matrix at every layer, post hoc: ours; nothing fit)")
     where = "; ".join(f"{', '.join(names)} fit on {'token vectors' if fit == 'tokens' else 'mean-pooled sentences'}"
                       for fit, names in fits.items() if names)
     return f"{summary['normalize']} ({where})"

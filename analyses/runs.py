@@ -25,7 +25,8 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
-from datamodules.pairs import read_sts, scorable_wic, source_contexts, wic_source
+from datamodules.pairs import read_sts, scorable_wic, wic_source
+from datamodules.words import source_contexts
 
 
 def run_anisotropy(args, rank: int, world: int) -> dict:
@@ -51,11 +52,17 @@ def read_contexts(args, limit: int):
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
-    contexts, encoder = prepare(args, rank, lambda: read_contexts(args, args.max_sentences))
+    """Self-similarity of the words of --data, adjusted by the paper's anisotropy protocol on the same source: 2 x
+    --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
+    def read():
+        return read_contexts(args, args.max_sentences), read_sentences(args, limit=2 * args.num_pairs)
+
+    (contexts, sentences), encoder = prepare(args, rank, read)
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, contexts.sentences)
+    baseline = geometry.anisotropy_baseline(setting, sentences, reference.variants, args.num_pairs, args.data)
     report = {**run_header(args, encoder, reference),
-              **geometry.self_similarity(setting, contexts, reference.variants)}
+              **geometry.self_similarity(setting, contexts, reference.variants, baseline)}
     return publish(args, rank, "self_similarity", report, encoder)
 
 
@@ -94,12 +101,15 @@ def run_all(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
+    anisotropy = {**header, **geometry.anisotropy(setting, reference)}  # also self-similarity's baseline
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated, reference.num_special_in_text),
-               "anisotropy": {**header, **geometry.anisotropy(setting, reference)},
+               "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches)},
-               "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants)}}
+               "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants,
+                                                                         geometry.Baseline(anisotropy, "anisotropy.json",
+                                                                                           args.num_pairs))}}
     if wic_data is not None:
         reports["wic"] = {**header, **wic_source(args.wic), "skipped": wic_data[1].to_dict(),
                           **semantic.wic(setting, wic_data[0], reference.variants)}

@@ -1,4 +1,4 @@
-"""The semantic protocols: WiC (Luo et al. §4.3) and STS (§4.2, Table 2), per layer and per variant.
+"""The semantic protocols: WiC (Luo et al. §4.2, Table 1) and STS (§4.3, Table 2), per layer and per variant.
 
     wic(setting, items, reference.variants)           # best accuracy over layers and thresholds 0.1..0.9
     sts(setting, pairs, reference.variants, static=None)   # Spearman x 100 of mean-pooled cosines, per layer
@@ -14,7 +14,8 @@ from torch import Tensor
 
 from analyses.reference import Setting, counter, number, per_layer, views
 from core.errors import UserError
-from datamodules.pairs import StsPair, WicItem, read_static_vectors, sentence_words, static_sentence_vector
+from datamodules.pairs import StsPair, WicItem
+from datamodules.words import read_static_vectors, sentence_words, static_sentence_vector
 from lightning_modules.pooling import mean_pool, span_vectors
 from metrics.geometry import cosine
 from metrics.similarity import PairCosine, spearman, threshold_accuracy
@@ -62,7 +63,7 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
 
 
 def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict:
-    """Luo et al. (2021) §4.3 / Pilehvar & Camacho-Collados (2019): same sense iff the cosine of the target word's
+    """Luo et al. (2021) §4.2 / Pilehvar & Camacho-Collados (2019): same sense iff the cosine of the target word's
     vectors (sub-word pieces averaged) in the two sentences reaches a threshold; the best threshold of 0.1..0.9 and
     the best layer of 1..L (the embedding output is reported, not searched), on the given data (an oracle choice, as
     in the paper)."""

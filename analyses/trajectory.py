@@ -1,5 +1,6 @@
 """`analyze.py trajectory`: the outlier statistics, anisotropy and IsoScore* of every checkpoint of a training run, in
-step order, on the same sentences: the emergence of the outliers (the paper's story) made visible for our own runs.
+step order, on the same sentences: when the outliers emerge in our own runs (ours: the paper compares finished
+models and has no trajectories).
 
     python analyze.py trajectory --run runs/pretrain/tiny --output_dir runs/pretrain/tiny/trajectory
     python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data data/austen.txt --max_sentences 2000 \\
@@ -8,7 +9,7 @@ step order, on the same sentences: the emergence of the outliers (the paper's st
     python analyze.py trajectory --run pe=runs/pretrain/tiny --run nope=runs/pretrain/tiny-nope --output_dir D
     compare_runs(args, [("pe", "runs/a"), ("nope", "runs/b")], "runs/study", stem="study")   # study.json, study.png
 
-Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the paper's rule), `anisotropy --clip none`
+Each checkpoint is analysed as `analyze.py outliers` (NeuronStatistics + the outlier rule), `anisotropy --clip none`
 (raw) and `isotropy --clip none` (raw IsoScore*) would analyse it, in one reference pass over the same sampled
 sentences; one encoder is resident at a time (loaded, analysed, released), so the peak memory is that of one
 analysis whatever the number of checkpoints. Checkpoints are read weights-only (lightning_modules/checkpoints.py).

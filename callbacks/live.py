@@ -163,7 +163,7 @@ class LiveCallback(pl.Callback):
 
     def _close(self, batch) -> Captured:
         if self._modules is None:
-            features, labels = batch
+            features, labels = batch[0], batch[1]  # (a control task's labels may follow)
             return Captured(hidden=None, mask=None, features=features[self._slots], labels=labels)
         if self._tap is not None:
             try:

@@ -95,8 +95,9 @@ class OutlierStatistics(LiveCallback):
             validation).
         layers: hidden-state layers to watch (default all, 0 = embedding output).
         top_k: dimensions of largest |mean| logged per layer.
-        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the paper's share
-            rule, and the opt-in robust z-score of ours (sigma, off by default).
+        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the paper's max/min
+            criterion with our share 0.2 (the paper gives no number), and the opt-in robust z-score of ours (sigma,
+            off by default).
         anisotropy_sequences: at most this many sequences of a captured step or of the validation set give their
             random token to the anisotropy (the paper: 2000 sentences, 1000 pairs).
         on_validation: also over the whole validation set at every validation.

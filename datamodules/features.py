@@ -58,18 +58,21 @@ class FeatureStore:
             numpy_dtype = np.float16 if dtype == torch.float16 else np.float32
             self.array = np.lib.format.open_memmap(path, mode="w+", dtype=numpy_dtype, shape=(items, slots, hidden))
         self.labels = torch.empty(items, dtype=torch.long)
+        self.types = torch.empty(items, dtype=torch.long)  # each item's type (token id, sentence key): control tasks
+        self.control: Tensor | None = None  # each item's control-task label (metrics/control.py), when set
         self.offsets = torch.zeros(sentences + 1, dtype=torch.long)
         self.items = 0
         self.sentences = 0
 
-    def append(self, features: Tensor, labels: Tensor, per_sentence: Tensor) -> None:
-        """features [slots, n, hidden], labels [n], per_sentence [sentences in this batch] (items of each)."""
+    def append(self, features: Tensor, labels: Tensor, per_sentence: Tensor, types: Tensor) -> None:
+        """features [slots, n, hidden], labels [n], per_sentence [sentences in this batch] (items of each), types [n]."""
         n, start = features.shape[1], self.items
         if self.path is None:
             self.array[:, start:start + n] = features.to(self.dtype).cpu()
         else:
             self.array[start:start + n] = features.to(self.dtype).cpu().transpose(0, 1).numpy()
         self.labels[start:start + n] = labels.cpu()
+        self.types[start:start + n] = types.cpu()
         count = len(per_sentence)
         self.offsets[self.sentences + 1:self.sentences + 1 + count] = start + per_sentence.cpu().cumsum(0)
         self.items += n
@@ -87,7 +90,8 @@ class FeatureStore:
 
 
 class ItemBatches(Dataset):
-    """Indexed by a list of item ids (from a BatchSampler): (features [slots, items, hidden], labels [items]). An item
+    """Indexed by a list of item ids (from a BatchSampler): (features [slots, items, hidden], labels [items]), and the
+    items' control-task labels [items] third when the store has them (metrics/control.py). An item
     is a token vector for the position probe (a batch draws tokens across sentences), a pooled sentence for the
     classifiers. With `step` (the training loader's blocks), the ids are several consecutive optimizer batches of
     `step` items each: each batch's rows are sorted on their own and stay in their place, so the block's items
@@ -99,14 +103,15 @@ class ItemBatches(Dataset):
     def __len__(self) -> int:
         return self.store.items
 
-    def __getitem__(self, items: list[int]) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, items: list[int]) -> tuple[Tensor, ...]:
         ids = torch.as_tensor(items, dtype=torch.long)
         if self.step is None or len(ids) <= self.step:
             rows = ids.sort().values
         else:  # one sort, keyed first by the batch each id belongs to
             batch = torch.arange(len(ids)) // self.step
             rows = (batch * self.store.items + ids).sort().values - batch * self.store.items
-        return self.store.gather(rows), self.store.labels[rows]
+        batch = (self.store.gather(rows), self.store.labels[rows])
+        return batch if self.store.control is None else (*batch, self.store.control[rows])
 
 
 class ProbeTask(Protocol):
@@ -127,6 +132,10 @@ class ProbeTask(Protocol):
 
     def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
         """Extra counts of some rows: mask [rows, seq] (counted tokens), keep [rows, seq] (the items' tokens)."""
+
+    def item_types(self, input_ids: Tensor, keep: Tensor, rows: Tensor, texts: list[str]) -> Tensor:
+        """[n]: the type of each item `pool` makes (input_ids [batch, seq], keep and rows as there, texts the
+        batch's): what its control-task label is a function of (metrics/control.py)."""
 
 
 @dataclass
@@ -211,7 +220,8 @@ class FeatureExtractor:
         bar = tqdm(total=len(entries), unit="sent", desc=f"encoding ({primary.short_name})",
                    disable=not self.progress, dynamic_ncols=True, leave=False)
         with bar:
-            for (inputs, _), keep, route in zip(batches, keeps, routes):
+            for number, ((inputs, _), keep, route) in enumerate(zip(batches, keeps, routes)):
+                batch_texts = ordered[number * self.batch_size:(number + 1) * self.batch_size]
                 hidden = [self.select(encoder(**inputs).hidden_states) for encoder in encoders]
                 hidden += [variant.states(hidden[0], self.mask(inputs, special)) for variant in variants]  # per sentence
                 for split, rows in route.items():
@@ -226,7 +236,9 @@ class FeatureExtractor:
                         parts.append(features.float().cpu())
                     if split == "train":
                         statistics.update(hidden[0], split_keep)
-                    stores[split].append(parts[0] if len(parts) == 1 else torch.cat(parts), item_labels, per_sentence)
+                    types = task.item_types(inputs["input_ids"].to(split_keep.device), split_keep, rows, batch_texts)
+                    stores[split].append(parts[0] if len(parts) == 1 else torch.cat(parts), item_labels, per_sentence,
+                                         types)
                     done[split] += len(rows)
                 bar.update(len(inputs["input_ids"]))
         for split in SPLITS:

@@ -4,14 +4,16 @@
     dm = PositionDataModule(source="data/austen.txt", encoder="bert-base-uncased")          # from Python
     dm.prepare_data(); dm.setup("fit")
     dm.spec                                     # FeatureSpec: slots (encoder / random layers), classes, outliers
-    features, labels = next(iter(dm.train_dataloader()))   # [slots, items, hidden], [items]
+    features, labels, control = next(iter(dm.train_dataloader()))   # [slots, items, hidden], [items], [items]
 
 The encoder runs exactly once per sentence in total (datamodules/features.py); every probe of every layer and epoch
 reads the cache. With `random_baseline`, a randomly initialised encoder of the same architecture (seeded) runs once
 too, and its layers are appended as extra slots, so its probes train in the same run. Outlier dimensions are
-detected with NeuronStatistics + detect_outliers (the paper's rule) on the training split's hidden states, and the
-persistent ones (an outlier in at least half the non-input layers) are the spec's `outlier_dims`, unless they are
-given.
+detected with NeuronStatistics + detect_outliers (the paper's criterion, our numbers) on the training split's hidden
+states, and the persistent ones (an outlier in at least half the non-input layers: ours) are the spec's `outlier_dims`, unless they are
+given. With `control_task` (the default), every item also carries a control-task label (Hewitt & Liang 2019,
+metrics/control.py: a seeded random label per token type, or per sentence, from the task's label distribution), which
+the probes learn beside the task (the same features, stacked slots) to report selectivity.
 
 Splits (datamodules/splits.py): the source's own train / validation / test splits when it has them (glue/sst2, a
 datasets directory), what is missing carved out of train by sentence (seeded; an unlabelled test split, as GLUE's, is
@@ -40,8 +42,9 @@ from datamodules.features import FeatureExtractor, ItemBatches
 from datamodules.splits import SPLITS, Splits, read_splits
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_records, pick_text
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
+from lightning_modules.linear_probes import FeatureSpec
 from lightning_modules.pooling import mean_pool
-from lightning_modules.probes import FeatureSpec
+from metrics.control import CONSTRUCTION, control_labels, text_key
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
@@ -53,6 +56,7 @@ class ProbeDataModule(pl.LightningDataModule):
     (the hooks of datamodules.features.ProbeTask, and read_split / set_classes)."""
 
     item_name: str | None = None  # what an item is, when it is not a sentence
+    type_name = "sentence texts"  # what an item's type is, for the control task
 
     def __init__(
         self,
@@ -71,6 +75,7 @@ class ProbeDataModule(pl.LightningDataModule):
         eval_batch_size: int = 4096,
         layers: list[int] | None = None,
         random_baseline: bool = True,
+        control_task: bool = True,
         outlier_dims: list[int] | None = None,
         min_share: float = OutlierRule.min_share,
         sigma: float = OutlierRule.sigma,
@@ -184,6 +189,7 @@ class ProbeDataModule(pl.LightningDataModule):
         extracted = self.extractor.extract(encoders, splits.texts, labels, self, self.variants())
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
+        control = self._control_task(len(classes))
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
             layer.layer = layers[layer.layer]
@@ -192,7 +198,7 @@ class ProbeDataModule(pl.LightningDataModule):
             if bad:
                 raise UserError(f"outlier dims {bad} out of range 0..{primary.hidden_size - 1}")
             outlier_dims, outlier_source = sorted(set(h.outlier_dims)), "given"
-        else:  # the persistent outliers of the paper's rule, over the cached non-input layers
+        else:  # the persistent outliers (metrics/outliers.py: the paper's criterion, our numbers), non-input layers
             outlier_dims, outlier_source = persistent_dims(outlier_layers), "detected"
         self.spec = FeatureSpec(
             encoder=primary.name, layers=layers, hidden_size=primary.hidden_size, num_classes=len(classes),
@@ -202,6 +208,7 @@ class ProbeDataModule(pl.LightningDataModule):
                                     for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
+            control=control,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
                   "num_special_in_text": extracted.num_special_in_text,
@@ -256,6 +263,17 @@ class ProbeDataModule(pl.LightningDataModule):
                             "(0 = embedding output)")
         return sorted(set(layers))
 
+    def _control_task(self, num_classes: int) -> dict:
+        """With `control_task`: every split's control labels, a function of each item's type drawn from the training
+        labels' distribution (metrics/control.py); the spec's description of it ({} without)."""
+        if not self.hparams.control_task:
+            return {}
+        distribution = torch.bincount(self.stores["train"].labels, minlength=num_classes)
+        for store in self.stores.values():
+            store.control = control_labels(store.types[:store.items], distribution, self.hparams.seed)
+        return {"construction": CONSTRUCTION, "types": self.type_name, "seed": self.hparams.seed,
+                "num_types_train": int(self.stores["train"].types[:self.stores["train"].items].unique().numel())}
+
     def _majority(self, num_classes: int) -> dict:
         """Chance (uniform over the classes seen in training) and majority (the most frequent training label)."""
         train, test = self.stores["train"].labels, self.stores["test"].labels
@@ -269,6 +287,7 @@ class PositionDataModule(ProbeDataModule):
     """Token features labelled with their position (0-indexed token index); positions >= max_positions dropped."""
 
     item_name = "tokens"
+    type_name = "token ids"
 
     def __init__(self, max_positions: int = 300, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -304,6 +323,9 @@ class PositionDataModule(ProbeDataModule):
 
     def split_counts(self, mask: Tensor, keep: Tensor) -> dict:
         return {"dropped_positions": int((mask & ~keep).sum())}
+
+    def item_types(self, input_ids: Tensor, keep: Tensor, rows: Tensor, texts: list[str]) -> Tensor:
+        return input_ids[keep]  # the token id of each token, in pool's order
 
     def check_counts(self, counts: dict) -> None:
         dropped = sum(split["dropped_positions"] for split in counts.values())
@@ -375,6 +397,9 @@ class ClassificationDataModule(ProbeDataModule):
 
     def item_counts(self, keep: Tensor) -> Tensor:
         return torch.ones(len(keep), dtype=torch.long)
+
+    def item_types(self, input_ids: Tensor, keep: Tensor, rows: Tensor, texts: list[str]) -> Tensor:
+        return torch.tensor([text_key(texts[row]) for row in rows.tolist()], dtype=torch.long)  # a sentence's text
 
     def variants(self) -> list:
         return [self.softdecay] if self.softdecay is not None else []

@@ -38,8 +38,9 @@ from lightning_modules.encoder import (
 )
 from lightning_modules.softdecay import SoftDecayLayer, wrap
 from lightning_modules.training import TrainingModule, check_optimisation
-from metrics.geometry import Covariance, IsoScoreStar
-from metrics.transforms import SOFTDECAY_ALPHA, check_softdecay_alpha
+from metrics.geometry import Covariance
+from metrics.isotropy import IsoScoreStar
+from metrics.transforms import SOFTDECAY_ALPHA
 
 REPORT = "finetune.json"
 
@@ -94,9 +95,11 @@ class FineTuneModule(TrainingModule):
         dropout: hidden and attention dropout (None: the encoder's own, 0.1 for BERT-family checkpoints).
         regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: the isotropy regulariser (none, istar,
             cosreg; lightning_modules/regularizers.py); zeta also shrinks the report's IsoScore* of the test tokens.
-        softdecay, softdecay_alpha, softdecay_learn_alpha: tokenUni's SoftDecay as a layer on the last layer's token
-            matrix before the head pools it (lightning_modules/softdecay.py), alpha in (-1, 0) (default -0.2), fixed
-            or learned with the model (logged as train/softdecay_alpha, written to finetune.json).
+        softdecay, softdecay_alpha, softdecay_alpha_mode, softdecay_placement: tokenUni's SoftDecay as a layer in
+            the last layer (lightning_modules/softdecay.py), alpha starting in (-1, 0) (default -0.2); by default as
+            tokenUni place it (before the last layer's LayerNorm, `before_layernorm`) with their unconstrained
+            learnable alpha (`learned`); ours: `after_layernorm` (on the last layer's output), `bounded` (alpha =
+            -sigmoid(theta)); `fixed`. The alpha is logged as train/softdecay_alpha and written to finetune.json.
     """
 
     def __init__(
@@ -120,7 +123,8 @@ class FineTuneModule(TrainingModule):
         reg_shrinkage_tokens: int = 250_000,
         softdecay: bool = False,
         softdecay_alpha: float = SOFTDECAY_ALPHA,
-        softdecay_learn_alpha: bool = False,
+        softdecay_alpha_mode: str = "learned",
+        softdecay_placement: str = "before_layernorm",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -128,10 +132,8 @@ class FineTuneModule(TrainingModule):
         if not classes or len(classes) < 2:
             raise UserError(f"fine-tuning needs at least two classes, got {classes}")
         self.make_regularizer()  # its options checked before the encoder loads
-        check_softdecay_alpha(softdecay_alpha, "--model.softdecay_alpha")  # a bad alpha is an error even unused
-        if softdecay_learn_alpha and not softdecay:
-            raise UserError("--model.softdecay_learn_alpha true needs --model.softdecay true")
-        self.softdecay = SoftDecayLayer(softdecay_alpha, softdecay_learn_alpha) if softdecay else None
+        layer = SoftDecayLayer(softdecay_alpha, softdecay_alpha_mode, softdecay_placement, dropout)  # checked even
+        self.softdecay = layer if softdecay else None  # unused: a bad alpha, mode or placement is an error
         self.encoder_name = encoder or default_encoder()
         self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes))
         self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
@@ -255,7 +257,8 @@ class FineTuneModule(TrainingModule):
             "steps": results["steps"],
             "softdecay": self.softdecay is not None,
             **({"softdecay_alpha": self.softdecay.value(), "softdecay_alpha_initial": self.softdecay.initial,
-                "softdecay_learn_alpha": self.softdecay.learn} if self.softdecay is not None else {}),
+                "softdecay_alpha_mode": self.softdecay.mode, "softdecay_placement": self.softdecay.placement}
+               if self.softdecay is not None else {}),
             "layers": [{"layer": layer, "isoscore_star": value}
                        for layer, value in enumerate(results["test"]["isoscore_star"])],
             "classes": list(h.classes), "majority": data.majority(), "splits": data.described(),

@@ -11,7 +11,7 @@
 
 - I-STAR (Rudman & Eickhoff, "Stable Anisotropic Regularization", ICLR 2024): term = weight (1 - IsoScore*(H)),
   H the token states of the chosen layers (their union: every token contributes one point per layer; padding never
-  counts), IsoScore* of H's sample covariance shrunk as (1 - zeta) C_batch + zeta C0 (metrics/geometry.py's
+  counts), IsoScore* of H's sample covariance shrunk as (1 - zeta) C_batch + zeta C0 (metrics/isotropy.py's
   isoscore_star_of_covariance, the formula isoscore_star uses), C0 the covariance of the same layers' states over up to
   `shrinkage_tokens` training tokens, recomputed at the start of every epoch by the training module (eval mode, no
   gradient; streamed with metrics.geometry.Covariance). weight > 0 pushes towards isotropy, < 0 away from it.
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.errors import UserError
-from metrics.geometry import Covariance, isoscore_star_of_covariance, mean_pairwise_cosine
+from metrics.geometry import Covariance, mean_pairwise_cosine
+from metrics.isotropy import isoscore_star_of_covariance
 
 REGULARIZERS = ("none", "istar", "cosreg")
 STATISTICS = {"istar": "isoscore_star", "cosreg": "mean_cosine"}  # what train/<name> logs beside train/reg_loss

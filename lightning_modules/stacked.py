@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-_INIT_KIND = {"encoder": 0, "clipped": 0, "softdecay": 0, "random": 1}  # clipped, SoftDecay: from the raw twin's weights
+_INIT_KIND = {"encoder": 0, "clipped": 0, "softdecay": 0, "random": 1, "control": 2}  # clipped, SoftDecay: the raw twin's
 
 
 def pad_weight(weight: Tensor, multiple: int = 64) -> Tensor:
@@ -62,31 +62,43 @@ class StackedLinearCrossEntropy(torch.autograd.Function):
     chunk_elements: int | None = 2 ** 20
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+    def forward(ctx, x: Tensor | tuple[Tensor, ...], weight: Tensor, bias: Tensor | None, target: Tensor,
                 classes: int | None = None) -> Tensor:
-        slots, items = x.shape[0], x.shape[1]
+        """x [slots, items, hidden], or a tuple of parts [slots_k, items, hidden] whose slots follow each other (the
+        weight's first slots are the first part's: no stacked copy of the features is made); weight [slots, hidden,
+        classes (or padded)]; target [items] or [slots, items]."""
+        parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        slots, items, device = sum(part.shape[0] for part in parts), parts[0].shape[1], parts[0].device
         prepadded = classes is not None and classes != weight.shape[2]
         classes = weight.shape[2] if classes is None else classes
         padded = weight if prepadded else pad_weight(weight)  # [slots, hidden, width]
         width = padded.shape[2]
         chunk_elements = StackedLinearCrossEntropy.chunk_elements
-        one_piece = x.is_cuda or chunk_elements is None
+        one_piece = device.type == "cuda" or chunk_elements is None
         rows = max(items, 1) if one_piece else max(1, chunk_elements // (slots * width))  # an empty batch: no chunk
         scale = 1.0 / max(items, 1)  # each slot's mean over items
         # the first chunk overwrites (beta 0), so the gradient needs no zeroing unless there is no chunk
-        grad_weight = (torch.empty if items else torch.zeros)(padded.shape, dtype=torch.float32, device=x.device)
-        grad_bias = torch.zeros(slots, width, device=x.device) if bias is not None else None
-        loss = torch.zeros((), device=x.device)
+        grad_weight = (torch.empty if items else torch.zeros)(padded.shape, dtype=torch.float32, device=device)
+        grad_bias = torch.zeros(slots, width, device=device) if bias is not None else None
+        loss = torch.zeros((), device=device)
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + part.shape[0])
         for start in range(0, items, rows):
-            chunk = x[:, start:start + rows].to(padded.dtype)  # [slots, rows, hidden]
-            probs = torch.softmax(padded_logits(chunk, padded, bias, classes), -1).float()  # [slots, rows, width]
-            index = target[start:start + rows].view(1, -1, 1).expand(slots, -1, 1)
-            loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
-            probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
-            with torch.autocast(x.device.type, enabled=False):  # the gradient in float32, as autograd's would be
-                grad_weight.baddbmm_(chunk.float().transpose(1, 2), probs, beta=1 if start else 0, alpha=scale)
-            if grad_bias is not None:
-                grad_bias += probs.sum(1)
+            for part, first, last in zip(parts, bounds, bounds[1:]):
+                chunk = part[:, start:start + rows].to(padded.dtype)  # [part slots, rows, hidden]
+                probs = torch.softmax(padded_logits(chunk, padded[first:last],
+                                                    bias[first:last] if bias is not None else None, classes),
+                                      -1).float()  # [part slots, rows, width]
+                index = (target[first:last, start:start + rows] if target.dim() == 2 else
+                         target[start:start + rows].view(1, -1).expand(last - first, -1)).unsqueeze(-1)
+                loss -= probs.gather(2, index).clamp_min(torch.finfo(probs.dtype).tiny).log().sum()
+                probs.scatter_add_(2, index, torch.full(index.shape, -1.0, device=probs.device))  # d loss / d logits
+                with torch.autocast(device.type, enabled=False):  # the gradient in float32, as autograd's would be
+                    grad_weight[first:last].baddbmm_(chunk.float().transpose(1, 2), probs, beta=1 if start else 0,
+                                                     alpha=scale)
+                if grad_bias is not None:
+                    grad_bias[first:last] += probs.sum(1)
         # kept on ctx, not saved for backward: backward scales them in place and hands them over (no copies)
         ctx.grad_weight = grad_weight if prepadded else grad_weight[:, :, :classes].contiguous()
         ctx.grad_bias = grad_bias[:, :classes] * scale if grad_bias is not None else None
@@ -145,7 +157,9 @@ class StackedProbe(nn.Module):
         prepadded = self.weight.shape[2] != self.classes
         return padded_logits(x, self.weight, self.bias, self.classes if prepadded else None)[:, :, :self.classes]
 
-    def loss(self, x: Tensor, target: Tensor) -> Tensor:
-        """The sum over slots of each slot's mean cross-entropy of x [slots, items, hidden] against target [items]
+    def loss(self, x: Tensor | tuple[Tensor, ...], target: Tensor) -> Tensor:
+        """The sum over slots of each slot's mean cross-entropy of x [slots, items, hidden] (or its parts, slots
+        following each other, never stacked into one copy) against target [items] (every slot's) or [slots, items]
+        (each slot's own: a control task beside the task)
         (StackedLinearCrossEntropy: the gradient is formed in the forward pass, x's is never made)."""
         return StackedLinearCrossEntropy.apply(x, self.weight, self.bias, target, self.classes)

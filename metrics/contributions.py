@@ -98,11 +98,14 @@ class LayerAccuracy(Metric):
         self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, logits: Tensor, target: Tensor) -> None:
-        """logits [layers, items, classes], target [items]."""
-        if logits.dim() != 3 or logits.shape[0] != self.num_layers or logits.shape[1] != target.shape[0]:
-            raise ValueError(f"logits {tuple(logits.shape)} do not match [{self.num_layers}, {target.shape[0]}, classes]")
-        self.correct += (logits.argmax(-1) == target.unsqueeze(0)).sum(1).double()
-        self.total += target.shape[0]
+        """logits [layers, items, classes], target [items] (every layer's) or [layers, items] (each layer's own)."""
+        items = target.shape[-1]
+        if logits.dim() != 3 or logits.shape[0] != self.num_layers or logits.shape[1] != items or (
+                target.dim() == 2 and target.shape[0] != self.num_layers):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match [{self.num_layers}, {items}, classes] "
+                             f"for targets {tuple(target.shape)}")
+        self.correct += (logits.argmax(-1) == (target if target.dim() == 2 else target.unsqueeze(0))).sum(1).double()
+        self.total += items
 
     def compute(self) -> Tensor:  # [layers]
         return self.correct / self.total.clamp_min(1)

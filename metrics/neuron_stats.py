@@ -7,7 +7,7 @@
     result.kurtosis_sequence, result.inf_norm_sequence    # [layers]: Bondarenko et al.'s, per sequence, averaged
 
 Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
-(smallest) component on the dimension (the paper's outlier rule reads these). Per token vector x (its `hidden`
+(smallest) component on the dimension (the outlier rule, metrics/outliers.py, reads these). Per token vector x (its `hidden`
 components), averaged (or maximised) over the tokens of a layer, outlier magnitudes of ours (the kurtosis after
 Bondarenko et al., NeurIPS 2023, whose code takes it per sequence: below):
 

@@ -1,7 +1,9 @@
-"""Outlier-dimension detection from NeuronStatistics, by the paper's rule (and one opt-in addition of ours).
+"""Outlier-dimension detection from NeuronStatistics: the paper's criterion with our numbers (and one opt-in addition
+of ours).
 
-    layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2))      # the paper's rule
-    persistent_dims(layers)                                                    # outliers of most non-input layers
+    layers = detect_outliers(stats.compute(), OutlierRule(min_share=0.2))      # the paper's criterion, our 0.2
+    persistent_dims(layers)                                                    # outliers of half the non-input layers
+    rule.describe(); rule.describe_persistence()                               # the reports' words, whose is which
     dims, means = top_mean_dims(result.mean, k=5); ratio = max_median_ratio(result.mean)   # [layers, k], [layers]
 
 The rule (Luo et al. 2021, §3: a neuron that bears the largest or the smallest value of "most vectors"; the paper
@@ -31,10 +33,19 @@ class OutlierRule:
     sigma: float | None = None  # opt-in (ours): also a robust z-score of the dimension's mean above sigma
 
     def describe(self) -> str:
-        text = f"argmax or argmin share >= {self.min_share} (Luo et al. 2021)"
+        """The rule as the reports write it, saying whose each part is (the paper gives the criterion, not the
+        number)."""
+        text = (f"argmax or argmin share >= {self.min_share} ({self.min_share} is ours: the criterion is Luo et al. "
+                "2021's, a dimension holding the largest or smallest value of 'most vectors', and they give no number)")
         if self.sigma is not None:
             text += f", or |mean - median(mean)| > {self.sigma} x 1.4826 MAD of the layer's mean vector (opt-in, ours)"
         return text
+
+    @staticmethod
+    def describe_persistence() -> str:
+        """What `persistent_dims` counts, saying whose it is."""
+        return ("persistent: an outlier in at least half of the non-input layers 1..L (the half is ours: the paper "
+                "calls the outliers persistent and gives no number; layer 0 never counts)")
 
 
 @dataclass

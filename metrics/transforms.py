@@ -9,10 +9,11 @@
 
 - Clipping zeroes dimensions per layer (`zero_dims`, the one way this project zeroes dimensions: analyses,
   classifiers and callbacks alike), applied to hidden states after the forward pass. Which ones is --clip's choice
-  (`parse_clip`, the same option everywhere): by default (`auto`) the paper's choice by model depth: for base-depth
-  models (at most BASE_DEPTH = 12 transformer layers, §4) the persistent outlier dims in every non-input layer, for
-  deeper ones (the large models of Appendix D, whose outliers move across layer ranges, e.g. BERT-large's) each
-  layer's own outliers in that layer; `per-layer` that second rule whatever the depth; given dims; or an explicit
+  (`parse_clip`, the same option everywhere): by default (`auto`) the paper's two choices, told apart by a depth
+  threshold of ours: for base-depth models (at most BASE_DEPTH = 12 transformer layers, as the paper's §4 clips its
+  base models) the persistent outlier dims (an outlier in at least half of layers 1..L: our number) in every
+  non-input layer, for deeper ones (as Appendix D clips its large models, whose outliers move across layer ranges,
+  e.g. BERT-large's) each layer's own outliers in that layer; `per-layer` that second rule whatever the depth; given dims; or an explicit
   per-layer form such as 1-10:896,10-17:678. `ClipRequest.rule(num_layers)` says which rule applied and why.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
@@ -33,7 +34,9 @@ Both normalisations are affine per layer, so they commute with averaging sub-wor
   sentence's token matrix H = U S V^T (padding excluded), s' = -log(1 - alpha (s + alpha)) / alpha with alpha < 0,
   rescaled so that max s' = max s, and H' = U S' V^T. A variant like it is `per_sentence`: protocols take its word
   pieces, tokens and pooled sentences from `states(hidden_states, mask)` of each batch instead of the raw states
-  (analyses/reference.py `views`), and `apply` is the identity.
+  (analyses/reference.py `views`), and `apply` is the identity. The map is tokenUni's; applying it post hoc, at a
+  fixed alpha, to each sentence's token matrix at every layer of a frozen encoder is ours (tokenUni learn alpha with
+  the map inside the last layer, before its LayerNorm: lightning_modules/softdecay.py; docs/analyses.md says why).
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
-from metrics.geometry import CovarianceResult, eigh, svd
+from metrics.geometry import CovarianceResult
+from metrics.isotropy import eigh, svd
 from metrics.outliers import LayerOutliers, persistent_dims
 
 NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")
 REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}  # the fitted normalisations' variant keys
 SOFTDECAY_ALPHA = -0.2  # --softdecay_alpha's default
-BASE_DEPTH = 12  # --clip auto: persistent dims up to this many transformer layers (§4), each layer's own beyond (App. D)
+BASE_DEPTH = 12  # --clip auto (a threshold of ours): persistent dims up to this many layers (§4), each layer's beyond
 
 
 class Variant:
@@ -139,11 +143,13 @@ class ClipRequest:
         if self.origin is not None:
             return self.origin
         if self.mode == "auto" and self.persistent(num_layers):
-            return (f"auto: persistent outlier dims (outliers in at least half of layers 1..{depth}) zeroed in every "
-                    f"non-input layer, the paper's §4 rule for base-depth models ({depth} <= {BASE_DEPTH} layers)")
+            return (f"auto: persistent outlier dims (outliers in at least half of layers 1..{depth}, a number of ours: "
+                    f"the paper gives none) zeroed in every non-input layer, as the paper's §4 clips its base models "
+                    f"({depth} <= {BASE_DEPTH} layers, a threshold of ours: the paper names no depth)")
         if self.mode == "auto":
-            return (f"auto: each non-input layer's own outlier dims zeroed in that layer only, the paper's Appendix D "
-                    f"rule for deep models ({depth} > {BASE_DEPTH} layers: their outliers move across layer ranges)")
+            return (f"auto: each non-input layer's own outlier dims zeroed in that layer only, as the paper's Appendix D "
+                    f"clips its large models, whose outliers move across layer ranges ({depth} > {BASE_DEPTH} layers, "
+                    "a threshold of ours: the paper names no depth)")
         if self.mode == "per-layer":
             return "per-layer (as asked): each non-input layer's own outlier dims zeroed in that layer only"
         if self.mode == "dims":

@@ -14,8 +14,9 @@ from scipy.stats import spearmanr
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
-from datamodules.pairs import word_contexts
-from metrics.geometry import isoscore_star
+from datamodules.text import sample_texts
+from datamodules.words import word_contexts
+from metrics.isotropy import isoscore_star
 from tests.test_geometry import isoscore_reference, one_thread
 from tests.tiny import corpus_sentences
 
@@ -257,8 +258,19 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
 
 @pytest.mark.slow
 def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
+    """Self-similarity of every pair of a word's contexts, adjusted by the paper's anisotropy protocol on the same
+    source: equal to `analyze.py anisotropy` run directly on 2 x --num_pairs random sentences of --data (raw and the
+    same given clipping), and for the standardisation fitted on the self-similarity's tokens, to a direct
+    computation on those sentences."""
     report = run("self-similarity", "--data", data["sentences"], "--max_sentences", 0, "--num_words", 6,
-                 "--min_sentences", 3, "--clip", "5,17", "--normalize", "standardize", "--output_dir", tmp_path / "s")
+                 "--min_sentences", 3, "--clip", "5,17", "--normalize", "standardize", "--num_pairs", 8,
+                 "--output_dir", tmp_path / "s")
+    protocol = run("anisotropy", "--data", data["sentences"], "--max_sentences", 16, "--num_pairs", 8, "--clip", "5,17",
+                   "--output_dir", tmp_path / "a")
+    assert report["baseline_pairs"] == protocol["num_pairs"] == 8 and report["baseline_sentences"] == 16
+    assert report["baseline_note"] is None and "the paper's §4.1 protocol" in report["adjusted_by"]
+    for key in ("raw", "clipped"):
+        np.testing.assert_allclose(values(report, key, "anisotropy"), values(protocol, key), atol=1e-6)
     assert report["clip"] == "5,17" and report["clipped_dims"] == [5, 17]
     assert report["clipped_dims_per_layer"] == {str(layer): [5, 17] for layer in range(1, 7)}
     contexts = word_contexts(data["sentence_list"], 6, 3, seed=0)
@@ -270,7 +282,8 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
     assert all(len(v) == 3 for v in per_word.values())
     transforms = {"raw": identity, "clipped": clipping([5, 17]),
                   "standardized": fitted(token_matrix(direct, contexts.sentences), "standardize")}
-    baselines = direct_anisotropy(random_token_vectors(direct, contexts.sentences, 0), 0, transforms)
+    sample = sample_texts(iter(data["sentence_list"]), 16, 0)  # the protocol's sentences: --seed's sample of --data
+    baselines = direct_anisotropy(random_token_vectors(direct, sample, 0), 0, transforms)
     for key, transform in transforms.items():
         vectors = {w: [transform(v) for v in vs] for w, vs in per_word.items()}
         similarity = torch.stack([torch.stack([cos(v[i], v[j]) for i in range(3) for j in range(i + 1, 3)]).mean(0)
@@ -410,3 +423,15 @@ def test_all_without_pair_data_skips_wic_and_sts_with_a_note(data, tmp_path, cap
     summary = json.loads((tmp_path / "all" / "summary.json").read_text())
     assert summary["table1_wic"] is None and summary["table2_sts"] == [] and summary["variants"] == ["raw"]
     assert not (tmp_path / "all" / "wic.json").exists()
+
+
+def test_a_source_too_short_for_the_anisotropy_protocol_says_so_in_the_report():
+    """The self-similarity's baseline names its pairs and sentences, and when the source has fewer sentences than the
+    protocol's 2 x --num_pairs, why it has fewer pairs."""
+    from analyses.geometry import Baseline
+
+    short = Baseline({"num_pairs": 20, "num_sentences": 41, "layers": []}, "anisotropy of 41 sentences", 1000)
+    assert short.describe() == {"adjusted_by": "anisotropy of 41 sentences", "baseline_pairs": 20,
+                                "baseline_sentences": 41, "baseline_note": "the source has 41 sentences with a token, "
+                                "not the protocol's 2000: 20 pairs instead of 1000"}
+    assert Baseline({"num_pairs": 1000, "num_sentences": 2000, "layers": []}, "x", 1000).describe()["baseline_note"] is None

@@ -21,16 +21,8 @@ from transformers import AutoModel, AutoTokenizer
 import analyze
 from analyses import semantic
 from core.errors import UserError
-from datamodules.pairs import (
-    WORD,
-    read_static_vectors,
-    read_sts,
-    read_wic,
-    source_contexts,
-    target_problem,
-    wic_source,
-    word_contexts,
-)
+from datamodules.pairs import read_sts, read_wic, target_problem, wic_source
+from datamodules.words import WORD, read_static_vectors, source_contexts, word_contexts
 from tests.test_analyze_eval import STS, WIC, fitted
 from tests.tiny import corpus_sentences, free_port, save_tiny_encoder
 

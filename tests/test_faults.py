@@ -534,7 +534,7 @@ ERROR_ROW_TESTS = {
     ('train.py', 'fine-tuning: `--model.softdecay_alpha` outside (-1, 0) (with or without `--model.softdecay true`)'): [
         'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
     ],
-    ('train.py', 'fine-tuning: `--model.softdecay_learn_alpha true` without `--model.softdecay true`'): [
+    ('train.py', 'fine-tuning: `--model.softdecay_alpha_mode` or `--model.softdecay_placement` not one of its choices (with or without `--model.softdecay true`)'): [
         'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
     ],
     ('train.py', 'resume with another attention variant or its parameters'): [

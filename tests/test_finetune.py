@@ -22,7 +22,8 @@ import yaml
 import train
 from datamodules.finetune import FineTuneDataModule
 from lightning_modules.encoder import load_encoder
-from metrics.geometry import Covariance, isoscore_star
+from metrics.geometry import Covariance
+from metrics.isotropy import isoscore_star
 from tests.test_refusals import files_under, stderr_lines
 from tests.tiny import bert_tokenizer, corpus_sentences, save_tiny_encoder
 
@@ -368,25 +369,29 @@ SOFTDECAY = ("--model.softdecay", "true", "--model.dropout", "0.0", "--trainer.m
 @pytest.mark.slow
 def test_softdecay_fine_tuning_learns_alpha_logs_it_and_the_logits_are_the_heads_of_the_transformed_last_layer(
         inputs, tmp_path):
-    """--model.softdecay true with a learned alpha (from -0.2) and with a fixed one (-0.3): train/softdecay_alpha is
-    logged every step (the learned one moves, the fixed one stays), finetune.json holds the last alpha, and the
-    trained module's logits are the head (pooler + classifier) of the last layer's token matrices transformed by the
-    numpy SoftDecay formula at that alpha, computed from the export (which holds no SoftDecay) and its last layer."""
+    """--model.softdecay true as tokenUni place it (before the last LayerNorm, their unconstrained alpha learned from
+    -0.2) and our variant with a fixed alpha (-0.3) on the last layer's output: train/softdecay_alpha is logged every
+    step (the learned one moves, the fixed one stays), finetune.json holds the last alpha, and the trained module's
+    logits are the head (pooler + classifier) of the last layer computed by hand from the export (which holds no
+    SoftDecay) at that alpha: LayerNorm(SoftDecay(FFN(x) + x) + x) in the last layer, or SoftDecay of its output."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from lightning_modules.finetune import FineTuneModule
     from tests.test_softdecay import direct_soft_decay
 
     learned, fixed = tmp_path / "learned", tmp_path / "fixed"
-    assert train.cli_main(ft_args(learned, inputs, *SOFTDECAY, "--model.softdecay_learn_alpha", "true")) == 0
-    assert train.cli_main(ft_args(fixed, inputs, *SOFTDECAY, "--model.softdecay_alpha", "-0.3")) == 0
-    for root, initial, learn in ((learned, -0.2, True), (fixed, -0.3, False)):
+    assert train.cli_main(ft_args(learned, inputs, *SOFTDECAY)) == 0
+    assert train.cli_main(ft_args(fixed, inputs, *SOFTDECAY, "--model.softdecay_alpha", "-0.3",
+                                  "--model.softdecay_alpha_mode", "fixed",
+                                  "--model.softdecay_placement", "after_layernorm")) == 0
+    for root, initial, mode in ((learned, -0.2, "learned"), (fixed, -0.3, "fixed")):
         alphas = [logged(root)[step]["train/softdecay_alpha"] for step in range(6)]
         report = json.loads((root / "finetune.json").read_text())
-        assert (report["softdecay"], report["softdecay_alpha_initial"], report["softdecay_learn_alpha"]) == \
-            (True, initial, learn)
+        assert (report["softdecay"], report["softdecay_alpha_initial"], report["softdecay_alpha_mode"],
+                report["softdecay_placement"]) == (True, initial, mode,
+                                                   "before_layernorm" if mode == "learned" else "after_layernorm")
         assert alphas[0] == pytest.approx(initial, abs=1e-6)
-        if learn:  # moved step by step (Adam, lr 1e-3), and the report holds the alpha after the last update
+        if mode == "learned":  # moved step by step (Adam, lr 1e-3), and the report holds the alpha after the last update
             assert all(a != b for a, b in zip(alphas, alphas[1:])) and abs(report["softdecay_alpha"] - initial) > 1e-4
         else:
             assert len(set(alphas)) == 1 and report["softdecay_alpha"] == initial  # (logged in float32)
@@ -396,24 +401,30 @@ def test_softdecay_fine_tuning_learns_alpha_logs_it_and_the_logits_are_the_heads
         tokenizer = AutoTokenizer.from_pretrained(root / "export")
         batch = tokenizer(corpus_sentences(5, start=5000), padding=True, truncation=True, max_length=32,
                           return_tensors="pt")
+        last, seen = exported.bert.encoder.layer[-1].output, {}
+        handle = last.register_forward_hook(
+            lambda m, args, out, seen=seen: seen.update(x=args[1], z=m.dense(args[0]) + args[1]))
         with torch.no_grad():
-            last = exported.bert(**batch, output_hidden_states=True).hidden_states[-1].double()
-            transformed = last.clone()
+            states = exported.bert(**batch, output_hidden_states=True).hidden_states
+            handle.remove()
+            source = seen["z"] if mode == "learned" else states[-1]
+            transformed = source.double().clone()
             for row, n in enumerate(batch["attention_mask"].sum(1).tolist()):
-                transformed[row, :n] = torch.from_numpy(direct_soft_decay(last[row, :n].numpy(),
+                transformed[row, :n] = torch.from_numpy(direct_soft_decay(source[row, :n].double().numpy(),
                                                                           report["softdecay_alpha"]))
+            if mode == "learned":
+                transformed = last.LayerNorm(transformed.float() + seen["x"]).double()
             expected = exported.classifier(exported.bert.pooler(transformed.float()))
             torch.testing.assert_close(module(dict(batch)).logits, expected, rtol=1e-4, atol=1e-4)
             # the last hidden state the regularisers and live statistics read is the transformed one; the others
-            states = module(dict(batch), hidden_states=True).hidden_states  # are the layers' own
+            ours = module(dict(batch), hidden_states=True).hidden_states  # are the layers' own
             mask = batch["attention_mask"].bool()
-            torch.testing.assert_close(states[-1][mask], transformed.float()[mask], rtol=1e-4, atol=1e-4)
-            before = exported.bert(**batch, output_hidden_states=True).hidden_states[-2]
-            torch.testing.assert_close(states[-2], before, rtol=0, atol=1e-5)
+            torch.testing.assert_close(ours[-1][mask], transformed.float()[mask], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ours[-2], states[-2], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["alpha below -1", "alpha of 0", "alpha of 1 without softdecay",
-                                  "learned alpha without softdecay", "an encoder without a layer stack"])
+                                  "an unknown alpha mode", "an unknown placement", "an encoder without a layer stack"])
 def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
     alpha = "--model.softdecay_alpha must lie in (-1, 0) (SoftDecay needs alpha < 0, and alpha <= -1 takes the log " \
             "of a non-positive number for small singular values), got "
@@ -429,8 +440,12 @@ def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_p
             "alpha below -1": (("--model.softdecay", "true", "--model.softdecay_alpha", "-1.5"), alpha + "-1.5"),
             "alpha of 0": (("--model.softdecay", "true", "--model.softdecay_alpha", "0"), alpha + "0.0"),
             "alpha of 1 without softdecay": (("--model.softdecay_alpha", "1"), alpha + "1.0"),
-            "learned alpha without softdecay": (("--model.softdecay_learn_alpha", "true"),
-                                                "--model.softdecay_learn_alpha true needs --model.softdecay true"),
+            "an unknown alpha mode": (("--model.softdecay", "true", "--model.softdecay_alpha_mode", "sigmoid"),
+                                      "--model.softdecay_alpha_mode must be one of learned, bounded, fixed, got "
+                                      "'sigmoid'"),
+            "an unknown placement": (("--model.softdecay_placement", "inside"),
+                                     "--model.softdecay_placement must be one of before_layernorm, after_layernorm, "
+                                     "got 'inside'"),
         }[case]
     root = tmp_path / "run"
     before = files_under(tmp_path)

@@ -13,17 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.stats import rankdata, spearmanr
 
-from metrics.geometry import (
-    Covariance,
-    IsoScoreStar,
-    MeanCosine,
-    SelfSimilarity,
-    TokenSample,
-    isoscore,
-    isoscore_star,
-    spectrum,
-    spectrum_of_moments,
-)
+from metrics.geometry import Covariance, MeanCosine, SelfSimilarity, TokenSample
+from metrics.isotropy import IsoScoreStar, isoscore, isoscore_star, spectrum, spectrum_of_moments
 from metrics.similarity import PairCosine, average_ranks, pearson, spearman, threshold_accuracy
 from metrics.transforms import Clipping, keep_mask, standardization, whitening, zero_dims
 from tests.tiny import free_port

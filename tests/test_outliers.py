@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -222,3 +223,54 @@ def test_albert_positions_traced_through_the_factorised_projection(bert_tok):
     entries = trace_origins(grouped, [0])["layer_norms"]["0"]
     assert sorted(entry["layer"] for entry in entries) == sorted(2 * list(range(1, LAYERS + 1)))
     assert not any("shared_by_layers" in entry for entry in entries)
+
+
+OUR_NUMBERS = re.compile(r"0\.2\b|20 ?%|\bhalf\b|[<>]=? ?12\b|\b12 layers")  # share, persistence, --clip auto's depth
+
+
+def credits_the_paper(text: str) -> list[str]:
+    """The places in `text` where one of our numbers (the 0.2 / 20% share, half of the layers, the 12-layer threshold)
+    is not said to be ours, before the sentence ends or the paper is named: [the text from the number on]."""
+    found = []
+    for match in OUR_NUMBERS.finditer(text):
+        rest = text[match.end():]
+        end = re.search(r"\.(\s|$)", rest)  # a sentence's end ("1..3" and "0.2" are not)
+        sentence = rest[:end.start()] if end else rest
+        ours = sentence.find("ours")
+        paper = min([i for i in (sentence.find("Luo et al"), sentence.find("the paper's")) if i >= 0], default=-1)
+        if ours < 0 or 0 <= paper < ours:
+            found.append(text[match.start():match.start() + 80])
+    return found
+
+
+def test_no_report_credits_the_paper_with_a_number_it_does_not_give(tmp_path, bert_tok, sentences_file, capsys):
+    """The paper's rule is "the largest or smallest value of most vectors", its outliers "persistent", and it clips its
+    base and large models two ways without naming a depth: the rule description, the persistence, the clipping rule
+    (base depth and deeper), the terminal table and paper.md's §3 lines each say the 0.2 share, the half of the layers
+    and the 12-layer threshold are ours. The check itself flags the wording these reports had before."""
+    from analyses.paper_report import paper_markdown
+    from metrics.transforms import parse_clip
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=lambda m: plant(m, 0))
+    assert analyze.main(["outliers", "--encoder", str(encoder), "--data", str(sentences_file), "--no_progress",
+                         "--sigma", "3", "--output_dir", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    rule = report["rule"]
+    assert "0.2" in rule["description"] and "half" in rule["persistence"] and report["persistent_dims"]
+    clip_rules = [parse_clip("auto").rule(layers) for layers in (LAYERS + 1, 13, 25)]
+    summary = {"encoder": str(encoder), "section3_sentences": {"sst2": 20}, "section3_sentences_asked": 20,
+               "clip": "1:5", "clipped_dims": [PE_DIM], "clip_rule": clip_rules[0], "data": {},
+               "section3_outliers": {"layers": report["layers"], "persistent_dims": report["persistent_dims"],
+                                     "rule": rule["description"], "persistence": rule["persistence"]},
+               "section3_position_probe": None, "figure6": {}, "table1_wic": None, "table2_sts": [],
+               "table3_classifiers": {}, "notes": []}
+    texts = [rule["description"], rule["persistence"], capsys.readouterr().out, *clip_rules, paper_markdown(summary)]
+    for text in texts:
+        assert credits_the_paper(text) == [], text
+    before = ["argmax or argmin share >= 0.2 (Luo et al. 2021)",
+              "persistent outlier dims (in at least half of the non-input layers 1..3): [5]",
+              "auto: persistent outlier dims (outliers in at least half of layers 1..3) zeroed in every non-input "
+              "layer, the paper's §4 rule for base-depth models (3 <= 12 layers)",
+              "auto: each non-input layer's own outlier dims zeroed in that layer only, the paper's Appendix D rule for "
+              "deep models (24 > 12 layers: their outliers move across layer ranges)"]
+    assert all(credits_the_paper(text) for text in before)

@@ -11,9 +11,9 @@ import datasets
 import pytest
 
 import analyze
-from datamodules.pairs import WORD
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import sample_texts
+from datamodules.words import WORD
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -75,18 +75,20 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
     summary = json.loads((out / "paper.json").read_text())
     outliers = json.loads((out / "outliers" / "outliers.json").read_text())
     assert PLANTED in outliers["persistent_dims"] == summary["section3_outliers"]["persistent_dims"]
-    # §3 on SST-2's and QQP's training sentences together (26 + 25 of --outlier_sentences 51): the statistics equal
-    # the outliers subcommand on exactly those sentences
-    assert summary["section3_sentences"] == outliers["sentences_from"] == {"sst2": 26, "qqp": 25}
+    # §3 on SST-2's and QQP's training sentences together (--outlier_sentences 51 of each: QQP's 40 are all it has,
+    # used whole): the statistics equal the outliers subcommand on exactly those sentences
+    assert summary["section3_sentences"] == outliers["sentences_from"] == {"sst2": 51, "qqp": 40}
+    assert "on 51 sentences of SST-2 and 40 sentences of QQP (51 asked of each; QQP has only 40: used whole)" in \
+        (out / "paper.md").read_text()
     train = datasets.load_from_disk(str(stand_ins["sst2"]))["train"]["sentence"]
     with (stand_ins["qqp"]).open(newline="", encoding="utf-8") as handle:
         questions = [row["question1"] for row in csv.DictReader(handle)]
     together = tmp_path / "together.txt"
-    together.write_text("\n".join(sample_texts(iter(train), 26, 1) + sample_texts(iter(questions), 25, 2)) + "\n")
+    together.write_text("\n".join(sample_texts(iter(train), 51, 1) + questions) + "\n")
     assert analyze.main(["outliers", *map(str, common[:-2]), "--data", str(together), "--max_sentences", "0",
                          "--output_dir", str(tmp_path / "direct_outliers")]) == 0
     direct = json.loads((tmp_path / "direct_outliers" / "outliers.json").read_text())
-    assert outliers["num_sentences"] == direct["num_sentences"] == 51
+    assert outliers["num_sentences"] == direct["num_sentences"] == 91
     assert outliers["layers"] == paper_keys(direct["layers"], outliers["layers"])
     # the clipping found there, written out per non-input layer, is the one every step used
     expected_clip = ",".join(f"{layer}:{'+'.join(map(str, outliers['persistent_dims']))}"
@@ -99,7 +101,7 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
         assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
     assert summary["clip_rule"].startswith(f"auto: persistent outlier dims (outliers in at least half of layers "
-                                           f"1..{LAYERS})") and "sentences of" in summary["clip_rule"]
+                                           f"1..{LAYERS}, a number of ours") and "sentences of" in summary["clip_rule"]
     # Figure 6 (right): self-similarity minus the same layer's anisotropy of the same variant, the unadjusted beside
     for name, texts in (("sst2", train), ("qqp", questions)):
         figure, selfsim = summary["figure6"][name], reports[f"self_similarity_{name}"]
@@ -133,7 +135,7 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
     row = lines[header + 4]  # the header, its rule, layers 0 and 1, then layer 2
     assert row.startswith("| 2 |")
     assert f"{sst2['self_similarity_adjusted']['raw'][2]:.3f}" in row.split(" | ")[3]
-    assert "Outliers (§3) detected on 26 sentences of SST-2 and 25 sentences of QQP" in markdown
+    assert "Outliers (§3) detected on 51 sentences of SST-2 and 40 sentences of QQP" in markdown
     words = summary["figure6"]["sst2"]["words"]
     assert (f"SST-2: 4 words of the {words['num_candidates']} that occur in at least 3 of its 60 sentences, 3 contexts "
             f"each ({words['num_sentences']} sentences encoded)") in markdown
@@ -164,7 +166,16 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
         best = max((r for r in report["layers"] if r["layer"] >= 1), key=lambda r: (r["val_accuracy"], -r["layer"]))
         assert (row["best_layer"], row["raw"], row["clipped"]) == (best["layer"], best["accuracy"],
                                                                    best["accuracy_clipped"])
+        assert (row["control"], row["selectivity"]) == (best["control_accuracy"], best["selectivity"])
+        assert row["selectivity"] == pytest.approx(row["raw"] - row["control"])
+    # the control task beside the random-init encoder: per layer, selectivity = accuracy - control accuracy
+    section = summary["section3_position_probe"]
+    for entry, row in zip(section["layers"], probe["layers"]):
+        assert (entry["control_accuracy"], entry["selectivity"]) == (row["control_accuracy"], row["selectivity"])
+        assert entry["selectivity"] == pytest.approx(entry["accuracy"] - entry["control_accuracy"])
     markdown = (out / "paper.md").read_text()
+    assert "| layer | accuracy | random-init encoder | control task | selectivity |" in markdown
+    assert "| task | best layer (validation) | raw | clipped | control task | selectivity |" in markdown
     for heading in ("## §3 Outlier neurons", "## §3 Position probe", "## §4.1 Anisotropy", "## Table 1: WiC",
                     "## Table 2: STS", "## Table 3"):
         assert heading in markdown
@@ -210,14 +221,15 @@ def test_paper_without_sst2_finds_the_outliers_on_qqp_alone(stand_ins, tmp_path)
     with (stand_ins["qqp"]).open(newline="", encoding="utf-8") as handle:
         questions = [row["question1"] for row in csv.DictReader(handle)]
     together = tmp_path / "qqp.txt"
-    together.write_text("\n".join(sample_texts(iter(questions), 30, 1)) + "\n")
+    together.write_text("\n".join(sample_texts(iter(questions), 30, 2)) + "\n")  # QQP's seed: --seed + 1
     assert analyze.main(["outliers", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--data", str(together),
                          "--max_sentences", "0", "--output_dir", str(tmp_path / "direct")]) == 0
     direct = json.loads((tmp_path / "direct" / "outliers.json").read_text())
     outliers = json.loads((out / "outliers" / "outliers.json").read_text())
     assert outliers["layers"] == paper_keys(direct["layers"], outliers["layers"])
     markdown = (out / "paper.md").read_text()
-    assert "(skipped: --sst2 none)" in markdown and "Outliers (§3) detected on 30 sentences of QQP" in markdown
+    assert "(skipped: --sst2 none)" in markdown and "Outliers (§3) detected on 30 sentences of QQP (30 asked of each)" \
+        in markdown
 
 
 def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_path):
@@ -238,3 +250,29 @@ def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_pat
     assert imdb.texts["test"] == imdb_rows["test"]["text"] and len(imdb.texts["val"]) == 5
     with pytest.raises(Exception, match="has no split 'dev'"):
         PositionDataModule(source=str(stand_ins["sst2"]), encoder=encoder, val_split="dev").read_splits()
+
+
+def test_the_section_3_sample_takes_outlier_sentences_from_each_set_and_a_short_one_whole(tmp_path):
+    """--outlier_sentences N from each of SST-2 and QQP (the paper's 10k of both): a seeded sample of each, SST-2's
+    first; a set shorter than N is used whole and not topped up from the other (also when the other is none), and
+    paper.md says how many were used."""
+    from types import SimpleNamespace
+
+    from analyses.paper import outlier_sample
+    from analyses.paper_report import sample_line
+
+    sst2, qqp = corpus_sentences(30, start=900), corpus_sentences(10, start=1000)
+    (tmp_path / "sst2.txt").write_text("\n".join(sst2) + "\n", encoding="utf-8")
+    with (tmp_path / "qqp.csv").open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("question1", "question2"), *((q, "other") for q in qqp)])
+    both = {"sst2": (str(tmp_path / "sst2.txt"), None), "qqp": (str(tmp_path / "qqp.csv"), "question1")}
+    args = SimpleNamespace(outlier_sentences=12, seed=3)
+    sentences, used = outlier_sample(args, both)
+    assert used == {"sst2": 12, "qqp": 10}  # QQP has 10 of the 12 asked: all of them, nothing more
+    assert sentences == sample_texts(iter(sst2), 12, 3) + qqp
+    assert len(set(sentences[:12])) == 12 and set(sentences[:12]) <= set(sst2)
+    assert sample_line(used, 12) == "12 sentences of SST-2 and 10 sentences of QQP (12 asked of each; QQP has only 10: " \
+                                    "used whole)"
+    alone, used = outlier_sample(args, {"qqp": both["qqp"]})  # SST-2 none: QQP is not topped up to 12 either
+    assert used == {"qqp": 10} and alone == qqp
+    assert sample_line({"sst2": 12, "qqp": 12}, 12) == "12 sentences of SST-2 and 12 sentences of QQP (12 asked of each)"

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: one thread 
 
 class Planted(nn.Module):
     """A tiny 'encoder' whose hidden state l is one fixed vector for every token (nothing to read there) except
-    dimension PLANTED[l], which holds the token's position ("position") or +1/-1 by token-id parity ("parity")."""
+    dimension PLANTED[l], which holds the token's position ("position") or +1/-1 by token-id parity ("parity"); or
+    ("type") a fixed random vector per token id in every layer, and nothing else (no position)."""
 
     def __init__(self, vocab_size: int, signal: str) -> None:
         super().__init__()
@@ -44,8 +45,11 @@ class Planted(nn.Module):
                                  num_attention_heads=1, max_position_embeddings=64)
         self.constant = nn.Parameter(torch.rand(HIDDEN, generator=torch.Generator().manual_seed(0)) + 0.5)
         self.signal = signal
+        self.table = nn.Parameter(torch.randn(vocab_size, HIDDEN, generator=torch.Generator().manual_seed(1)))
 
     def forward(self, input_ids, attention_mask, output_hidden_states=True, return_dict=True):
+        if self.signal == "type":
+            return SimpleNamespace(hidden_states=tuple(self.table[input_ids] for _ in PLANTED))
         if self.signal == "position":
             value = torch.arange(input_ids.shape[1], dtype=torch.float).expand(input_ids.shape)
         else:
@@ -170,7 +174,7 @@ def test_probe_recovers_planted_position_and_contributions_single_out_its_dimens
 
     assert model.accuracy_of("encoder") == [1.0, 1.0, 1.0]  # every test token's position, exactly
     features, positions = dm.stores["test"].features(), dm.stores["test"].labels  # [layers, tokens, hidden]
-    weight = model.weight.detach()
+    weight = model.weight.detach()[:3]  # the encoder's layers (the control task's probes follow)
     direct = (weight[:, :, positions].transpose(1, 2) * features).abs()  # c(i) = |w_gold,i v_i| by hand
     torch.testing.assert_close(model.results["contributions"], direct.mean(1), rtol=1e-5, atol=1e-6)
     for p in range(8):
@@ -229,12 +233,13 @@ def test_joint_training_equals_separately_trained_single_layer_probes(tmp_path, 
                   random_baseline=True, progress=False, seed=3)
     joint = PositionProbe(lr=0.01, seed=3)
     fit(joint, PositionDataModule(**common), 2)
-    assert joint.probe_slots == [(kind, layer) for kind in ("encoder", "random") for layer in range(LAYERS + 1)]
+    kinds = ("encoder", "random", "control")
+    assert joint.probe_slots == [(kind, layer) for kind in kinds for layer in range(LAYERS + 1)]
     for layer in (0, 2):
         alone = PositionProbe(lr=0.01, seed=3)
         fit(alone, PositionDataModule(layers=[layer], **common), 2)
-        assert alone.probe_slots == [("encoder", layer), ("random", layer)]
-        for kind in ("encoder", "random"):
+        assert alone.probe_slots == [(kind, layer) for kind in kinds]
+        for kind in kinds:
             trained = joint.weight.detach()[joint.probe_slots.index((kind, layer))]
             bound = TINY_HIDDEN ** -0.5  # nn.Linear's initial range, from the slot's own seeded generator
             init = torch.empty(TINY_HIDDEN, 16).uniform_(
@@ -242,7 +247,8 @@ def test_joint_training_equals_separately_trained_single_layer_probes(tmp_path, 
             assert (trained - init).abs().max() > 1e-3  # it trained
             torch.testing.assert_close(alone.weight.detach()[alone.probe_slots.index((kind, layer))], trained,
                                        rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(alone.results["accuracy"], joint.results["accuracy"][[layer, LAYERS + 1 + layer]])
+        torch.testing.assert_close(alone.results["accuracy"],
+                                   joint.results["accuracy"][[joint.probe_slots.index((k, layer)) for k in kinds]])
 
 
 def test_no_position_embeddings_leave_position_near_chance(tmp_path, roberta_tok):
@@ -283,7 +289,7 @@ def test_each_sentence_goes_through_the_encoder_and_its_random_twin_exactly_once
     model = PositionProbe(lr=0.01)
     trainer = fit(model, dm, 4, val_every=1)  # 4 epochs, validated after each, then tested, every layer
 
-    assert trainer.current_epoch == 4 and len(model.probe_slots) == 2 * (LAYERS + 1)
+    assert trainer.current_epoch == 4 and len(model.probe_slots) == 3 * (LAYERS + 1)  # encoder, random, control
     assert sum(len(store.offsets) - 1 for store in dm.stores.values()) == len(texts)
     expected = Counter(map(tuple, bert_tok(texts, truncation=True, max_length=16)["input_ids"]))
     for kind in ("encoder", "random"):  # every sentence once, none twice, nothing re-run per layer or epoch
@@ -460,9 +466,10 @@ def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(t
         batches = [order[start:start + 16] for start in range(0, len(order), 16)]
         assert sorted(order) == list(range(store.items))  # each token once
         assert all(len(set(sentence_of[ids].tolist())) > 1 for ids in batches[:-1])  # across sentences
-        for block, (x, y) in zip(blocks, features):  # batch i of a block: items [16 i, 16 i + 16), sorted
+        for block, (x, y, c) in zip(blocks, features):  # batch i of a block: items [16 i, 16 i + 16), sorted
             rows = torch.cat([torch.tensor(sorted(block[start:start + 16])) for start in range(0, len(block), 16)])
             assert torch.equal(x, store.gather(rows)) and torch.equal(y, store.labels[rows])
+            assert torch.equal(c, store.control[rows])  # each item's control-task label rides along
         epochs.append(batches)
     assert epochs[0] != epochs[1]  # shuffled again each epoch
 
@@ -470,9 +477,10 @@ def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(t
 @pytest.mark.parametrize("steps_per_block", [1, 3])
 def test_blocks_of_steps_give_the_weights_of_a_plain_adam_loop_over_the_same_batches(tmp_path, bert_tok,
                                                                                      steps_per_block):
-    """Several Adam steps per trainer step (every layer and the random baseline stacked, validation each epoch)
-    leave the weights a plain PyTorch loop leaves: one autograd cross-entropy and Adam step per batch of 8 token
-    vectors, each slot on its own, in the epoch's shuffled order."""
+    """Several Adam steps per trainer step (every layer, the random baseline and the control task stacked, validation
+    each epoch) leave the weights a plain PyTorch loop leaves: one autograd cross-entropy and Adam step per batch of
+    8 token vectors, each slot on its own (a control probe: its layer's encoder features against the control
+    labels), in the epoch's shuffled order."""
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     data = write_lines(tmp_path / "s.txt", corpus_sentences(40, start=900))
     dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, max_positions=16, batch_size=8,
@@ -503,9 +511,10 @@ def test_blocks_of_steps_give_the_weights_of_a_plain_adam_loop_over_the_same_bat
         for start in range(0, len(order), 8):
             rows = torch.tensor(order[start:start + 8])
             features, positions = store.gather(rows), store.labels[rows]  # [slots, 8, hidden], [8]
-            for i, (weight, optimizer) in enumerate(zip(weights, optimizers)):
+            for (kind, layer), weight, optimizer in zip(slots, weights, optimizers):
+                x = features[slots.index(("encoder", layer)) if kind == "control" else slots.index((kind, layer))]
                 optimizer.zero_grad()
-                F.cross_entropy(features[i] @ weight, positions).backward()
+                F.cross_entropy(x @ weight, store.control[rows] if kind == "control" else positions).backward()
                 optimizer.step()
         torch.testing.assert_close(seen[epoch], torch.stack([w.detach() for w in weights]), rtol=1e-4, atol=1e-5)
     assert (seen[0] - initial).abs().max() > 0.1 and (seen[1] - seen[0]).abs().max() > 0.01  # it trained
@@ -532,8 +541,10 @@ def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_
     trainer.test(model, datamodule=dm, verbose=False)
     val, test = dm.stores["val"], dm.stores["test"]
 
-    def accuracy(weight, store):
-        return (torch.bmm(store.features(), weight).argmax(-1) == store.labels).double().mean(1)
+    def accuracy(weight, store):  # the encoder's layers on the task, then the control task's probes on theirs
+        features = store.features().repeat(2, 1, 1)
+        targets = torch.stack([store.labels] * (LAYERS + 1) + [store.control] * (LAYERS + 1))
+        return (torch.bmm(features, weight).argmax(-1) == targets).double().mean(1)
 
     by_epoch = torch.stack([accuracy(w, val) for w in seen])  # [epochs, layers]
     best = by_epoch.argmax(0)  # the first maximum: the earliest best epoch
@@ -542,4 +553,4 @@ def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_
     tested = torch.stack([seen[int(epoch)][layer] for layer, epoch in enumerate(best)])
     torch.testing.assert_close(model.results["accuracy"].double(), accuracy(tested, test))
     report = model.report()
-    assert [row["best_epoch"] for row in report["layers"]] == best.tolist()
+    assert [row["best_epoch"] for row in report["layers"]] == best[:LAYERS + 1].tolist()  # the encoder's layers

@@ -16,7 +16,8 @@ from transformers import AutoModel, AutoTokenizer
 
 import probe
 from datamodules.probing import ClassificationDataModule, PositionDataModule
-from lightning_modules.probes import FeatureSpec, PositionProbe, SentenceClassifier
+from lightning_modules.linear_probes import FeatureSpec
+from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import detect_outliers, persistent_dims
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
@@ -68,11 +69,16 @@ def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tm
         dm.texts["test"], truncation=True, max_length=32)["input_ids"]]
     assert positions.tolist() == [p for n in lengths for p in range(n)]
 
-    weight = model.weight.detach()  # [14, 384, 300]
-    accuracy = (torch.einsum("sth,shp->stp", cached, weight).argmax(-1) == positions).double().mean(1)
+    weight = model.weight.detach()  # [21, 384, 300]: encoder, random-init, then the control task's probes
+    control = dm.stores["test"].control  # a random position per token type (Hewitt & Liang)
+    targets = torch.stack([positions] * 14 + [control] * 7)
+    accuracy = (torch.einsum("sth,shp->stp", torch.cat([cached, cached[:7]]), weight).argmax(-1) == targets
+                ).double().mean(1)
     assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:7].tolist())
     random = report["baselines"]["random_encoder"]["layers"]
-    assert [row["accuracy"] for row in random] == pytest.approx(accuracy[7:].tolist())
+    assert [row["accuracy"] for row in random] == pytest.approx(accuracy[7:14].tolist())
+    assert [row["control_accuracy"] for row in report["layers"]] == pytest.approx(accuracy[14:].tolist())
+    assert [row["selectivity"] for row in report["layers"]] == pytest.approx((accuracy[:7] - accuracy[14:]).tolist())
     majority = torch.bincount(dm.stores["train"].labels).argmax()
     assert report["baselines"]["majority"] == pytest.approx(float((positions == majority).double().mean()))
 
@@ -114,7 +120,8 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     report = json.loads((out / "classifier.json").read_text())
     dm, model = cli.datamodule, cli.model
     assert report["classes"] == ["long", "short"] and report["clipped_dims_source"] == "detected"
-    assert report["clip_rule"].startswith("auto: persistent") and "(6 <= 12 layers)" in report["clip_rule"]
+    assert report["clip_rule"].startswith("auto: persistent")
+    assert "(6 <= 12 layers, a threshold of ours" in report["clip_rule"]
 
     pooled = torch.stack([h.mean(1) for h in direct_hidden(minilm_path, dm.texts["test"], 32)], dim=1)  # [7, n, 384]
     cached = dm.stores["test"].features()
@@ -124,15 +131,18 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     assert [report["classes"][i] for i in labels] == truth
 
     assert model.bias is None and report["bias"] is False  # the paper's classifiers have no bias
-    weight = model.weight.detach()  # [21 slots, 384, 2]: encoder, random, clipped
+    weight = model.weight.detach()  # [28 slots, 384, 2]: encoder, random, clipped, control
     persistent = report["clipped_dims"]  # --clip auto: the persistent dims, zeroed in layers 1..6, never in 0
     assert report["clipped_dims_per_layer"] == {str(layer): persistent for layer in range(1, 7)} if persistent else {}
     keep = torch.ones(7, 1, 384)
     keep[1:, :, persistent] = 0
-    features = torch.cat([cached, cached[:7] * keep])
-    accuracy = (torch.einsum("snh,shc->snc", features, weight).argmax(-1) == labels).double().mean(1)
+    features = torch.cat([cached, cached[:7] * keep, cached[:7]])
+    targets = torch.stack([labels] * 21 + [dm.stores["test"].control] * 7)  # the control task: a class per sentence
+    accuracy = (torch.einsum("snh,shc->snc", features, weight).argmax(-1) == targets).double().mean(1)
     assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:7].tolist())
-    assert [row["accuracy_clipped"] for row in report["layers"]] == pytest.approx(accuracy[14:].tolist())
+    assert [row["accuracy_clipped"] for row in report["layers"]] == pytest.approx(accuracy[14:21].tolist())
+    assert [row["control_accuracy"] for row in report["layers"]] == pytest.approx(accuracy[21:].tolist())
+    assert [row["selectivity"] for row in report["layers"]] == pytest.approx((accuracy[:7] - accuracy[21:]).tolist())
     random = report["baselines"]["random_encoder"]["layers"]
     assert [row["accuracy"] for row in random] == pytest.approx(accuracy[7:14].tolist())
     majority = torch.bincount(dm.stores["train"].labels, minlength=2).argmax()
@@ -147,10 +157,13 @@ def test_fast_dev_run_reports_the_one_test_batch(tmp_path, bert_tok):
     cli = run_cli("position", "--model.encoder", encoder, "--data.source", data, "--data.batch_size", 3,
                   "--trainer.fast_dev_run", "true", "--trainer.default_root_dir", tmp_path / "out")
     report = json.loads((tmp_path / "out" / "position_probe.json").read_text())
-    features, positions = next(iter(cli.datamodule.test_dataloader()))  # fast_dev_run tests one batch
+    features, positions, control = next(iter(cli.datamodule.test_dataloader()))  # fast_dev_run tests one batch
+    layers = LAYERS + 1
+    features = torch.cat([features, features[:layers]])  # the control task's probes read the encoder's features
     predicted = torch.einsum("sth,shp->stp", features, cli.model.weight.detach()).argmax(-1)
-    accuracy = (predicted == positions).double().mean(1)
-    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:LAYERS + 1].tolist())
+    accuracy = (predicted == torch.stack([positions] * (2 * layers) + [control] * layers)).double().mean(1)
+    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(accuracy[:layers].tolist())
+    assert [row["control_accuracy"] for row in report["layers"]] == pytest.approx(accuracy[2 * layers:].tolist())
 
 
 # The paper's settings (the issue, from Luo et al. 2021 §3 and §4.4): (model, data module, batch size, data source,

@@ -20,7 +20,7 @@ from datamodules.finetune import FineTuneDataModule
 from lightning_modules.finetune import FineTuneModule
 from lightning_modules.monitor import StepMonitor
 from lightning_modules.regularizers import Regularizer
-from metrics.geometry import IsoScoreStar, isoscore, isoscore_of_covariance, isoscore_star
+from metrics.isotropy import IsoScoreStar, isoscore, isoscore_of_covariance, isoscore_star
 from tests.tiny import corpus_sentences, save_tiny_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -51,7 +51,7 @@ def test_isoscore_of_the_covariance_equals_the_eigenvalue_route():
 
 
 def test_istar_through_autograd_equals_the_metric_and_its_gradient_matches_finite_differences():
-    """I-STAR's statistic over the union of three layers' unpadded tokens equals metrics.geometry.isoscore_star and
+    """I-STAR's statistic over the union of three layers' unpadded tokens equals metrics.isotropy.isoscore_star and
     the IsoScoreStar metric of those points (shrunk towards a given C0); its term is weight (1 - IsoScore*), and the
     gradient autograd gives a hidden state equals a central finite difference."""
     states, mask = planted_states()

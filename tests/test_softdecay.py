@@ -189,18 +189,19 @@ def test_bad_softdecay_settings_of_the_classifiers_are_one_line_exit_2(option, v
 
 # ---- SoftDecay as a layer inside fine-tuning (lightning_modules/softdecay.py) ----------------------------------------
 
-@pytest.mark.parametrize("learn", [False, True])
-def test_the_fine_tuning_layer_equals_the_post_hoc_transformation_and_a_direct_svd(learn):
+@pytest.mark.parametrize("mode", ["fixed", "learned", "bounded"])
+def test_the_fine_tuning_layer_equals_the_post_hoc_transformation_and_a_direct_svd(mode):
     """The layer on a padded batch [batch, seq, hidden]: each sentence's counted rows equal the post-hoc SoftDecay
     (metrics.transforms.soft_decay on the padded batch) and the numpy formula on that sentence alone, at the same
-    alpha; padding stays; a learned alpha starts at the given one and gets a finite gradient."""
+    alpha; padding stays; a learned alpha (tokenUni's unconstrained one, or our bounded one) starts at the given one
+    and gets a finite gradient."""
     from lightning_modules.softdecay import SoftDecayLayer
 
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(4, 30, 16, generator=generator) + torch.randn(16, generator=generator) * 3
     lengths = [30, 12, 5, 1]
     mask = torch.arange(30)[None, :] < torch.tensor(lengths)[:, None]
-    layer = SoftDecayLayer(-0.3, learn=learn)
+    layer = SoftDecayLayer(-0.3, mode=mode)
     assert layer.value() == pytest.approx(-0.3, abs=1e-7)
     out = layer(hidden, mask)
     post_hoc = soft_decay(hidden, mask, layer.value())
@@ -209,9 +210,68 @@ def test_the_fine_tuning_layer_equals_the_post_hoc_transformation_and_a_direct_s
         np.testing.assert_allclose(out[row, :n].detach().double().numpy(), expected, atol=2e-4, rtol=1e-5)
         torch.testing.assert_close(out[row, :n], post_hoc[row, :n], atol=1e-4, rtol=1e-5)
         assert torch.equal(out[row, n:], hidden[row, n:])
-    if learn:
+    parameters = list(layer.parameters())
+    if mode == "fixed":
+        assert parameters == []
+    else:
         weights = torch.randn(16, generator=generator)
         (out[mask] @ weights).pow(2).sum().backward()  # a loss on the transformed tokens
-        assert layer.theta.grad is not None and torch.isfinite(layer.theta.grad) and layer.theta.grad != 0
-    else:
-        assert list(layer.parameters()) == []
+        (parameter,) = parameters
+        assert parameter.grad is not None and torch.isfinite(parameter.grad) and parameter.grad != 0
+        if mode == "learned":  # tokenUni's: alpha is the parameter itself, nothing keeps it in (-1, 0)
+            assert layer.alpha is layer.alpha_parameter
+
+
+def tokenuni_soft_decay(matrix: np.ndarray, alpha: float) -> np.ndarray:
+    """tokenUni's map as their soft_expand.py writes it (with its eps in the log), on one sentence [tokens, hidden]."""
+    u, s, vt = np.linalg.svd(matrix, full_matrices=False)
+    mapped = -np.log(1 - alpha * (s + alpha) + 1e-7) / alpha
+    return (u * (mapped / (mapped.max() / s.max()))) @ vt
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+def test_tokenunis_placement_equals_a_hand_computation_of_their_layer(kind, bert_tok, tmp_path):
+    """The default placement, by hand (dropout off): in the last layer, z = FFN output + residual x, each sentence's
+    unpadded rows of z through their SoftDecay formula (numpy, float64), then the layer's LayerNorm of that plus x
+    again (their modeling_bert.py, apply_exrank add_last_beforeln); layers 0..L-1 unchanged, and the hooks gone the
+    model is its own again."""
+    from lightning_modules.softdecay import SoftDecayLayer, wrap
+
+    model = AutoModel.from_pretrained(save_tiny_encoder(tmp_path / kind, kind, bert_tok)).eval()
+    batch = bert_tok(corpus_sentences(5, start=700), padding=True, truncation=True, max_length=24,
+                     return_tensors="pt")
+    batch.pop("token_type_ids") if kind == "distilbert" else None
+    last = model.encoder.layer[-1] if kind == "bert" else model.transformer.layer[-1]
+    seen = {}
+
+    def bert_block(module, args, output):  # BertOutput(intermediate, input_tensor)
+        seen["x"], seen["z"] = args[1], module.dense(args[0]) + args[1]
+
+    def distilbert_block(module, args, output):  # ffn(x), summed with x before output_layer_norm
+        seen["x"], seen["z"] = args[0], output + args[0]
+
+    block, norm = (last.output, last.output.LayerNorm) if kind == "bert" else (last.ffn, last.output_layer_norm)
+    handle = block.register_forward_hook(bert_block if kind == "bert" else distilbert_block)
+    with torch.no_grad():
+        plain = model(**batch, output_hidden_states=True).hidden_states
+    handle.remove()
+    alpha, mask = -0.35, batch["attention_mask"].bool()
+    decayed = seen["z"].double().clone()
+    for row, n in enumerate(mask.sum(1).tolist()):
+        decayed[row, :n] = torch.from_numpy(tokenuni_soft_decay(decayed[row, :n].numpy(), alpha))
+    expected = torch.nn.functional.layer_norm(decayed + seen["x"].double(), norm.normalized_shape,
+                                              norm.weight.double(), norm.bias.double(), norm.eps)
+    layer = SoftDecayLayer(alpha).eval()  # tokenUni's: before the LayerNorm, learnable alpha, dropout (off in eval)
+    handles = wrap(model, layer, "tiny")
+    layer.mask = batch["attention_mask"]
+    wrapped = model(**batch, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(wrapped[-1][mask].double(), expected[mask], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(wrapped[-1][mask], plain[-1][mask], atol=1e-2)
+    for before, after in zip(plain[:-1], wrapped[:-1]):
+        assert torch.equal(before, after)
+    wrapped[-1][mask].sum().backward()
+    assert torch.isfinite(layer.alpha_parameter.grad) and layer.alpha_parameter.grad != 0
+    for hook in handles:
+        hook.remove()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).last_hidden_state, plain[-1])

@@ -1,0 +1,162 @@
+"""Words of a text: what a word is (WORD), word contexts for self-similarity (§4.1), static word vectors (GloVe, the
+STS baseline of §4.3).
+
+    contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
+    contexts = word_contexts(lambda: iter_texts("glue/sst2"))          # a whole source, streamed (bounded memory)
+    contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0)
+    vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from core.errors import UserError
+from datamodules.text import iter_texts, sample_texts
+
+WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
+
+
+@dataclass
+class WordContexts:
+    words: list[str]  # the sampled words (lowercased)
+    sentences: list[str]  # the sentences to encode
+    spans: list[list[tuple[int, int, int]]]  # per sentence: (word id, start, end) of each sampled word in it
+    num_candidates: int  # words occurring in at least min_sentences of the pool: the words that qualified
+    pool: int  # sentences searched
+    contexts_per_word: int
+
+
+RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
+
+
+def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
+                  seed: int = 0) -> WordContexts:
+    """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
+
+    `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
+    three streamed passes: count the sentences each word occurs in; keep a seeded uniform sample of RESERVOIR x
+    `min_sentences` occurrences of each sampled word; fetch the sentences finally drawn). Memory is the vocabulary's
+    counts plus num_words x RESERVOIR x min_sentences occurrences, whatever the size of the source.
+
+    Words are letter sequences, lowercased; a word's context in a sentence is its first occurrence. Every word gets
+    exactly `min_sentences` contexts (the same count for frequent and rare words). Contexts are drawn rarest word
+    first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
+    1000 words in the bundled corpus, instead of 10000).
+    """
+    passes = sentences if callable(sentences) else (lambda: iter(sentences))
+    counts: Counter[str] = Counter()
+    total = 0
+    for sentence in passes():
+        total += 1
+        counts.update({match.group().lower() for match in WORD.finditer(sentence)})
+    candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
+    if len(candidates) < num_words:
+        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {total} "
+                        f"sentences; self-similarity needs {num_words} (more sentences: --max_sentences or "
+                        "--pool_sentences, or fewer words: --num_words)")
+    rng = random.Random(seed)
+    words = rng.sample(candidates, num_words)
+    num_candidates = len(candidates)
+    del counts, candidates
+    ids = {word: word_id for word_id, word in enumerate(words)}
+    size = RESERVOIR * min_sentences
+    kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
+    seen = [0] * num_words
+    for index, sentence in enumerate(passes()):
+        first = set()
+        for match in WORD.finditer(sentence):
+            word = match.group().lower()
+            word_id = ids.get(word)
+            if word_id is None or word_id in first:
+                continue
+            first.add(word_id)
+            place, seen[word_id] = (index, match.start(), match.end()), seen[word_id] + 1
+            if seen[word_id] <= size:
+                kept[word_id].append(place)
+            elif (slot := rng.randrange(seen[word_id])) < size:  # Algorithm R
+                kept[word_id][slot] = place
+    chosen: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for word_id in sorted(range(num_words), key=lambda w: (seen[w], words[w])):
+        places = kept[word_id]
+        drawn = [p for p in places if p[0] in chosen]
+        rng.shuffle(drawn)
+        if len(drawn) < min_sentences:
+            fresh = [p for p in places if p[0] not in chosen]
+            drawn += rng.sample(fresh, min_sentences - len(drawn))
+        for index, start, end in drawn[:min_sentences]:
+            chosen[index].append((word_id, start, end))
+    order = sorted(chosen)
+    texts = [sentence for index, sentence in enumerate(passes()) if index in chosen]
+    if len(texts) != len(order) or any(texts[i][s:e].lower() != words[w] for i, index in enumerate(order)
+                                       for w, s, e in chosen[index]):
+        raise UserError("the self-similarity source changed while it was read (its three passes differ)")
+    return WordContexts(words, texts, [chosen[i] for i in order], num_candidates, total,
+                        min_sentences)
+
+
+def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int
+                    ) -> WordContexts:
+    """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
+    `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them."""
+    if pool:
+        sentences = sample_texts(iter_texts(source, column), pool, seed)
+        return word_contexts(sentences, num_words, min_sentences, seed)
+    return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed)
+
+
+# ---------------------------------------------------------------- static vectors
+
+
+def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False) -> tuple[dict[str, Tensor], int]:
+    """Vectors of the `vocabulary` words from a GloVe-format text file (`word v1 ... vd` a line; a word2vec header
+    line `count dim` is skipped), streamed so only those words are kept."""
+    from tqdm.auto import tqdm
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"static vectors file not found: {path}")
+    vectors, dim = {}, None
+    with file.open("rb") as raw, tqdm(total=file.stat().st_size, unit="B", unit_scale=True, disable=not progress,
+                                       desc=f"reading {file.name}", leave=False) as bar:
+        for number, binary in enumerate(raw, 1):
+            bar.update(len(binary))
+            line = binary.decode("utf-8", errors="replace")
+            fields = line.rstrip().split(" ")
+            if number == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
+                continue
+            if len(fields) < 2:
+                continue
+            if dim is None:
+                dim = len(fields) - 1
+            elif len(fields) - 1 < dim:
+                raise UserError(f"{path}:{number}: {len(fields) - 1} values, expected {dim} as on the first line")
+            word = " ".join(fields[:-dim]).lower()  # a few GloVe 840B words contain spaces
+            if word in vocabulary and word not in vectors:
+                try:
+                    vectors[word] = torch.tensor([float(v) for v in fields[-dim:]])
+                except ValueError:
+                    raise UserError(f"{path}:{number}: not a GloVe-format line (word followed by numbers)") from None
+    if dim is None:
+        raise UserError(f"static vectors file has no vectors: {path}")
+    if not vectors:
+        raise UserError(f"none of the {len(vocabulary)} words of the pairs is in {path}")
+    return vectors, dim
+
+
+def static_sentence_vector(sentence: str, vectors: dict[str, Tensor], dim: int) -> Tensor:
+    """Mean of the static vectors of the sentence's words (zero when none is known): [dim]."""
+    known = [vectors[w] for w in (m.group().lower() for m in WORD.finditer(sentence)) if w in vectors]
+    return torch.stack(known).mean(0) if known else torch.zeros(dim)
+
+
+def sentence_words(sentence: str) -> set[str]:
+    return {match.group().lower() for match in WORD.finditer(sentence)}
