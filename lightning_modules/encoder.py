@@ -7,8 +7,11 @@
         batch.rows                                           # each row's index in `texts` (batches sorted by length)
     twin = random_encoder(encoder, seed=0)                   # the same architecture, randomly initialised
 
-Layers follow transformers' `hidden_states`: 0 is the embedding output, 1..L the transformer layers. Hidden size,
-layer count and maximum positions are read from the model, never assumed.
+Layers follow transformers' `hidden_states`: 0 is the embedding output, 1..L the transformer layers (a decoder's
+layer L is after its final norm: core/families.py). Hidden size, layer count and maximum positions are read from the
+model, never assumed. Decoders (GPT-2, Llama / Qwen, GPT-NeoX, OPT) load too: sentences are right-padded, so a token
+sees only real tokens before it, and padding never counts; a tokenizer without a pad token pads with its eos id (or
+0), which only fills the batch.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def resolve_model_dir(source: str | Path) -> str:
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  exclude_special: bool = False) -> FrozenEncoder:
-    """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
+    """Load any BERT-family encoder, rotary encoder or decoder-only model (hub id, local directory, this project's
+    export or .ckpt) as a FrozenEncoder.
 
     `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere.
     """
@@ -81,13 +85,13 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         if Path(source).expanduser().is_dir():
             warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
                           f"{model_dir}", stacklevel=2)
-        return FrozenEncoder(masked_lm.roberta, tokenizer, name=str(source),
+        return FrozenEncoder(masked_lm.base_model, tokenizer, name=str(source),
                              exclude_special=exclude_special).to(device=device, dtype=dtype)
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
-    check_is_encoder(config, source)
+    check_is_encoder(config, source, decoders=True)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
     # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
@@ -133,15 +137,23 @@ def _warn_about_loading(source, info: Mapping) -> None:
             warnings.warn(f"encoder {source}: weights {what}: {shown}", stacklevel=3)
 
 
-def check_is_encoder(config, source) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+def check_is_encoder(config, source, decoders: bool = False) -> None:
+    """A masked-LM encoder (or, with `decoders`, also a decoder-only causal LM), else one line; an encoder-decoder
+    (T5, BART) never."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
-    if config.is_encoder_decoder or getattr(config, "is_decoder", False) or (
-        config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    ):
-        raise UserError(
-            f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder"
-        )
+    decoder = getattr(config, "is_decoder", False) or config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if getattr(config, "is_encoder_decoder", False):
+        raise UserError(f"{source} is a {config.model_type!r} encoder-decoder model; only encoders and decoder-only "
+                        "models are analysed")
+    if decoder and not decoders:
+        raise UserError(f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder")
+    if decoder and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
+                        "causal LM")
 
 
 def default_encoder() -> str:
@@ -167,6 +179,7 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
+        self.pad_id: int = next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -220,7 +233,7 @@ class FrozenEncoder(nn.Module):
             for key in encoded:
                 for row, value in zip(long_rows, cut[key]):
                     encoded[key][row] = value
-        inputs = pad(encoded, tokenizer.pad_token_id)
+        inputs = pad(encoded, self.pad_id)
         if offsets:
             inputs["offsets"] = [[tuple(pair) for pair in row] for row in encoded["offset_mapping"]]
         return inputs, len(long_rows)
