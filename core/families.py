@@ -1,7 +1,7 @@
 """Model families beyond BERT's layout, read off the model itself: decoders (GPT-2, Llama / Qwen, GPT-NeoX / Pythia,
 OPT) and rotary encoders (ModernBERT, RoFormer).
 
-    family(model)              # Family: causal or bidirectional, positions, norm placement, what layer L is
+    Family                     # causal or bidirectional, positions, norms, what layer L is (core.models.model_family)
     decoder_stack(model)       # Stack(blocks, final_norm) of a model whose layers sit in one flat list, or None
     hidden_state_sites(model)  # [(module, "input" | "output")]: where hidden_states[0..L] are read, by hooks
     position_table(model)      # (nn.Embedding, first row a token uses) of an absolute table, or None
@@ -146,27 +146,8 @@ def norm_placement(model: nn.Module, module: nn.Module) -> tuple[list[int], str]
     return [], "head"
 
 
-def family(model: nn.Module) -> Family:
-    """The model's kind (see Family), for reports and the families table."""
-    from core.models import position_embedding
-
-    config = _base(model).config
-    table = position_embedding(model)
-    if table is not None:
-        positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
-    elif is_rotary(model):
-        positions = "rotary (RoPE)"
-    else:
-        positions = "no absolute table"
-    stack = decoder_stack(model)
-    if stack is not None and stack.final_norm is not None:
-        last = f"layer L's output after the final norm ({_name_of(model, stack.final_norm)})"
-    else:
-        last = "layer L's output"
-    return Family(config.model_type, is_causal(config), positions, "pre-LN" if pre_norm(model) else "post-LN", last)
-
-
-def _name_of(model: nn.Module, module: nn.Module) -> str:
+def name_of(model: nn.Module, module: nn.Module) -> str:
+    """The name of `module` inside the model's body."""
     return next((n for n, m in _base(model).named_modules() if m is module), type(module).__name__)
 
 

@@ -4,6 +4,7 @@
     hidden_state_sites(model)      # [(module, "input" | "output")] for layers 0..L, any family (core/families.py)
     attention_projections(model)   # per transformer layer 1..L: (query Linear, key Linear, heads), read off its input
     position_embedding(model)      # the absolute position table (nn.Embedding) or None
+    model_family(model)            # core.families.Family: causal or not, positions, norms, what layer L is
     position_offset(model)         # RoBERTa numbers positions from padding_idx + 1, BERT from 0
     model_max_length(model)        # the longest input: table size minus the offset
     position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
@@ -124,6 +125,25 @@ def position_embedding(model: nn.Module) -> nn.Embedding | None:
         return table
     found = families.position_table(model)
     return found[0] if found is not None else None
+
+
+def model_family(model: nn.Module) -> families.Family:
+    """The model's kind (see Family), for reports and the families table."""
+    config = base_model(model).config
+    table = position_embedding(model)
+    if table is not None:
+        positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
+    elif families.is_rotary(model):
+        positions = "rotary (RoPE)"
+    else:
+        positions = "no absolute table"
+    stack = families.decoder_stack(model)
+    if stack is not None and stack.final_norm is not None:
+        last = f"layer L's output after the final norm ({families.name_of(model, stack.final_norm)})"
+    else:
+        last = "layer L's output"
+    norms = "pre-LN" if families.pre_norm(model) else "post-LN"
+    return families.Family(config.model_type, families.is_causal(config), positions, norms, last)
 
 
 def first_position_row(model: nn.Module) -> int:
