@@ -8,6 +8,12 @@ Exactly round(0.15 × (block_length - 2)) non-special positions of each block ar
 <mask>, 10% a random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
 block's key is (epoch × blocks + index), so masks are the same whatever the device count, batch size, worker count
 or resume point.
+
+The causal arms (lightning_modules/arms.py) predict the next token instead, on the same blocks unmasked:
+
+    collator = NextTokenCollator()
+    batch = collator({"blocks": blocks [batch, seq], "keys": keys [batch]})
+    batch["input_ids"] = blocks, batch["positions"] = 0..seq-2 [batch, seq - 1], batch["targets"] = blocks[:, 1:]
 """
 
 from __future__ import annotations
@@ -53,5 +59,19 @@ class MaskCollator:
         out = {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
                "targets": torch.from_numpy(targets)}
         if "stream_state" in item:  # where a streaming rank stands after this batch; the datamodule strips it
+            out["stream_state"] = item["stream_state"]
+        return out
+
+
+class NextTokenCollator:
+    """Blocks [batch, seq] → input_ids (the blocks, unmasked), positions 0..seq-2 and targets the next tokens
+    [batch, seq - 1]: the causal objective in the MLM batch's form (lightning_modules/mlm.py's `mlm_step`)."""
+
+    def __call__(self, item: dict) -> dict[str, torch.Tensor]:
+        blocks = torch.as_tensor(np.asarray(item["blocks"], dtype=np.int64))  # [batch, seq]
+        batch, length = blocks.shape
+        out = {"input_ids": blocks, "positions": torch.arange(length - 1).expand(batch, -1).contiguous(),
+               "targets": blocks[:, 1:].contiguous()}
+        if "stream_state" in item:
             out["stream_state"] = item["stream_state"]
         return out
