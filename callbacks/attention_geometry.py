@@ -42,8 +42,8 @@ from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
-from core.figures import over_steps_figure
 from core.families import is_causal, rotary_queries_keys
+from core.figures import over_steps_figure
 from core.models import attention_projections, find_encoder
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
 

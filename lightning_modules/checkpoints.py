@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import UserError, first_line
+from core.models import model_max_length
 from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
-from core.models import model_max_length
 from lightning_modules.arms import arm_of
 from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab
 

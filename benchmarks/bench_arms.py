@@ -1,0 +1,72 @@
+"""Cost of the pretraining arms (lightning_modules/arms.py): the training step of each causal and rotary arm against
+RoBERTa's MLM step of the same size, side by side in one run, on the tiny MLM config (issue 30).
+
+    python benchmarks/bench_arms.py             # configs/pretrain/tiny.yaml (4 layers, 128 wide, blocks of 128)
+    python benchmarks/bench_arms.py --quick     # fewer steps and rounds
+    python benchmarks/bench_arms.py --smoke     # a 2-layer model, 2 timed steps (tests/test_bench.py)
+
+Each round trains every arm from the same seed (`--model.objective`, `--model.positions`; everything else the config's),
+in an order that rotates with the round; timed: optimizer steps 1..--steps (step 0 holds the one-time set-up), no
+logger, no callbacks, no validation. A ratio is the median over rounds of the paired per-round ratio of wall times to
+the round's mlm-learned run (RobertaForMaskedLM, the default). One intra-op thread by default. Output: `RATIO
+<arm>_step` for causal-learned, causal-none, mlm-rope and causal-rope (target <= 1.10 each), with the per-round
+ratios and the median ratio of process CPU times as METRIC lines. A causal arm predicts every next token (T - 1 per
+block) where the MLM predicts 15% of them: the LM head and its cross-entropy run on ~6.6 times the positions, which is
+the objective's own cost (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_callbacks import QUICK  # noqa: E402
+from bench_regularizer import fit, mlm_args, step_timing_options  # noqa: E402
+
+ARMS = ("mlm-learned", "causal-learned", "causal-none", "mlm-rope", "causal-rope")
+
+
+def arm_args(arm: str) -> list[str]:
+    objective, positions = arm.split("-")
+    return ["--model.objective", objective, "--model.positions", positions]
+
+
+def main() -> None:
+    args = step_timing_options(__doc__.split("\n\n")[0], rounds=5, quick_rounds=3,
+                               steps_help="timed optimizer steps per run")
+    walls: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    cpus: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus, small = None, None
+        if args.smoke:
+            corpus = tmp / "corpus.txt"
+            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
+            small = {"model": QUICK["model"], "data": QUICK["data"]}
+        for round_ in range(args.rounds):
+            shift = round_ % len(ARMS)
+            for arm in ARMS[shift:] + ARMS[:shift]:
+                timer, _ = fit(mlm_args(tmp / f"{arm}-{round_}", tmp / "cache", small, corpus) + arm_args(arm),
+                               args.steps)
+                walls[arm].append(timer.wall_s)
+                cpus[arm].append(timer.cpu_s)
+                print(f"round {round_}: {arm:>15}  {timer.wall_s:8.2f} s wall  {timer.cpu_s:8.2f} s CPU  "
+                      f"({timer.wall_s / args.steps * 1000:.1f} ms a step)", flush=True)
+    for arm in ARMS[1:]:
+        name = f"{arm.replace('-', '_')}_step"
+        ratios = [variant / plain for variant, plain in zip(walls[arm], walls["mlm-learned"], strict=True)]
+        print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
+        cpu = [variant / plain for variant, plain in zip(cpus[arm], cpus["mlm-learned"], strict=True)]
+        print(f"METRIC {name}_cpu_time_ratio {statistics.median(cpu):.3f}  (process CPU time, median of the rounds: "
+              "less sensitive to a busy machine than wall time)")
+        print(f"RATIO {name} {statistics.median(ratios):.3f} target <=1.10")
+
+
+if __name__ == "__main__":
+    main()
