@@ -12,7 +12,9 @@ the round's mlm-learned run (RobertaForMaskedLM, the default). One intra-op thre
 <arm>_step` for causal-learned, causal-none, mlm-rope and causal-rope (target <= 1.10 each), with the per-round
 ratios and the median ratio of process CPU times as METRIC lines. A causal arm predicts every next token (T - 1 per
 block) where the MLM predicts 15% of them: the LM head and its cross-entropy run on ~6.6 times the positions, which is
-the objective's own cost (docs/benchmarks.md).
+the objective's own cost (docs/benchmarks.md). So the script also times the stack alone (embeddings and layers,
+forward and backward of the same blocks, no LM head, in this process, interleaved over --rounds x 5 repeats):
+`METRIC <arm>_stack_cpu_time_ratio`, what the causal mask and the rotary attention cost by themselves.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
 from bench_callbacks import QUICK  # noqa: E402
 from bench_regularizer import fit, mlm_args, step_timing_options  # noqa: E402
+
+from lightning_modules.mlm import MLMModule  # noqa: E402
 
 ARMS = ("mlm-learned", "causal-learned", "causal-none", "mlm-rope", "causal-rope")
 
@@ -35,6 +43,33 @@ ARMS = ("mlm-learned", "causal-learned", "causal-none", "mlm-rope", "causal-rope
 def arm_args(arm: str) -> list[str]:
     objective, positions = arm.split("-")
     return ["--model.objective", objective, "--model.positions", positions]
+
+
+def stack_times(small: dict | None, rounds: int, repeats: int = 5) -> dict[str, list[float]]:
+    """Process CPU time of `repeats` forward + backward passes of each arm's stack (no LM head) on the same random
+    blocks, the arms interleaved, once per round."""
+    config = yaml.safe_load((ROOT / "configs" / "pretrain" / "tiny.yaml").read_text())
+    model = {**config["model"], **((small or {}).get("model") or {})}
+    data = {**config["data"], **((small or {}).get("data") or {})}
+    sizes = {key: model[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "intermediate_size", "max_position_embeddings", "dropout")}
+    blocks = torch.randint(5, data["vocab_size"], (data["batch_size"], data["block_length"]),
+                           generator=torch.Generator().manual_seed(0))
+    stacks = {}
+    for arm in ARMS:
+        objective, positions = arm.split("-")
+        torch.manual_seed(0)
+        stacks[arm] = MLMModule(objective=objective, positions=positions, vocab_size=data["vocab_size"],
+                                **sizes).model.base_model.train()
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for round_ in range(rounds):
+        shift = round_ % len(ARMS)
+        for arm in ARMS[shift:] + ARMS[:shift]:
+            start = time.process_time()
+            for _ in range(repeats):
+                stacks[arm](input_ids=blocks).last_hidden_state.square().mean().backward()
+            times[arm].append(time.process_time() - start)
+    return times
 
 
 def main() -> None:
@@ -58,8 +93,12 @@ def main() -> None:
                 cpus[arm].append(timer.cpu_s)
                 print(f"round {round_}: {arm:>15}  {timer.wall_s:8.2f} s wall  {timer.cpu_s:8.2f} s CPU  "
                       f"({timer.wall_s / args.steps * 1000:.1f} ms a step)", flush=True)
+    stacks = stack_times(small, args.rounds)
     for arm in ARMS[1:]:
         name = f"{arm.replace('-', '_')}_step"
+        stack = [variant / plain for variant, plain in zip(stacks[arm], stacks["mlm-learned"], strict=True)]
+        print(f"METRIC {arm.replace('-', '_')}_stack_cpu_time_ratio {statistics.median(stack):.3f}  (embeddings and "
+              "layers only, forward and backward, no LM head: the arm's attention against RoBERTa's)")
         ratios = [variant / plain for variant, plain in zip(walls[arm], walls["mlm-learned"], strict=True)]
         print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
         cpu = [variant / plain for variant, plain in zip(cpus[arm], cpus["mlm-learned"], strict=True)]

@@ -209,6 +209,10 @@ class FrozenEncoder(nn.Module):
         output = self.model(**inputs, output_hidden_states=True, return_dict=True)
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
+        if len({state.shape[-1] for state in output.hidden_states}) > 1:  # OPT-350m's project_out on the last one
+            raise UserError(f"{self.name}: its hidden states have different widths "
+                            f"({sorted({state.shape[-1] for state in output.hidden_states})}: a projection after the "
+                            "last layer), so its layers cannot be compared")
         mask = inputs["attention_mask"].bool()
         if self.exclude_special and special_tokens_mask is not None:
             mask &= ~special_tokens_mask.to(device).bool()
