@@ -99,7 +99,7 @@ class MLMDataModule(pl.LightningDataModule):
         if h.global_batch_size is not None and h.global_batch_size < h.batch_size:
             raise UserError(f"--data.global_batch_size {h.global_batch_size} is below --data.batch_size {h.batch_size}")
         if h.objective not in ("mlm", "causal"):
-            raise UserError(f"--data.objective must be mlm or causal, got {h.objective!r}")
+            raise UserError(f"--model.objective must be one of mlm, causal, got {h.objective!r}")  # train.py links it
         if not 0 < h.mlm_probability < 1:
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:

@@ -207,3 +207,20 @@ def test_two_process_ddp_equals_one_process_for_the_causal_rope_arm(corpus, cach
     for name, value in reference["state_dict"].items():
         torch.testing.assert_close(other["state_dict"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert STEPS > 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--model.positions", "alibi"), "--model.positions must be one of learned, none, rope, got 'alibi'"),
+    (("--model.objective", "prefix"), "--model.objective must be one of mlm, causal, got 'prefix'"),
+    (("--model.position_embeddings", "false", "--model.positions", "learned"),
+     "--model.position_embeddings false contradicts --model.positions learned; give one of them (--model.positions "
+     "none is the no-PE arm)"),
+    (("--model.positions", "rope", "--model.attention", "gated"),
+     "--model.attention gated is RoBERTa's (--model.positions learned or none); the rotary arm (RoFormer) has softmax "
+     "attention only"),
+])
+def test_bad_arm_options_are_one_line_exit_2_and_write_nothing(extra, message, corpus, cache, tmp_path, capsys):
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *extra, logger="csv")) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"train.py: error: {message}"
+    assert not root.exists()

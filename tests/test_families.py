@@ -167,3 +167,15 @@ def test_hook_capture_of_the_live_callbacks_reads_transformers_hidden_states(kin
     else:  # one line saying why not
         with pytest.raises(UserError, match="pre-LN"):
             attention_projections(model)
+
+
+def test_a_model_whose_last_hidden_state_has_another_width_is_one_line(decoder_tok, texts, tmp_path, capsys):
+    """OPT-350m projects its last state to word_embed_proj_dim: its layers cannot be compared, and it says so."""
+    path = save_tiny_family(tmp_path / "opt", "opt", decoder_tok, word_embed_proj_dim=16)
+    out = tmp_path / "report"
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(texts[1]),
+                         "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"analyze.py outliers: error: {path}: its hidden states have different widths ([16, 32]: a projection after "
+        "the last layer), so its layers cannot be compared")
+    assert not out.exists()
