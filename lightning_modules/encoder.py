@@ -206,6 +206,8 @@ class FrozenEncoder(nn.Module):
         inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
         if token_type_ids is not None and "token_type_ids" in self._forward_keys:
             inputs["token_type_ids"] = token_type_ids.to(device)
+        if "use_cache" in self._forward_keys:  # a decoder keeps no key-value cache of a batch it reads once
+            inputs["use_cache"] = False
         output = self.model(**inputs, output_hidden_states=True, return_dict=True)
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")

@@ -119,7 +119,7 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
         max_position_embeddings=max_position_embeddings, hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout, type_vocab_size=1, layer_norm_eps=1e-5,
         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        is_decoder=objective == "causal",
+        **({"is_decoder": True, "use_cache": False} if objective == "causal" else {}),  # no key-value cache in training
     )
     model = auto.from_config(config, attn_implementation=implementation or attn_implementation)
     if positions == "none":
