@@ -186,6 +186,12 @@ def test_live_callbacks_and_the_online_probe_of_each_arm_equal_a_direct_computat
         check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
         check_attention(logged(run, "attention", step), "attention",
                         expected_attention([recorder.attention[step]], step, causal=objective == "causal"))
+    # the run's checkpoint reads as its export does (analyze.py trajectory's route): the arm rebuilt from the .ckpt
+    checkpoint, exported = (load_encoder(str(path), device="cpu") for path in (root / "checkpoints" / "last.ckpt",
+                                                                                root / "export"))
+    inputs, _ = exported.tokenize(["It is a truth universally acknowledged."])
+    torch.testing.assert_close(checkpoint(**inputs).hidden_states, exported(**inputs).hidden_states)
+    assert type(checkpoint.model).__name__ == CLASSES[objective, positions].replace("ForCausalLM", "Model")
 
 
 @pytest.mark.slow
