@@ -55,6 +55,8 @@ class MLMDataModule(pl.LightningDataModule):
         seed: shuffling and masking seed.
         objective: mlm (15% masked) or causal (the blocks unmasked, every next token predicted); train.py sets it from
             --model.objective.
+        next_token_share: the causal arms' share of a block's next tokens predicted in training (1: every one, the
+            causal LM's loss; 0.15: as many as the MLM predicts, drawn per block; ours); validation predicts every one.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class MLMDataModule(pl.LightningDataModule):
         num_proc: int | None = None,
         seed: int = 0,
         objective: str = "mlm",
+        next_token_share: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -100,6 +103,8 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"--data.global_batch_size {h.global_batch_size} is below --data.batch_size {h.batch_size}")
         if h.objective not in ("mlm", "causal"):
             raise UserError(f"--model.objective must be one of mlm, causal, got {h.objective!r}")  # train.py links it
+        if not 0 < h.next_token_share <= 1:
+            raise UserError(f"--data.next_token_share must lie in (0, 1], got {h.next_token_share}")
         if not 0 < h.mlm_probability < 1:
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:
@@ -182,7 +187,7 @@ class MLMDataModule(pl.LightningDataModule):
         self.train_blocks = None if h.streaming else BlockDataset(loaded["train"])
         self.val_blocks = BlockDataset(loaded["validation"])
         if h.objective == "causal":
-            self.collator = self.val_collator = NextTokenCollator()
+            self.collator, self.val_collator = NextTokenCollator(h.next_token_share, h.seed), NextTokenCollator()
         else:
             self.collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed)
             self.val_collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed + 1)

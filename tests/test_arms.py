@@ -166,6 +166,16 @@ def test_the_arms_loss_equals_transformers_own_loss_of_the_same_class(objective,
         reference = module.model(input_ids=batch["input_ids"], labels=labels).loss
     assert int(count) == (3 * 19 if objective == "causal" else 9)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    if objective == "causal":  # --data.next_token_share 0.15: as many predictions as the MLM's, drawn per block key
+        keys = np.array([4, 9, 4])
+        batch = NextTokenCollator(0.15, seed=3)({"blocks": blocks.numpy(), "keys": keys})
+        assert batch["positions"].shape == (3, round(0.15 * 19)) and torch.equal(batch["positions"][0],
+                                                                                  batch["positions"][2])  # same key
+        assert torch.equal(batch["targets"], blocks.gather(1, batch["positions"] + 1))
+        labels = torch.full_like(blocks, -100).scatter(1, batch["positions"] + 1, batch["targets"])
+        with torch.no_grad():
+            torch.testing.assert_close(mlm_loss(module.model, batch)[0],
+                                       module.model(input_ids=blocks, labels=labels).loss, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -221,6 +231,8 @@ def test_two_process_ddp_equals_one_process_for_the_causal_rope_arm(corpus, cach
     (("--model.position_embeddings", "false", "--model.positions", "learned"),
      "--model.position_embeddings false contradicts --model.positions learned; give one of them (--model.positions "
      "none is the no-PE arm)"),
+    (("--model.objective", "causal", "--data.next_token_share", "0"),
+     "--data.next_token_share must lie in (0, 1], got 0.0"),
     (("--model.positions", "rope", "--model.attention", "gated"),
      "--model.attention gated is RoBERTa's (--model.positions learned or none); the rotary arm (RoFormer) has softmax "
      "attention only"),

@@ -528,6 +528,9 @@ ERROR_ROW_TESTS = {
     ('train.py', 'an unknown objective or positions, or positions contradicting `--model.position_embeddings false`'): [
         'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
     ],
+    ('train.py', 'a next-token share outside (0, 1]'): [
+        'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
+    ],
     ('train.py', 'an attention variant with rotary positions'): [
         'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
     ],
