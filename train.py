@@ -142,6 +142,7 @@ class PretrainCLI(TrainCLI):
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)
         parser.link_arguments("data.model_vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("model.objective", "data.objective")  # causal arms: unmasked blocks, next tokens
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (1/0/2 for the trained BPE)
             parser.link_arguments("data.model_special_ids", f"model.{key}", compute_fn=itemgetter(key),
                                   apply_on="instantiate")

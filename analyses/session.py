@@ -26,6 +26,7 @@ from analyses.reference import Reference, Setting, reference_pass
 from analyses.reports import figures_of, print_report
 from core.errors import UserError
 from core.figures import save_figure
+from core.models import model_family
 from core.output import check_writable, staged_output, write_json
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
@@ -115,6 +116,7 @@ def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None)
         "special_tokens": "excluded" if args.exclude_special else "included",
         "seed": args.seed,
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
+        "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions, norms, what layer L is
     }
     if reference is not None:
         header.update(reference.header())

@@ -41,6 +41,7 @@ from core.errors import UserError
 from core.figures import over_steps_figure
 from core.output import check_writable
 from core.sources import local_path
+from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
 from lightning_modules.mlm import ARCHITECTURE
@@ -101,7 +102,9 @@ def architecture(source: str) -> dict:
             "vocab_size")
     if resolved.endswith(".ckpt"):
         hparams = read_checkpoint(resolved)["hyper_parameters"]
-        return {"model_type": "roberta", **{key: hparams.get(key) for key in (*keys, *ARCHITECTURE)}}
+        objective, positions = arm_of(hparams)
+        return {"model_type": "roformer" if positions == "rope" else "roberta", "objective": objective,
+                "positions": positions, **{key: hparams.get(key) for key in (*keys, *ARCHITECTURE)}}
     from transformers import AutoConfig
 
     try:

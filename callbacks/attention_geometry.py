@@ -31,10 +31,14 @@ attention softmax(q k^T / sqrt(d)) over its keys, each query's row averaged over
 (`val_attention/...`, `val_sinks/...` for validation.) No forward hook (they are skipped once the model is
 compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns
 through its tap (core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the
-states the forward made, not a forward. The training step's projection weights are copied when its capture starts
-(the optimizer updates them before the batch ends), so the queries and keys are those of the step's forward. A model
-whose attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
-one line. Statistics sync across ranks (sum states): a step's values equal one process's on the same global batch.
+states the forward made, not a forward. The training step's projection weights are copied when its capture starts (the optimizer
+updates them before the batch ends), so the queries and keys are those of the step's forward. A model whose
+attention is not a projection of its hidden states (core.models.attention_projections: pre-LN models) is refused at
+setup with one line. The pretraining arms (lightning_modules/arms.py): a causal arm's entropy is over the keys a query
+sees (its own position and those before it); the rotary arm's entropy takes queries and keys rotated as its attention
+rotates them (core.families.rotary_queries_keys), its other statistics the projections before the rotation; the sinks
+take the attention the arm computes (causal, rotated). Statistics sync across ranks (sum states): a step's values
+equal one process's on the same global batch.
 W&B and TensorBoard also get, every `image_every_n_steps` and at each validation, the image `attention/over_steps`
 (each statistic per layer against the step); W&B the summaries `attention/<statistic>_by_layer` (latest, a list over
 the layers). CSV gets the scalars.
@@ -49,6 +53,7 @@ from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
+from core.families import is_causal, rotary_queries_keys
 from core.figures import over_steps_figure
 from core.models import attention_projections, find_encoder
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
@@ -91,6 +96,7 @@ class AttentionGeometry(LiveCallback):
         self.geometry: dict[str, QueryKeyGeometry] = {}
         self._weights: list | None = None  # the captured training step's projection weights
         self._weights_step: int | None = None
+        self.causal, self.rotate = False, None  # a causal model's mask; a rotary model's rotation (q, k) -> (q, k)
 
     def check_settings(self) -> None:
         super().check_settings()
@@ -108,6 +114,8 @@ class AttentionGeometry(LiveCallback):
             raise UserError(f"AttentionGeometry: layers {chosen} must be distinct transformer layers within "
                             f"1..{len(projections)} (attention has none at the embedding output)")
         self.attention_layers, self.projections = chosen, [projections[layer - 1] for layer in chosen]
+        model = find_encoder(pl_module) or pl_module
+        self.causal, self.rotate = is_causal(model.config), rotary_queries_keys(model)
         return [layer - 1 for layer in chosen]
 
     def build(self, trainer, pl_module) -> None:
@@ -160,11 +168,12 @@ class AttentionGeometry(LiveCallback):
                                         None if query_bias is None else query_bias.to(hidden.device), heads)
                 keys = project_heads(hidden[index], key_weight.to(hidden.device),
                                      None if key_bias is None else key_bias.to(hidden.device), heads)
-                geometry.update(index, queries, keys, mask, pairs, rows)
+                attended = self.rotate(queries, keys) if self.rotate is not None else None
+                geometry.update(index, queries, keys, mask, pairs, rows, self.causal, attended)
                 if self.sink_metrics:
                     real = torch.ones(hidden.shape[1:3], dtype=torch.bool, device=hidden.device) if mask is None \
                         else mask.to(hidden.device).bool()
-                    masses.append(attention_key_mass(queries, keys, real, real))
+                    masses.append(attention_key_mass(*(attended or (queries, keys)), real, real, causal=self.causal))
             if masses:
                 self.update_sinks(stage, torch.stack(masses), real, captured.input_ids)
 

@@ -9,7 +9,7 @@
 Layers follow transformers' `hidden_states`: 0 is the embedding module's output, l the output of transformer layer l.
 No extra forward pass: a module with a `hidden_state_tap` (core.capture.HiddenStateTap: MLMModule, eager or compiled)
 returns them from its own forward when a callback requests them; any other encoder is hooked for the captured batch
-(core.models.encoder_layers finds the modules, core.capture.HiddenStateCapture hooks them).
+(core.models.hidden_state_sites finds the modules, core.capture.HiddenStateCapture hooks them).
 
 LiveCallback is the schedule the callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
 hooks are on for every micro-batch of that step on every rank (so the step's whole global batch is seen, however it
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from core.capture import HiddenStateCapture, HiddenStateTap
 from core.errors import UserError
-from core.models import encoder_layers, find_encoder, hidden_size
+from core.models import find_encoder, hidden_size, hidden_state_sites
 
 
 @dataclass
@@ -110,7 +110,7 @@ class LiveCallback(pl.Callback):
     def check(self, pl_module: pl.LightningModule) -> None:
         """Raise a UserError now when the module's hidden states cannot be captured (train.py calls this early)."""
         self.check_settings()
-        modules = encoder_layers(pl_module)
+        modules = hidden_state_sites(pl_module)
         self.capture_layers(pl_module, len(modules))
 
     def capture_layers(self, pl_module: pl.LightningModule, available: int) -> list[int]:
@@ -121,7 +121,7 @@ class LiveCallback(pl.Callback):
     def _resolve_source(self, trainer, pl_module) -> None:
         if find_encoder(pl_module) is not None or not self.supports_probe_features:
             self._tap = getattr(pl_module, "hidden_state_tap", None)
-            self._modules = encoder_layers(pl_module)
+            self._modules = hidden_state_sites(pl_module)
             self.layers = self.capture_layers(pl_module, len(self._modules))
             self.hidden_size = hidden_size(find_encoder(pl_module).config)
             return

@@ -7,12 +7,13 @@
     tap.request(loss_term, grad=True)         # a loss term (a regulariser) gets the same states with their graph:
     tap.live([2, 4])                          # [batch, seq, hidden] per layer, not detached; one forward serves all
 
-    with HiddenStateCapture(encoder_layers(model), layers=[0, 2, 4]) as capture:   # any other encoder: hooks
+    with HiddenStateCapture(hidden_state_sites(model), layers=[0, 2, 4]) as capture:   # any other model: hooks
         model(input_ids)
     capture.stack()                           # [layers, batch, seq, hidden], detached
 
 Layer l is the output of `modules[l]` (core.models.encoder_layers: 0 = the embedding module, l = transformer layer l),
-the same as transformers' `hidden_states[l]`. The tap is what a compiled model needs: the request is a Python flag
+or, for an entry (module, "input"), the module's input (a decoder's hidden_states[0] is its first layer's input:
+core.models.hidden_state_sites), the same as transformers' `hidden_states[l]`. The tap is what a compiled model needs: the request is a Python flag
 the model passes into its (compiled) forward, so the graph returns the states itself, where forward hooks added
 after compilation would be silently skipped (dynamo does not re-guard on hooks).
 """
@@ -38,9 +39,10 @@ def layer_output(output) -> Tensor:
 
 
 class HiddenStateCapture:
-    """Forward hooks on the chosen layers' modules that keep their (detached) outputs; always removed on exit."""
+    """Forward hooks on the chosen layers' modules that keep their (detached) outputs (or, for a (module, "input")
+    entry, inputs); always removed on exit."""
 
-    def __init__(self, modules: list[nn.Module], layers: list[int]) -> None:
+    def __init__(self, modules: list[nn.Module | tuple[nn.Module, str]], layers: list[int]) -> None:
         self.modules, self.layers = modules, layers
         self.outputs: dict[int, Tensor] = {}
         self.handles: list = []
@@ -48,8 +50,19 @@ class HiddenStateCapture:
     def __enter__(self) -> HiddenStateCapture:
         self.outputs = {}
         for index, layer in enumerate(self.layers):
-            self.handles.append(self.modules[layer].register_forward_hook(self._hook(index)))
+            module, read = self.modules[layer] if isinstance(self.modules[layer], tuple) else (self.modules[layer],
+                                                                                                "output")
+            if read == "input":
+                self.handles.append(module.register_forward_pre_hook(self._input_hook(index), with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(self._hook(index)))
         return self
+
+    def _input_hook(self, index: int):
+        def keep(module, args, kwargs) -> None:
+            if index not in self.outputs:
+                self.outputs[index] = (args[0] if args else kwargs["hidden_states"]).detach()
+        return keep
 
     def _hook(self, index: int):
         def keep(module, args, output) -> None:

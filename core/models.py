@@ -1,17 +1,20 @@
 """What a transformers encoder is made of, read off the model itself (nothing is assumed about any architecture).
 
     encoder_layers(model)          # [embeddings, layer 1, ..., layer L]: the modules whose outputs are hidden states
+    hidden_state_sites(model)      # [(module, "input" | "output")] for layers 0..L, any family (core/families.py)
     attention_projections(model)   # per transformer layer 1..L: (query Linear, key Linear, heads), read off its input
     position_embedding(model)      # the absolute position table (nn.Embedding) or None
+    model_family(model)            # core.families.Family: causal or not, positions, norms, what layer L is
     position_offset(model)         # RoBERTa numbers positions from padding_idx + 1, BERT from 0
     model_max_length(model)        # the longest input: table size minus the offset
     position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
     token_type_embedding(model)    # the token-type (segment) table (nn.Embedding) or None
     mlm_head(masked_lm)            # hidden [..., hidden] -> logits [..., vocab rows] of a masked-LM's head, or None
-    layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm over the hidden size
+    layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm / RMSNorm
     short_name("runs/x/export")    # "x"
 
-Layers follow transformers' `hidden_states`: 0 is the embedding output, l the output of transformer layer l.
+Layers follow transformers' `hidden_states`: 0 is the embedding output, l the output of transformer layer l (for a
+decoder with a final norm, layer L is after that norm: core/families.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from core import families
 from core.errors import UserError
 
 
@@ -66,12 +70,29 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
                     "with an `embeddings` module and a layer list (`encoder.layer` or `transformer.layer`)")
 
 
+def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where hidden_states[0..L] are read by hooks, as (module, "input" | "output"): BERT's layout the outputs of
+    `encoder_layers`; a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's input, the layers'
+    outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
+    sites = families.hidden_state_sites(find_encoder(model) or model)
+    if sites is not None:
+        return sites
+    if layer_stack(model) is None:
+        raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers model "
+                        "with BERT's layout (`embeddings` and `encoder.layer`) nor a flat layer list (`h`, `layers`, "
+                        "`decoder.layers`)")
+    return [(module, "output") for module in encoder_layers(model)]
+
+
 def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, int]]:
     """(query, key, heads) of each transformer layer 1..L of a BERT-family encoder whose attention projects the layer's
     input directly (post-LayerNorm layers: BERT, RoBERTa, ELECTRA without an embedding projection, DistilBERT), so that
     layer l's queries and keys are query(hidden_states[l - 1]) and key(hidden_states[l - 1]); a UserError otherwise."""
-    layers = encoder_layers(model)[1:]
     encoder = find_encoder(model) or model
+    if families.pre_norm(encoder):
+        raise UserError(f"cannot read the attention of {type(model).__name__}: its layers normalise their input before "
+                        "the attention (pre-LN), so queries and keys are not projections of the hidden states")
+    layers = encoder_layers(model)[1:]
     config = encoder.config
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
     size = hidden_size(config)
@@ -100,9 +121,38 @@ def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, 
 
 
 def position_embedding(model: nn.Module) -> nn.Embedding | None:
-    """The absolute position-embedding table of an encoder, or None when it has none (relative or rotary positions)."""
+    """The absolute position-embedding table of an encoder (BERT's embeddings.position_embeddings) or a decoder
+    (GPT-2's wpe, OPT's embed_positions), or None when it has none (relative or rotary positions)."""
     table = getattr(getattr(base_model(model), "embeddings", None), "position_embeddings", None)
-    return table if isinstance(table, nn.Embedding) else None
+    if isinstance(table, nn.Embedding):
+        return table
+    found = families.position_table(model)
+    return found[0] if found is not None else None
+
+
+def model_family(model: nn.Module) -> families.Family:
+    """The model's kind (see Family), for reports and the families table."""
+    config = base_model(model).config
+    table = position_embedding(model)
+    if table is not None:
+        positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
+    elif families.is_rotary(model):
+        positions = "rotary (RoPE)"
+    else:
+        positions = "no absolute table"
+    stack = families.decoder_stack(model)
+    if stack is not None and stack.final_norm is not None:
+        last = f"layer L's output after the final norm ({families.name_of(model, stack.final_norm)})"
+    else:
+        last = "layer L's output"
+    norms = "pre-LN" if families.pre_norm(model) else "post-LN"
+    return families.Family(config.model_type, families.is_causal(config), positions, norms, last)
+
+
+def first_position_row(model: nn.Module) -> int:
+    """The table row of position 0: RoBERTa's padding_idx + 1, OPT's 2, else 0."""
+    found = families.position_table(model)
+    return found[1] if found is not None else position_offset(model)
 
 
 def position_offset(model: nn.Module) -> int:
@@ -155,6 +205,9 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
     """
     table = position_embedding(model)
     if table is None:
+        if families.is_rotary(model):
+            return None, ("rotary position embeddings (RoPE) rotate queries and keys inside attention: no position "
+                          "table to trace")
         return None, "no absolute position-embedding table"
     weight = table.weight.detach().float().cpu()  # [positions, width]
     if not weight.any():
@@ -168,7 +221,7 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
         weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
         note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
                 "bias; the embedding LayerNorm before it is not applied)")
-    offset = position_offset(model)
+    offset = first_position_row(model)
     return weight[offset: offset + model_max_length(model)], note
 
 
@@ -184,11 +237,18 @@ def written_layers(model: nn.Module, name: str) -> list[int]:
     return [int(match.group(1)) + 1 if match else 0]
 
 
-def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.LayerNorm]]:
-    """(name, hidden-state layers it writes, module) for each LayerNorm over the hidden size, in model order."""
+def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.Module]]:
+    """(name, hidden-state layers it writes, module) for each LayerNorm or RMSNorm (a gain, no bias: Llama) over the
+    hidden size, in model order. In a decoder stack the layers are those of core.families.norm_placement (a pre-LN
+    norm inside layer l: [l]; the final norm: [L]); norms of a head outside the model's body are left out."""
     hidden = model.config.hidden_size
-    return [(name, written_layers(model, name), module) for name, module in model.named_modules()
-            if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,)]
+    found = []
+    for name, module in model.named_modules():
+        if families.is_norm(module, hidden):
+            placed = families.norm_placement(model, module)
+            if placed is None or placed[0]:
+                found.append((name, placed[0] if placed is not None else written_layers(model, name), module))
+    return found
 
 
 def short_name(source: str) -> str:

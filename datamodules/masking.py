@@ -9,6 +9,13 @@ Exactly round(0.15 × (block_length - 2)) non-special positions of each block ar
 <mask>, 10% a random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
 block's key is (epoch × blocks + index), so masks are the same whatever the device count, batch size, worker count
 or resume point.
+
+The causal arms (lightning_modules/arms.py) predict the next token instead, on the same blocks unmasked:
+
+    collator = NextTokenCollator()
+    batch = collator({"blocks": blocks [batch, seq], "keys": keys [batch]})
+    batch["input_ids"] = blocks, batch["positions"] = 0..seq-2 [batch, seq - 1], batch["targets"] = blocks[:, 1:]
+    NextTokenCollator(share=0.15, seed=0)   # ours: round(0.15 (seq - 1)) positions of each block, drawn per block key
 """
 
 from __future__ import annotations
@@ -87,3 +94,29 @@ class SentenceMasker:
         for row, (where, what) in enumerate(picked):
             positions[row, :len(where)], targets[row, :len(what)] = where, what
         return {"input_ids": masked, "attention_mask": attention_mask, "positions": positions, "targets": targets}
+
+
+class NextTokenCollator:
+    """Blocks [batch, seq] → input_ids (the blocks, unmasked), positions 0..seq-2 and targets the next tokens
+    [batch, seq - 1]: the causal objective in the MLM batch's form (lightning_modules/mlm.py's `mlm_step`). With
+    `share` < 1 (ours), only round(share (seq - 1)) positions of each block are predicted, drawn (sorted) from (seed,
+    the block's key) as MaskCollator draws its positions: as many predictions as the MLM's at share 0.15."""
+
+    def __init__(self, share: float = 1.0, seed: int = 0) -> None:
+        self.share, self.seed = share, seed
+
+    def __call__(self, item: dict) -> dict[str, torch.Tensor]:
+        blocks = np.asarray(item["blocks"], dtype=np.int64)  # [batch, seq]
+        batch, length = blocks.shape
+        if self.share >= 1:
+            positions = np.broadcast_to(np.arange(length - 1), (batch, length - 1))
+        else:
+            k = max(1, round(self.share * (length - 1)))
+            positions = np.stack([np.sort(np.random.Generator(np.random.PCG64([self.seed, int(key)])).choice(
+                length - 1, size=k, replace=False)) for key in np.asarray(item["keys"], dtype=np.int64)])
+        positions = np.ascontiguousarray(positions)
+        out = {"input_ids": torch.from_numpy(blocks), "positions": torch.from_numpy(positions),
+               "targets": torch.from_numpy(np.take_along_axis(blocks, positions + 1, axis=1))}
+        if "stream_state" in item:
+            out["stream_state"] = item["stream_state"]
+        return out

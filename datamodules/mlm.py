@@ -25,7 +25,7 @@ from core.errors import UserError
 from core.sources import looks_local
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, tokenizer_files, vocab_limit
 from datamodules.blocks import BlockCache, build_blocks
-from datamodules.masking import MaskCollator
+from datamodules.masking import MaskCollator, NextTokenCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
@@ -53,6 +53,10 @@ class MLMDataModule(pl.LightningDataModule):
             of the stream each, so a streaming run resumes with the same number).
         num_proc: processes for tokenising in prepare_data (default: one; the tokenizer itself is multi-threaded).
         seed: shuffling and masking seed.
+        objective: mlm (15% masked) or causal (the blocks unmasked, every next token predicted); train.py sets it from
+            --model.objective.
+        next_token_share: the causal arms' share of a block's next tokens predicted in training (1: every one, the
+            causal LM's loss; 0.15: as many as the MLM predicts, drawn per block; ours); validation predicts every one.
     """
 
     def __init__(
@@ -76,6 +80,8 @@ class MLMDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         num_proc: int | None = None,
         seed: int = 0,
+        objective: str = "mlm",
+        next_token_share: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -95,6 +101,10 @@ class MLMDataModule(pl.LightningDataModule):
                 raise UserError(f"--data.{name} too small: {getattr(h, name)}")
         if h.global_batch_size is not None and h.global_batch_size < h.batch_size:
             raise UserError(f"--data.global_batch_size {h.global_batch_size} is below --data.batch_size {h.batch_size}")
+        if h.objective not in ("mlm", "causal"):
+            raise UserError(f"--model.objective must be one of mlm, causal, got {h.objective!r}")  # train.py links it
+        if not 0 < h.next_token_share <= 1:
+            raise UserError(f"--data.next_token_share must lie in (0, 1], got {h.next_token_share}")
         if not 0 < h.mlm_probability < 1:
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:
@@ -176,8 +186,11 @@ class MLMDataModule(pl.LightningDataModule):
         loaded = datasets.load_from_disk(str(path))
         self.train_blocks = None if h.streaming else BlockDataset(loaded["train"])
         self.val_blocks = BlockDataset(loaded["validation"])
-        self.collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed)
-        self.val_collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed + 1)
+        if h.objective == "causal":
+            self.collator, self.val_collator = NextTokenCollator(h.next_token_share, h.seed), NextTokenCollator()
+        else:
+            self.collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed)
+            self.val_collator = MaskCollator(self.tokenizer, h.block_length, h.mlm_probability, h.seed + 1)
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -312,6 +325,7 @@ def check_block_length(block_length: int, module) -> None:
     positions start after the pad id, so max_position_embeddings - (pad id + 1)); no module, no check."""
     limit = getattr(module, "max_length", None)
     if limit is not None and block_length > limit:
-        pad = module.model.config.pad_token_id
+        pad, table = module.model.config.pad_token_id, module.model.config.max_position_embeddings
+        why = f"minus (pad id {pad} + 1)" if table > limit else "(rotary: positions from 0)"
         raise UserError(f"--data.block_length {block_length} exceeds the model's {limit} positions "
-                        f"(--model.max_position_embeddings {limit + pad + 1} minus (pad id {pad} + 1))")
+                        f"(--model.max_position_embeddings {table} {why})")

@@ -1,4 +1,5 @@
-"""Reading this project's MLM checkpoints back: a .ckpt as a RobertaForMaskedLM with its tokenizer.
+"""Reading this project's MLM checkpoints back: a .ckpt as a RobertaForMaskedLM (or its arm's class: RobertaForCausalLM,
+RoFormerForMaskedLM, RoFormerForCausalLM) with its tokenizer.
 
     checkpoint = read_checkpoint("runs/tiny/checkpoints/last.ckpt")      # weights-only, or one line naming what is wrong
     masked_lm, tokenizer = load_checkpoint_model("runs/tiny/checkpoints/last.ckpt")   # weights + embedded tokenizer
@@ -12,8 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import UserError, first_line
+from core.models import model_max_length
 from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
+from lightning_modules.arms import arm_of
 from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab
 
 KINDS = {"mlm": ("MLM pretraining", "MLMModule", "position_embeddings"),  # what a checkpoint of each is, and the
@@ -40,8 +43,8 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
 
 
 def load_checkpoint_model(path: str | Path):
-    """(RobertaForMaskedLM, tokenizer) from this project's .ckpt: hyper-parameters (the attention variant included),
-    weights, embedded tokenizer."""
+    """(RobertaForMaskedLM or the arm's class, tokenizer) from this project's .ckpt: hyper-parameters (the attention
+    variant and the arm included), weights, embedded tokenizer."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
     keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]
@@ -50,10 +53,11 @@ def load_checkpoint_model(path: str | Path):
     rows = padded_vocab(hparams["vocab_size"], hparams.get("pad_vocab_to_multiple_of", 1))
     attention = attention_of(hparams)  # softmax for a checkpoint made before the attention variants
     try:
+        objective, positions = arm_of(hparams)  # RoBERTa's MLM for a checkpoint made before the arms
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
                             dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
-                            attention=attention)
-    except (TypeError, ValueError, RuntimeError) as error:  # sizes that describe no model (a hand-edited file)
+                            attention=attention, objective=objective, positions=positions)
+    except (TypeError, ValueError, RuntimeError, UserError) as error:  # sizes or an arm that describe no model
         raise UserError(f"{path}: its hyper-parameters describe no model ({first_line(error)})") from None
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()
              if key.startswith("model.")}
@@ -63,7 +67,7 @@ def load_checkpoint_model(path: str | Path):
         raise UserError(f"{path}: weights do not fit the model its hyper-parameters describe "
                         f"({first_line(error).removeprefix('Error(s) in loading state_dict for RobertaForMaskedLM:')})"
                         ) from None
-    if unexpected or set(missing) - {"lm_head.decoder.weight", "lm_head.decoder.bias"}:
+    if unexpected or {key for key in missing if not key.endswith(("decoder.weight", "decoder.bias"))}:  # tied
         raise UserError(f"{path}: weights do not fit the model its hyper-parameters describe "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     if rows != hparams["vocab_size"]:  # the padding rows of the fast recipe: dropped, as in the export
@@ -71,7 +75,7 @@ def load_checkpoint_model(path: str | Path):
     files = next((value.get("tokenizer_files") for value in checkpoint.values()
                   if isinstance(value, dict) and "tokenizer_files" in value), None)
     tokenizer = tokenizer_from_files(files, f"the tokenizer embedded in {path}") if files else _tokenizer_beside(Path(path))
-    tokenizer.model_max_length = hparams["max_position_embeddings"] - (model.config.pad_token_id + 1)
+    tokenizer.model_max_length = model_max_length(model)
     return model.eval(), tokenizer
 
 

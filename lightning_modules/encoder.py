@@ -9,8 +9,11 @@
     with encoder.attention_weights():                        # eager attention; each batch also holds
         batch.attention_mass                                 # [layers 1..L, batch, heads, seq] (metrics/sinks.py)
 
-Layers follow transformers' `hidden_states`: 0 is the embedding output, 1..L the transformer layers. Hidden size,
-layer count and maximum positions are read from the model, never assumed.
+Layers follow transformers' `hidden_states`: 0 is the embedding output, 1..L the transformer layers (a decoder's
+layer L is after its final norm: core/families.py). Hidden size, layer count and maximum positions are read from the
+model, never assumed. Decoders (GPT-2, Llama / Qwen, GPT-NeoX, OPT) load too: sentences are right-padded, so a token
+sees only real tokens before it, and padding never counts; a tokenizer without a pad token pads with its eos id (or
+0), which only fills the batch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,13 +31,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from core.errors import UserError, first_line
-from core.models import mlm_head, model_max_length, position_embedding, quiet_transformers, short_name
+from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import local_path
 from core.tokenizers import check_tokenizer_files, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
+from lightning_modules.loading import check_is_encoder, check_loading, has_masked_lm, load_failure, split_head
 from metrics.sinks import key_attention
 
 Span = tuple[int, int]
+CAUSAL_HEAD = "no MLM head (a causal language model: the masked-LM loss does not apply)"
 
 
 @dataclass
@@ -81,7 +85,8 @@ def resolve_model_dir(source: str | Path) -> str:
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  exclude_special: bool = False, allow_random_weights: bool = False,
                  allow_option: str = "--allow_random_weights", masked_lm: bool = False) -> FrozenEncoder:
-    """Load any BERT-family encoder (hub id, local directory, this project's export or .ckpt) as a FrozenEncoder.
+    """Load any BERT-family encoder, rotary encoder or decoder-only model (hub id, local directory, this project's
+    export or .ckpt) as a FrozenEncoder.
 
     `device` defaults to CUDA when present; `dtype` to bfloat16 on CUDA and float32 elsewhere. Encoder weights the
     checkpoint lacks (or holds in another shape: weights of another architecture under this config.json) are refused,
@@ -103,15 +108,17 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         if Path(source).expanduser().is_dir():
             warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
                           f"{model_dir}", stacklevel=2)
-        encoder = FrozenEncoder(model.roberta, tokenizer, name=str(source), exclude_special=exclude_special)
-        if masked_lm:  # the head's rows past the tokenizer's vocabulary (pad_vocab_to_multiple_of) are never predicted
+        encoder = FrozenEncoder(model.base_model, tokenizer, name=str(source), exclude_special=exclude_special)
+        if masked_lm and getattr(model.config, "is_decoder", False):
+            encoder.attach_head(None, CAUSAL_HEAD)
+        elif masked_lm:  # the head's rows past the tokenizer's vocabulary (pad_vocab_to_multiple_of) are never predicted
             encoder.attach_head(model, "", vocab_size=vocab_limit(tokenizer))
         return encoder.to(device=device, dtype=dtype)
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
-    check_is_encoder(config, source)
+    check_is_encoder(config, source, decoders=True)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
     # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
@@ -120,6 +127,8 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
+    causal = masked_lm and not has_masked_lm(config)
+    masked_lm = masked_lm and not causal
     try:
         with quiet_transformers():  # an export's attention variant (config.json's attention_variant) rebuilt
             model, info = load_pretrained(AutoModelForMaskedLM if masked_lm else AutoModel, model_dir, dtype=dtype,
@@ -133,75 +142,9 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     check_loading(source, info, base, allow_random_weights, allow_option)
     encoder = FrozenEncoder(base, tokenizer, name=str(source),
                             exclude_special=exclude_special)
-    if masked_lm:
-        encoder.attach_head(model if head is None else None, head or "")
+    if masked_lm or causal:
+        encoder.attach_head(model if head is None and not causal else None, CAUSAL_HEAD if causal else head or "")
     return encoder.to(device=device, dtype=dtype)
-
-
-def split_head(model: nn.Module, info: Mapping) -> tuple[str | None, dict]:
-    """A masked-LM model's load report split in two: (None when its head's weights were all in the checkpoint, else
-    why it has no head; the report of its base model alone, key prefixes stripped, for `check_loading`)."""
-    prefix = f"{model.base_model_prefix}."
-    base, head = {}, []
-    for kind in ("missing_keys", "mismatched_keys"):
-        keys = [key[0] if isinstance(key, tuple) else key for key in info.get(kind, ())]
-        head += [str(key) for key in keys if not str(key).startswith(prefix)]
-        base[kind] = [str(key).removeprefix(prefix) for key in keys if str(key).startswith(prefix)]
-    if mlm_head(model) is None:
-        return f"no MLM head ({type(model).__name__}: a head layout this project does not know)", base
-    if head:
-        shown = ", ".join(sorted(head)[:3]) + (", ..." if len(head) > 3 else "")
-        return f"no MLM head (its weights are not in the checkpoint: {shown})", base
-    return None, base
-
-
-def load_failure(error: Exception, what: str) -> str:
-    """A library's loading error as one line; a torn file (safetensors' "incomplete metadata, file not fully
-    covered", a JSON file cut short) says what it belongs to and that it is truncated or corrupt."""
-    text = first_line(error)
-    if type(error).__name__ == "SafetensorError":
-        return f"model.safetensors is truncated or corrupt ({text})"
-    if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
-        return f"{what}: a JSON file is truncated or corrupt ({text})"
-    return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
-
-
-def check_loading(source, info: Mapping, model: nn.Module, allow: bool = False,
-                  option: str = "--allow_random_weights") -> None:
-    """Encoder weights that were not in the checkpoint or had another shape there would be randomly initialised: one
-    line naming how many, or with `allow` (`option` on the command line), a warning naming them. The pooler (unused:
-    hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys) are expected when a
-    masked-LM checkpoint is loaded as an encoder and are not counted."""
-    missing = sorted(key for key in info.get("missing_keys", ()) if not key.split(".")[0] == "pooler")
-    mismatched = sorted(str(key[0] if isinstance(key, tuple) else key) for key in info.get("mismatched_keys", ()))
-    if (missing or mismatched) and not allow:
-        total = sum(1 for key in model.state_dict() if key.split(".")[0] != "pooler")
-        parts = ([f"{len(missing)} of its {total} weights are not in the checkpoint"] if missing else []) + \
-                ([f"{len(mismatched)} have another shape there"] if mismatched else [])
-        raise UserError(f"encoder {source}: {' and '.join(parts)} (e.g. {(missing + mismatched)[0]}): its weights do "
-                        "not match its config.json (another architecture's?), so they would be randomly "
-                        f"initialised; {option} analyses such a partly random model")
-    _warn_about_loading(source, missing, mismatched)
-
-
-def _warn_about_loading(source, missing: list[str], mismatched: list[str]) -> None:
-    """One warning naming the encoder weights that were randomly initialised (allowed by the user)."""
-    for what, keys in (("not in the checkpoint (randomly initialised)", missing),
-                       ("of another shape in the checkpoint (randomly initialised)", mismatched)):
-        if keys:
-            shown = ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
-            warnings.warn(f"encoder {source}: weights {what}: {shown}", stacklevel=3)
-
-
-def check_is_encoder(config, source) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    if config.is_encoder_decoder or getattr(config, "is_decoder", False) or (
-        config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    ):
-        raise UserError(
-            f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder"
-        )
 
 
 def default_encoder() -> str:
@@ -228,6 +171,7 @@ class FrozenEncoder(nn.Module):
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
         self.special_ids = special_ids(tokenizer)  # [n] long: the ids --exclude_special drops wherever they stand
+        self.pad_id: int = next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -266,9 +210,15 @@ class FrozenEncoder(nn.Module):
             inputs["token_type_ids"] = token_type_ids.to(device)
         if self._attention:
             inputs["output_attentions"] = True
+        if "use_cache" in self._forward_keys:  # a decoder keeps no key-value cache of a batch it reads once
+            inputs["use_cache"] = False
         output = self.model(**inputs, output_hidden_states=True, return_dict=True)
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
+        if len({state.shape[-1] for state in output.hidden_states}) > 1:  # OPT-350m's project_out on the last one
+            raise UserError(f"{self.name}: its hidden states have different widths "
+                            f"({sorted({state.shape[-1] for state in output.hidden_states})}: a projection after the "
+                            "last layer), so its layers cannot be compared")
         mask = inputs["attention_mask"].bool()
         if self.exclude_special:
             added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
@@ -323,7 +273,7 @@ class FrozenEncoder(nn.Module):
             for key in encoded:
                 for row, value in zip(long_rows, cut[key]):
                     encoded[key][row] = value
-        inputs = pad(encoded, tokenizer.pad_token_id)
+        inputs = pad(encoded, self.pad_id)
         if offsets:
             inputs["offsets"] = [[tuple(pair) for pair in row] for row in encoded["offset_mapping"]]
         return inputs, len(long_rows)

@@ -30,12 +30,8 @@ from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
 from core.output import staged_output, write_json
 from lightning_modules.attention import install_recorded, load_pretrained
-from lightning_modules.encoder import (
-    check_is_encoder,
-    default_encoder,
-    load_failure,
-    resolve_model_dir,
-)
+from lightning_modules.encoder import default_encoder, resolve_model_dir
+from lightning_modules.loading import check_is_encoder, load_failure
 from lightning_modules.softdecay import SoftDecayLayer, wrap
 from lightning_modules.training import TrainingModule, check_optimisation
 from metrics.geometry import Covariance

@@ -220,7 +220,7 @@ def masked_lm_loss(encoder: FrozenEncoder, batch: dict[str, Tensor]) -> tuple[Te
         raise UserError(f"{encoder.name} has {encoder.head_note}: no MLM loss")
     device = encoder.device
     attention_mask = batch["attention_mask"].to(device)
-    model = SimpleNamespace(roberta=functools.partial(encoder.model, attention_mask=attention_mask),
+    model = SimpleNamespace(base_model=functools.partial(encoder.model, attention_mask=attention_mask),
                             lm_head=mlm_head(encoder.masked_lm))
     with torch.no_grad():
         loss, count, _ = mlm_step(model, {key: batch[key].to(device) for key in ("input_ids", "positions", "targets")},

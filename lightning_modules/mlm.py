@@ -3,12 +3,15 @@
     python train.py fit --config configs/pretrain/tiny.yaml                                   # PE
     python train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false # no PE
     python train.py fit --config configs/pretrain/tiny.yaml --model.attention gated           # or clipped_softmax
+    python train.py fit --config configs/pretrain/tiny.yaml --model.objective causal --model.positions rope  # arms
 
 `self.model` is a plain transformers `RobertaForMaskedLM` built from a config (random init). Without positional
 embeddings its position table is all zeros and frozen (no gradient, not in the optimizer), so the model carries no
 positional signal at all while keeping `position_embedding_type="absolute"`, i.e. transformers' fast SDPA attention;
 an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free. `--model.attention` trains
 clipped softmax or gated attention instead of softmax (Bondarenko et al. 2023; lightning_modules/attention.py).
+`--model.objective causal` and `--model.positions learned|none|rope` train the other arms on the same stack sizes
+(RobertaForCausalLM, RoFormerForMaskedLM, RoFormerForCausalLM: lightning_modules/arms.py).
 
 The loss projects only the masked positions through the LM head (`mlm_step`): the batch holds `positions`
 [batch, k] and `targets` [batch, k], so no [batch, seq, vocab] logits are ever made. With `pad_vocab_to_multiple_of`
@@ -36,8 +39,9 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from core.errors import UserError
-from core.models import quiet_transformers
+from core.models import model_max_length, quiet_transformers
 from core.output import staged_output
+from lightning_modules.arms import arm_of, lm_head, model_classes, resolve_arm
 from lightning_modules.attention import attention_settings, install_attention
 from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
     PolynomialSchedule,
@@ -62,17 +66,18 @@ def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab
              grad_states: bool = False) -> MLMOutput:
     """The MLM loss of a batch, and (`hidden_states`) the hidden states of every layer of the same forward pass.
 
-    batch: input_ids [batch, seq]; positions [batch, k] (indices into seq); targets [batch, k] (-100 = none).
+    batch: input_ids [batch, seq]; positions [batch, k] (indices into seq); targets [batch, k] (-100 = none). The
+    causal arms' batches predict the next token: positions 0..seq-2, targets the tokens 1..seq-1 (the same code).
     Only the [batch, k, hidden] masked hidden states go through the LM head (the same result as the full logits);
     logits past `vocab_size` (padding rows of the LM head) are cut off, so they are never predicted. The hidden states
     are transformers' own `hidden_states` (0 = embedding output), detached, or with their graph (`grad_states`: a
     regulariser's term on them trains the model), from the same single forward.
     """
-    out = model.roberta(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
+    out = model.base_model(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
     hidden = out.last_hidden_state  # [batch, seq, hidden]
     positions = batch["positions"]
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [batch, k, hidden]
-    logits = model.lm_head(picked)  # [batch, k, vocab rows]
+    logits = lm_head(model)(picked)  # [batch, k, vocab rows]
     if vocab_size is not None and vocab_size < logits.shape[-1]:
         logits = logits[..., :vocab_size]
     targets = batch["targets"]
@@ -95,31 +100,36 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
 def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                 intermediate_size: int, max_position_embeddings: int, dropout: float, position_embeddings: bool,
                 attn_implementation: str = "sdpa", pad_token_id: int = 1, bos_token_id: int = 0,
-                eos_token_id: int = 2, attention: dict | None = None):
-    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table.
+                eos_token_id: int = 2, attention: dict | None = None, objective: str = "mlm",
+                positions: str | None = None):
+    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table. `objective` causal
+    and `positions` rope build the other arms (RobertaForCausalLM, RoFormerFor{MaskedLM,CausalLM}: lightning_modules/
+    arms.py); positions None follows `position_embeddings`.
 
     The special ids are the tokenizer's (RoBERTa's 1/0/2 for the trained BPE): the pad id is the embedding's
     padding row and sets where RoBERTa's positions start (pad id + 1). `attention`: the attention variant's settings
     (lightning_modules/attention.py's `attention_settings`; None: softmax), recorded in the model's config.
     """
-    from transformers import AutoModelForMaskedLM, RobertaConfig
-
-    config = RobertaConfig(
+    objective, positions = resolve_arm(objective, positions, position_embeddings,
+                                       (attention or {}).get("attention", "softmax"))
+    config_class, auto, implementation = model_classes(objective, positions)
+    config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings, hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout, type_vocab_size=1, layer_norm_eps=1e-5,
         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        **({"is_decoder": True, "use_cache": False} if objective == "causal" else {}),  # no key-value cache in training
     )
-    model = AutoModelForMaskedLM.from_config(config, attn_implementation=attn_implementation)
-    if not position_embeddings:
+    model = auto.from_config(config, attn_implementation=implementation or attn_implementation)
+    if positions == "none":
         remove_position_embeddings(model)
     return install_attention(model, **(attention or {}))
 
 
 def remove_position_embeddings(model) -> None:
     """Zero and freeze the absolute position table: no positional signal, SDPA path kept."""
-    table = model.roberta.embeddings.position_embeddings
+    table = model.base_model.embeddings.position_embeddings
     with torch.no_grad():
         table.weight.zero_()
     table.weight.requires_grad_(False)
@@ -130,6 +140,10 @@ class MLMModule(TrainingModule):
 
     Args:
         position_embeddings: learned absolute positions (True) or none at all (False: zero, frozen table).
+        objective: mlm (the paper's masked LM) or causal (the next token at every position, RobertaForCausalLM or
+            RoFormerForCausalLM; ours, lightning_modules/arms.py).
+        positions: learned, none or rope (RoFormer's rotary positions; ours); default: learned, or none with
+            position_embeddings false.
         vocab_size: embedding rows (linked from the datamodule's tokenizer by train.py).
         hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings: the
             RoBERTa architecture (max_position_embeddings includes RoBERTa's 2 offset rows).
@@ -191,10 +205,15 @@ class MLMModule(TrainingModule):
         clip_softmax_gamma: float | None = None,
         clip_softmax_zeta: float | None = None,
         attention_gate_init: float | None = None,
+        objective: str = "mlm",
+        positions: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         settings = attention_settings(attention, clip_softmax_gamma, clip_softmax_zeta, attention_gate_init)
+        objective, positions = resolve_arm(objective, positions, position_embeddings, attention)
+        self.hparams.positions = positions  # resolved: what the checkpoint records
+        self.hparams.position_embeddings = positions == "learned"
         check_optimisation(self.hparams)
         self.make_regularizer()
         if hidden_size % num_attention_heads:
@@ -205,7 +224,7 @@ class MLMModule(TrainingModule):
         rows = padded_vocab(vocab_size, pad_vocab_to_multiple_of)
         self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
-                                 pad_token_id, bos_token_id, eos_token_id, settings)
+                                 pad_token_id, bos_token_id, eos_token_id, settings, objective, positions)
         self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
         self.last_val_loss: dict | None = None  # {"value", "step"} of the latest validation, saved in checkpoints
@@ -219,8 +238,13 @@ class MLMModule(TrainingModule):
 
     @property
     def max_length(self) -> int:
-        """Longest input: the position table minus RoBERTa's padding offset (pad id + 1)."""
-        return self.hparams.max_position_embeddings - (self.model.config.pad_token_id + 1)
+        """Longest input: the position table minus RoBERTa's padding offset (pad id + 1); RoFormer's, all of it."""
+        return model_max_length(self.model)
+
+    @property
+    def objective(self) -> str:
+        """mlm or causal: what the data module's batches predict."""
+        return self.hparams.objective
 
     # -- steps --
 
@@ -251,7 +275,8 @@ class MLMModule(TrainingModule):
 
     def shrinkage_states(self, batch: dict) -> tuple[list[Tensor], Tensor | None]:
         """I-STAR's C0 pass: the regulariser's layers of unmasked training blocks (every token counts)."""
-        states = self.model.roberta(input_ids=batch["input_ids"].to(self.device), output_hidden_states=True).hidden_states
+        states = self.model.base_model(input_ids=batch["input_ids"].to(self.device),
+                                       output_hidden_states=True).hidden_states
         return [states[layer] for layer in self.regularizer.layers], None
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -301,7 +326,7 @@ def compile_step(model):
     training = model.training
     with torch.no_grad():
         model.eval()
-        model.roberta(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), output_hidden_states=True)
+        model.base_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=model.device), output_hidden_states=True)
     model.train(training)
     return torch.compile(mlm_step, fullgraph=True, dynamic=False)
 
@@ -313,6 +338,9 @@ def check_architecture(saved: dict, current, what: str) -> None:
             return "with positional embeddings" if flag else "without positional embeddings (no-PE)"
         raise UserError(f"{what} was trained {name(saved['position_embeddings'])} but the config asks for a model "
                         f"{name(current['position_embeddings'])}; resume with the matching config")
+    if "objective" in current and arm_of(saved) != arm_of(current):
+        raise UserError(f"{what} was trained as the {'-'.join(arm_of(saved))} arm but the config asks for "
+                        f"{'-'.join(arm_of(current))}; resume with the matching --model.objective and --model.positions")
     if "attention" in current and attention_of(saved) != attention_of(current):
         raise UserError(f"{what} was trained with attention {describe(attention_of(saved))} but the config asks for "
                         f"{describe(attention_of(current))}; resume with the matching --model.attention")

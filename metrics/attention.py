@@ -14,7 +14,9 @@ Every statistic is taken per head (the vectors one head's attention compares) an
 - query_anisotropy, key_anisotropy: the mean cosine of pairs of positions of one sequence (`pairs`);
 - entropy: the entropy of the attention distribution softmax(q k^T / sqrt(head_dim)) of the queries at `rows` of every
   sequence over its keys (the tokens of `mask`), divided by log(number of keys): 1 for uniform attention, 0 for one
-  key; sequences of a single token are left out.
+  key; sequences of a single token are left out. For a causal model (`causal`) a query's keys are the tokens at and
+  before it, and a query with fewer than 2 is left out; for a rotary model the entropy takes the queries and keys as
+  its attention rotates them (`attended`), the other statistics the projections of the hidden states.
 States are float64 sums, so a DDP run's values equal a single process's on the same global batch.
 """
 
@@ -40,18 +42,22 @@ def project_heads(hidden: Tensor, weight: Tensor, bias: Tensor | None, heads: in
     return out.unflatten(-1, (heads, out.shape[-1] // heads))
 
 
-def attention_entropy(queries: Tensor, keys: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+def attention_entropy(queries: Tensor, keys: Tensor, mask: Tensor, rows: Tensor, causal: bool = False
+                      ) -> tuple[Tensor, Tensor]:
     """The normalised attention entropy of the queries at positions `rows` [m] of each sequence: queries, keys
     [batch, seq, heads, head_dim], mask [batch, seq] bool (the keys and queries that exist) -> (sum over the counted
-    queries [heads] float64, their number). A query counts when its position holds a token and its sequence has at
-    least 2 keys."""
+    queries [heads] float64, their number). A query counts when its position holds a token and it has at least 2
+    keys (`causal`: the tokens at and before its position)."""
     picked = queries[:, rows]  # [batch, m, heads, d]
     scores = torch.einsum("bmhd,bshd->bhms", picked, keys) / math.sqrt(queries.shape[-1])
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    visible = mask[:, None, :].expand(-1, len(rows), -1)  # [batch, m, seq]
+    if causal:
+        visible = visible & (torch.arange(mask.shape[1], device=mask.device)[None, :] <= rows[:, None])[None]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     entropy = torch.special.entr(scores.softmax(-1)).sum(-1)  # [batch, heads, m]
-    length = mask.sum(1)  # [batch]
-    counted = mask[:, rows] & (length >= 2)[:, None]  # [batch, m]
-    normalised = entropy / length.clamp_min(2).log().to(entropy)[:, None, None]
+    length = visible.sum(-1)  # [batch, m]
+    counted = mask[:, rows] & (length >= 2)  # [batch, m]
+    normalised = entropy / length.clamp_min(2).log().to(entropy)[:, None, :]
     total = (normalised * counted[:, None, :]).sum((0, 2), dtype=torch.float64)
     return total, int(counted.sum())
 
@@ -76,10 +82,12 @@ class QueryKeyGeometry(Metric):
             self.add_state(name, torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, layer: int, queries: Tensor, keys: Tensor, mask: Tensor | None, pairs: tuple[Tensor, Tensor],
-               rows: Tensor) -> None:
+               rows: Tensor, causal: bool = False, attended: tuple[Tensor, Tensor] | None = None) -> None:
         """Layer `layer` (0..num_layers-1) of a batch: queries, keys [batch, seq, heads, head_dim]; mask [batch, seq]
         (None: every position is a token); pairs (first [n], second [n]) positions of each sequence compared for
-        anisotropy; rows [m] positions of each sequence whose attention entropy is taken."""
+        anisotropy; rows [m] positions of each sequence whose attention entropy is taken; `causal`: a query attends
+        to the tokens at and before it; `attended`: the (queries, keys) the attention compares, when it rotates them
+        (rotary positions; default the projections themselves)."""
         expected = (self.num_heads, self.head_dim)
         if queries.dim() != 4 or tuple(queries.shape[2:]) != expected or keys.shape != queries.shape:
             raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} are not both "
@@ -98,7 +106,7 @@ class QueryKeyGeometry(Metric):
                 (0, 1), dtype=torch.float64)
         self.tokens[layer] += mask.sum()
         self.pairs[layer] += valid.sum()
-        total, counted = attention_entropy(queries, keys, mask, rows.to(queries.device))
+        total, counted = attention_entropy(*(attended or (queries, keys)), mask, rows.to(queries.device), causal)
         self.entropy_sum[layer] += total
         self.queries[layer] += counted
 

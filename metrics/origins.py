@@ -10,13 +10,17 @@ For each dimension d:
   the hidden space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
 - layer_norms: for every LayerNorm over the hidden size, d's gain and bias and their ranks by magnitude among
   all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
-  shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers.
+  shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers. An RMSNorm
+  (Llama, Qwen) is traced like a LayerNorm's gain and has no bias. In a pre-LN model (GPT-2, Llama, GPT-NeoX, OPT,
+  ModernBERT) a norm inside layer l normalises the input of its attention or MLP and writes no hidden state: its entry
+  has layer l and placement "pre"; the final norm writes layer L ("final"); `layer_norms_note` says so.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from metrics.ranks import rank_by_magnitude
 
@@ -45,9 +49,11 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     norms = layer_norms(model)
     ranks = [
         (name, layers, rank_by_magnitude(module.weight.detach().float().cpu()),
-         rank_by_magnitude(module.bias.detach().float().cpu()) if module.bias is not None else None, module)
+         rank_by_magnitude(module.bias.detach().float().cpu()) if getattr(module, "bias", None) is not None else None,
+         module)
         for name, layers, module in norms
     ]
+    report["layer_norms_note"] = norms_note(model, [module for _, _, module in norms])
     for d in dims:
         entries = []
         for name, layers, weight_rank, bias_rank, module in ranks:
@@ -55,12 +61,29 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
                      "weight": round(float(module.weight.detach()[d]), 6), "weight_rank": int(weight_rank[d])}
             if len(layers) > 1:
                 entry["shared_by_layers"] = layers
+            placed = norm_placement(model, module)
+            if placed is not None:
+                entry["placement"] = placed[1]
             if bias_rank is not None:
                 entry.update(bias=round(float(module.bias.detach()[d]), 6), bias_rank=int(bias_rank[d]))
             entries.append(entry)
         report["layer_norms"][str(d)] = entries
     report["hidden_size"] = model.config.hidden_size
     return report
+
+
+def norms_note(model: nn.Module, norms: list[nn.Module]) -> str:
+    """What the norm entries mean for this model's family (empty for BERT's post-LN layout with LayerNorms)."""
+    parts = []
+    if any(not isinstance(module, nn.LayerNorm) for module in norms):
+        parts.append("RMSNorm: traced like a LayerNorm's gain; it has no bias")
+    if pre_norm(model):
+        parts.append("pre-LN: a norm inside layer l (placement pre) normalises the input of its attention or MLP and "
+                     "writes no hidden state")
+    stack = decoder_stack(model)
+    if stack is not None and stack.final_norm is not None:
+        parts.append("the final norm (placement final) writes layer L, transformers' last hidden state")
+    return "; ".join(parts)
 
 
 def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
@@ -90,4 +113,7 @@ def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
 def where(entry: dict) -> str:
     """"layer 3", or "shared by layers 1-12" for a LayerNorm that several layers run."""
     shared = entry.get("shared_by_layers")
-    return f"shared by layers {shared[0]}-{shared[-1]}" if shared else f"layer {entry['layer']}"
+    if shared:
+        return f"shared by layers {shared[0]}-{shared[-1]}"
+    placement = {"pre": " input norm", "final": " final norm"}.get(entry.get("placement"), "")
+    return f"layer {entry['layer']}{placement}"

@@ -38,16 +38,21 @@ def key_attention(probs: Tensor, query_mask: Tensor) -> Tensor:
     return total / weight.sum(1).clamp_min(1)[:, None, None]
 
 
-def attention_key_mass(queries: Tensor, keys: Tensor, key_mask: Tensor, query_mask: Tensor, chunk: int = 256
-                       ) -> Tensor:
-    """key_attention of softmax(q k^T / sqrt(head_dim)) over the keys of key_mask, from queries and keys [batch, seq,
-    heads, head_dim] (float32), in chunks of `chunk` queries (memory [batch, heads, chunk, seq])."""
+def attention_key_mass(queries: Tensor, keys: Tensor, key_mask: Tensor, query_mask: Tensor, chunk: int = 256,
+                       causal: bool = False) -> Tensor:
+    """key_attention of softmax(q k^T / sqrt(head_dim)) over the keys of key_mask (and, `causal`, at or before the
+    query's position), from queries and keys [batch, seq, heads, head_dim] (float32), in chunks of `chunk` queries
+    (memory [batch, heads, chunk, seq])."""
     total = queries.new_zeros(queries.shape[0], queries.shape[2], keys.shape[1])
     scale = 1 / math.sqrt(queries.shape[-1])
     weight = query_mask.to(total.dtype)
     for start in range(0, queries.shape[1], chunk):
         scores = torch.einsum("bqhd,bkhd->bhqk", queries[:, start:start + chunk].float() * scale, keys.float())
-        probs = scores.masked_fill_(~key_mask.bool()[:, None, None, :], float("-inf")).softmax(-1).nan_to_num_(0.0)
+        hidden = ~key_mask.bool()[:, None, None, :]
+        if causal:
+            where = torch.arange(start, start + scores.shape[2], device=scores.device)
+            hidden = hidden | (torch.arange(keys.shape[1], device=scores.device)[None, :] > where[:, None])
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).nan_to_num_(0.0)
         total += torch.einsum("bhqk,bq->bhk", probs, weight[:, start:start + chunk])
     return total / weight.sum(1).clamp_min(1)[:, None, None]
 

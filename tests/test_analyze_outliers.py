@@ -210,9 +210,11 @@ def test_max_sentences_and_seed_choose_the_sample(tmp_path, bert_tok):
 
 
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
-    from transformers import GPT2Config, GPT2Model
+    from transformers import BartConfig, BartModel
 
-    GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    BartModel(BartConfig(encoder_layers=1, decoder_layers=1, d_model=16, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, vocab_size=50)
+              ).save_pretrained(tmp_path / "bart")
     good = tmp_path / "good.txt"
     good.write_text("One sentence.\nTwo sentences.\n", encoding="utf-8")
     files = {"empty.txt": b"", "binary.txt": b"\x00\x01\x02PNG", "latin1.txt": b"na\xefve caf\xe9\n"}
@@ -227,7 +229,7 @@ def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
                            "cannot load encoder 'no-such-org/no-such-model'"),
         "missing encoder path": (["--encoder", tmp_path / "nowhere", "--data", good], "encoder path not found"),
         "missing data path": (["--encoder", encoder, "--data", tmp_path / "nowhere.txt"], "data path not found"),
-        "not an encoder": (["--encoder", tmp_path / "gpt2", "--data", good], "not a BERT-family"),
+        "an encoder-decoder": (["--encoder", tmp_path / "bart", "--data", good], "encoder-decoder model"),
         "empty file": (["--encoder", encoder, "--data", tmp_path / "empty.txt"], "data file is empty"),
         "binary file": (["--encoder", encoder, "--data", tmp_path / "binary.txt"], "looks binary"),
         "not utf-8": (["--encoder", encoder, "--data", tmp_path / "latin1.txt"], "not UTF-8"),

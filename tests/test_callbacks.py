@@ -59,7 +59,7 @@ class Recorder(pl.Callback):
     @staticmethod
     def direct(pl_module, batch) -> torch.Tensor:  # [layers, batch, seq, hidden], float64
         with torch.no_grad():
-            states = pl_module.model.roberta(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states
+            states = pl_module.model.base_model(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states
         return torch.stack(states).double()
 
     @staticmethod
@@ -93,7 +93,7 @@ def direct_attention(pl_module, batch) -> dict:
                 outputs[name] = output.detach().double().unflatten(-1, (heads, -1))
             handles.append(module.register_forward_hook(keep))
     with torch.no_grad():
-        probabilities = model.roberta(input_ids=batch["input_ids"], output_attentions=True).attentions
+        probabilities = model.base_model(input_ids=batch["input_ids"], output_attentions=True).attentions
     for handle in handles:
         handle.remove()
     return {"outputs": outputs, "probabilities": [p.double() for p in probabilities]}
@@ -200,9 +200,10 @@ def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> 
              "mean_contribution": float(contribution[layer].mean())} for layer in range(layers)]
 
 
-def expected_attention(records: list[dict], seed_step: int | None) -> list[dict]:
+def expected_attention(records: list[dict], seed_step: int | None, causal: bool = False) -> list[dict]:
     """Per transformer layer, from direct_attention of the step's (or validation's) batches: what AttentionGeometry
-    should log, each head's value averaged over the heads."""
+    should log, each head's value averaged over the heads (`causal`: a query at position i has i + 1 keys; the one at
+    0 is left out)."""
     seq = records[0]["probabilities"][0].shape[-1]
     first, second = pair_positions(seq, PAIRS, pair_seed(0, seed_step))
     rows = pair_positions(seq, PAIRS, pair_seed(0, seed_step) + 1)[0]
@@ -213,7 +214,8 @@ def expected_attention(records: list[dict], seed_step: int | None) -> list[dict]
         probabilities = torch.cat([r["probabilities"][layer - 1] for r in records])  # [sequences, heads, seq, seq]
         mean_q, mean_k = q.mean((0, 1)), k.mean((0, 1))  # [heads, d]
         picked = probabilities[:, :, rows]  # [sequences, heads, queries, keys]
-        entropy = -(picked * picked.clamp_min(1e-300).log()).sum(-1) / np.log(seq)
+        keys = (rows + 1).double() if causal else torch.full((len(rows),), float(seq), dtype=torch.float64)
+        entropy = (-(picked * picked.clamp_min(1e-300).log()).sum(-1) / keys.clamp_min(2).log())[..., keys >= 2]
         out.append({"qk_mean_cosine": F.cosine_similarity(mean_q, mean_k, dim=-1).mean().item(),
                     "query_mean_norm_ratio": (mean_q.norm(dim=-1) / q.norm(dim=-1).mean((0, 1))).mean().item(),
                     "key_mean_norm_ratio": (mean_k.norm(dim=-1) / k.norm(dim=-1).mean((0, 1))).mean().item(),
@@ -586,7 +588,7 @@ def test_a_model_whose_hidden_states_cannot_be_captured_is_a_clear_error(callbac
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 4)), batch_size=4)
     trainer = pl.Trainer(max_steps=1, logger=False, callbacks=[callback(every_n_steps=1, image_every_n_steps=0)],
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
-    with pytest.raises(UserError, match="cannot capture the hidden states of GRUModule: it holds no transformers encoder"):
+    with pytest.raises(UserError, match="cannot capture the hidden states of GRUModule: it holds no transformers (encoder|model)"):
         trainer.fit(GRUModule(), data)
 
 

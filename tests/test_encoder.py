@@ -139,7 +139,7 @@ def test_model_without_hidden_states_is_rejected(tmp_path, bert_tok):
 
 
 def test_loader_errors(tmp_path):
-    from transformers import GPT2Config, GPT2Model
+    from transformers import BartConfig, BartModel
 
     with pytest.raises(UserError, match="encoder path not found"):
         load_encoder(tmp_path / "missing")
@@ -148,9 +148,11 @@ def test_loader_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no config.json"):
         load_encoder(tmp_path / "empty")
-    GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(UserError, match="'gpt2' model, not a BERT-family"):
-        load_encoder(tmp_path / "gpt2")
+    BartModel(BartConfig(encoder_layers=1, decoder_layers=1, d_model=16, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, vocab_size=50)
+              ).save_pretrained(tmp_path / "bart")  # decoders load (tests/test_families.py); encoder-decoders never
+    with pytest.raises(UserError, match="'bart' encoder-decoder model; only encoders and decoder-only models"):
+        load_encoder(tmp_path / "bart")
 
 
 def test_bfloat16_hidden_states_close_to_float32_and_counted(tmp_path, bert_tok):

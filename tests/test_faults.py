@@ -238,12 +238,15 @@ def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str
                         "config gives 3 (num_hidden_layers mismatch)"),
         "other attention": (good, ("--model.attention", "gated"), "checkpoint {} was trained with attention softmax "
                             "but the config asks for gated gate_init=0.25; resume with the matching --model.attention"),
+        "other arm": (good, ("--model.objective", "causal"), "checkpoint {} was trained as the mlm-learned arm but "
+                      "the config asks for causal-learned; resume with the matching --model.objective and "
+                      "--model.positions"),
         "missing": (missing, (), "checkpoint not found: {}"),
     }
 
 
 @pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth",
-                                  "other attention", "missing"])
+                                  "other attention", "other arm", "missing"])
 def test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written(straight, corpus, cache, tmp_path,
                                                                           capsys, case):
     good = tmp_path / "good.ckpt"
@@ -536,6 +539,21 @@ ERROR_ROW_TESTS = {
     ],
     ('train.py', 'fine-tuning: `--model.softdecay_alpha_mode` or `--model.softdecay_placement` not one of its choices (with or without `--model.softdecay true`)'): [
         'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'resume with another arm (`--model.objective`, `--model.positions`)'): [
+        'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
+    ],
+    ('train.py', 'an unknown objective or positions, or positions contradicting `--model.position_embeddings false`'): [
+        'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
+    ],
+    ('train.py', 'a next-token share outside (0, 1]'): [
+        'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
+    ],
+    ('train.py', 'an attention variant with rotary positions'): [
+        'test_arms.py::test_bad_arm_options_are_one_line_exit_2_and_write_nothing',
+    ],
+    ('analyze.py', 'an encoder whose hidden states have different widths (OPT-350m)'): [
+        'test_families.py::test_a_model_whose_last_hidden_state_has_another_width_is_one_line',
     ],
     ('train.py', 'resume with another attention variant or its parameters'): [
         'test_attention_variants.py::test_resuming_with_another_variant_is_one_line',
@@ -880,7 +898,7 @@ ERROR_ROW_TESTS = {
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
         "test_analyze_outliers.py::test_console_script_reports_the_error_and_exit_status",
     ],
-    ("analyze.py", "not a BERT-family encoder"): [
+    ("analyze.py", "an encoder-decoder model (T5, BART)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
     ("analyze.py", "missing data path"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],

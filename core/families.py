@@ -1,0 +1,172 @@
+"""Model families beyond BERT's layout, read off the model itself: decoders (GPT-2, Llama / Qwen, GPT-NeoX / Pythia,
+OPT) and rotary encoders (ModernBERT, RoFormer).
+
+    Family                     # causal or bidirectional, positions, norms, what layer L is (core.models.model_family)
+    decoder_stack(model)       # Stack(blocks, final_norm) of a model whose layers sit in one flat list, or None
+    hidden_state_sites(model)  # [(module, "input" | "output")]: where hidden_states[0..L] are read, by hooks
+    position_table(model)      # (nn.Embedding, first row a token uses) of an absolute table, or None
+    norm_placement(model, norm)   # (hidden-state layers, placement) of a LayerNorm / RMSNorm
+    rotary_queries_keys(model) # (q, k) -> (q, k) rotated as the model's attention does (RoFormer), or None
+
+Layers follow transformers' `hidden_states`: 0 is the input of the first transformer layer (the embedding output),
+l the output of layer l for l < L; for models with a final norm (GPT-2's ln_f, Llama's norm, GPT-NeoX's and OPT's
+final_layer_norm, ModernBERT's final_norm) layer L is the last layer's output after that norm (transformers replaces
+the last entry with `last_hidden_state`). BERT-family encoders (post-LN: every layer ends in its LayerNorm) have no
+final norm: layer L is the last layer's output. docs/families.md has the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import Tensor, nn
+
+BLOCK_LISTS = ("h", "layers", "layer")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer
+FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_norm")
+POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2; OPT (offset 2). BERT's embeddings.position_embeddings: models.py
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A flat stack of transformer layers: `blocks` [L] and the norm after the last one (None: none)."""
+
+    container: nn.Module
+    blocks: nn.ModuleList
+    final_norm: nn.Module | None
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the analyses need to know about a model's kind, for reports and for what a command can do."""
+
+    model_type: str
+    causal: bool  # each token sees only itself and the tokens before it
+    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "no absolute table"
+    norms: str  # "post-LN" | "pre-LN"
+    last_layer: str  # what hidden_states[L] is
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return getattr(model, "base_model", model)
+
+
+def is_causal(config) -> bool:
+    """A decoder: config.is_decoder (RoBERTa / RoFormer built as one), or a model type transformers has no masked-LM
+    class for (GPT-2, Llama, GPT-NeoX, OPT, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return bool(getattr(config, "is_decoder", False)) or config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def decoder_stack(model: nn.Module) -> Stack | None:
+    """The flat layer list of a model that is not BERT's `embeddings` + `encoder.layer` layout: GPT-2's `h`, Llama's,
+    GPT-NeoX's and ModernBERT's `layers`, OPT's `decoder.layers`, with the final norm beside it (None when none)."""
+    base = _base(model)
+    if getattr(base, "encoder", None) is not None and getattr(base, "embeddings", None) is not None:
+        return None  # BERT's layout: core.models.layer_stack
+    count = getattr(getattr(base, "config", None), "num_hidden_layers", None)
+    for container in (base, getattr(base, "decoder", None)):
+        if not isinstance(container, nn.Module):
+            continue
+        for name in BLOCK_LISTS:
+            blocks = getattr(container, name, None)
+            if isinstance(blocks, nn.ModuleList) and len(blocks) > 0 and (count is None or len(blocks) == count):
+                norm = next((getattr(container, n) for n in FINAL_NORMS
+                             if isinstance(getattr(container, n, None), nn.Module)), None)
+                return Stack(container, blocks, norm)
+    return None
+
+
+def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]] | None:
+    """Where transformers reads hidden_states[0..L] of a decoder stack: the input of the first layer, the outputs of
+    layers 1..L-1, and the final norm's output (or the last layer's, without one); None for other layouts."""
+    stack = decoder_stack(model)
+    if stack is None:
+        return None
+    blocks = list(stack.blocks)
+    last = (stack.final_norm, "output") if stack.final_norm is not None else (blocks[-1], "output")
+    return [(blocks[0], "input"), *((block, "output") for block in blocks[:-1]), last]
+
+
+def position_table(model: nn.Module) -> tuple[nn.Embedding, int] | None:
+    """A decoder's absolute position table and the row of position 0: GPT-2's `wpe` (row 0), OPT's `embed_positions`
+    (row 2: OPT numbers positions from 2); None when the model has none here (BERT's table: core.models)."""
+    stack = decoder_stack(model)
+    if stack is None:
+        return None
+    for name in POSITION_TABLES:
+        table = getattr(stack.container, name, None)
+        if isinstance(table, nn.Embedding):
+            return table, int(getattr(table, "offset", 0) or 0)
+    return None
+
+
+def is_rotary(model: nn.Module) -> bool:
+    """Rotary position embeddings inside attention: a `*Rotary*` module (Llama, Qwen, GPT-NeoX, ModernBERT) or
+    RoFormer's rotary sinusoids (config.rotary_value)."""
+    config = getattr(model, "config", None)
+    return hasattr(config, "rotary_value") or any("Rotary" in type(m).__name__ for m in model.modules())
+
+
+def is_norm(module: nn.Module, hidden: int) -> bool:
+    """A LayerNorm or an RMSNorm (torch's, or a transformers `*RMSNorm`: a gain, no bias) over the hidden size."""
+    import torch
+
+    if isinstance(module, nn.LayerNorm):
+        return tuple(module.normalized_shape) == (hidden,)
+    rms = isinstance(module, getattr(torch.nn, "RMSNorm", ())) or type(module).__name__.endswith("RMSNorm")
+    weight = getattr(module, "weight", None)
+    return rms and isinstance(weight, Tensor) and tuple(weight.shape) == (hidden,)
+
+
+def pre_norm(model: nn.Module) -> bool:
+    """Layers that normalise the input of attention and MLP (pre-LN: GPT-2, Llama, GPT-NeoX, OPT except OPT-350m's
+    do_layer_norm_before false, ModernBERT), not their output (post-LN: BERT's layout)."""
+    return decoder_stack(model) is not None and getattr(_base(model).config, "do_layer_norm_before", True) is not False
+
+
+def norm_placement(model: nn.Module, module: nn.Module) -> tuple[list[int], str] | None:
+    """(hidden-state layers, placement) of a norm of a decoder stack: "pre" inside layer l (it normalises the input of
+    a sub-layer; the residual stream it reads is not its output), "post" inside layer l without pre-LN, "final" (it
+    writes layer L), "embedding" (it writes layer 0: ModernBERT's embedding norm), "head" outside the model's body (no
+    hidden state); None for BERT's layout (core.models.written_layers)."""
+    stack = decoder_stack(model)
+    if stack is None:
+        return None
+    if module is stack.final_norm:
+        return [len(stack.blocks)], "final"
+    for index, block in enumerate(stack.blocks):
+        if any(inner is module for inner in block.modules()):
+            return [index + 1], "pre" if pre_norm(model) else "post"
+    if any(inner is module for inner in _base(model).modules()):
+        return [0], "embedding"
+    return [], "head"
+
+
+def name_of(model: nn.Module, module: nn.Module) -> str:
+    """The name of `module` inside the model's body."""
+    return next((n for n, m in _base(model).named_modules() if m is module), type(module).__name__)
+
+
+def rotary_queries_keys(model: nn.Module):
+    """A function (queries, keys) [batch, seq, heads, head_dim] -> the same rotated by position as the model's own
+    attention rotates them (RoFormer: transformers' `apply_rotary_position_embeddings` with its `embed_positions`
+    sinusoids), or None for a model without rotary positions in BERT's layout."""
+    base = _base(model)
+    sinusoids = getattr(getattr(base, "encoder", None), "embed_positions", None)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    inner = getattr(getattr(layers[0], "attention", None), "self", None) if layers else None
+    rotate = getattr(inner, "apply_rotary_position_embeddings", None)
+    if sinusoids is None or rotate is None:
+        return None
+
+    def rotated(queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        batch, seq = queries.shape[:2]
+        angles = sinusoids((batch, seq))[None, None].to(queries)  # [1, 1, seq, head_dim]
+        q, k = rotate(angles, queries.transpose(1, 2), keys.transpose(1, 2))  # [batch, heads, seq, head_dim]
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    return rotated

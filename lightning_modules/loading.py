@@ -1,0 +1,101 @@
+"""What loading a model checks: is it a model the project reads, did its weights load, does it have an MLM head.
+
+    check_is_encoder(config, "bert-base-uncased", decoders=True)   # a one-line UserError for a model it cannot read
+    check_loading(source, info, model)       # weights missing or of another shape: refused (or warned, when allowed)
+    head_note, base_info = split_head(masked_lm, info)   # a masked-LM load's report: its head, and its base model's
+    load_failure(error, "its weights")       # a library's loading error as one line
+
+lightning_modules/encoder.py's load_encoder and lightning_modules/finetune.py call these.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+
+from torch import nn
+
+from core.errors import UserError, first_line
+from core.models import mlm_head
+
+
+def split_head(model: nn.Module, info: Mapping) -> tuple[str | None, dict]:
+    """A masked-LM model's load report split in two: (None when its head's weights were all in the checkpoint, else
+    why it has no head; the report of its base model alone, key prefixes stripped, for `check_loading`)."""
+    prefix = f"{model.base_model_prefix}."
+    base, head = {}, []
+    for kind in ("missing_keys", "mismatched_keys"):
+        keys = [key[0] if isinstance(key, tuple) else key for key in info.get(kind, ())]
+        head += [str(key) for key in keys if not str(key).startswith(prefix)]
+        base[kind] = [str(key).removeprefix(prefix) for key in keys if str(key).startswith(prefix)]
+    if mlm_head(model) is None:
+        return f"no MLM head ({type(model).__name__}: a head layout this project does not know)", base
+    if head:
+        shown = ", ".join(sorted(head)[:3]) + (", ..." if len(head) > 3 else "")
+        return f"no MLM head (its weights are not in the checkpoint: {shown})", base
+    return None, base
+
+
+def load_failure(error: Exception, what: str) -> str:
+    """A library's loading error as one line; a torn file (safetensors' "incomplete metadata, file not fully
+    covered", a JSON file cut short) says what it belongs to and that it is truncated or corrupt."""
+    text = first_line(error)
+    if type(error).__name__ == "SafetensorError":
+        return f"model.safetensors is truncated or corrupt ({text})"
+    if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
+        return f"{what}: a JSON file is truncated or corrupt ({text})"
+    return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
+
+
+def check_loading(source, info: Mapping, model: nn.Module, allow: bool = False,
+                  option: str = "--allow_random_weights") -> None:
+    """Encoder weights that were not in the checkpoint or had another shape there would be randomly initialised: one
+    line naming how many, or with `allow` (`option` on the command line), a warning naming them. The pooler (unused:
+    hidden states only) and a checkpoint's task heads (`lm_head`, `cls`, ...: unexpected keys) are expected when a
+    masked-LM checkpoint is loaded as an encoder and are not counted."""
+    missing = sorted(key for key in info.get("missing_keys", ()) if not key.split(".")[0] == "pooler")
+    mismatched = sorted(str(key[0] if isinstance(key, tuple) else key) for key in info.get("mismatched_keys", ()))
+    if (missing or mismatched) and not allow:
+        total = sum(1 for key in model.state_dict() if key.split(".")[0] != "pooler")
+        parts = ([f"{len(missing)} of its {total} weights are not in the checkpoint"] if missing else []) + \
+                ([f"{len(mismatched)} have another shape there"] if mismatched else [])
+        raise UserError(f"encoder {source}: {' and '.join(parts)} (e.g. {(missing + mismatched)[0]}): its weights do "
+                        "not match its config.json (another architecture's?), so they would be randomly "
+                        f"initialised; {option} analyses such a partly random model")
+    _warn_about_loading(source, missing, mismatched)
+
+
+def _warn_about_loading(source, missing: list[str], mismatched: list[str]) -> None:
+    """One warning naming the encoder weights that were randomly initialised (allowed by the user)."""
+    for what, keys in (("not in the checkpoint (randomly initialised)", missing),
+                       ("of another shape in the checkpoint (randomly initialised)", mismatched)):
+        if keys:
+            shown = ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
+            warnings.warn(f"encoder {source}: weights {what}: {shown}", stacklevel=3)
+
+
+def has_masked_lm(config) -> bool:
+    """Whether transformers has a masked-LM class for the config's model type (a decoder's config is_decoder)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+
+
+def check_is_encoder(config, source, decoders: bool = False) -> None:
+    """A masked-LM encoder (or, with `decoders`, also a decoder-only causal LM), else one line; an encoder-decoder
+    (T5, BART) never."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    decoder = getattr(config, "is_decoder", False) or config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if getattr(config, "is_encoder_decoder", False):
+        raise UserError(f"{source} is a {config.model_type!r} encoder-decoder model; only encoders and decoder-only "
+                        "models are analysed")
+    if decoder and not decoders:
+        raise UserError(f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder")
+    if decoder and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
+                        "causal LM")

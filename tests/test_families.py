@@ -1,0 +1,181 @@
+"""Decoders (GPT-2, Llama, GPT-NeoX, OPT) and rotary encoders (ModernBERT, RoFormer) in the analyses, the probe and
+the live callbacks' capture, each against transformers' own `output_hidden_states`, one sentence at a time.
+
+    .venv/bin/pytest tests/test_families.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import analyze
+import probe
+from core.capture import HiddenStateCapture
+from core.errors import UserError
+from core.families import is_norm
+from core.models import attention_projections, hidden_state_sites, position_embedding
+from lightning_modules.encoder import load_encoder
+from lightning_modules.pooling import mean_pool
+from metrics.outliers import OutlierRule
+from tests.tiny import LAYERS, MAX_POSITIONS, corpus_sentences
+from tests.tiny_families import DECODERS, FAMILIES, decoder_tokenizer, save_tiny_family
+
+PLANTED = 7  # the dimension every test plants an outlier on
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def decoder_tok(tmp_path_factory):
+    return decoder_tokenizer(tmp_path_factory.mktemp("decoder_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    texts = corpus_sentences(24, start=500)
+    path = tmp_path_factory.mktemp("texts") / "s.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return texts, path
+
+
+def plant(model) -> None:
+    """Dimension PLANTED large everywhere: the input embedding's column, every norm's gain (and bias, where it has one),
+    and, for a model with an absolute table, that table's usable rows (-3 on the rows no token uses)."""
+    hidden = model.config.hidden_size
+    model.get_input_embeddings().weight[:, PLANTED] += 3.0
+    for module in model.modules():
+        if is_norm(module, hidden):
+            module.weight[PLANTED] = 8.0
+            if getattr(module, "bias", None) is not None:
+                module.bias[PLANTED] = 4.0
+    table = position_embedding(model)
+    if table is not None:
+        first = getattr(table, "offset", 0)
+        table.weight[:, PLANTED] = -3.0
+        table.weight[first:, PLANTED] = 3.0
+
+
+def direct_hidden(path, texts: list[str], max_length: int) -> list[torch.Tensor]:
+    """Each sentence alone (no padding) through transformers: [layers, tokens, hidden]."""
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [torch.stack(model(**tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt"),
+                                  output_hidden_states=True).hidden_states)[:, 0] for text in texts]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, decoder_tok, roberta_tok):
+    root = tmp_path_factory.mktemp("families")
+    return {kind: save_tiny_family(root / kind, kind, decoder_tok if kind in DECODERS else roberta_tok, plant=plant)
+            for kind in FAMILIES}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_outliers_report_matches_transformers_hidden_states_and_traces_each_familys_origins(kind, models, texts,
+                                                                                          tmp_path):
+    sentences, data = texts
+    out = tmp_path / "report"
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(models[kind]), "--data", str(data),
+                         "--output_dir", str(out), "--max_length", "24", "--batch_size", "5"]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+
+    tokens = torch.cat(direct_hidden(models[kind], sentences, 24), dim=1)  # [layers, tokens, hidden]
+    assert report["num_tokens"] == tokens.shape[1] and len(report["layers"]) == LAYERS + 1
+    rule = OutlierRule()
+    for row, states in zip(report["layers"], tokens):
+        top, bottom = states.argmax(-1), states.argmin(-1)
+        shares_max = torch.bincount(top, minlength=states.shape[1]).double() / len(top)
+        shares_min = torch.bincount(bottom, minlength=states.shape[1]).double() / len(top)
+        assert row["argmax_dim"] == int(shares_max.argmax()) and row["argmax_share"] == pytest.approx(
+            float(shares_max.max()), abs=1e-6)
+        assert row["argmin_dim"] == int(shares_min.argmax())
+        outliers = sorted(set(torch.nonzero(shares_max >= rule.min_share).flatten().tolist())
+                          | set(torch.nonzero(shares_min >= rule.min_share).flatten().tolist()))
+        assert sorted(row["outlier_dims"]) == outliers
+    assert PLANTED in report["persistent_dims"]
+
+    family, origins = report["model_family"], report["origins"]
+    assert family["causal"] is (kind in DECODERS)
+    table = origins["position_embeddings"]
+    if kind in ("gpt2", "opt"):  # learned tables: GPT-2's wpe from row 0, OPT's embed_positions from row 2
+        assert family["positions"] == "learned table" and table["num_positions"] == MAX_POSITIONS
+        assert table["dims"][str(PLANTED)]["share_as_max"] == 1.0  # only the usable rows (OPT: not rows 0 and 1)
+    else:
+        assert table is None and "rotary" in origins["position_embeddings_note"] and family["positions"] == \
+            "rotary (RoPE)"
+    entries = origins["layer_norms"][str(PLANTED)]
+    assert entries and all(entry["weight_rank"] == 1 for entry in entries)  # every planted gain ranks first
+    if kind == "llama":  # RMSNorm: a gain and no bias
+        assert all("bias" not in entry for entry in entries) and "RMSNorm" in origins["layer_norms_note"]
+    if kind == "roformer":  # post-LN: each layer's last LayerNorm writes its hidden state, no placement
+        assert family["norms"] == "post-LN" and all("placement" not in entry for entry in entries)
+        assert sorted({entry["layer"] for entry in entries}) == list(range(LAYERS + 1))
+    else:  # pre-LN: the final norm writes layer L, the others sit inside layers 1..L
+        assert family["norms"] == "pre-LN" and "final norm" in family["last_layer"]
+        final = [entry for entry in entries if entry["placement"] == "final"]
+        assert len(final) == 1 and final[0]["layer"] == LAYERS
+        inside = {entry["layer"] for entry in entries if entry["placement"] == "pre"}
+        assert inside == set(range(1, LAYERS + 1))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "modernbert"])
+def test_position_probe_features_and_contribution_vectors_match_a_direct_computation(kind, models, texts, tmp_path):
+    sentences, data = texts
+    out = tmp_path / "probe"
+    cli = probe.cli_main(["fit", "--config", "configs/probe/position.yaml", "--trainer.logger", "false",
+                          "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                          "--data.progress", "false", "--model.encoder", str(models[kind]), "--data.source", str(data),
+                          "--data.max_length", "16", "--data.max_positions", "16", "--data.batch_size", "16",
+                          "--data.random_baseline", "false", "--trainer.max_epochs", "1",
+                          "--trainer.default_root_dir", str(out)])
+    dm, model = cli.datamodule, cli.model
+    direct = torch.cat(direct_hidden(models[kind], dm.texts["test"], 16), dim=1)  # no padding: one at a time
+    cached = dm.stores["test"].features()
+    torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-4)
+    positions = dm.stores["test"].labels
+    weight = model.weight.detach()[:cached.shape[0]]  # [layers, hidden, positions]: the task probes (control ones after)
+    c = (weight[:, :, positions].transpose(1, 2) * cached).abs()  # c(i) = |w_gold,i v_i|: [layers, tokens, hidden]
+    np.testing.assert_allclose(np.load(out / "contributions.npy"), c.mean(1).numpy(), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt_neox", "opt"])
+def test_causal_mean_pooling_counts_every_real_token_and_no_padding(kind, models, decoder_tok):
+    assert decoder_tok.pad_token_id is None  # GPT-2's and Llama's tokenizers have none: the batch pads with eos
+    encoder = load_encoder(str(models[kind]), device="cpu")
+    short, long = "She smiled.", "It is a truth universally acknowledged, that a single man must be in want of a wife."
+    batch = encoder(**encoder.tokenize([short, long])[0])
+    assert not batch.mask[0].all() and batch.mask[1].all()  # the short sentence is padded on the right
+    pooled = mean_pool(batch.hidden_states, batch.mask)  # [layers, 2, hidden]
+    for row, text in enumerate((short, long)):
+        alone = direct_hidden(models[kind], [text], 64)[0]  # [layers, tokens, hidden]: what the model sees alone
+        torch.testing.assert_close(pooled[:, row], alone.mean(1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_hook_capture_of_the_live_callbacks_reads_transformers_hidden_states(kind, models):
+    model = AutoModel.from_pretrained(models[kind]).eval()
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad(), HiddenStateCapture(hidden_state_sites(model), list(range(LAYERS + 1))) as capture:
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(capture.stack(), torch.stack(expected))
+    if kind == "roformer":  # post-LN, query and key projections of the hidden states: the attention is readable
+        assert len(attention_projections(model)) == LAYERS
+    else:  # one line saying why not
+        with pytest.raises(UserError, match="pre-LN"):
+            attention_projections(model)
+
+
+def test_a_model_whose_last_hidden_state_has_another_width_is_one_line(decoder_tok, texts, tmp_path, capsys):
+    """OPT-350m projects its last state to word_embed_proj_dim: its layers cannot be compared, and it says so."""
+    path = save_tiny_family(tmp_path / "opt", "opt", decoder_tok, word_embed_proj_dim=16)
+    out = tmp_path / "report"
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(texts[1]),
+                         "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"analyze.py outliers: error: {path}: its hidden states have different widths ([16, 32]: a projection after "
+        "the last layer), so its layers cannot be compared")
+    assert not out.exists()
