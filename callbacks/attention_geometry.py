@@ -6,29 +6,30 @@ Lightning logger).
 
 Every `every_n_steps` optimizer steps, from that step's own forward pass (all its micro-batches on every rank; no
 extra pass: see callbacks/live.py), and over the whole validation set at each validation, per transformer layer
-l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py):
+l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py), a summary section and the per-layer
+detail below it (W&B groups panels by the key's first component; callbacks/live.py):
 
-    attention/layer_{l}/qk_mean_cosine                 cosine between the mean query and the mean key
-    attention/layer_{l}/query_mean_norm_ratio          norm of the mean query over the mean query norm (common drift)
-    attention/layer_{l}/key_mean_norm_ratio            the same for keys
-    attention/layer_{l}/query_anisotropy, key_anisotropy   mean cosine of `pairs_per_sequence` random position
-                                                       pairs of one sequence (drawn per step from `seed`)
-    attention/layer_{l}/entropy                        mean attention entropy of `queries_per_sequence` random query
+    attention/<statistic>                              each statistic below, mean over the watched layers
+    attention/over_steps                               image: each statistic per layer against the step
+    attention_by_layer/layer_{l}/qk_mean_cosine        cosine between the mean query and the mean key
+    attention_by_layer/layer_{l}/query_mean_norm_ratio norm of the mean query over the mean query norm (common drift)
+    attention_by_layer/layer_{l}/key_mean_norm_ratio   the same for keys
+    attention_by_layer/layer_{l}/query_anisotropy, key_anisotropy   mean cosine of `pairs_per_sequence` random
+                                                       position pairs of one sequence (drawn per step from `seed`)
+    attention_by_layer/layer_{l}/entropy               mean attention entropy of `queries_per_sequence` random query
                                                        positions of every sequence, over its keys, / log(keys)
                                                        (of softmax(q k^T / sqrt(d)): with clipped softmax or gated
                                                        attention, the softmax before clipping or gating)
-    attention/num_tokens
+    attention_by_layer/num_tokens
 
-(`val_attention/...` for validation.) No forward hook (they are skipped once the model is compiled): layer l's
-queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns through its tap
-(core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the states the forward
-made, not a forward. The training step's projection weights are copied when its capture starts (the optimizer
-updates them before the batch ends), so the queries and keys are those of the step's forward. A model whose
-attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
+(`val_attention/...` for validation, at the step of `val/loss`.) No forward hook (they are skipped once the model is
+compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns
+through its tap (core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the
+states the forward made, not a forward. The training step's projection weights are copied when its capture starts
+(the optimizer updates them before the batch ends), so the queries and keys are those of the step's forward. A model
+whose attention is not a projection of its hidden states (core.models.attention_projections) is refused at setup with
 one line. Statistics sync across ranks (sum states): a step's values equal one process's on the same global batch.
-W&B and TensorBoard also get, every `image_every_n_steps` and at each validation, the image `attention/over_steps`
-(each statistic per layer against the step); W&B the summaries `attention/<statistic>_by_layer` (latest, a list over
-the layers). CSV gets the scalars.
+W&B and TensorBoard also get the image every `image_every_n_steps` and at each validation; CSV gets the scalars.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.live import Captured, LiveCallback
+from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.figures import over_steps_figure
 from core.models import attention_projections
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
+from metrics.summary import over_layers
 
 PREFIX = {"train": "attention", "val": "val_attention"}
 TITLES = {"qk_mean_cosine": "cosine of mean query and mean key", "query_mean_norm_ratio": "|mean query| / mean |query|",
@@ -99,7 +101,8 @@ class AttentionGeometry(LiveCallback):
         for stage in PREFIX:
             self.geometry[stage] = QueryKeyGeometry(len(self.attention_layers), heads,
                                                     query.out_features // heads).to(pl_module.device)
-        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+        logs.define_step_metrics(trainer, [f"{name}/*" for prefix in PREFIX.values()
+                                           for name in (prefix, by_layer(prefix))])
 
     def weights(self, copy: bool = True) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
         """The projections' current weights, detached (copies unless `copy` is False): (query weight, bias, key
@@ -147,12 +150,13 @@ class AttentionGeometry(LiveCallback):
     def log_result(self, trainer, stage: str, step: int, result: dict) -> None:
         prefix = PREFIX[stage]
         values = {name: result[name].cpu().tolist() for name in NAMES}
-        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result["num_tokens"])}
-        for i, layer in enumerate(self.attention_layers):
-            metrics.update({f"{prefix}/layer_{layer}/{name}": values[name][i] for name in NAMES})
+        layers = self.attention_layers
+        metrics = {f"{prefix}/{name}": over_layers(values[name], layers, "mean") for name in NAMES}
+        metrics.update(layer_metrics(prefix, layers, values))
+        metrics[f"{by_layer(prefix)}/num_tokens"] = float(result["num_tokens"])
+        for i, layer in enumerate(layers):
             self.history.append([step, stage, layer, *(round(values[name][i], 6) for name in NAMES)])
         logs.log_scalars(trainer, metrics, step)
-        logs.log_summary(trainer, {f"{prefix}/{name}_by_layer": values[name] for name in NAMES})
         if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
             logs.log_figure(trainer, f"{prefix}/over_steps", self.figure(stage), step)
 

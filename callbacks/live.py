@@ -27,6 +27,7 @@ layers and the labels are the positions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pytorch_lightning as pl
@@ -64,6 +65,21 @@ class Captured:
         batch, seq = self.hidden.shape[1:3]
         positions = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
         return positions.flatten() if self.mask is None or bool(self.mask.all()) else positions[self.mask]
+
+
+# ---- W&B sections: W&B groups a run's panels by the key's first component ----
+
+def by_layer(prefix: str) -> str:
+    """The per-layer detail section of a family of keys: `outliers` -> `outliers_by_layer`. A family's own section
+    (`outliers/...`) holds a few whole-model numbers (metrics/summary.py) and images; its detail section holds
+    `<prefix>_by_layer/layer_{l}/<statistic>` for every layer."""
+    return f"{prefix}_by_layer"
+
+
+def layer_metrics(prefix: str, layers: Sequence[int], values: Mapping[str, Sequence]) -> dict:
+    """{`<prefix>_by_layer/layer_{l}/<name>`: values[name][i]} for the i-th of `layers`, layer by layer."""
+    return {f"{by_layer(prefix)}/layer_{layer}/{name}": column[i] for i, layer in enumerate(layers)
+            for name, column in values.items()}
 
 
 def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
