@@ -39,6 +39,7 @@ from torch import Tensor
 
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.figures import over_steps_figure
@@ -157,17 +158,18 @@ class AttentionGeometry(LiveCallback):
         for i, layer in enumerate(layers):
             self.history.append([step, stage, layer, *(round(values[name][i], 6) for name in NAMES)])
         logs.log_scalars(trainer, metrics, step)
-        if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
-            logs.log_figure(trainer, f"{prefix}/over_steps", self.figure(stage), step)
+        if stage == "val" or self.due_images(step):  # drawn off the training thread (callbacks/media.py)
+            rows, layers = [row for row in self.history if row[1] == stage], list(self.attention_layers)
+            FIGURES.submit(trainer, f"{prefix}/over_steps", lambda: self.figure(stage, rows, layers), step)
 
-    def figure(self, stage: str):
-        """Each statistic per layer against the step, from the history of `stage`."""
-        rows = [row for row in self.history if row[1] == stage]
+    @staticmethod
+    def figure(stage: str, rows: list[list], layers: list[int]):
+        """Each statistic per layer against the step, from history rows of `stage`."""
         panels = []
         for column, name in enumerate(NAMES, 3):
             series = {f"layer {layer}": ([row[0] for row in rows if row[2] == layer],
                                          [row[column] for row in rows if row[2] == layer])
-                      for layer in self.attention_layers}
+                      for layer in layers}
             panels.append({"title": TITLES[name], "ylabel": "", "series": series})
         over = "validations" if stage == "val" else "training steps"
         return over_steps_figure(panels, title=f"attention geometry per layer over {over} (Godey et al. 2024)")

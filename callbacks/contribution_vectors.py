@@ -38,6 +38,7 @@ from torch import Tensor
 
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from core.errors import UserError
 from core.figures import heatmap_figure
 from core.models import model_max_length
@@ -184,12 +185,13 @@ class ContributionVectors(LiveCallback):
             metrics[f"{prefix}/steps"] = float(self.updates)
         lists = layer_metrics(prefix, self.layers, {"top_dims": [r["top_dims"] for r in rankings]})
         logs.log_scalars(trainer, metrics, step, lists)
-        if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
-            when = "validation" if stage == "val" else "training step"
-            figure = heatmap_figure(contribution, "dimension (0-indexed)", "layer",
-                                    f"online position probe, {when} {step}: mean contribution per neuron",
-                                    colorbar="mean contribution |w_i v_i|", rows=self.layers)
-            logs.log_figure(trainer, f"{prefix}/contributions", figure, step)
+        if stage == "val" or self.due_images(step):  # drawn off the training thread (callbacks/media.py)
+            when, layers, contribution = "validation" if stage == "val" else "training step", list(self.layers), \
+                contribution.clone()
+            FIGURES.submit(trainer, f"{prefix}/contributions", lambda: heatmap_figure(
+                contribution, "dimension (0-indexed)", "layer",
+                f"online position probe, {when} {step}: mean contribution per neuron",
+                colorbar="mean contribution |w_i v_i|", rows=layers), step)
 
     # ---- checkpoints: the probe resumes with the run ----
     def state_dict(self) -> dict:

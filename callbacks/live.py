@@ -34,6 +34,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from callbacks.media import FIGURES
 from core.capture import HiddenStateCapture, HiddenStateTap
 from core.errors import UserError
 from core.models import encoder_layers, find_encoder, hidden_size
@@ -215,6 +216,8 @@ class LiveCallback(pl.Callback):
             self._open()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if FIGURES.ready:  # figures drawn off this thread since: logged from here (callbacks/media.py)
+            FIGURES.drain(trainer)
         if self._step is None:
             return
         self.update("train", self._close(batch), trainer, pl_module)
@@ -237,11 +240,15 @@ class LiveCallback(pl.Callback):
         if self.on_validation and not trainer.sanity_checking:
             self.finish("val", trainer, pl_module, trainer.global_step)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        FIGURES.flush(trainer)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._drop()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._drop()
+        FIGURES.flush(trainer)  # before the loggers close
 
 
 def check_callbacks(trainer, pl_module) -> None:

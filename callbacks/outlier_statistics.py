@@ -62,6 +62,7 @@ from torch import Tensor
 
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from core.errors import UserError
 from core.figures import layer_step_figure, mean_vectors_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
@@ -225,30 +226,32 @@ class OutlierStatistics(LiveCallback):
             logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, step)
 
     def log_images(self, trainer, stage: str, step: int, mean: Tensor, found) -> None:
-        prefix, when = PREFIX[stage], "validation" if stage == "val" else "training step"
-        logs.log_figure(trainer, f"{prefix}/by_layer", self.figure(stage), step)
-        full = torch.zeros(max(self.layers) + 1, mean.shape[1])
-        full[self.layers] = mean.float()
-        figure = mean_vectors_figure(full, {layer: o.outlier_dims for layer, o in zip(self.layers, found)},
-                                     title=f"average vector per layer, {when} {step}", layers=self.layers)
-        logs.log_figure(trainer, f"{by_layer(prefix)}/mean_vectors", figure, step)
-
-    def figure(self, stage: str):
-        """The history of `stage` as layer x step images: the top share, the kurtosis and the max / median ratio."""
+        """Drawn off the training thread (callbacks/media.py), from copies."""
+        prefix, when, layers = PREFIX[stage], "validation" if stage == "val" else "training step", list(self.layers)
         rows = [row for row in self.history if row[1] == stage]
+        FIGURES.submit(trainer, f"{prefix}/by_layer", lambda: self.figure(stage, rows, layers), step)
+        full = torch.zeros(max(layers) + 1, mean.shape[1])
+        full[layers] = mean.float()
+        outliers = {layer: list(o.outlier_dims) for layer, o in zip(layers, found)}
+        FIGURES.submit(trainer, f"{by_layer(prefix)}/mean_vectors", lambda: mean_vectors_figure(
+            full, outliers, title=f"average vector per layer, {when} {step}", layers=layers), step)
+
+    @staticmethod
+    def figure(stage: str, rows: list[list], layers: list[int]):
+        """History rows of `stage` as layer x step images: the top share, the kurtosis and the max / median ratio."""
         steps = sorted({row[0] for row in rows})
-        column, place = {step: i for i, step in enumerate(steps)}, {layer: i for i, layer in enumerate(self.layers)}
+        column, place = {step: i for i, step in enumerate(steps)}, {layer: i for i, layer in enumerate(layers)}
         panels = []
         for offset, (title, label, log) in enumerate((
                 ("dominant dimension's share", "share of tokens (max or min)", False),
                 ("kurtosis of the token vectors", "Pearson kurtosis, mean over tokens", True),
                 ("max / median |mean|", "ratio", True))):
-            values = torch.full((len(self.layers), len(steps)), float("nan"))
+            values = torch.full((len(layers), len(steps)), float("nan"))
             for row in rows:
                 values[place[row[2]], column[row[0]]] = row[3 + offset]
             panels.append({"title": title, "colorbar": label, "values": values.numpy(), "log": log})
         over = "validations" if stage == "val" else "training steps"
-        return layer_step_figure(panels, steps, self.layers, title=f"outlier statistics per layer over {over}")
+        return layer_step_figure(panels, steps, layers, title=f"outlier statistics per layer over {over}")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero and self.rows and logs.real_loggers(trainer):

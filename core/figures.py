@@ -21,10 +21,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
@@ -70,7 +71,7 @@ def fill(text: str, width: int) -> str:
 
 def line_colors(count: int) -> np.ndarray:
     """`count` colours in order (e.g. layers), dark blue to orange: plasma without its pale yellow end."""
-    return plt.cm.plasma(np.linspace(0, 0.78, max(count, 2)))[:count]
+    return matplotlib.colormaps["plasma"](np.linspace(0, 0.78, max(count, 2)))[:count]
 
 
 def plain_log_axis(ax, axis: str = "y") -> None:
@@ -108,6 +109,13 @@ def suptitle(fig, title: str, width_inches: float, fontsize: float = 10) -> int:
     return text.count("\n") + 1
 
 
+def margins(fig, left: float, right: float, bottom: float, top: float, **space) -> None:
+    """Fixed margins in inches (the live figures: tight_layout's measuring costs as much as the drawing)."""
+    width, height = fig.get_figwidth(), fig.get_figheight()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                        **space)
+
+
 def _array(values) -> np.ndarray:
     return np.asarray(values.detach().cpu() if hasattr(values, "detach") else values, dtype=float)
 
@@ -123,7 +131,7 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
     mean = _array(mean)
     layers = list(layers) if layers is not None else list(range(mean.shape[0]))
     outliers = outliers or {}
-    fig, axes = plt.subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 1.2), sharex=True, squeeze=False)
+    fig, axes = subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 1.2), sharex=True, squeeze=False)
     edges = np.arange(mean.shape[1] + 1) - 0.5  # dimension d's bar spans d - 0.5 .. d + 0.5
     for ax, layer in zip(axes[:, 0], layers):
         values = mean[layer]
@@ -144,10 +152,11 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
     handles = [Patch(color=BAR_BLUE, label="mean value of the dimension over the tokens"),
                Line2D([], [], marker="o", linestyle="", color=OUTLIER_RED, markersize=4,
                       label="outlier dimension of that layer (its number beside it, up to 4)")]
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()), ncol=2,
-               fontsize=8, frameon=False)
-    suptitle(fig, title or "average vector per layer", 10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / fig.get_figheight()))
+    lines = suptitle(fig, title or "average vector per layer", 10)
+    legend_top = 0.12 + 0.2 * lines  # inches below the figure's top edge
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - legend_top / fig.get_figheight()),
+               ncol=2, fontsize=8, frameon=False)
+    margins(fig, 0.85, 0.2, 0.5, legend_top + 0.35, hspace=0.25)
     return fig
 
 
@@ -157,7 +166,7 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
 
     rows: [positions, hidden] (the rows a token can use, in the hidden space)."""
     rows = _array(rows)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.4), gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom) = subplots(2, 1, figsize=(10, 7.4), gridspec_kw={"height_ratios": [3, 2]})
     limit = np.percentile(np.abs(rows), 99.5) or 1.0
     image = top.imshow(rows, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
     fig.colorbar(image, ax=top, fraction=0.025).set_label("value (clipped at the 99.5th percentile of |value|)",
@@ -189,23 +198,24 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]; `colorbar` labels the
     colour bar, `rows` the rows (default 0, 1, ...)."""
     matrix = _array(matrix)
-    fig, ax = plt.subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.8))))
+    fig, ax = subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.8))))
     image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
-    fig.colorbar(image, ax=ax, fraction=0.025).set_label(colorbar or "value", fontsize=8)
+    fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02).set_label(fill(colorbar or "value", 30), fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if rows is not None and len(rows) <= 40:
         ax.set_yticks(range(len(rows)), labels=[str(row) for row in rows])
+    lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
         ax.set_title(fit_title(title, 9, 10), fontsize=10)
-    fig.tight_layout()
+    margins(fig, 0.8, 0.3, 0.55, 0.15 + 0.2 * lines)
     return fig
 
 
 def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequence[float]],
                              baselines: Mapping[str, float] | None = None, title: str = ""):
     """Probe accuracy per layer, one line per series (encoder, random encoder, ...), baselines as dashed lines."""
-    fig, ax = plt.subplots(figsize=(7, 4.3))
+    fig, ax = subplots(figsize=(7, 4.3))
     for index, (name, values) in enumerate(series.items()):
         ax.plot(list(layers), list(values), marker=MARKERS[index % len(MARKERS)], color=SERIES[index % len(SERIES)],
                 label=name)
@@ -230,7 +240,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     width = 5.2 * columns + (1.2 if columns == 1 else 0)
-    fig, axes = plt.subplots(rows, columns, figsize=(width, 3.6 * rows + 0.4), squeeze=False)
+    fig, axes = subplots(rows, columns, figsize=(width, 3.6 * rows + 0.4), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         layers = list(panel["layers"])
         ax.set_title(fit_title(panel.get("title", ""), width / columns, 9), fontsize=9)
@@ -263,7 +273,7 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     width = 4.6 * columns
-    fig, axes = plt.subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
+    fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
         ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
@@ -298,7 +308,7 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
     Each panel: {"title", "colorbar" (the colour bar's label), "values": [layers, steps] (nan: not captured),
     "log": True for a log colour scale (optional)}."""
     width = 4.4 * len(panels) + 0.4
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, max(2.6, 0.28 * len(layers) + 1.9)), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(width, max(2.6, 0.28 * len(layers) + 1.9)), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         values = np.asarray(panel["values"], dtype=float)
         ax.set_title(fit_title(panel["title"], 4.2, 9), fontsize=9)
@@ -309,20 +319,22 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
         norm = LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01)) if panel.get("log") and \
             positive.size else None
         image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
-        bar = fig.colorbar(image, ax=ax, fraction=0.05)
-        bar.set_label(panel["colorbar"], fontsize=7)
-        bar.ax.tick_params(labelsize=6)
+        bar = fig.colorbar(image, ax=ax, fraction=0.06, pad=0.03)
+        bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
+        bar.ax.tick_params(labelsize=6, which="both")
         if norm is not None:
             bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
-            bar.ax.yaxis.set_minor_formatter(mticker.NullFormatter())
+            few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
+            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
+                                             else mticker.NullFormatter())
         ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int))
         ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
         ax.set_yticks(range(len(layers)), labels=[str(layer) for layer in layers])
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("layer", fontsize=8)
         ax.tick_params(labelsize=7)
-    suptitle(fig, title, width)
-    fig.tight_layout()
+    lines = suptitle(fig, title, width)
+    margins(fig, 0.55, 0.75, 0.5, 0.35 + 0.2 * lines, wspace=0.55)
     return fig
 
 
@@ -330,7 +342,7 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
     """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant;
     values below `floor` (zeroed dimensions) are drawn at the floor."""
     width = 5.2 * len(spectra)
-    fig, axes = plt.subplots(1, len(spectra), figsize=(width, 3.9), squeeze=False, sharey=True)
+    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9), squeeze=False, sharey=True)
     for ax, (name, layers) in zip(axes[0], spectra.items()):
         for layer, (values, color) in enumerate(zip(layers, line_colors(len(layers)))):
             values = np.clip(np.asarray(values, dtype=float), floor, None)
@@ -355,7 +367,7 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
     columns = min(columns, len(matrices))
     rows = -(-len(matrices) // columns)
     width = 3.9 * columns
-    fig, axes = plt.subplots(rows, columns, figsize=(width, 2.7 * rows + 0.8), squeeze=False)
+    fig, axes = subplots(rows, columns, figsize=(width, 2.7 * rows + 0.8), squeeze=False)
     for ax, matrix, name in zip(axes.flat, matrices, titles):
         image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
         bar = fig.colorbar(image, ax=ax, fraction=0.05)
@@ -374,17 +386,22 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
     return fig
 
 
+def subplots(*args, figsize: tuple[float, float], **kwargs):
+    """A figure and its axes, as pyplot.subplots makes them, without pyplot: no global state, so that a figure can
+    be made and drawn off the main thread (callbacks/media.py)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*args, **kwargs)
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
     return path
 
 
 def figure_array(fig) -> np.ndarray:
-    """A matplotlib figure as an RGB array [height, width, 3] (uint8); the figure is closed."""
-    try:
-        fig.canvas.draw()
-        return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    finally:
-        plt.close(fig)
+    """A matplotlib figure as an RGB array [height, width, 3] (uint8)."""
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
