@@ -42,10 +42,11 @@ def series(rows: list[dict], *path: str) -> dict[str, list]:
     return out
 
 
-def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None) -> dict:
+def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None, empty: str = "") -> dict:
+    """One panel of a per-layer figure; `empty` says why, when no layer has a value."""
     rows = report["layers"]
     return {"title": title, "ylabel": ylabel, "layers": [row["layer"] for row in rows],
-            "series": series(rows, *path), "baselines": baselines}
+            "series": series(rows, *path), "baselines": baselines, "empty": empty}
 
 
 def panels_of(name: str, report: dict) -> list[dict]:
@@ -54,7 +55,10 @@ def panels_of(name: str, report: dict) -> list[dict]:
     if name == "isotropy":
         return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
                 panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
-                      "IsoScore*", "isoscore_star"),
+                      "IsoScore*", "isoscore_star",
+                      empty=f"{report['num_minibatches']} mini-batches of {report['minibatch_tokens']} tokens (one "
+                            f"token per sentence: {report['num_sentences']} sentences here, at least "
+                            f"{report['minibatch_tokens']} needed)"),
                 panel(report, "token uniformity per sentence: mean sigma_1^2 / sum sigma^2 (tokenUni)", "share",
                       "sequence_energy_top1")]
     if name == "self_similarity":

@@ -274,15 +274,17 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     rows = (len(panels) + columns - 1) // columns
     width = 4.6 * columns
     fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
+    names = list(dict.fromkeys(name for panel in panels for name in panel["series"]))  # one colour per name
+    colors = dict(zip(names, line_colors(len(names))))
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
         ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
         if not any(finite(values) for _, values in series.values()):
             say_empty(ax, panel.get("empty", ""))
             continue
-        for (name, (steps, values)), color in zip(series.items(), line_colors(len(series))):
+        for name, (steps, values) in series.items():
             ax.plot(list(steps), [np.nan if v is None else v for v in values], marker="o", markersize=2.5,
-                    linewidth=1, color=color, label=name)
+                    linewidth=1, color=colors[name], label=name)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.tick_params(labelsize=7)
@@ -290,9 +292,10 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
             plain_log_axis(ax)
         else:
             ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
-    first = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
-    if first is not None:
-        first.legend(fontsize=6, ncol=2)
+    first = next((ax for ax in axes.flat if ax.get_lines()), None)
+    if first is not None:  # one legend for every panel: the same name has the same colour in all of them
+        first.legend(handles=[Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
+                              for name in names], fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     lines = suptitle(fig, title, width)
