@@ -41,7 +41,7 @@ from tests.wandb_log import read_run
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 STEPS = 6  # 55 training blocks / global batch 8: one epoch of 6 steps, validation at its end (global step 6)
-EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 16  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
+EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 64  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
 
 
 class Recorder(pl.Callback):
