@@ -16,7 +16,8 @@ hooks are on for every micro-batch of that step on every rank (so the step's who
 is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
 step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs. Other
 steps touch nothing on the device (no request, no hook, no synchronisation).
-Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end. The
+Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end, at
+the step Lightning logs `val/loss` at (`validation_step`: during fit, one less than the optimizer steps taken). The
 sanity check is skipped. Hooks hold references to the layer outputs only until the batch ends and are removed at
 batch end, on an exception and at teardown; a tap request is released at the same points. Training states come from the training forward pass itself: dropout on,
 15% of the tokens masked; validation states from the eval-mode validation pass.
@@ -81,6 +82,13 @@ def layer_metrics(prefix: str, layers: Sequence[int], values: Mapping[str, Seque
     """{`<prefix>_by_layer/layer_{l}/<name>`: values[name][i]} for the i-th of `layers`, layer by layer."""
     return {f"{by_layer(prefix)}/layer_{layer}/{name}": column[i] for i, layer in enumerate(layers)
             for name, column in values.items()}
+
+
+def validation_step(trainer) -> int:
+    """The step Lightning logs a validation's metrics (`val/loss`) at, so that the live statistics of the same
+    validation line up with them: its count of optimizer steps that ended, which during fit is read before it counts
+    the step the validation follows (one less than `global_step`; Lightning's LearningRateMonitor reads it too)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
@@ -238,7 +246,7 @@ class LiveCallback(pl.Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if self.on_validation and not trainer.sanity_checking:
-            self.finish("val", trainer, pl_module, trainer.global_step)
+            self.finish("val", trainer, pl_module, validation_step(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         FIGURES.flush(trainer)

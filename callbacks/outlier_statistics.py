@@ -31,8 +31,8 @@ non-input layers 1..L for outlier measures, the mean for the anisotropy), then t
     val_outliers_by_layer/layer_{l}/anisotropy      the mean cosine of pairs of random tokens of different sequences
     outliers_by_layer/num_tokens
 
-(`val_outliers/...` and `val_outliers_by_layer/...` for validation, logged at the step of `val/loss`: the optimizer
-updates the model had.) Layers l: 0 = embedding output; dimensions 0-indexed; padding never counts, special tokens
+(`val_outliers/...` and `val_outliers_by_layer/...` for validation, logged at the step of `val/loss`: see
+callbacks/live.py.) Layers l: 0 = embedding output; dimensions 0-indexed; padding never counts, special tokens
 do. Statistics are metrics/ classes (NeuronStatistics, TokenSample, detect_outliers, top_mean_dims,
 max_median_ratio, random_tokens, sample_anisotropy, over_layers) updated on the device and synced across ranks, so a
 step's values equal one process's on the same global batch.

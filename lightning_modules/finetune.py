@@ -194,7 +194,7 @@ class FineTuneModule(TrainingModule):
         loss, accuracy = self.val_loss.compute(), self.val_accuracy.compute()  # over every rank's examples
         self.val_loss.reset()
         self.val_accuracy.reset()
-        self.log_validation({"val/loss": loss, "val/accuracy": accuracy})
+        self.log_dict({"val/loss": loss, "val/accuracy": accuracy}, prog_bar=True, sync_dist=True)
 
     def shrinkage_states(self, batch: dict) -> tuple[list[Tensor], Tensor | None]:
         """I-STAR's C0 pass: the regulariser's layers of a batch of training examples, padding excluded."""

@@ -263,7 +263,7 @@ class MLMModule(TrainingModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean over every rank's blocks
         self.val_loss.reset()
-        self.log_validation({"val/loss": loss, "val/perplexity": torch.exp(loss)})
+        self.log_dict({"val/loss": loss, "val/perplexity": torch.exp(loss)}, prog_bar=True, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.last_val_loss = {"value": float(loss), "step": self.trainer.global_step}
 

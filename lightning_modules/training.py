@@ -142,12 +142,6 @@ class TrainingModule(pl.LightningModule):
         # the progress bar reads plain floats (a logged tensor with prog_bar=True would be read every batch)
         trainer.progress_bar_metrics["train/loss"] = round(values["loss"], 4)
 
-    def log_validation(self, values: dict[str, Tensor]) -> None:
-        """The validation's metrics (synced over ranks, on the progress bar) at the step the live statistics log
-        theirs: the optimizer updates the model had (Lightning's default during fit is one less: `step` overrides it)."""
-        self.log_dict(values, prog_bar=True, sync_dist=True)
-        self.log("step", float(self.trainer.global_step))
-
     # -- checkpoints --
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

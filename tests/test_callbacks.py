@@ -41,6 +41,7 @@ from tests.wandb_log import read_run
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 STEPS = 6  # 55 training blocks / global batch 8: one epoch of 6 steps, validation at its end (global step 6)
+VAL_STEP = STEPS - 1  # the step Lightning logs that validation's val/loss at, and the live statistics with it
 EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 64  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
 
 
@@ -303,8 +304,8 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
     # validation: the whole validation set (several batches), eval mode, fixed pairs, the probe after its last update
     val_hidden = torch.cat([hidden for hidden, _ in recorder.val], dim=1)
     expected = direct_outliers(val_hidden, True)
-    check_outliers(logged(run, "val_outliers", STEPS), "val_outliers", expected)
-    check_probe(logged(run, "val_position_probe", STEPS), "val_position_probe",
+    check_outliers(logged(run, "val_outliers", VAL_STEP), "val_outliers", expected)
+    check_probe(logged(run, "val_position_probe", VAL_STEP), "val_position_probe",
                 direct_probe(val_hidden, recorder.val[0][1]))
 
     # the probe's own optimiser: step 0 -> 2 is one Adam step on the mean cross-entropy of step 0's tokens
@@ -324,7 +325,7 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
             f"outliers_by_layer/layer_{layer}/argmax_dim"]
         assert run.summary[f"position_probe_by_layer/layer_{layer}/top_dims"] == direct_probe(*recorder.train[4])[
             layer]["top_dims"]
-    assert run.summary["val_outliers/persistent_dims"] == logged(run, "val_outliers", STEPS)[
+    assert run.summary["val_outliers/persistent_dims"] == logged(run, "val_outliers", VAL_STEP)[
         "val_outliers/persistent_dims"]
     for family in ("outliers", "position_probe", "attention"):
         for prefix in (family, f"val_{family}"):
@@ -348,7 +349,7 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
     assert table["columns"] == TABLE_COLUMNS
     assert [(row[0], row[1], row[2]) for row in table["data"]] == \
         [(step, "train", layer) for step in (0, 4) for layer in range(LAYERS)] + \
-        [(STEPS, "val", layer) for layer in range(LAYERS)]
+        [(VAL_STEP, "val", layer) for layer in range(LAYERS)]
     for row in table["data"]:
         prefix = "outliers" if row[1] == "train" else "val_outliers"
         assert row[4] == logged(run, prefix, row[0])[f"{by_layer(prefix)}/layer_{row[2]}/argmax_dim"]
@@ -362,7 +363,7 @@ def test_attention_geometry_equals_the_eager_attention_probabilities_and_project
     assert sorted(recorder.attention) == [0, 2, 4]
     for step, record in recorder.attention.items():
         check_attention(logged(run, "attention", step), "attention", expected_attention([record], step))
-    check_attention(logged(run, "val_attention", STEPS), "val_attention", expected_attention(recorder.val_attention,
+    check_attention(logged(run, "val_attention", VAL_STEP), "val_attention", expected_attention(recorder.val_attention,
                                                                                           None))
     row = logged(run, "attention", 4)
     assert all(0 < row[f"attention_by_layer/layer_{layer}/entropy"] < 1 for layer in (1, 2))
@@ -399,7 +400,7 @@ def test_wandb_view_sums_up_every_layer_first_and_validation_shares_the_step_of_
     assert all(isinstance(row["outliers/persistent_dims"], list) and
                row["outliers/persistent_count"] == len(row["outliers/persistent_dims"]) for row in captured)
     val_loss = {row["trainer/global_step"] for row in run.history if "val/loss" in row}
-    assert val_loss == {STEPS}
+    assert val_loss == {VAL_STEP}
     for prefix in ("val_outliers", "val_position_probe", "val_attention"):
         assert {row["trainer/global_step"] for row in run.history if any(k.startswith(prefix) for k in row)} == val_loss
 
@@ -414,8 +415,8 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
                             text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = single[0], wandb_run(root)
-    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (VAL_STEP,)),
+                ("val_position_probe", (VAL_STEP,)), ("attention", (0, 2, 4)), ("val_attention", (VAL_STEP,)))
     assert same_statistics(one, two, prefixes) > 250
 
 
@@ -450,8 +451,8 @@ def test_compiled_run_captures_every_step_and_logs_what_the_eager_run_logs(singl
     assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(record=False), "--model.compile", "true")) == 0
     assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
     one, two = single[0], wandb_run(root)
-    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (VAL_STEP,)),
+                ("val_position_probe", (VAL_STEP,)), ("attention", (0, 2, 4)), ("val_attention", (VAL_STEP,)))
     assert same_statistics(one, two, prefixes) > 250
     losses = [{row["trainer/global_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
               for run in (one, two)]
@@ -474,7 +475,7 @@ def test_resumed_run_continues_the_probe_and_the_table_exactly(single, corpus, c
     assert resumed["callbacks"]["OutlierStatistics"]["rows"] == straight["callbacks"]["OutlierStatistics"]["rows"]
     history = resumed["callbacks"]["AttentionGeometry"]["history"]
     assert history == straight["callbacks"]["AttentionGeometry"]["history"] and [row[0] for row in history] == \
-        [0, 0, 2, 2, 4, 4, STEPS, STEPS]
+        [0, 0, 2, 2, 4, 4, VAL_STEP, VAL_STEP]
 
 
 def short_fit(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> int:
@@ -658,13 +659,13 @@ def test_sanity_check_is_skipped_and_tensorboard_gets_scalars_and_images(corpus,
     events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent), size_guidance={"images": 0})
     events.Reload()
     val_tokens = sum(hidden.shape[1] * hidden.shape[2] for hidden, _ in recorder.val)  # the validation set only
-    assert [(e.step, e.value) for e in events.Scalars("val_outliers_by_layer/num_tokens")] == [(STEPS, val_tokens)]
+    assert [(e.step, e.value) for e in events.Scalars("val_outliers_by_layer/num_tokens")] == [(VAL_STEP, val_tokens)]
     assert [e.step for e in events.Scalars("outliers_by_layer/num_tokens")] == [0, 2, 4]
     expected = direct_outliers(recorder.train[2][0], False)
     assert events.Scalars("outliers_by_layer/layer_1/argmax_dim")[1].value == expected[1]["argmax_dim"]
     assert [e.step for e in events.Images("outliers_by_layer/mean_vectors")] == [0, 4]
     assert [e.step for e in events.Images("outliers/by_layer")] == [0, 4]
-    assert [e.step for e in events.Images("val_position_probe/contributions")] == [STEPS]
+    assert [e.step for e in events.Images("val_position_probe/contributions")] == [VAL_STEP]
     assert "outliers_by_layer/table/text_summary" in events.Tags()["tensors"]
 
 
