@@ -47,10 +47,10 @@ sentences of a file logs what `analyze.py anisotropy --seed <seed> --clip none` 
 every validation uses the same tokens and pairs: the curve moves with the model, not with the draw.
 
 W&B also gets, every `image_every_n_steps` and at each validation, the images `outliers/by_layer` and
-`outliers_by_layer/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), and the
-table `outliers_by_layer/table` (a row per layer at each of those steps and validations: outlier dims, dominant dims,
-shares, ratio, anisotropy; it grows over time and is logged again at the end of training). TensorBoard gets the images
-and the table as text; CSV the scalars.
+`outliers_by_layer/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), and at
+each validation and at the end of training the table `outliers_by_layer/table` (a row per layer at each of those image
+steps and validations: outlier dims, dominant dims, shares, ratio, anisotropy; it grows over time). TensorBoard gets
+the images and the table as text; CSV the scalars.
 """
 
 from __future__ import annotations
@@ -223,6 +223,7 @@ class OutlierStatistics(LiveCallback):
                                   None if anisotropy is None else round(anisotropy[i], 4)])
             if logs.wants_images(trainer):
                 self.log_images(trainer, stage, step, result.mean, found)
+        if stage == "val":  # the whole table is serialised each time (~0.2 s at the tiny config): not every image step
             logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, step)
 
     def log_images(self, trainer, stage: str, step: int, mean: Tensor, found) -> None:
