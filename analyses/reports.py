@@ -221,6 +221,9 @@ def summary_figure(summary: dict, model: str):
     titles = {"anisotropy": "anisotropy (random token pairs)", "self_similarity": "self-similarity",
               "self_similarity_adjusted": "self-similarity - anisotropy", "isoscore": "IsoScore",
               "wic_accuracy": "WiC accuracy"}
+    for measure in rows[0]:  # STS sets: sts_<set>_spearman
+        if measure.startswith("sts_") and measure.endswith("_spearman"):
+            titles[measure] = f"STS ({measure[4:-9]}): Spearman x 100"
     panels = [{"title": titles.get(measure, measure.replace("_", " ")), "ylabel": "", "layers": layers,
                "series": {key: [row[measure][key] for row in rows] for key in summary["variants"]}}
               for measure in rows[0] if measure != "layer"]
