@@ -311,10 +311,12 @@ def trajectory_figure(report: dict):
     checkpoints = report["checkpoints"]
     steps = [point["step"] for point in checkpoints]
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
+    empty = (f"IsoScore* needs mini-batches of {report.get('minibatch_tokens')} tokens, one per sentence: "
+             f"{report.get('num_sentences')} sentences here")
     panels = [{"title": title, "ylabel": "", "log": key in ("kurtosis_mean", "max_abs"), "series": {
         f"layer {layer}": (steps, [
             point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
-            for point in checkpoints]) for layer in layers}}
+            for point in checkpoints]) for layer in layers}, "empty": empty if key == "isoscore_star" else ""}
         for key, title in (("argmax_share", "share of tokens whose max the dominant dim holds"),
                            ("argmin_share", "share of tokens whose min the dominant dim holds"),
                            ("kurtosis_mean", "kurtosis of token vectors (mean over tokens)"),

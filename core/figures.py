@@ -287,7 +287,7 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
                     linewidth=1, color=colors[name], label=name)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
         if panel.get("log"):
             plain_log_axis(ax)
         else:
@@ -330,7 +330,8 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
             few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
             bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
                                              else mticker.NullFormatter())
-        ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int))
+        ticks = np.arange(len(steps)) if len(steps) <= 8 else \
+            np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))
         ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
         ax.set_yticks(range(len(layers)), labels=[str(layer) for layer in layers])
         ax.set_xlabel("step", fontsize=8)
@@ -354,7 +355,7 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
         plain_log_axis(ax)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("singular value index", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
     axes[0, 0].set_ylabel("singular value / largest", fontsize=8)
     axes[0, -1].legend(fontsize=6, ncol=2)
     suptitle(fig, title or "singular-value spectrum of each layer's token matrix", max(width, 6))
