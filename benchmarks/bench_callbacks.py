@@ -10,7 +10,7 @@ their default cadence against the same training without them, side by side in on
 One training run per W&B mode (offline, then disabled), each alternating windows with the callbacks on and off inside
 the same process, so both arms share the model, the data, the allocator and the machine's load of that minute.
 A window is `every_n_steps` (100) optimizer steps from a capture step; a round is four windows: two with the
-callbacks (two captures, the first with every image and the outlier table: 5x the default image rate of one per 1000
+callbacks (two captures, the first with every image: 5x the default image rate of one per 1000
 steps, so an upper bound) and two without (no capture: the callbacks' hooks return at once), the pair that goes first
 alternating between rounds. Step 0 and its window (the one-time set-up) are left out. Per window: wall time, the
 process's CPU time (every thread) and the CPU time of its child processes (W&B's wandb-core writes the offline log
@@ -21,6 +21,8 @@ whatever the other jobs on the machine are doing, where wall time on a shared ma
 beside it). The reported ratio is the median over rounds; its spread is the half-width of the distribution-free 95%
 confidence interval of that median (order statistics of the rounds' ratios). Rounds go on until the spread is below
 --margin (default the target's: 1.03 - 1 = 0.03) or --max_rounds is reached (then the line says "not settled").
+Weighting the same windows as the default cadence takes them (one image window and nine plain ones per
+ten) gives the ratio at the default cadence (`_default_cadence`, with its spread: noisier, a plain window counts 9x).
 The load average is printed before and after. Output: `RATIO callback_overhead <value> target <=1.03` (W&B offline,
 train.py's default) and `RATIO callback_overhead_wandb_disabled ...`, METRIC lines with the spreads and the rounds.
 """
@@ -134,14 +136,19 @@ class Alternator(pl.Callback):
         spans = [[b - a for a, b in zip(marks[i], marks[i + 1])] for i in range(4)]  # [wall, process, children]
         on = [sum(spans[i][k] for i in range(4) if self.on(first + i * self.every)) for k in range(3)]
         off = [sum(spans[i][k] for i in range(4) if not self.on(first + i * self.every)) for k in range(3)]
+        cpu = [spans[i][1] + spans[i][2] for i in range(4)]  # the image window comes first of its pair
+        image, plain = (cpu[0], cpu[1]) if self.on(first) else (cpu[2], cpu[3])
+        # the default cadence (images at every 10th capture): 1 image window and 9 plain ones per 10 windows
+        default = (image + 9 * plain) / (5 * (off[1] + off[2]))
         self.rounds.append({"on": on, "off": off, "ratio": (on[1] + on[2]) / (off[1] + off[2]),
-                            "wall_ratio": on[0] / off[0]})
+                            "wall_ratio": on[0] / off[0], "default": default, "windows": cpu})
         last = self.rounds[-1]
         low, high = median_interval([r["ratio"] for r in self.rounds])
         print(f"{self.label} round {round_}: with {on[1]:6.2f} s + {on[2]:5.2f} s W&B process, without "
               f"{off[1]:6.2f} s + {off[2]:5.2f} s CPU  ratio {last['ratio']:.3f}  (wall {on[0]:6.1f} / {off[0]:6.1f} s"
               f" = {last['wall_ratio']:.3f})  median so far {statistics.median(r['ratio'] for r in self.rounds):.3f}"
-              f" [{low:.3f}, {high:.3f}]", flush=True)
+              f" [{low:.3f}, {high:.3f}]; windows {' '.join(f'{c:.2f}' for c in cpu)} s, default cadence "
+              f"{default:.3f}", flush=True)
         settled = len(self.rounds) >= self.min_rounds and (high - low) / 2 < self.margin
         if settled or len(self.rounds) >= self.max_rounds:
             trainer.should_stop = True
@@ -196,6 +203,10 @@ def report(name: str, alternator: Alternator, margin: float) -> None:
     print(f"METRIC {name}_spread {spread:.4f}  (half-width of the 95% interval of the median, {len(ratios)} rounds; "
           f"{'settled' if spread < margin else 'not settled'}: margin {margin:g})")
     print(f"METRIC {name}_wall {statistics.median(walls):.3f}  (median of the rounds' wall-time ratios)")
+    defaults = [r["default"] for r in alternator.rounds]
+    low, high = median_interval(defaults)
+    print(f"METRIC {name}_default_cadence {statistics.median(defaults):.3f}  (the same windows weighted to images at "
+          f"every 10th capture; spread {(high - low) / 2:.3f})")
     with_ = statistics.median(sum(r["on"][1:]) for r in alternator.rounds) / (2 * alternator.every)
     without = statistics.median(sum(r["off"][1:]) for r in alternator.rounds) / (2 * alternator.every)
     print(f"METRIC {name}_step_cpu_s {without:.4f}  (with the callbacks {with_:.4f}; median per step)")
