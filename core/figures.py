@@ -94,6 +94,12 @@ def say_empty(ax, reason: str = "") -> None:
     ax.set_yticks([])
 
 
+def layered(index: int) -> dict:
+    """Line width and marker size of the index-th series: each drawn a little thinner than the one before, so that a
+    series equal to an earlier one (clipped = raw in a layer without outliers) leaves it visible around it."""
+    return {"linewidth": max(1.0, 2.6 - 0.7 * index), "markersize": max(3.0, 6.5 - 1.5 * index)}
+
+
 def finite(values) -> bool:
     """Whether any of `values` (None for missing) is a finite number."""
     array = np.asarray([np.nan if v is None else v for v in values], dtype=float)
@@ -218,7 +224,7 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
     fig, ax = subplots(figsize=(7, 4.3))
     for index, (name, values) in enumerate(series.items()):
         ax.plot(list(layers), list(values), marker=MARKERS[index % len(MARKERS)], color=SERIES[index % len(SERIES)],
-                label=name)
+                label=name, **layered(index))
     for (name, value), color in zip((baselines or {}).items(), GREYS):
         ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3f})")
     ax.set_xlabel("layer (0 = embedding output)")
@@ -249,7 +255,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
             continue
         for index, (name, values) in enumerate(panel["series"].items()):
             ax.plot(layers, [np.nan if v is None else v for v in values], marker=MARKERS[index % len(MARKERS)],
-                    markersize=4, color=SERIES[index % len(SERIES)], label=name)
+                    color=SERIES[index % len(SERIES)], label=name, **layered(index))
         for (name, value), color in zip((panel.get("baselines") or {}).items(), GREYS):
             if value is not None:
                 ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3g})")
