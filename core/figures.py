@@ -214,7 +214,7 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
         ax.set_title(fit_title(title, 9, 10), fontsize=10)
-    margins(fig, 0.8, 0.3, 0.55, 0.15 + 0.2 * lines)
+    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines)
     return fig
 
 
@@ -306,8 +306,7 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
         ax.axis("off")
     lines = suptitle(fig, title, width)
     # fixed margins: tight_layout's measuring costs a third of the figure, made live during training
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.1, top=1 - (0.35 + 0.2 * lines) / fig.get_figheight(),
-                        wspace=0.3, hspace=0.5)
+    margins(fig, 0.6, 0.15, 0.5, 0.35 + 0.2 * lines, wspace=0.3, hspace=0.55)
     return fig
 
 

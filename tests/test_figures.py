@@ -65,12 +65,13 @@ def check_talk_ready(fig) -> None:
     known, log_labels = legend_signatures(fig), []
     for ax in colorbars:
         assert ax.get_ylabel().strip(), "a colour bar without a label"
-    for ax in fig.axes:
-        texts = [ax.title] + ([fig._suptitle] if fig._suptitle is not None else [])
+    for ax in fig.axes:  # titles, axis and colour-bar labels: inside the figure
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.label] + ([fig._suptitle] if fig._suptitle is not None else [])
         for text in texts:
-            if text.get_text():
+            if text.get_text() and text.get_visible():
                 extent = text.get_window_extent(renderer)
-                assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1, f"title cut off: {text.get_text()!r}"
+                assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1 and box.y0 - 1 <= extent.y0 and \
+                    extent.y1 <= box.y1 + 1, f"cut off: {text.get_text()!r}"
         for axis, scale in ((ax.yaxis, ax.get_yscale()), (ax.xaxis, ax.get_xscale())):
             if scale == "log":  # (a panel sharing its neighbour's y axis shows no labels of its own)
                 log_labels += [t.get_text() for t in axis.get_ticklabels(which="both") if t.get_visible()]
