@@ -111,8 +111,8 @@ def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_tit
                                                   [0.5, 0.4, 0.3, 0.3]}, {"majority": 0.1, "chance": 0.05}, LONG),
         figures.layer_panels_figure([{"title": LONG, "ylabel": "cosine", "layers": layers, "baselines": {"static": 0.2},
                                       "series": {f"dim {d}": list(rng.random(4)) for d in range(9)}}], LONG, columns=1),
-        figures.over_steps_figure([{"title": "kurtosis", "log": True, "series": {f"layer {l}": ([0, 100, 200],
-                                   [3.4 + l, 3.6 + l, 3.9 + l]) for l in layers}},
+        figures.over_steps_figure([{"title": "kurtosis", "log": True, "series": {f"layer {k}": ([0, 100, 200],
+                                   [3.4 + k, 3.6 + k, 3.9 + k]) for k in layers}},
                                    {"title": "share", "series": {"layer 1": ([0, 100], [0.1, 0.5])}}], LONG),
         figures.layer_step_figure([{"title": "top share", "colorbar": "share of tokens", "values": rng.random((4, 5))},
                                    {"title": "kurtosis", "colorbar": "kurtosis", "log": True,
@@ -121,7 +121,7 @@ def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_tit
                                  "clipped": [list(np.sort(rng.random(30))[::-1]) for _ in layers]},
                                 title="singular values of each sentence's token matrix, normalised and averaged per "
                                       "rank (tokenUni): all-MiniLM-L6-v2"),
-        figures.heatmap_grid_figure([rng.random((6, 40)) for _ in layers], [f"layer {l}" for l in layers], "dimension",
+        figures.heatmap_grid_figure([rng.random((6, 40)) for _ in layers], [f"layer {k}" for k in layers], "dimension",
                                     "position", LONG, colorbar="contribution"),
     ]
     for fig in made:
