@@ -42,10 +42,11 @@ def series(rows: list[dict], *path: str) -> dict[str, list]:
     return out
 
 
-def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None) -> dict:
+def panel(report: dict, title: str, ylabel: str, *path: str, baselines: dict | None = None, empty: str = "") -> dict:
+    """One panel of a per-layer figure; `empty` says why, when no layer has a value."""
     rows = report["layers"]
     return {"title": title, "ylabel": ylabel, "layers": [row["layer"] for row in rows],
-            "series": series(rows, *path), "baselines": baselines}
+            "series": series(rows, *path), "baselines": baselines, "empty": empty}
 
 
 def panels_of(name: str, report: dict) -> list[dict]:
@@ -54,7 +55,10 @@ def panels_of(name: str, report: dict) -> list[dict]:
     if name == "isotropy":
         return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
                 panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
-                      "IsoScore*", "isoscore_star"),
+                      "IsoScore*", "isoscore_star",
+                      empty=f"{report['num_minibatches']} mini-batches of {report['minibatch_tokens']} tokens (one "
+                            f"token per sentence: {report['num_sentences']} sentences here, at least "
+                            f"{report['minibatch_tokens']} needed)"),
                 panel(report, "token uniformity per sentence: mean sigma_1^2 / sum sigma^2 (tokenUni)", "share",
                       "sequence_energy_top1")]
     if name == "self_similarity":
@@ -217,6 +221,9 @@ def summary_figure(summary: dict, model: str):
     titles = {"anisotropy": "anisotropy (random token pairs)", "self_similarity": "self-similarity",
               "self_similarity_adjusted": "self-similarity - anisotropy", "isoscore": "IsoScore",
               "wic_accuracy": "WiC accuracy"}
+    for measure in rows[0]:  # STS sets: sts_<set>_spearman
+        if measure.startswith("sts_") and measure.endswith("_spearman"):
+            titles[measure] = f"STS ({measure[4:-9]}): Spearman x 100"
     panels = [{"title": titles.get(measure, measure.replace("_", " ")), "ylabel": "", "layers": layers,
                "series": {key: [row[measure][key] for row in rows] for key in summary["variants"]}}
               for measure in rows[0] if measure != "layer"]

@@ -46,6 +46,7 @@ from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
 from lightning_modules.mlm import ARCHITECTURE
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
+from metrics.summary import over_layers, top_share
 from metrics.transforms import RAW
 
 PREFERENCE = ("last.ckpt", "previous.ckpt")  # of two checkpoints of one step, a periodic one's name is kept first
@@ -289,15 +290,13 @@ def compare_runs(args, runs: list[tuple[str, str]], output_dir: str, stem: str =
 
 def summary_of(point: dict, key: str) -> float:
     """One number per checkpoint for the runs figure: an outlier measure's max over the non-input layers, a geometry
-    measure's mean over them (layer 0 too when it is the only layer)."""
-    rows = point["layers"][1:] or point["layers"]
+    measure's mean over them (layer 0 too when it is the only layer): metrics/summary.py, as the live W&B summary."""
+    rows = point["layers"]
+    layers = [row["layer"] for row in rows]
     if key == "top_share":
-        values = [max(row["argmax_share"], row["argmin_share"]) for row in rows]
-    else:
-        values = [row[key] for row in rows if row[key] is not None]
-    if not values:
-        return float("nan")
-    return max(values) if key in ("top_share", "kurtosis_mean", "max_abs") else sum(values) / len(values)
+        return top_share([row["argmax_share"] for row in rows], [row["argmin_share"] for row in rows], layers)
+    how = "max" if key in ("kurtosis_mean", "max_abs") else "mean"
+    return over_layers([row[key] for row in rows], layers, how)
 
 
 def runs_figure(report: dict):
@@ -327,10 +326,12 @@ def trajectory_figure(report: dict):
     checkpoints = report["checkpoints"]
     steps = [point["step"] for point in checkpoints]
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
+    empty = (f"IsoScore* needs mini-batches of {report.get('minibatch_tokens')} tokens, one per sentence: "
+             f"{report.get('num_sentences')} sentences here")
     panels = [{"title": title, "ylabel": "", "log": key in ("kurtosis_mean", "max_abs"), "series": {
         f"layer {layer}": (steps, [
             point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
-            for point in checkpoints]) for layer in layers}}
+            for point in checkpoints]) for layer in layers}, "empty": empty if key == "isoscore_star" else ""}
         for key, title in (("argmax_share", "share of tokens whose max the dominant dim holds"),
                            ("argmin_share", "share of tokens whose min the dominant dim holds"),
                            ("kurtosis_mean", "kurtosis of token vectors (mean over tokens)"),

@@ -6,42 +6,45 @@ Lightning logger).
 
 Every `every_n_steps` optimizer steps, from that step's own forward pass (all its micro-batches on every rank; no
 extra pass: see callbacks/live.py), and over the whole validation set at each validation, per transformer layer
-l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py):
+l = 1..L (each head's vectors, averaged over the heads; metrics/attention.py), a summary section and the per-layer
+detail below it (W&B groups panels by the key's first component; callbacks/live.py):
 
-    attention/layer_{l}/qk_mean_cosine                 cosine between the mean query and the mean key
-    attention/layer_{l}/query_mean_norm_ratio          norm of the mean query over the mean query norm (common drift)
-    attention/layer_{l}/key_mean_norm_ratio            the same for keys
-    attention/layer_{l}/query_anisotropy, key_anisotropy   mean cosine of `pairs_per_sequence` random position
-                                                       pairs of one sequence (drawn per step from `seed`)
-    attention/layer_{l}/entropy                        mean attention entropy of `queries_per_sequence` random query
+    attention/<statistic>                              each statistic below, mean over the watched layers
+    attention/over_steps                               image: each statistic per layer against the step
+    attention_by_layer/layer_{l}/qk_mean_cosine        cosine between the mean query and the mean key
+    attention_by_layer/layer_{l}/query_mean_norm_ratio norm of the mean query over the mean query norm (common drift)
+    attention_by_layer/layer_{l}/key_mean_norm_ratio   the same for keys
+    attention_by_layer/layer_{l}/query_anisotropy, key_anisotropy   mean cosine of `pairs_per_sequence` random
+                                                       position pairs of one sequence (drawn per step from `seed`)
+    attention_by_layer/layer_{l}/entropy               mean attention entropy of `queries_per_sequence` random query
                                                        positions of every sequence, over its keys, / log(keys)
                                                        (of softmax(q k^T / sqrt(d)): with clipped softmax or gated
                                                        attention, the softmax before clipping or gating)
-    attention/num_tokens
+    attention_by_layer/num_tokens
 
 and, unless `sinks` is false, the attention sinks of Gu et al. (ICLR 2025; metrics/sinks.py) of every sequence's
 attention softmax(q k^T / sqrt(d)) over its keys, each query's row averaged over the sequence's tokens:
 
-    sinks/layer_{l}/sink_share             share of (sequence, head) whose first token gets more than `sink_epsilon`
-                                           (0.3) of the attention
-    sinks/layer_{l}/first_token_mass       mean attention on the first token
-    sinks/layer_{l}/special_token_mass     mean attention on special tokens (the config's bos / eos / cls / sep ids;
-                                           logged when the batch holds input_ids and the config names any)
+    sinks/sink_share, first_token_mass                  mean over layers 1..L of the per-layer values below
+    sinks_by_layer/layer_{l}/sink_share                 share of (sequence, head) whose first token gets more than
+                                                        `sink_epsilon` (0.3) of the attention
+    sinks_by_layer/layer_{l}/first_token_mass           mean attention on the first token
+    sinks_by_layer/layer_{l}/special_token_mass         mean attention on special tokens (the config's bos / eos / cls /
+                                                        sep ids; logged when the batch holds input_ids and the config
+                                                        names any)
 
-(`val_attention/...`, `val_sinks/...` for validation.) No forward hook (they are skipped once the model is
-compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1 the model returns
-through its tap (core.capture.HiddenStateTap), with the layer's own query and key projections: a projection of the
-states the forward made, not a forward. The training step's projection weights are copied when its capture starts (the optimizer
-updates them before the batch ends), so the queries and keys are those of the step's forward. A model whose
-attention is not a projection of its hidden states (core.models.attention_projections: pre-LN models) is refused at
-setup with one line. The pretraining arms (lightning_modules/arms.py): a causal arm's entropy is over the keys a query
-sees (its own position and those before it); the rotary arm's entropy takes queries and keys rotated as its attention
-rotates them (core.families.rotary_queries_keys), its other statistics the projections before the rotation; the sinks
-take the attention the arm computes (causal, rotated). Statistics sync across ranks (sum states): a step's values
-equal one process's on the same global batch.
-W&B and TensorBoard also get, every `image_every_n_steps` and at each validation, the image `attention/over_steps`
-(each statistic per layer against the step); W&B the summaries `attention/<statistic>_by_layer` (latest, a list over
-the layers). CSV gets the scalars.
+(`val_attention/...`, `val_sinks/...` for validation, at the step of `val/loss`.) No forward hook (they are skipped
+once the model is compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1
+the model returns through its tap (core.capture.HiddenStateTap), with the layer's own query and key projections: a
+projection of the states the forward made, not a forward. The training step's projection weights are copied when its
+capture starts (the optimizer updates them before the batch ends), so the queries and keys are those of the step's
+forward. A model whose attention is not a projection of its hidden states (core.models.attention_projections: pre-LN
+models) is refused at setup with one line. The pretraining arms (lightning_modules/arms.py): a causal arm's entropy
+is over the keys a query sees (its own position and those before it); the rotary arm's entropy takes queries and keys
+rotated as its attention rotates them (core.families.rotary_queries_keys), its other statistics the projections
+before the rotation; the sinks take the attention the arm computes (causal, rotated). Statistics sync across ranks
+(sum states): a step's values equal one process's on the same global batch.
+W&B and TensorBoard also get the image every `image_every_n_steps` and at each validation; CSV gets the scalars.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.live import Captured, LiveCallback
+from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.families import is_causal, rotary_queries_keys
@@ -58,6 +62,7 @@ from core.figures import over_steps_figure
 from core.models import attention_projections, find_encoder
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
 from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
+from metrics.summary import over_layers
 
 PREFIX = {"train": "attention", "val": "val_attention"}
 SINKS = {"train": "sinks", "val": "val_sinks"}
@@ -74,7 +79,8 @@ class AttentionGeometry(LiveCallback):
         image_every_n_steps: steps between two over-time figures (a multiple of every_n_steps; 0: only at
             validation).
         layers: transformer layers to watch, 1..L (default all; attention has none at the embedding output).
-        pairs_per_sequence: random position pairs per sequence for the query and key anisotropy.
+        pairs_per_sequence: random position pairs per sequence for the query and key anisotropy (64: a capture of 16
+            sequences then varies by ~0.02 on a fixed model, 16 pairs gave ~0.04; docs/live-statistics.md#sampling).
         queries_per_sequence: random query positions per sequence whose attention entropy is taken.
         on_validation: also over the whole validation set at every validation.
         seed: draws the pairs and query positions (with the step).
@@ -83,7 +89,7 @@ class AttentionGeometry(LiveCallback):
     """
 
     def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
-                 pairs_per_sequence: int = 16, queries_per_sequence: int = 16, on_validation: bool = True,
+                 pairs_per_sequence: int = 64, queries_per_sequence: int = 64, on_validation: bool = True,
                  seed: int = 0, sinks: bool = True, sink_epsilon: float = EPSILON) -> None:
         super().__init__(every_n_steps, image_every_n_steps, layers, on_validation)
         self.pairs_per_sequence, self.queries_per_sequence, self.seed = pairs_per_sequence, queries_per_sequence, seed
@@ -125,7 +131,8 @@ class AttentionGeometry(LiveCallback):
         for stage in PREFIX:
             self.geometry[stage] = QueryKeyGeometry(len(self.attention_layers), heads,
                                                     query.out_features // heads).to(pl_module.device)
-        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+        logs.define_step_metrics(trainer, [f"{name}/*" for prefix in PREFIX.values()
+                                           for name in (prefix, by_layer(prefix))])
         if self.sinks:
             config = find_encoder(pl_module).config
             pad = getattr(config, "pad_token_id", None)
@@ -134,7 +141,8 @@ class AttentionGeometry(LiveCallback):
             for stage in SINKS:
                 self.sink_metrics[stage] = AttentionSinks(len(self.attention_layers), heads, self.sink_epsilon,
                                                           len(self.special_ids)).to(pl_module.device)
-            logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in SINKS.values()])
+            logs.define_step_metrics(trainer, [f"{name}/*" for prefix in SINKS.values()
+                                               for name in (prefix, by_layer(prefix))])
 
     def weights(self, copy: bool = True) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None, int]]:
         """The projections' current weights, detached (copies unless `copy` is False): (query weight, bias, key
@@ -196,12 +204,12 @@ class AttentionGeometry(LiveCallback):
         metric.reset()
         if not trainer.is_global_zero or not logs.real_loggers(trainer) or result["num_sequences"] == 0:
             return
-        prefix, scalars = SINKS[stage], {}
-        for i, layer in enumerate(self.attention_layers):
-            scalars[f"{prefix}/layer_{layer}/sink_share"] = float(result["sink_share"][i])
-            scalars[f"{prefix}/layer_{layer}/first_token_mass"] = float(result["first_token_mass"][i])
-            if self.special_ids:
-                scalars[f"{prefix}/layer_{layer}/special_token_mass"] = float(result["special_mass"][i].sum())
+        prefix, layers = SINKS[stage], self.attention_layers
+        values = {name: result[name].cpu().tolist() for name in ("sink_share", "first_token_mass")}
+        scalars = {f"{prefix}/{name}": over_layers(column, layers, "mean") for name, column in values.items()}
+        if self.special_ids:
+            values["special_token_mass"] = result["special_mass"].sum(-1).cpu().tolist()
+        scalars.update(layer_metrics(prefix, layers, values))
         logs.log_scalars(trainer, scalars, step)
 
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
@@ -219,23 +227,25 @@ class AttentionGeometry(LiveCallback):
     def log_result(self, trainer, stage: str, step: int, result: dict) -> None:
         prefix = PREFIX[stage]
         values = {name: result[name].cpu().tolist() for name in NAMES}
-        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result["num_tokens"])}
-        for i, layer in enumerate(self.attention_layers):
-            metrics.update({f"{prefix}/layer_{layer}/{name}": values[name][i] for name in NAMES})
+        layers = self.attention_layers
+        metrics = {f"{prefix}/{name}": over_layers(values[name], layers, "mean") for name in NAMES}
+        metrics.update(layer_metrics(prefix, layers, values))
+        metrics[f"{by_layer(prefix)}/num_tokens"] = float(result["num_tokens"])
+        for i, layer in enumerate(layers):
             self.history.append([step, stage, layer, *(round(values[name][i], 6) for name in NAMES)])
         logs.log_scalars(trainer, metrics, step)
-        logs.log_summary(trainer, {f"{prefix}/{name}_by_layer": values[name] for name in NAMES})
-        if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
-            logs.log_figure(trainer, f"{prefix}/over_steps", self.figure(stage), step)
+        if stage == "val" or self.due_images(step):  # drawn off the training thread (callbacks/media.py)
+            rows, layers = [row for row in self.history if row[1] == stage], list(self.attention_layers)
+            FIGURES.submit(trainer, f"{prefix}/over_steps", lambda: self.figure(stage, rows, layers), step)
 
-    def figure(self, stage: str):
-        """Each statistic per layer against the step, from the history of `stage`."""
-        rows = [row for row in self.history if row[1] == stage]
+    @staticmethod
+    def figure(stage: str, rows: list[list], layers: list[int]):
+        """Each statistic per layer against the step, from history rows of `stage`."""
         panels = []
         for column, name in enumerate(NAMES, 3):
             series = {f"layer {layer}": ([row[0] for row in rows if row[2] == layer],
                                          [row[column] for row in rows if row[2] == layer])
-                      for layer in self.attention_layers}
+                      for layer in layers}
             panels.append({"title": TITLES[name], "ylabel": "", "series": series})
         over = "validations" if stage == "val" else "training steps"
         return over_steps_figure(panels, title=f"attention geometry per layer over {over} (Godey et al. 2024)")

@@ -15,16 +15,20 @@ single process would). The encoder never sees the probe's gradient. Before its u
 same tokens (prequential accuracy: tokens it has not trained on) and the contribution vectors c(i) = |w_gold,i v_i|
 of metrics/contributions.py are taken; at every validation, over the whole validation set, without training.
 
-Logged per layer l (0 = embedding output; positions are token indices, 0-indexed; dimensions 0-indexed):
+Logged (0 = embedding output; positions are token indices, 0-indexed; dimensions 0-indexed), a summary section and
+the per-layer detail below it (W&B groups panels by the key's first component; callbacks/live.py):
 
-    position_probe/layer_{l}/accuracy                    share of tokens whose position the probe gets right
-    position_probe/layer_{l}/top{i}_dim, top{i}_contribution   the top_k neurons by mean contribution
-    position_probe/layer_{l}/mean_contribution           the mean over all neurons (for scale)
-    position_probe/num_tokens, position_probe/steps      tokens scored, probe updates so far
+    position_probe/accuracy                              mean over the non-input layers of the accuracies below
+    position_probe/contributions                         image: mean contribution, layer x neuron
+    position_probe/steps                                 probe updates so far
+    position_probe_by_layer/layer_{l}/accuracy           share of tokens whose position the probe gets right
+    position_probe_by_layer/layer_{l}/top{i}_dim, top{i}_contribution   the top_k neurons by mean contribution (the
+                                                         dims also as the list top_dims: W&B only)
+    position_probe_by_layer/layer_{l}/mean_contribution  the mean over all neurons (for scale)
+    position_probe_by_layer/num_tokens                   tokens scored
 
-(`val_position_probe/...` for validation.) W&B and TensorBoard also get the heatmap `position_probe/contributions`
-(layer x neuron) every `image_every_n_steps` and at each validation; W&B the summaries `position_probe/layer_{l}/
-top_dims`. The probe (weights and optimiser state) is saved in checkpoints and resumes with them.
+(`val_position_probe/...` for validation, at the step of `val/loss`.) The heatmap comes every `image_every_n_steps`
+and at each validation. The probe (weights and optimiser state) is saved in checkpoints and resumes with them.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.live import Captured, LiveCallback
+from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from core.errors import UserError
 from core.figures import heatmap_figure
 from core.models import model_max_length
 from lightning_modules.stacked import StackedProbe
 from metrics.contributions import Contributions, LayerAccuracy, rank_dims
+from metrics.summary import over_layers
 
 PREFIX = {"train": "position_probe", "val": "val_position_probe"}
 
@@ -108,7 +114,8 @@ class ContributionVectors(LiveCallback):
             self.contributions[stage] = Contributions(layers, hidden, positions).to(pl_module.device)
         if self._pending is not None:
             self.load_state_dict(self._pending)
-        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
+        logs.define_step_metrics(trainer, [f"{name}/*" for prefix in PREFIX.values()
+                                           for name in (prefix, by_layer(prefix))])
 
     def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
         tokens, positions = captured.tokens, captured.positions  # [layers, n, hidden], [n]
@@ -166,28 +173,25 @@ class ContributionVectors(LiveCallback):
 
     def log_result(self, trainer, stage: str, step: int, accuracy: Tensor, contribution: Tensor, tokens: int) -> None:
         prefix = PREFIX[stage]
-        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(tokens)}
+        rankings = [rank_dims(contribution[i], top_k=self.top_k) for i in range(len(self.layers))]
+        columns = {"accuracy": accuracy.tolist(), "mean_contribution": [r["mean_contribution"] for r in rankings]}
+        for rank in range(len(rankings[0]["top_dims"])):
+            columns[f"top{rank + 1}_dim"] = [r["top_dims"][rank] for r in rankings]
+            columns[f"top{rank + 1}_contribution"] = [float(contribution[i, r["top_dims"][rank]])
+                                                      for i, r in enumerate(rankings)]
+        metrics = {f"{prefix}/accuracy": over_layers(columns["accuracy"], self.layers, "mean"),
+                   **layer_metrics(prefix, self.layers, columns), f"{by_layer(prefix)}/num_tokens": float(tokens)}
         if stage == "train":
             metrics[f"{prefix}/steps"] = float(self.updates)
-        summary = {}
-        for i, layer in enumerate(self.layers):
-            key = f"{prefix}/layer_{layer}"
-            ranking = rank_dims(contribution[i], top_k=self.top_k)
-            metrics[f"{key}/accuracy"] = float(accuracy[i])
-            metrics[f"{key}/mean_contribution"] = ranking["mean_contribution"]
-            for rank, dim in enumerate(ranking["top_dims"]):
-                metrics[f"{key}/top{rank + 1}_dim"] = dim
-                metrics[f"{key}/top{rank + 1}_contribution"] = float(contribution[i, dim])
-            summary[f"{key}/top_dims"] = ranking["top_dims"]
-        logs.log_scalars(trainer, metrics, step)
-        logs.log_summary(trainer, summary)
-        if (stage == "val" or self.due_images(step)) and logs.wants_images(trainer):
-            when = "validation" if stage == "val" else "training step"
-            figure = heatmap_figure(contribution, "dimension (0-indexed)", "layer",
-                                    f"mean contribution |w_i v_i| of the online position probe, {when} {step}")
-            axes = figure.axes[0]
-            axes.set_yticks(range(len(self.layers)), labels=[str(layer) for layer in self.layers])
-            logs.log_figure(trainer, f"{prefix}/contributions", figure, step)
+        lists = layer_metrics(prefix, self.layers, {"top_dims": [r["top_dims"] for r in rankings]})
+        logs.log_scalars(trainer, metrics, step, lists)
+        if stage == "val" or self.due_images(step):  # drawn off the training thread (callbacks/media.py)
+            when, layers, contribution = "validation" if stage == "val" else "training step", list(self.layers), \
+                contribution.clone()
+            FIGURES.submit(trainer, f"{prefix}/contributions", lambda: heatmap_figure(
+                contribution, "dimension (0-indexed)", "layer",
+                f"online position probe, {when} {step}: mean contribution per neuron",
+                colorbar="mean contribution |w_i v_i|", rows=layers), step)
 
     # ---- checkpoints: the probe resumes with the run ----
     def state_dict(self) -> dict:

@@ -16,7 +16,8 @@ hooks are on for every micro-batch of that step on every rank (so the step's who
 is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
 step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs. Other
 steps touch nothing on the device (no request, no hook, no synchronisation).
-Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end. The
+Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end, at
+the step Lightning logs `val/loss` at (`validation_step`: during fit, one less than the optimizer steps taken). The
 sanity check is skipped. Hooks hold references to the layer outputs only until the batch ends and are removed at
 batch end, on an exception and at teardown; a tap request is released at the same points. Training states come from the training forward pass itself: dropout on,
 15% of the tokens masked; validation states from the eval-mode validation pass.
@@ -27,12 +28,14 @@ layers and the labels are the positions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
+from callbacks.media import FIGURES
 from core.capture import HiddenStateCapture, HiddenStateTap
 from core.errors import UserError
 from core.models import find_encoder, hidden_size, hidden_state_sites
@@ -65,6 +68,28 @@ class Captured:
         batch, seq = self.hidden.shape[1:3]
         positions = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
         return positions.flatten() if self.mask is None or bool(self.mask.all()) else positions[self.mask]
+
+
+# ---- W&B sections: W&B groups a run's panels by the key's first component ----
+
+def by_layer(prefix: str) -> str:
+    """The per-layer detail section of a family of keys: `outliers` -> `outliers_by_layer`. A family's own section
+    (`outliers/...`) holds a few whole-model numbers (metrics/summary.py) and images; its detail section holds
+    `<prefix>_by_layer/layer_{l}/<statistic>` for every layer."""
+    return f"{prefix}_by_layer"
+
+
+def layer_metrics(prefix: str, layers: Sequence[int], values: Mapping[str, Sequence]) -> dict:
+    """{`<prefix>_by_layer/layer_{l}/<name>`: values[name][i]} for the i-th of `layers`, layer by layer."""
+    return {f"{by_layer(prefix)}/layer_{layer}/{name}": column[i] for i, layer in enumerate(layers)
+            for name, column in values.items()}
+
+
+def validation_step(trainer) -> int:
+    """The step Lightning logs a validation's metrics (`val/loss`) at, so that the live statistics of the same
+    validation line up with them: its count of optimizer steps that ended, which during fit is read before it counts
+    the step the validation follows (one less than `global_step`; Lightning's LearningRateMonitor reads it too)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
@@ -201,6 +226,8 @@ class LiveCallback(pl.Callback):
             self._open()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if FIGURES.ready:  # figures drawn off this thread since: logged from here (callbacks/media.py)
+            FIGURES.drain(trainer)
         if self._step is None:
             return
         self.update("train", self._close(batch), trainer, pl_module)
@@ -221,13 +248,17 @@ class LiveCallback(pl.Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if self.on_validation and not trainer.sanity_checking:
-            self.finish("val", trainer, pl_module, trainer.global_step)
+            self.finish("val", trainer, pl_module, validation_step(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        FIGURES.flush(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._drop()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._drop()
+        FIGURES.flush(trainer)  # before the loggers close
 
 
 def check_callbacks(trainer, pl_module) -> None:

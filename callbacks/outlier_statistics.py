@@ -5,49 +5,58 @@
     # --trainer.callbacks.init_args.X would set only the list's last callback)
 
 Every `every_n_steps` optimizer steps, from the hidden states of that step's own forward pass (all its micro-batches
-on every rank; no extra pass: see callbacks/live.py), and over the whole validation set at each validation,
-per layer l (0 = embedding output; dimensions 0-indexed; padding never counts, special tokens do):
+on every rank; no extra pass: see callbacks/live.py), and over the whole validation set at each validation. W&B groups
+panels by the key's first component: a summary section of whole-model numbers (metrics/summary.py: the max over the
+non-input layers 1..L for outlier measures, the mean for the anisotropy), then the per-layer detail below it:
 
-    outliers/layer_{l}/argmax_dim, argmax_share     the dimension holding most tokens' maximum, and the share it holds
-    outliers/layer_{l}/argmin_dim, argmin_share     the same for the minimum
-    outliers/layer_{l}/top{i}_dim, top{i}_mean      the top_k dimensions by |mean| and their means (i = 1..top_k)
-    outliers/layer_{l}/max_median_ratio             max |mean| / median |mean| of the layer's mean vector
-    outliers/layer_{l}/anisotropy                   the paper's anisotropy (§4.1, as `analyze.py anisotropy`): the
-                                                    mean cosine of pairs of random tokens of different sequences
-                                                    (one counted token of each sequence, sequences paired at random)
-    outliers/layer_{l}/num_outliers                 dimensions the outlier rule flags (metrics/outliers.py)
-    outliers/layer_{l}/kurtosis, kurtosis_max       Pearson kurtosis of each token vector's components (not excess:
-                                                    3 for Gaussian), mean and max over the tokens (ours)
-    outliers/layer_{l}/max_abs                      the layer's max |activation| (infinity-norm) over the tokens
-    outliers/layer_{l}/top1_share                   mean share of a token's squared norm on its largest component
-    outliers/layer_{l}/kurtosis_sequence, inf_norm_sequence   Bondarenko et al.'s, as their code computes them: the
-                                                    kurtosis and the max |x| of each sequence's flattened tokens x
-                                                    hidden values, averaged over the sequences
-    outliers/layer_{l}/massive_ratio, massive_dim    the largest |activation| over the layer's median |activation|,
-                                                    and its dimension (Sun et al. 2024; metrics/massive.py)
-    outliers/layer_{l}/num_magnitude_outliers       dimensions above 4 x the token's RMS in at least 20% of the tokens
-                                                    (ours; metrics/magnitude.py's default rule)
-    outliers/num_tokens
+    outliers/top_share                              the dominant dimension's share of the tokens' maxima or minima
+                                                    (the larger), max over layers
+    outliers/persistent_count, persistent_dims      dimensions that are outliers in at least half of the layers 1..L
+                                                    (the dims as a list: W&B only, in the history and the summary)
+    outliers/kurtosis, max_abs, max_median_ratio    max over layers of the per-layer values below
+    outliers/by_layer                               image: top share, kurtosis and max / median ratio, layer x step
+    val_outliers/anisotropy                         the paper's anisotropy (§4.1), mean over layers (validation only)
 
-(`val_outliers/...` for validation.) Statistics are metrics/ classes (NeuronStatistics, TokenSample, detect_outliers,
-top_mean_dims, max_median_ratio, random_tokens, sample_anisotropy) updated on the device and synced across ranks, so a
+    outliers_by_layer/layer_{l}/argmax_dim, argmax_share   the dimension holding most tokens' maximum, and its share
+    outliers_by_layer/layer_{l}/argmin_dim, argmin_share   the same for the minimum
+    outliers_by_layer/layer_{l}/top{i}_dim, top{i}_mean    the top_k dimensions by |mean| and their means
+    outliers_by_layer/layer_{l}/max_median_ratio    max |mean| / median |mean| of the layer's mean vector
+    outliers_by_layer/layer_{l}/num_outliers        dimensions the outlier rule flags (metrics/outliers.py); the
+                                                    dims themselves as the list outlier_dims (W&B only)
+    outliers_by_layer/layer_{l}/kurtosis, kurtosis_max   Pearson kurtosis of each token vector's components (not
+                                                    excess: 3 for Gaussian), mean and max over the tokens (ours)
+    outliers_by_layer/layer_{l}/max_abs             the layer's max |activation| (infinity-norm) over the tokens
+    outliers_by_layer/layer_{l}/top1_share          mean share of a token's squared norm on its largest component
+    outliers_by_layer/layer_{l}/kurtosis_sequence, inf_norm_sequence   Bondarenko et al.'s, as their code computes
+                                                    them: the kurtosis and the max |x| of each sequence's flattened
+                                                    tokens x hidden values, averaged over the sequences
+    outliers_by_layer/layer_{l}/massive_ratio, massive_dim   the largest |activation| over the layer's median
+                                                    |activation|, and its dimension (Sun et al. 2024; metrics/massive.py)
+    outliers_by_layer/layer_{l}/num_magnitude_outliers   dimensions above 4 x the token's RMS in at least 20% of the
+                                                    tokens (ours; metrics/magnitude.py's default rule)
+    val_outliers_by_layer/layer_{l}/anisotropy      the mean cosine of pairs of random tokens of different sequences
+    outliers_by_layer/num_tokens
+
+(`val_outliers/...` and `val_outliers_by_layer/...` for validation, logged at the step of `val/loss`: see
+callbacks/live.py.) Layers l: 0 = embedding output; dimensions 0-indexed; padding never counts, special tokens
+do. Statistics are metrics/ classes (NeuronStatistics, TokenSample, detect_outliers, top_mean_dims,
+max_median_ratio, random_tokens, sample_anisotropy, over_layers) updated on the device and synced across ranks, so a
 step's values equal one process's on the same global batch.
 
-Anisotropy: sequence i of the captured step's global batch (or of the validation set), i counted as the loaders
-split a global batch over ranks (rank r of w holds i = r, r + w, ...: BlockSampler, DistributedSampler), gives the
-token at random.Random(key * 1_000_003 + i).randrange(its counted tokens) (special tokens count, padding never: the
-analysis' default), for the first `anisotropy_sequences` (2000: the paper's 2000 sentences) sequences; the tokens
-gathered across ranks (TokenSample) are paired by random.Random(key).shuffle, first half with second, as in
-analyses/geometry.py. key = `seed` at validation, so an eval-mode validation over the sentences of a file logs what
-`analyze.py anisotropy --seed <seed> --clip none` reports on that file (tested), and pair_seed(seed, step) in training
-(fresh tokens each capture). In training the states are the training step's: dropout on, masked tokens included.
+Anisotropy, at validation only (one training batch gives 8 pairs at batch 16: sampling noise, docs/live-statistics.md
+gives the numbers): sequence i of the validation set, i counted as the loaders split it over ranks (rank r of w holds
+i = r, r + w, ...: DistributedSampler), gives the token at random.Random(seed * 1_000_003 + i).randrange(its counted
+tokens) (special tokens count, padding never: the analysis' default), for the first `anisotropy_sequences` (2000: the
+paper's 2000 sentences) sequences; the tokens gathered across ranks (TokenSample) are paired by
+random.Random(seed).shuffle, first half with second, as in analyses/geometry.py. So an eval-mode validation over the
+sentences of a file logs what `analyze.py anisotropy --seed <seed> --clip none` reports on that file (tested), and
+every validation uses the same tokens and pairs: the curve moves with the model, not with the draw.
 
-W&B also gets, every `image_every_n_steps` and at each validation, the image
-`outliers/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), the table
-`outliers/table` (a row per layer at each of those steps and validations: outlier dims, dominant dims, shares,
-ratio, anisotropy; it grows over time and is logged again at the end of training), and the summary entries `outliers/layer_{l}/
-outlier_dims` and `outliers/persistent_dims` (latest). TensorBoard gets the images and the table as text; CSV the
-scalars.
+W&B also gets, every `image_every_n_steps` and at each validation, the images `outliers/by_layer` and
+`outliers_by_layer/mean_vectors` (average vector per layer, outlier dimensions marked: the paper's Figure 1), and at
+each validation and at the end of training the table `outliers_by_layer/table` (a row per layer at each of those image
+steps and validations: outlier dims, dominant dims, shares, ratio, anisotropy; it grows over time). TensorBoard gets
+the images and the table as text; CSV the scalars.
 """
 
 from __future__ import annotations
@@ -58,18 +67,22 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.live import Captured, LiveCallback
+from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.media import FIGURES
 from core.errors import UserError
-from core.figures import mean_vectors_figure
+from core.figures import layer_step_figure, mean_vectors_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
+from metrics.summary import over_layers, top_share
 
 PREFIX = {"train": "outliers", "val": "val_outliers"}
 TABLE_COLUMNS = ["step", "split", "layer", "outlier_dims", "argmax_dim", "argmax_share", "argmin_dim", "argmin_share",
                  "top_dims", "max_median_ratio", "anisotropy"]
+TABLE = "outliers_by_layer/table"
+HISTORY = ["top_share", "kurtosis", "max_median_ratio"]  # per layer and capture: the by_layer image
 
 
 def pair_positions(seq_len: int, num_pairs: int, seed: int, device=None) -> tuple[Tensor, Tensor]:
@@ -91,17 +104,15 @@ class OutlierStatistics(LiveCallback):
 
     Args:
         every_n_steps: optimizer steps between two captures (step 0 included).
-        image_every_n_steps: steps between two mean-vector figures (a multiple of every_n_steps; 0: only at
-            validation).
+        image_every_n_steps: steps between two sets of images (a multiple of every_n_steps; 0: only at validation).
         layers: hidden-state layers to watch (default all, 0 = embedding output).
         top_k: dimensions of largest |mean| logged per layer.
-        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the paper's max/min
-            criterion with our share 0.2 (the paper gives no number), and the opt-in robust z-score of ours (sigma,
-            off by default).
-        anisotropy_sequences: at most this many sequences of a captured step or of the validation set give their
-            random token to the anisotropy (the paper: 2000 sentences, 1000 pairs).
-        on_validation: also over the whole validation set at every validation.
-        seed: draws the anisotropy's tokens and pairs (with the step, in training).
+        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the 0.2 share (ours:
+            the paper gives no number), and the opt-in robust z-score of ours (sigma, off by default).
+        anisotropy_sequences: at most this many sequences of the validation set give their random token to the
+            anisotropy (the paper: 2000 sentences, 1000 pairs).
+        on_validation: also over the whole validation set at every validation (the anisotropy is taken there only).
+        seed: draws the anisotropy's tokens and pairs.
     """
 
     def __init__(self, every_n_steps: int = 100, image_every_n_steps: int = 1000, layers: list[int] | None = None,
@@ -111,11 +122,12 @@ class OutlierStatistics(LiveCallback):
         self.top_k, self.rule, self.anisotropy_sequences, self.seed = top_k, OutlierRule(min_share, sigma), \
             anisotropy_sequences, seed
         self.rows: list[list] = []  # the outlier table, kept in checkpoints
+        self.history: list[list] = []  # [step, stage, layer, *HISTORY] per capture: the by_layer image; in checkpoints
         self.stats: dict[str, NeuronStatistics] = {}
         self.massive: dict[str, MassiveActivations] = {}  # the peak |x| per dimension and the median |x| per layer
         self.magnitude: dict[str, MagnitudeCounts] = {}  # tokens above the magnitude rule's threshold
-        self.tokens: dict[str, TokenSample] = {}  # the anisotropy's random token of each sequence, by its index
-        self.seen = dict.fromkeys(PREFIX, 0)  # sequences this rank has captured since the stage's last finish
+        self.tokens: TokenSample | None = None  # validation: the anisotropy's random token of each sequence
+        self.seen = 0  # validation sequences this rank has captured since the last validation's end
 
     def check_settings(self) -> None:
         super().check_settings()
@@ -130,109 +142,148 @@ class OutlierStatistics(LiveCallback):
             self.stats[stage] = NeuronStatistics(len(self.layers), self.hidden_size).to(pl_module.device)
             self.massive[stage] = MassiveActivations(len(self.layers), self.hidden_size).to(pl_module.device)
             self.magnitude[stage] = MagnitudeCounts(len(self.layers), self.hidden_size).to(pl_module.device)
-            self.tokens[stage] = TokenSample(self.anisotropy_sequences, len(self.layers),
-                                             self.hidden_size).to(pl_module.device)
-        logs.define_step_metrics(trainer, [f"{prefix}/*" for prefix in PREFIX.values()])
-
-    def key(self, stage: str, step: int | None) -> int:
-        """The anisotropy's seed: `seed` at validation, one per captured step in training."""
-        return pair_seed(self.seed, step) if stage == "train" else self.seed
+        if self.on_validation:
+            self.tokens = TokenSample(self.anisotropy_sequences, len(self.layers), self.hidden_size).to(pl_module.device)
+        logs.define_step_metrics(trainer, [f"{name}/*" for prefix in PREFIX.values()
+                                           for name in (prefix, by_layer(prefix))])
 
     def update(self, stage: str, captured: Captured, trainer, pl_module) -> None:
         hidden, mask = captured.hidden, captured.mask  # [layers, batch, seq, hidden], [batch, seq]
-        stats, tokens = self.stats[stage], self.tokens[stage]
+        stats = self.stats[stage]
         if stats.device != hidden.device:
-            for metric in (stats, tokens, self.massive[stage], self.magnitude[stage]):
+            for metric in (stats, self.massive[stage], self.magnitude[stage]):
                 metric.to(hidden.device)
         with torch.no_grad():
             stats.update(hidden, mask)
             self.massive[stage].update(hidden, mask)
             self.magnitude[stage].update(hidden, mask)
-            start, batch = self.seen[stage], hidden.shape[1]
-            self.seen[stage] += batch
-            rank, world = trainer.global_rank, trainer.world_size
-            index = [rank + world * (start + row) for row in range(batch)]  # in the global batch / validation set
-            kept = [row for row in range(batch) if index[row] < tokens.num_slots]
-            if kept:
-                key = self.key(stage, self.capture_step)
-                chosen = torch.tensor(kept, device=hidden.device)
-                vectors, rows = random_tokens(hidden.index_select(1, chosen),
-                                              mask.index_select(0, chosen) if mask is not None else None,
-                                              [index[row] for row in kept], key)
-                if rows:
-                    tokens.update(torch.tensor([index[kept[row]] for row in rows]), vectors)
+            if stage == "val":
+                self.sample_tokens(hidden, mask, trainer)
+
+    def sample_tokens(self, hidden: Tensor, mask: Tensor | None, trainer) -> None:
+        """The anisotropy's random token of each of the batch's sequences among the first anisotropy_sequences of the
+        validation set, by its index in the set."""
+        tokens = self.tokens
+        if tokens.device != hidden.device:
+            tokens.to(hidden.device)
+        start, batch = self.seen, hidden.shape[1]
+        self.seen += batch
+        rank, world = trainer.global_rank, trainer.world_size
+        index = [rank + world * (start + row) for row in range(batch)]  # in the validation set
+        kept = [row for row in range(batch) if index[row] < tokens.num_slots]
+        if kept:
+            chosen = torch.tensor(kept, device=hidden.device)
+            vectors, rows = random_tokens(hidden.index_select(1, chosen),
+                                          mask.index_select(0, chosen) if mask is not None else None,
+                                          [index[row] for row in kept], self.seed)
+            if rows:
+                tokens.update(torch.tensor([index[kept[row]] for row in rows]), vectors)
 
     def finish(self, stage: str, trainer, pl_module, step: int) -> None:
-        stats, tokens = self.stats[stage], self.tokens[stage]
-        result, sample = stats.compute(), tokens.compute()  # every rank: the states sync here
+        stats = self.stats[stage]
+        result = stats.compute()  # every rank: the states sync here
         massive, (above, counted) = self.massive[stage].compute(), self.magnitude[stage].compute()
-        anisotropy, _ = sample_anisotropy(*sample, self.key(stage, step))
-        for metric in (stats, tokens, self.massive[stage], self.magnitude[stage]):
+        for metric in (stats, self.massive[stage], self.magnitude[stage]):
             metric.reset()
         peak, dims = massive.peak_abs.max(-1)  # [layers]
-        extra = {"massive_ratio": (peak / massive.median.to(peak)).cpu(), "massive_dim": dims.cpu(),
+        extra = {"massive_ratio": (peak / massive.median.to(peak)).cpu().tolist(), "massive_dim": dims.cpu().tolist(),
                  "num_magnitude_outliers": [len(found) for found in MagnitudeRule().outliers(above, counted)]}
-        self.seen[stage] = 0
+        anisotropy = None
+        if stage == "val":
+            anisotropy, _ = sample_anisotropy(*self.tokens.compute(), self.seed)
+            anisotropy = anisotropy.cpu().tolist()
+            self.tokens.reset()
+            self.seen = 0
         if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
             return
-        self.log_result(trainer, stage, step, result, anisotropy.cpu(), extra)
+        self.log_result(trainer, stage, step, result, anisotropy, extra)
 
-    def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor, extra: dict) -> None:
-        prefix = PREFIX[stage]
+    def log_result(self, trainer, stage: str, step: int, result, anisotropy: list[float] | None, extra: dict
+                   ) -> None:
+        prefix, layers = PREFIX[stage], self.layers
         result = replace(result, **{name: getattr(result, name).cpu() for name in (
             "mean", "var", "max_abs", "argmax_count", "argmin_count", "kurtosis_sum", "kurtosis_max", "top1_share_sum")})
         found = detect_outliers(result, self.rule)  # indexed 0..len(layers)-1: numbered as hidden-state layers below
-        for layer, outliers in zip(self.layers, found):
+        for layer, outliers in zip(layers, found):
             outliers.layer = layer
         dims, means = top_mean_dims(result.mean, self.top_k)
-        ratio = max_median_ratio(result.mean)
+        ratio = max_median_ratio(result.mean).tolist()
         magnitudes = result.magnitudes()
-        metrics: dict[str, float] = {f"{prefix}/num_tokens": float(result.num_tokens)}
-        summary: dict = {}
-        milestone = stage == "val" or self.due_images(step)  # images, and a row per layer in the table
-        for i, (layer, outliers) in enumerate(zip(self.layers, found)):
-            key = f"{prefix}/layer_{layer}"
-            metrics.update({f"{key}/argmax_dim": outliers.argmax_dim, f"{key}/argmax_share": outliers.argmax_share,
-                            f"{key}/argmin_dim": outliers.argmin_dim, f"{key}/argmin_share": outliers.argmin_share,
-                            f"{key}/max_median_ratio": float(ratio[i]), f"{key}/anisotropy": float(anisotropy[i]),
-                            f"{key}/num_outliers": len(outliers.outlier_dims),
-                            f"{key}/kurtosis": magnitudes[i]["kurtosis_mean"],
-                            f"{key}/kurtosis_max": magnitudes[i]["kurtosis_max"],
-                            f"{key}/max_abs": magnitudes[i]["max_abs"],
-                            f"{key}/top1_share": magnitudes[i]["top1_share"],
-                            f"{key}/kurtosis_sequence": magnitudes[i]["kurtosis_sequence"],
-                            f"{key}/inf_norm_sequence": magnitudes[i]["inf_norm_sequence"],
-                            f"{key}/massive_ratio": float(extra["massive_ratio"][i]),
-                            f"{key}/massive_dim": int(extra["massive_dim"][i]),
-                            f"{key}/num_magnitude_outliers": extra["num_magnitude_outliers"][i]})
-            for rank in range(dims.shape[1]):
-                metrics[f"{key}/top{rank + 1}_dim"] = int(dims[i, rank])
-                metrics[f"{key}/top{rank + 1}_mean"] = float(means[i, rank])
-            summary[f"{key}/outlier_dims"] = outliers.outlier_dims
-            if milestone:
+        columns = {"argmax_dim": [o.argmax_dim for o in found], "argmax_share": [o.argmax_share for o in found],
+                   "argmin_dim": [o.argmin_dim for o in found], "argmin_share": [o.argmin_share for o in found],
+                   "max_median_ratio": ratio, "num_outliers": [len(o.outlier_dims) for o in found],
+                   "kurtosis": [m["kurtosis_mean"] for m in magnitudes],
+                   "kurtosis_max": [m["kurtosis_max"] for m in magnitudes],
+                   "max_abs": [m["max_abs"] for m in magnitudes], "top1_share": [m["top1_share"] for m in magnitudes],
+                   "kurtosis_sequence": [m["kurtosis_sequence"] for m in magnitudes],
+                   "inf_norm_sequence": [m["inf_norm_sequence"] for m in magnitudes], **extra}
+        for rank in range(dims.shape[1]):
+            columns[f"top{rank + 1}_dim"] = dims[:, rank].tolist()
+            columns[f"top{rank + 1}_mean"] = means[:, rank].tolist()
+        if anisotropy is not None:
+            columns["anisotropy"] = anisotropy
+        persistent = persistent_dims(found)
+        shares = [max(o.argmax_share, o.argmin_share) for o in found]
+        summary = {"top_share": top_share(columns["argmax_share"], columns["argmin_share"], layers),
+                   "persistent_count": len(persistent),
+                   **{name: over_layers(columns[name], layers, "max")
+                      for name in ("kurtosis", "max_abs", "max_median_ratio")}}
+        if anisotropy is not None:
+            summary["anisotropy"] = over_layers(anisotropy, layers, "mean")
+        metrics = {f"{prefix}/{name}": float(value) for name, value in summary.items()}
+        metrics.update(layer_metrics(prefix, layers, columns))
+        metrics[f"{by_layer(prefix)}/num_tokens"] = float(result.num_tokens)
+        lists = {f"{prefix}/persistent_dims": persistent,
+                 **layer_metrics(prefix, layers, {"outlier_dims": [o.outlier_dims for o in found]})}
+        logs.log_scalars(trainer, metrics, step, lists)
+        for i, layer in enumerate(layers):
+            self.history.append([step, stage, layer, round(shares[i], 6), columns["kurtosis"][i], round(ratio[i], 6)])
+        if stage == "val" or self.due_images(step):  # images, and a row per layer in the table
+            for i, (layer, outliers) in enumerate(zip(layers, found)):
                 self.rows.append([step, stage, layer, ", ".join(map(str, outliers.outlier_dims)), outliers.argmax_dim,
                                   outliers.argmax_share, outliers.argmin_dim, outliers.argmin_share,
-                                  ", ".join(map(str, dims[i].tolist())), round(float(ratio[i]), 4),
-                                  round(float(anisotropy[i]), 4)])
-        summary[f"{prefix}/persistent_dims"] = persistent_dims(found)
-        logs.log_scalars(trainer, metrics, step)
-        logs.log_summary(trainer, summary)
-        if milestone:
+                                  ", ".join(map(str, dims[i].tolist())), round(ratio[i], 4),
+                                  None if anisotropy is None else round(anisotropy[i], 4)])
             if logs.wants_images(trainer):
-                full = torch.zeros(max(self.layers) + 1, result.mean.shape[1])
-                full[self.layers] = result.mean.float()
-                title = f"average vector per layer, {'validation' if stage == 'val' else 'training step'} {step}"
-                figure = mean_vectors_figure(full, {layer: o.outlier_dims for layer, o in zip(self.layers, found)},
-                                             title=title + " (outlier dimensions in red)", layers=self.layers)
-                logs.log_figure(trainer, f"{prefix}/mean_vectors", figure, step)
-            logs.log_table(trainer, "outliers/table", TABLE_COLUMNS, self.rows, step)
+                self.log_images(trainer, stage, step, result.mean, found)
+        if stage == "val":  # the whole table is serialised each time (~0.2 s at the tiny config): not every image step
+            logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, step)
+
+    def log_images(self, trainer, stage: str, step: int, mean: Tensor, found) -> None:
+        """Drawn off the training thread (callbacks/media.py), from copies."""
+        prefix, when, layers = PREFIX[stage], "validation" if stage == "val" else "training step", list(self.layers)
+        rows = [row for row in self.history if row[1] == stage]
+        FIGURES.submit(trainer, f"{prefix}/by_layer", lambda: self.figure(stage, rows, layers), step)
+        full = torch.zeros(max(layers) + 1, mean.shape[1])
+        full[layers] = mean.float()
+        outliers = {layer: list(o.outlier_dims) for layer, o in zip(layers, found)}
+        FIGURES.submit(trainer, f"{by_layer(prefix)}/mean_vectors", lambda: mean_vectors_figure(
+            full, outliers, title=f"average vector per layer, {when} {step}", layers=layers), step)
+
+    @staticmethod
+    def figure(stage: str, rows: list[list], layers: list[int]):
+        """History rows of `stage` as layer x step images: the top share, the kurtosis and the max / median ratio."""
+        steps = sorted({row[0] for row in rows})
+        column, place = {step: i for i, step in enumerate(steps)}, {layer: i for i, layer in enumerate(layers)}
+        panels = []
+        for offset, (title, label, log) in enumerate((
+                ("dominant dimension's share", "share of tokens (max or min)", False),
+                ("kurtosis of the token vectors", "Pearson kurtosis, mean over tokens", True),
+                ("max / median |mean|", "ratio", True))):
+            values = torch.full((len(layers), len(steps)), float("nan"))
+            for row in rows:
+                values[place[row[2]], column[row[0]]] = row[3 + offset]
+            panels.append({"title": title, "colorbar": label, "values": values.numpy(), "log": log})
+        over = "validations" if stage == "val" else "training steps"
+        return layer_step_figure(panels, steps, layers, title=f"outlier statistics per layer over {over}")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero and self.rows and logs.real_loggers(trainer):
-            logs.log_table(trainer, "outliers/table", TABLE_COLUMNS, self.rows, trainer.global_step)
+            logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"rows": self.rows}
+        return {"rows": self.rows, "history": self.history}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.rows = list(state_dict.get("rows", []))
+        self.history = list(state_dict.get("history", []))

@@ -14,8 +14,8 @@ the trainer's default_root_dir (`use_root_dir`, called by train.py); the run is 
 the logger, so several fits in one process each get their own run.
 
 log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
-it can take: scalars to every logger (CSV, TensorBoard, W&B); figures to W&B and TensorBoard; tables to W&B (as a
-markdown text to TensorBoard); summaries and step metrics to W&B. Rank zero only. A logger that raises is warned
+it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
+TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B. Rank zero only. A logger that raises is warned
 about once and skipped from then on.
 """
 
@@ -219,10 +219,13 @@ def _safely(logger, what: str, call, *args, **kwargs) -> None:
 
 
 @rank_zero_only
-def log_scalars(trainer, metrics: Mapping[str, float], step: int) -> None:
-    """Plain float scalars to every logger, at the trainer's global step `step`."""
+def log_scalars(trainer, metrics: Mapping[str, float], step: int, lists: Mapping[str, list] | None = None) -> None:
+    """Plain float scalars to every logger, at the trainer's global step `step`; `lists` (e.g. outlier dims) to W&B
+    only, in the same history row (the run summary keeps the latest of each), as CSV and TensorBoard take numbers
+    only."""
     for logger in real_loggers(trainer):
-        _safely(logger, "metrics", logger.log_metrics, dict(metrics), step)
+        values = {**metrics, **lists} if lists and isinstance(logger, WandbLogger) else dict(metrics)
+        _safely(logger, "metrics", logger.log_metrics, values, step)
 
 
 def wants_images(trainer) -> bool:

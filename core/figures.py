@@ -6,6 +6,11 @@
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
     layer_bands_figure([{..., "bands": {"raw": ([.8, .7], [1., .9], "controls")}}])   # the same, shaded bands
     over_steps_figure([{"title": "entropy", "series": {"layer 1": ([0, 100], [.9, .7])}}])       # live, over time
+    layer_step_figure([{"title": "top share", "colorbar": "share", "values": [[.1, .6]]}], [0, 100], [1])
+
+Figures a researcher can put in a talk: every mark in a legend, every colour bar labelled, titles wrapped at word
+boundaries (never inside a bracketed list) to the figure's width, plain numbers on log axes, line colours that read
+on white (no yellow), and a panel with nothing to show says so in words.
 """
 
 from __future__ import annotations
@@ -17,10 +22,112 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
+# ---- shared by every figure ----
+
+OUTLIER_RED, BAR_BLUE, GREYS = "#c44e52", "#4c72b0", ("#777777", "#333333", "#aaaaaa")
+MARKERS = "osd^v<>Ph*X"
+SERIES = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"]  # tab10
+# without its olive (#bcbd22), a yellow that does not read on white
+
+
+def fit_title(text: str, width_inches: float, fontsize: float = 10) -> str:
+    """`text` wrapped to a figure `width_inches` wide at `fontsize`: breaks at spaces, never inside (...) or [...]
+    unless the bracket alone is wider than a line (then at its spaces)."""
+    width = max(20, int(width_inches * 72 / (fontsize * 0.6)))
+    words, depth, current = [], 0, ""
+    for char in text:  # a space inside brackets joins its neighbours into one word
+        if char in "([":
+            depth += 1
+        elif char in ")]" and depth:
+            depth -= 1
+        if char == " " and depth == 0:
+            words.append(current)
+            current = ""
+        else:
+            current += char
+    words.append(current)
+    pieces = [piece for word in words if word
+              for piece in (fill(word, width).split("\n") if len(word) > width else [word])]
+    lines, line = [], ""
+    for piece in pieces:
+        if line and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = piece
+        else:
+            line = f"{line} {piece}" if line else piece
+    return "\n".join([*lines, line] if line else lines)
+
+
+def fill(text: str, width: int) -> str:
+    return textwrap.fill(text, width, break_on_hyphens=False)
+
+
+def line_colors(count: int) -> np.ndarray:
+    """`count` colours in order (e.g. layers), dark blue to orange: plasma without its pale yellow end."""
+    return matplotlib.colormaps["plasma"](np.linspace(0, 0.78, max(count, 2)))[:count]
+
+
+def plain_log_axis(ax, axis: str = "y") -> None:
+    """A log axis labelled with plain numbers (0.01, 3.5, 100; not 10^-2 or 3.5x10^0); minor ticks labelled only
+    when the axis spans less than a decade (else there would be no label at all)."""
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
+    target.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    within_decade = low > 0 and high / low < 10
+    target.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if within_decade
+                               else mticker.NullFormatter())
+
+
+def say_empty(ax, reason: str = "") -> None:
+    """Write in the panel that it has nothing to show, and why."""
+    ax.text(0.5, 0.5, fill(f"nothing to show: {reason}" if reason else "nothing to show", 40), ha="center",
+            va="center", transform=ax.transAxes, fontsize=9, color=GREYS[1])
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def layered(index: int) -> dict:
+    """Line width and marker size of the index-th series: each drawn a little thinner than the one before, so that a
+    series equal to an earlier one (clipped = raw in a layer without outliers) leaves it visible around it."""
+    return {"linewidth": max(1.0, 2.6 - 0.7 * index), "markersize": max(3.0, 6.5 - 1.5 * index)}
+
+
+def finite(values) -> bool:
+    """Whether any of `values` (None for missing) is a finite number."""
+    array = np.asarray([np.nan if v is None else v for v in values], dtype=float)
+    return bool(np.isfinite(array).any())
+
+
+def suptitle(fig, title: str, width_inches: float, fontsize: float = 10) -> int:
+    """The figure's title wrapped to its width; how many lines it takes (0 without a title)."""
+    if not title:
+        return 0
+    text = fit_title(title, width_inches, fontsize)
+    fig.suptitle(text, fontsize=fontsize)
+    return text.count("\n") + 1
+
+
+def margins(fig, left: float, right: float, bottom: float, top: float, **space) -> None:
+    """Fixed margins in inches (the live figures: tight_layout's measuring costs as much as the drawing)."""
+    width, height = fig.get_figwidth(), fig.get_figheight()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                        **space)
+
+
+def _array(values) -> np.ndarray:
+    return np.asarray(values.detach().cpu() if hasattr(values, "detach") else values, dtype=float)
+
+
+# ---- the figures ----
 
 def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = None, title: str = "",
                         layers: Sequence[int] | None = None):
@@ -28,29 +135,35 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
 
     mean: [layers, hidden] array or tensor.
     """
-    mean = np.asarray(mean.detach().cpu() if hasattr(mean, "detach") else mean, dtype=float)
+    mean = _array(mean)
     layers = list(layers) if layers is not None else list(range(mean.shape[0]))
     outliers = outliers or {}
-    fig, axes = plt.subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 0.8), sharex=True, squeeze=False)
+    fig, axes = subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 1.2), sharex=True, squeeze=False)
     edges = np.arange(mean.shape[1] + 1) - 0.5  # dimension d's bar spans d - 0.5 .. d + 0.5
     for ax, layer in zip(axes[:, 0], layers):
         values = mean[layer]
         # one filled step patch per layer draws the bars of width 1 (thousands of bar patches take seconds to draw at
         # 768 dimensions x 13 layers, an image the live callbacks make during training)
-        ax.stairs(values, edges, baseline=0, fill=True, color="#4c72b0", linewidth=0)
+        ax.stairs(values, edges, baseline=0, fill=True, color=BAR_BLUE, linewidth=0)
         marked = [d for d in outliers.get(layer, []) if 0 <= d < len(values)]
         if marked:
-            ax.scatter(marked, values[marked], color="#c44e52", s=14, zorder=3)
+            ax.scatter(marked, values[marked], color=OUTLIER_RED, s=14, zorder=3)
             for d in marked[:4]:
                 ax.annotate(str(d), (d, values[d]), textcoords="offset points", xytext=(3, 0), fontsize=7,
-                            color="#c44e52", va="center")
+                            color=OUTLIER_RED, va="center")
         ax.axhline(0, color="black", linewidth=0.4)
         ax.set_ylabel(f"layer {layer}", rotation=0, ha="right", va="center", fontsize=8)
         ax.tick_params(labelsize=7)
     axes[-1, 0].set_xlabel("dimension (0-indexed)")
     axes[-1, 0].set_xlim(-1, mean.shape[1])
-    fig.suptitle(title or "average vector per layer (outlier dimensions in red)", fontsize=10)
-    fig.tight_layout()
+    handles = [Patch(color=BAR_BLUE, label="mean value of the dimension over the tokens"),
+               Line2D([], [], marker="o", linestyle="", color=OUTLIER_RED, markersize=4,
+                      label="outlier dimension of that layer (its number beside it, up to 4)")]
+    lines = suptitle(fig, title or "average vector per layer", 10)
+    legend_top = 0.12 + 0.2 * lines  # inches below the figure's top edge
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - legend_top / fig.get_figheight()),
+               ncol=2, fontsize=8, frameon=False)
+    margins(fig, 0.85, 0.2, 0.5, legend_top + 0.35, hspace=0.25)
     return fig
 
 
@@ -59,57 +172,68 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
     dims marked, and each outlier dim's value against the position beside the mean |value| of all dims.
 
     rows: [positions, hidden] (the rows a token can use, in the hidden space)."""
-    rows = np.asarray(rows.detach().cpu() if hasattr(rows, "detach") else rows, dtype=float)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), gridspec_kw={"height_ratios": [3, 2]})
+    rows = _array(rows)
+    fig, (top, bottom) = subplots(2, 1, figsize=(10, 7.4), gridspec_kw={"height_ratios": [3, 2]})
     limit = np.percentile(np.abs(rows), 99.5) or 1.0
     image = top.imshow(rows, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
-    fig.colorbar(image, ax=top, fraction=0.025)
+    fig.colorbar(image, ax=top, fraction=0.025).set_label("value (clipped at the 99.5th percentile of |value|)",
+                                                           fontsize=8)
     for d in dims:
         top.axvline(d, color="black", linewidth=0.9, linestyle="--")
+    if dims:
+        top.legend(handles=[Line2D([], [], color="black", linewidth=0.9, linestyle="--",
+                                   label="outlier dimension (number above)")], fontsize=7, loc="lower right")
     marks = top.secondary_xaxis("top")
     marks.set_xticks(list(dims), labels=[str(d) for d in dims], fontsize=7)
-    top.set_xlabel("dimension (0-indexed; the outlier dims dashed, labelled above)")
+    top.set_xlabel("dimension (0-indexed)")
     top.set_ylabel("position")
     positions = np.arange(rows.shape[0])
-    for d in list(dims)[:6]:
-        bottom.plot(positions, rows[:, d], linewidth=1, label=f"dim {d}")
-    bottom.plot(positions, np.abs(rows).mean(1), color="black", linestyle="--", linewidth=1, label="mean |value|")
+    for d, color in zip(list(dims)[:6], SERIES):
+        bottom.plot(positions, rows[:, d], linewidth=1, color=color, label=f"dim {d}")
+    bottom.plot(positions, np.abs(rows).mean(1), color="black", linestyle="--", linewidth=1,
+                label="mean |value| of all dims")
     bottom.set_xlabel("position (0-indexed)")
     bottom.set_ylabel("value")
     bottom.legend(fontsize=7, ncol=4)
-    fig.suptitle(textwrap.fill(title or "position-embedding rows", width=120), fontsize=10)
+    suptitle(fig, title or "position-embedding rows", 10)
     fig.tight_layout()
     return fig
 
 
-def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str = "viridis"):
-    """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]."""
-    matrix = np.asarray(matrix.detach().cpu() if hasattr(matrix, "detach") else matrix, dtype=float)
-    fig, ax = plt.subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.5))))
+def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str = "viridis", colorbar: str = "",
+                   rows: Sequence[int] | None = None):
+    """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]; `colorbar` labels the
+    colour bar, `rows` the rows (default 0, 1, ...)."""
+    matrix = _array(matrix)
+    fig, ax = subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.8))))
     image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
-    fig.colorbar(image, ax=ax, fraction=0.025)
+    fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02).set_label(fill(colorbar or "value", 30), fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if rows is not None and len(rows) <= 40:
+        ax.set_yticks(range(len(rows)), labels=[str(row) for row in rows])
+    lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+        ax.set_title(fit_title(title, 9, 10), fontsize=10)
+    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines)
     return fig
 
 
 def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequence[float]],
                              baselines: Mapping[str, float] | None = None, title: str = ""):
     """Probe accuracy per layer, one line per series (encoder, random encoder, ...), baselines as dashed lines."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, values), marker in zip(series.items(), "osd^v<>"):
-        ax.plot(list(layers), list(values), marker=marker, label=name)
-    for (name, value), color in zip((baselines or {}).items(), ("#888888", "#bbbbbb", "#444444")):
+    fig, ax = subplots(figsize=(7, 4.3))
+    for index, (name, values) in enumerate(series.items()):
+        ax.plot(list(layers), list(values), marker=MARKERS[index % len(MARKERS)], color=SERIES[index % len(SERIES)],
+                label=name, **layered(index))
+    for (name, value), color in zip((baselines or {}).items(), GREYS):
         ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3f})")
     ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("test accuracy")
     ax.set_xticks(list(layers))
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
-    ax.set_title(title or "probe accuracy by layer", fontsize=10)
+    ax.set_title(fit_title(title or "probe accuracy by layer", 6.5, 10), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -118,19 +242,25 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
     """Per-layer curves in side-by-side panels (the paper's Figure 6: before / after clipping).
 
     Each panel: {"title", "ylabel", "layers": [..], "series": {name: [value per layer, None for missing]},
-    "baselines": {name: value} (optional, dashed)}, optionally "log": True (a log y axis).
+    "baselines": {name: value} (optional, dashed), "empty": why a panel without values is empty (optional)},
+    optionally "log": True (a log y axis).
     """
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    width = 5.2 * columns + (1.2 if columns == 1 else 0)
+    fig, axes = subplots(rows, columns, figsize=(width, 3.6 * rows + 0.4), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         layers = list(panel["layers"])
-        for (name, values), marker in zip(panel["series"].items(), "osd^v<>"):
-            ax.plot(layers, [np.nan if v is None else v for v in values], marker=marker, markersize=4, label=name)
-        for (name, value), color in zip((panel.get("baselines") or {}).items(), ("#888888", "#444444", "#bbbbbb")):
+        ax.set_title(fit_title(panel.get("title", ""), width / columns, 9), fontsize=9)
+        if not any(finite(values) for values in panel["series"].values()):
+            say_empty(ax, panel.get("empty", ""))
+            continue
+        for index, (name, values) in enumerate(panel["series"].items()):
+            ax.plot(layers, [np.nan if v is None else v for v in values], marker=MARKERS[index % len(MARKERS)],
+                    color=SERIES[index % len(SERIES)], label=name, **layered(index))
+        for (name, value), color in zip((panel.get("baselines") or {}).items(), GREYS):
             if value is not None:
                 ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3g})")
-        ax.set_title(panel.get("title", ""), fontsize=9)
         ax.set_xlabel("layer (0 = embedding output)", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.set_xticks(layers)
@@ -140,8 +270,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    if title:
-        fig.suptitle(textwrap.fill(title, width=int(10 * 5.2 * columns)), fontsize=10)
+    suptitle(fig, title, width)
     fig.tight_layout()
     return fig
 
@@ -175,67 +304,115 @@ def layer_bands_figure(panels: Sequence[Mapping], title: str = "", columns: int 
 def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int = 3):
     """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
 
-    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis)."""
+    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis) and
+    "empty" (why a panel without values is empty)."""
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
+    width = 4.6 * columns
+    fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
+    names = list(dict.fromkeys(name for panel in panels for name in panel["series"]))  # one colour per name
+    colors = dict(zip(names, line_colors(len(names))))
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
-        colors = plt.cm.viridis(np.linspace(0, 1, max(len(series), 2)))
-        for (name, (steps, values)), color in zip(series.items(), colors):
-            ax.plot(list(steps), list(values), marker="o", markersize=2.5, linewidth=1, color=color, label=name)
-        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
+        if not any(finite(values) for _, values in series.values()):
+            say_empty(ax, panel.get("empty", ""))
+            continue
+        for name, (steps, values) in series.items():
+            ax.plot(list(steps), [np.nan if v is None else v for v in values], marker="o", markersize=2.5,
+                    linewidth=1, color=colors[name], label=name)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
         if panel.get("log"):
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))  # 3.4, not 3.4 x 10^0
-            ax.yaxis.set_minor_formatter(mticker.FormatStrFormatter("%g"))
+            plain_log_axis(ax)
         else:
             ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
-    axes.flat[0].legend(fontsize=6, ncol=2)
+    first = next((ax for ax in axes.flat if ax.get_lines()), None)
+    if first is not None:  # one legend for every panel: the same name has the same colour in all of them
+        first.legend(handles=[Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
+                              for name in names], fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    if title:
-        fig.suptitle(textwrap.fill(title, width=int(10 * 4.6 * columns)), fontsize=10)
+    lines = suptitle(fig, title, width)
     # fixed margins: tight_layout's measuring costs a third of the figure, made live during training
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.1, top=0.88 if title else 0.95, wspace=0.3, hspace=0.45)
+    margins(fig, 0.6, 0.15, 0.5, 0.35 + 0.2 * lines, wspace=0.3, hspace=0.55)
+    return fig
+
+
+def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: Sequence[int], title: str = ""):
+    """Layer x step images side by side, one per statistic: rows are `layers`, columns the captured `steps`.
+
+    Each panel: {"title", "colorbar" (the colour bar's label), "values": [layers, steps] (nan: not captured),
+    "log": True for a log colour scale (optional)}."""
+    width = 4.4 * len(panels) + 0.4
+    fig, axes = subplots(1, len(panels), figsize=(width, max(2.6, 0.28 * len(layers) + 1.9)), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        values = np.asarray(panel["values"], dtype=float)
+        ax.set_title(fit_title(panel["title"], 4.2, 9), fontsize=9)
+        if not np.isfinite(values).any():
+            say_empty(ax, panel.get("empty", "no capture yet"))
+            continue
+        positive = values[np.isfinite(values) & (values > 0)]
+        norm = LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01)) if panel.get("log") and \
+            positive.size else None
+        image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
+        bar = fig.colorbar(image, ax=ax, fraction=0.06, pad=0.03)
+        bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
+        bar.ax.tick_params(labelsize=6, which="both")
+        if norm is not None:
+            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
+            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
+                                             else mticker.NullFormatter())
+        ticks = np.arange(len(steps)) if len(steps) <= 8 else \
+            np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))
+        ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
+        ax.set_yticks(range(len(layers)), labels=[str(layer) for layer in layers])
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("layer", fontsize=8)
+        ax.tick_params(labelsize=7)
+    lines = suptitle(fig, title, width)
+    margins(fig, 0.55, 0.75, 0.5, 0.35 + 0.2 * lines, wspace=0.55)
     return fig
 
 
 def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str = "", floor: float = 1e-4):
     """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant;
     values below `floor` (zeroed dimensions) are drawn at the floor."""
-    fig, axes = plt.subplots(1, len(spectra), figsize=(5.2 * len(spectra), 3.6), squeeze=False, sharey=True)
+    width = 5.2 * len(spectra)
+    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9), squeeze=False, sharey=True)
     for ax, (name, layers) in zip(axes[0], spectra.items()):
-        colors = plt.cm.viridis(np.linspace(0, 1, max(len(layers), 2)))
-        for layer, (values, color) in enumerate(zip(layers, colors)):
+        for layer, (values, color) in enumerate(zip(layers, line_colors(len(layers)))):
             values = np.clip(np.asarray(values, dtype=float), floor, None)
             ax.plot(np.arange(1, len(values) + 1), values, color=color, linewidth=1, label=f"layer {layer}")
-        ax.set_yscale("log")
         ax.set_ylim(floor / 2, 1.5)
+        plain_log_axis(ax)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("singular value index", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
     axes[0, 0].set_ylabel("singular value / largest", fontsize=8)
     axes[0, -1].legend(fontsize=6, ncol=2)
-    fig.suptitle(title or "singular-value spectrum of each layer's token matrix", fontsize=10)
+    suptitle(fig, title or "singular-value spectrum of each layer's token matrix", max(width, 6))
     fig.tight_layout()
     return fig
 
 
 def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, ylabel: str, title: str = "",
-                        cmap: str = "viridis", columns: int = 4):
+                        cmap: str = "viridis", columns: int = 4, colorbar: str = ""):
     """One heatmap panel per matrix (e.g. contributions [positions, hidden] of each layer), each with its own colour
-    scale (its maximum in the panel title), in one figure."""
-    matrices = [np.asarray(m.detach().cpu() if hasattr(m, "detach") else m, dtype=float) for m in matrices]
+    scale and colour bar (labelled `colorbar`), in one figure."""
+    matrices = [_array(m) for m in matrices]
     columns = min(columns, len(matrices))
     rows = -(-len(matrices) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 2.6 * rows + 0.6), squeeze=False)
+    width = 3.9 * columns
+    fig, axes = subplots(rows, columns, figsize=(width, 2.7 * rows + 0.8), squeeze=False)
     for ax, matrix, name in zip(axes.flat, matrices, titles):
-        ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
-        ax.set_title(f"{name} (max {matrix.max():.3g})", fontsize=8)
+        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
+        bar = fig.colorbar(image, ax=ax, fraction=0.05)
+        bar.set_label(colorbar or "value", fontsize=6)
+        bar.ax.tick_params(labelsize=5)
+        ax.set_title(name, fontsize=8)
         ax.tick_params(labelsize=6)
     for ax in axes.flat[len(matrices):]:
         ax.axis("off")
@@ -243,23 +420,27 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
         ax.set_xlabel(xlabel, fontsize=7)
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel, fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    suptitle(fig, title, width)
     fig.tight_layout()
     return fig
+
+
+def subplots(*args, figsize: tuple[float, float], **kwargs):
+    """A figure and its axes, as pyplot.subplots makes them, without pyplot: no global state, so that a figure can
+    be made and drawn off the main thread (callbacks/media.py)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*args, **kwargs)
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
     return path
 
 
 def figure_array(fig) -> np.ndarray:
-    """A matplotlib figure as an RGB array [height, width, 3] (uint8); the figure is closed."""
-    try:
-        fig.canvas.draw()
-        return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    finally:
-        plt.close(fig)
+    """A matplotlib figure as an RGB array [height, width, 3] (uint8)."""
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()

@@ -89,9 +89,12 @@ class PositionProbe(LinearProbes):
         """The paper's Figure 5b/5c: each outlier neuron's contribution against the mean contribution, per layer."""
         contributions, spec = self.results["contributions"], self.spec  # [layers, hidden]
         series = {f"dim {d}": contributions[:, d].tolist() for d in spec.outlier_dims[:8]}
-        series["mean over neurons"] = contributions.mean(1).tolist()
+        if series:  # else the panel says that no outlier dimension was found
+            series["mean over neurons"] = contributions.mean(1).tolist()
         return layer_panels_figure([{"title": "contribution c(i) = |w_i v_i| of the outlier neurons", "ylabel":
-                                     "mean contribution", "layers": spec.layers, "series": series}], title=title,
+                                     "mean contribution", "layers": spec.layers, "series": series,
+                                     "empty": "no outlier dimension was " + ("given" if spec.outlier_source == "given"
+                                              else "detected in this encoder on the probe's sentences")}], title=title,
                                    columns=1)
 
     def write_outputs(self, output_dir) -> dict:
@@ -108,11 +111,13 @@ class PositionProbe(LinearProbes):
             np.save(stage / "contributions_by_position.npy", self.results["contributions_by_position"].numpy())
             save_figure(self.accuracy_figure(f"position probe accuracy: {name}"), stage / "accuracy_by_layer.png")
             save_figure(heatmap_figure(self.results["contributions"], "dimension (0-indexed)", "layer",
-                                       f"mean contribution |w_i v_i| per layer: {name}"),
+                                       f"mean contribution |w_i v_i| per layer: {name}",
+                                       colorbar="mean contribution |w_i v_i|", rows=spec.layers),
                         stage / "contributions_by_layer.png")
             save_figure(heatmap_grid_figure(self.results["contributions_by_position"][:, :seen],
                                             [f"layer {layer}" for layer in spec.layers], "dimension (0-indexed)",
-                                            "position", f"contribution |w_i v_i| by position: {name}"),
+                                            "position", f"contribution |w_i v_i| by position: {name}",
+                                            colorbar="mean contribution |w_i v_i|"),
                         stage / "contributions_by_position.png")
             save_figure(self.outlier_figure(f"outlier neurons vs the mean contribution: {name} (outlier dims "
                                             f"{spec.outlier_dims or 'none'})"), stage / "outlier_contributions.png")

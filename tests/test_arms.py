@@ -192,7 +192,7 @@ def test_live_callbacks_and_the_online_probe_of_each_arm_equal_a_direct_computat
     for step, (hidden, weight) in recorder.train.items():
         if objective == "causal":  # unmasked blocks: the batch's input ids are the block itself
             assert hidden.shape[2] == 32
-        check_outliers(logged(run, "outliers", step), "outliers", direct_outliers(hidden, step))
+        check_outliers(logged(run, "outliers", step), "outliers", direct_outliers(hidden, False))
         check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
         check_attention(logged(run, "attention", step), "attention",
                         expected_attention([recorder.attention[step]], step, causal=objective == "causal"))

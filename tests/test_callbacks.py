@@ -30,7 +30,7 @@ from pytorch_lightning.loggers import CSVLogger
 import train
 from callbacks.attention_geometry import AttentionGeometry
 from callbacks.contribution_vectors import ContributionVectors
-from callbacks.live import LiveCallback
+from callbacks.live import LiveCallback, by_layer
 from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
 from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
 from core.errors import UserError
@@ -41,7 +41,8 @@ from tests.wandb_log import read_run
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 STEPS = 6  # 55 training blocks / global batch 8: one epoch of 6 steps, validation at its end (global step 6)
-EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 16  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
+VAL_STEP = STEPS - 1  # the step Lightning logs that validation's val/loss at, and the live statistics with it
+EVERY, IMAGES, LAYERS, PAIRS = 2, 4, 3, 64  # captures at steps 0, 2, 4; images at 0 and 4; 2 layers + embeddings
 
 
 class Recorder(pl.Callback):
@@ -146,11 +147,12 @@ def single(tmp_path_factory, corpus, cache):
 
 # ---- direct computations (numpy / plain torch, no metrics/ code) ----
 
-def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3) -> list[dict]:
-    """Per layer from hidden [layers, batch, seq, hidden] (float64): what OutlierStatistics should log."""
+def direct_outliers(hidden: torch.Tensor, validation: bool, top_k: int = 3) -> list[dict]:
+    """Per layer from hidden [layers, batch, seq, hidden] (float64): what OutlierStatistics should log (the anisotropy
+    at validation only, seed 0)."""
     layers, batch, seq, size = hidden.shape
     tokens = hidden.flatten(1, 2).numpy()
-    anisotropy = direct_anisotropy(hidden, pair_seed(0, seed_step) if seed_step is not None else 0)
+    anisotropy = direct_anisotropy(hidden, 0) if validation else [None] * layers
     out = []
     for layer in range(layers):
         mean = tokens[layer].mean(0)
@@ -165,11 +167,13 @@ def direct_outliers(hidden: torch.Tensor, seed_step: int | None, top_k: int = 3)
         kurtosis = (centred ** 4).mean(1) / ((centred ** 2).mean(1) ** 2)  # Pearson's, per token
         out.append({"kurtosis": float(kurtosis.mean()), "kurtosis_max": float(kurtosis.max()),
                     "max_abs": float(np.abs(vectors).max()),
-                    "top1_share": float(((vectors ** 2).max(1) / (vectors ** 2).sum(1)).mean()),"argmax_dim": int(max_share.argmax()), "argmax_share": float(max_share.max()),
+                    "top1_share": float(((vectors ** 2).max(1) / (vectors ** 2).sum(1)).mean()),
+                    "argmax_dim": int(max_share.argmax()), "argmax_share": float(max_share.max()),
                     "argmin_dim": int(min_share.argmax()), "argmin_share": float(min_share.max()),
                     "top_dims": order[:top_k].tolist(), "top_means": mean[order[:top_k]].tolist(),
                     "max_median_ratio": float(np.abs(mean).max() / np.median(np.abs(mean))),
-                    "anisotropy": float(anisotropy[layer]), "num_tokens": tokens.shape[1],
+                    "anisotropy": None if anisotropy[layer] is None else float(anisotropy[layer]),
+                    "num_tokens": tokens.shape[1],
                     "outlier_dims": sorted(flagged.tolist(), key=lambda d: -abs(mean[d]))})
     return out
 
@@ -226,24 +230,31 @@ def expected_attention(records: list[dict], seed_step: int | None, causal: bool 
 
 
 def check_attention(row: dict, prefix: str, expected: list[dict]) -> None:
-    assert row[f"{prefix}/num_tokens"] == expected[0]["num_tokens"]
+    assert row[f"{by_layer(prefix)}/num_tokens"] == expected[0]["num_tokens"]
     for layer, want in enumerate(expected, 1):
         for name, value in want.items():
             if name != "num_tokens":
-                assert row[f"{prefix}/layer_{layer}/{name}"] == pytest.approx(value, rel=1e-4, abs=1e-6), (layer, name)
+                assert row[f"{by_layer(prefix)}/layer_{layer}/{name}"] == pytest.approx(value, rel=1e-4, abs=1e-6), \
+                    (layer, name)
+    for name in expected[0]:  # the summary section: the mean over the layers
+        if name != "num_tokens":
+            mean = sum(want[name] for want in expected) / len(expected)
+            assert row[f"{prefix}/{name}"] == pytest.approx(mean, rel=1e-4, abs=1e-6), name
 
 
 def logged(run, prefix: str, step: int) -> dict:
     rows = [row for row in run.history if row.get("trainer/global_step") == step
-            and any(key.startswith(prefix + "/layer_") for key in row)]
+            and any(key.startswith(by_layer(prefix) + "/layer_") for key in row)]
     assert len(rows) == 1, (prefix, step, len(rows))
     return rows[0]
 
 
 def check_outliers(row: dict, prefix: str, expected: list[dict]) -> None:
-    assert row[f"{prefix}/num_tokens"] == expected[0]["num_tokens"]
+    """The per-layer detail and the summary section (over layers 1..L, by hand) of one capture; the lists (W&B
+    only) when the row has them."""
+    assert row[f"{by_layer(prefix)}/num_tokens"] == expected[0]["num_tokens"]
     for layer, want in enumerate(expected):
-        key = f"{prefix}/layer_{layer}"
+        key = f"{by_layer(prefix)}/layer_{layer}"
         for name in ("argmax_dim", "argmin_dim"):
             assert row[f"{key}/{name}"] == want[name], (key, name)
         for name in ("argmax_share", "argmin_share"):
@@ -251,15 +262,38 @@ def check_outliers(row: dict, prefix: str, expected: list[dict]) -> None:
         assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
         assert [row[f"{key}/top{i}_mean"] for i in (1, 2, 3)] == pytest.approx(want["top_means"], rel=1e-5)
         assert row[f"{key}/max_median_ratio"] == pytest.approx(want["max_median_ratio"], rel=1e-5)
-        assert row[f"{key}/anisotropy"] == pytest.approx(want["anisotropy"], rel=1e-5)
+        if want["anisotropy"] is None:  # training captures take none (docs/live-statistics.md)
+            assert f"{key}/anisotropy" not in row
+        else:
+            assert row[f"{key}/anisotropy"] == pytest.approx(want["anisotropy"], rel=1e-5)
         assert row[f"{key}/num_outliers"] == len(want["outlier_dims"])
+        assert row.get(f"{key}/outlier_dims", want["outlier_dims"]) == want["outlier_dims"]
         for name in ("kurtosis", "kurtosis_max", "max_abs", "top1_share"):
             assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (key, name)
+    upper = expected[1:]  # the summary: layer 0 (the embedding output) never counts
+    assert row[f"{prefix}/top_share"] == pytest.approx(max(max(w["argmax_share"], w["argmin_share"]) for w in upper),
+                                                       abs=1e-6)
+    for name in ("kurtosis", "max_abs", "max_median_ratio"):
+        assert row[f"{prefix}/{name}"] == pytest.approx(max(w[name] for w in upper), rel=1e-4), name
+    counts: dict[int, int] = {}
+    for want in upper:
+        for dim in want["outlier_dims"]:
+            counts[dim] = counts.get(dim, 0) + 1
+    persistent = sorted(dim for dim, count in counts.items() if 2 * count >= len(upper))
+    assert row[f"{prefix}/persistent_count"] == len(persistent)
+    assert sorted(row.get(f"{prefix}/persistent_dims", persistent)) == persistent
+    if upper[0]["anisotropy"] is None:
+        assert f"{prefix}/anisotropy" not in row
+    else:
+        mean = sum(w["anisotropy"] for w in upper) / len(upper)
+        assert row[f"{prefix}/anisotropy"] == pytest.approx(mean, rel=1e-5)
 
 
 def check_probe(row: dict, prefix: str, expected: list[dict]) -> None:
+    accuracies = [want["accuracy"] for want in expected[1:]]  # the summary: the mean over layers 1..L
+    assert row[f"{prefix}/accuracy"] == pytest.approx(sum(accuracies) / len(accuracies), abs=1e-9)
     for layer, want in enumerate(expected):
-        key = f"{prefix}/layer_{layer}"
+        key = f"{by_layer(prefix)}/layer_{layer}"
         assert row[f"{key}/accuracy"] == pytest.approx(want["accuracy"], abs=1e-9)
         assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
         assert [row[f"{key}/top{i}_contribution"] for i in (1, 2, 3)] == pytest.approx(want["top_values"], rel=1e-5)
@@ -271,13 +305,13 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
     run, recorder, _ = single
     assert sorted(recorder.train) == [0, 2, 4]
     for step, (hidden, weight) in recorder.train.items():
-        check_outliers(logged(run, "outliers", step), "outliers", direct_outliers(hidden, step))
+        check_outliers(logged(run, "outliers", step), "outliers", direct_outliers(hidden, False))
         check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
     # validation: the whole validation set (several batches), eval mode, fixed pairs, the probe after its last update
     val_hidden = torch.cat([hidden for hidden, _ in recorder.val], dim=1)
-    expected = direct_outliers(val_hidden, None)
-    check_outliers(logged(run, "val_outliers", STEPS), "val_outliers", expected)
-    check_probe(logged(run, "val_position_probe", STEPS), "val_position_probe",
+    expected = direct_outliers(val_hidden, True)
+    check_outliers(logged(run, "val_outliers", VAL_STEP), "val_outliers", expected)
+    check_probe(logged(run, "val_position_probe", VAL_STEP), "val_position_probe",
                 direct_probe(val_hidden, recorder.val[0][1]))
 
     # the probe's own optimiser: step 0 -> 2 is one Adam step on the mean cross-entropy of step 0's tokens
@@ -292,19 +326,17 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
 
     # summaries: the latest values, lists included
     for layer, want in enumerate(expected):
-        assert run.summary[f"val_outliers/layer_{layer}/outlier_dims"] == want["outlier_dims"]
-        assert run.summary[f"outliers/layer_{layer}/argmax_dim"] == logged(run, "outliers", 4)[
-            f"outliers/layer_{layer}/argmax_dim"]
-        assert run.summary[f"position_probe/layer_{layer}/top_dims"] == direct_probe(*recorder.train[4])[layer][
-            "top_dims"]
-    counts = {}
-    for want in expected:
-        for dim in want["outlier_dims"]:
-            counts[dim] = counts.get(dim, 0) + 1
-    assert sorted(run.summary["val_outliers/persistent_dims"]) == sorted(d for d, c in counts.items() if c >= 2)
-    for pattern in ("outliers/*", "val_outliers/*", "position_probe/*", "val_position_probe/*", "attention/*",
-                    "val_attention/*"):
-        assert run.metrics[pattern] == "trainer/global_step"
+        assert run.summary[f"val_outliers_by_layer/layer_{layer}/outlier_dims"] == want["outlier_dims"]
+        assert run.summary[f"outliers_by_layer/layer_{layer}/argmax_dim"] == logged(run, "outliers", 4)[
+            f"outliers_by_layer/layer_{layer}/argmax_dim"]
+        assert run.summary[f"position_probe_by_layer/layer_{layer}/top_dims"] == direct_probe(*recorder.train[4])[
+            layer]["top_dims"]
+    assert run.summary["val_outliers/persistent_dims"] == logged(run, "val_outliers", VAL_STEP)[
+        "val_outliers/persistent_dims"]
+    for family in ("outliers", "position_probe", "attention"):
+        for prefix in (family, f"val_{family}"):
+            for pattern in (f"{prefix}/*", f"{by_layer(prefix)}/*"):
+                assert run.metrics[pattern] == "trainer/global_step"
 
     # images: mean vectors and contribution heatmaps at steps 0 and 4 and at validation; the table over time
     images = {}
@@ -315,18 +347,18 @@ def test_wandb_run_holds_statistics_equal_to_a_direct_computation(single):
             images[key] = images.get(key, 0) + 1
             with Image.open(path) as image:
                 assert min(image.size) > 100
-    assert images == {"outliers/mean_vectors": 2, "val_outliers/mean_vectors": 1,
-                      "position_probe/contributions": 2, "val_position_probe/contributions": 1,
-                      "attention/over_steps": 2, "val_attention/over_steps": 1}
+    assert images == {"outliers/by_layer": 2, "val_outliers/by_layer": 1, "outliers_by_layer/mean_vectors": 2,
+                      "val_outliers_by_layer/mean_vectors": 1, "position_probe/contributions": 2,
+                      "val_position_probe/contributions": 1, "attention/over_steps": 2, "val_attention/over_steps": 1}
     tables = sorted((p for p in run.media if p.name.endswith(".table.json")), key=lambda p: int(p.name.split("_")[1]))
     table = json.loads(tables[-1].read_text())
     assert table["columns"] == TABLE_COLUMNS
     assert [(row[0], row[1], row[2]) for row in table["data"]] == \
         [(step, "train", layer) for step in (0, 4) for layer in range(LAYERS)] + \
-        [(STEPS, "val", layer) for layer in range(LAYERS)]
+        [(VAL_STEP, "val", layer) for layer in range(LAYERS)]
     for row in table["data"]:
         prefix = "outliers" if row[1] == "train" else "val_outliers"
-        assert row[4] == logged(run, prefix, row[0])[f"{prefix}/layer_{row[2]}/argmax_dim"]
+        assert row[4] == logged(run, prefix, row[0])[f"{by_layer(prefix)}/layer_{row[2]}/argmax_dim"]
 
 
 @pytest.mark.slow
@@ -337,12 +369,12 @@ def test_attention_geometry_equals_the_eager_attention_probabilities_and_project
     assert sorted(recorder.attention) == [0, 2, 4]
     for step, record in recorder.attention.items():
         check_attention(logged(run, "attention", step), "attention", expected_attention([record], step))
-    check_attention(logged(run, "val_attention", STEPS), "val_attention", expected_attention(recorder.val_attention,
+    check_attention(logged(run, "val_attention", VAL_STEP), "val_attention", expected_attention(recorder.val_attention,
                                                                                           None))
     row = logged(run, "attention", 4)
-    assert all(0 < row[f"attention/layer_{layer}/entropy"] < 1 for layer in (1, 2))
+    assert all(0 < row[f"attention_by_layer/layer_{layer}/entropy"] < 1 for layer in (1, 2))
     for name in ("qk_mean_cosine", "entropy"):
-        assert run.summary[f"attention/{name}_by_layer"] == [row[f"attention/layer_{layer}/{name}"] for layer in (1, 2)]
+        assert run.summary[f"attention/{name}"] == row[f"attention/{name}"]
     # the weights moved between the steps: statistics from the weights after the update would differ
     assert expected_attention([recorder.attention[2]], 2) != expected_attention([recorder.attention[0]], 2)
 
@@ -387,23 +419,58 @@ def test_sinks_and_magnitudes_equal_a_direct_computation(single):
     special = (0, 2)  # the tiny RoBERTa's <s> and </s> (pad 1 is not one)
     stages = [("", step, [recorder.attention[step]], [recorder.ids[step]], recorder.train[step][0])
               for step in (0, 2, 4)]
-    stages.append(("val_", STEPS, recorder.val_attention, recorder.val_ids,
+    stages.append(("val_", VAL_STEP, recorder.val_attention, recorder.val_ids,
                    torch.cat([hidden for hidden, _ in recorder.val], dim=1)))
     for prefix, step, records, ids, hidden in stages:
         probabilities = [torch.cat([r["probabilities"][layer] for r in records]) for layer in range(LAYERS - 1)]
         row = logged(run, f"{prefix}sinks", step)
-        for layer, want in enumerate(direct_sinks(probabilities, torch.cat(ids), special), 1):
+        wanted = direct_sinks(probabilities, torch.cat(ids), special)
+        for layer, want in enumerate(wanted, 1):
             for name, value in want.items():
-                assert row[f"{prefix}sinks/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, name)
+                assert row[f"{prefix}sinks_by_layer/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, name)
+        for name in ("sink_share", "first_token_mass"):  # the summary section: the mean over layers 1..L
+            assert row[f"{prefix}sinks/{name}"] == pytest.approx(np.mean([w[name] for w in wanted]), abs=1e-5)
         row = logged(run, f"{prefix}outliers", step)
         for layer, want in enumerate(direct_magnitudes(hidden)):
-            key = f"{prefix}outliers/layer_{layer}"
+            key = f"{prefix}outliers_by_layer/layer_{layer}"
             for name in ("kurtosis_sequence", "inf_norm_sequence"):
                 assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (step, key, name)
             assert row[f"{key}/massive_ratio"] == pytest.approx(want["massive_ratio"], rel=0.02)  # the histogram
             assert (row[f"{key}/massive_dim"], row[f"{key}/num_magnitude_outliers"]) == \
                 (want["massive_dim"], want["num_magnitude_outliers"])
-    assert run.metrics["sinks/*"] == run.metrics["val_sinks/*"] == "trainer/global_step"
+    assert run.metrics["sinks/*"] == run.metrics["val_sinks_by_layer/*"] == "trainer/global_step"
+
+
+@pytest.mark.slow
+def test_wandb_view_sums_up_every_layer_first_and_validation_shares_the_step_of_val_loss(single):
+    """The run's sections: each family's own section holds at most eight panels (whole-model numbers and images), the
+    per-layer keys sit in `<family>_by_layer/layer_{l}/...`; the persistent dims are in the history of every capture;
+    validation statistics are logged at the step val/loss is (the optimizer updates the model had)."""
+    run, _, _ = single
+    sections: dict[str, set] = {}  # section -> its panels (an image's or table's fields count once, as its key)
+    for row in run.history:
+        media = {key.rsplit("/", 1)[0] for key in row if key.endswith("/_type")}
+        for key in row:
+            panel = next((name for name in media if key.startswith(name + "/")), key)
+            if "/" in panel:
+                sections.setdefault(panel.split("/")[0], set()).add(panel.split("/", 1)[1])
+    for family in ("outliers", "position_probe", "attention"):
+        for prefix in (family, f"val_{family}"):
+            assert 2 <= len(sections[prefix]) <= 8, (prefix, sorted(sections[prefix]))
+            assert not any(name.startswith("layer_") for name in sections[prefix])
+            layers = {name.split("/")[0] for name in sections[by_layer(prefix)] if name.startswith("layer_")}
+            assert layers == {f"layer_{layer}" for layer in range(1 if family == "attention" else 0, LAYERS)}
+    assert sorted(sections["outliers"]) == ["by_layer", "kurtosis", "max_abs", "max_median_ratio", "persistent_count",
+                                            "persistent_dims", "top_share"]
+    assert sorted(sections["val_outliers"]) == sorted(sections["outliers"] | {"anisotropy"})
+    captured = [row for row in run.history if "outliers/top_share" in row]
+    assert [row["trainer/global_step"] for row in captured] == [0, 2, 4]
+    assert all(isinstance(row["outliers/persistent_dims"], list) and
+               row["outliers/persistent_count"] == len(row["outliers/persistent_dims"]) for row in captured)
+    val_loss = {row["trainer/global_step"] for row in run.history if "val/loss" in row}
+    assert val_loss == {VAL_STEP}
+    for prefix in ("val_outliers", "val_position_probe", "val_attention"):
+        assert {row["trainer/global_step"] for row in run.history if any(k.startswith(prefix) for k in row)} == val_loss
 
 
 @pytest.mark.slow
@@ -416,9 +483,9 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
                             text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = single[0], wandb_run(root)
-    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)),
-                ("sinks", (0, 2, 4)), ("val_sinks", (STEPS,)))
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (VAL_STEP,)),
+                ("val_position_probe", (VAL_STEP,)), ("attention", (0, 2, 4)), ("val_attention", (VAL_STEP,)),
+                ("sinks", (0, 2, 4)), ("val_sinks", (VAL_STEP,)))
     assert same_statistics(one, two, prefixes) > 250
 
 
@@ -428,10 +495,11 @@ def same_statistics(one, two, prefixes) -> int:
     for prefix, steps in prefixes:
         for step in steps:
             a, b = logged(one, prefix, step), logged(two, prefix, step)
-            keys = sorted(k for k in a if k.startswith(prefix + "/"))
-            assert keys == sorted(k for k in b if k.startswith(prefix + "/"))
+            ours = (prefix + "/", by_layer(prefix) + "/")
+            keys = sorted(k for k in a if k.startswith(ours))
+            assert keys == sorted(k for k in b if k.startswith(ours))
             for key in keys:
-                if key.endswith("_dim") or key.endswith("num_tokens") or key.endswith("num_outliers"):
+                if isinstance(a[key], list) or key.endswith(("_dim", "num_tokens", "num_outliers", "_count")):
                     assert a[key] == b[key], key
                 else:
                     assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -452,9 +520,9 @@ def test_compiled_run_captures_every_step_and_logs_what_the_eager_run_logs(singl
     assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(record=False), "--model.compile", "true")) == 0
     assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"]
     one, two = single[0], wandb_run(root)
-    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
-                ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)),
-                ("sinks", (0, 2, 4)), ("val_sinks", (STEPS,)))
+    prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (VAL_STEP,)),
+                ("val_position_probe", (VAL_STEP,)), ("attention", (0, 2, 4)), ("val_attention", (VAL_STEP,)),
+                ("sinks", (0, 2, 4)), ("val_sinks", (VAL_STEP,)))
     assert same_statistics(one, two, prefixes) > 250
     losses = [{row["trainer/global_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
               for run in (one, two)]
@@ -477,7 +545,7 @@ def test_resumed_run_continues_the_probe_and_the_table_exactly(single, corpus, c
     assert resumed["callbacks"]["OutlierStatistics"]["rows"] == straight["callbacks"]["OutlierStatistics"]["rows"]
     history = resumed["callbacks"]["AttentionGeometry"]["history"]
     assert history == straight["callbacks"]["AttentionGeometry"]["history"] and [row[0] for row in history] == \
-        [0, 0, 2, 2, 4, 4, STEPS, STEPS]
+        [0, 0, 2, 2, 4, 4, VAL_STEP, VAL_STEP]
 
 
 def short_fit(root: Path, corpus: Path, cache: Path, *extra: str, logger: str = "wandb") -> int:
@@ -663,13 +731,14 @@ def test_sanity_check_is_skipped_and_tensorboard_gets_scalars_and_images(corpus,
     events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent), size_guidance={"images": 0})
     events.Reload()
     val_tokens = sum(hidden.shape[1] * hidden.shape[2] for hidden, _ in recorder.val)  # the validation set only
-    assert [(e.step, e.value) for e in events.Scalars("val_outliers/num_tokens")] == [(STEPS, val_tokens)]
-    assert [e.step for e in events.Scalars("outliers/num_tokens")] == [0, 2, 4]
-    expected = direct_outliers(recorder.train[2][0], 2)
-    assert events.Scalars("outliers/layer_1/argmax_dim")[1].value == expected[1]["argmax_dim"]
-    assert [e.step for e in events.Images("outliers/mean_vectors")] == [0, 4]
-    assert [e.step for e in events.Images("val_position_probe/contributions")] == [STEPS]
-    assert "outliers/table/text_summary" in events.Tags()["tensors"]
+    assert [(e.step, e.value) for e in events.Scalars("val_outliers_by_layer/num_tokens")] == [(VAL_STEP, val_tokens)]
+    assert [e.step for e in events.Scalars("outliers_by_layer/num_tokens")] == [0, 2, 4]
+    expected = direct_outliers(recorder.train[2][0], False)
+    assert events.Scalars("outliers_by_layer/layer_1/argmax_dim")[1].value == expected[1]["argmax_dim"]
+    assert [e.step for e in events.Images("outliers_by_layer/mean_vectors")] == [0, 4]
+    assert [e.step for e in events.Images("outliers/by_layer")] == [0, 4]
+    assert [e.step for e in events.Images("val_position_probe/contributions")] == [VAL_STEP]
+    assert "outliers_by_layer/table/text_summary" in events.Tags()["tensors"]
 
 
 def test_fast_dev_run_neither_crashes_nor_logs(corpus, cache, tmp_path):
@@ -716,7 +785,8 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
     rows = {}
     for path in out.rglob("metrics.csv"):
         with path.open() as handle:
-            rows.update({int(row["step"]): row for row in csv.DictReader(handle) if row.get("position_probe/num_tokens")})
+            rows.update({int(row["step"]): row for row in csv.DictReader(handle)
+                         if row.get("position_probe_by_layer/num_tokens")})
     assert sorted(rows) == sorted(recorder.seen) and len(rows) >= 3
     slots = [cli.datamodule.spec.slots.index(("encoder", layer)) for layer in (1, 3)]
     for step, (features, positions, weight) in recorder.seen.items():
@@ -724,9 +794,10 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
         accuracy = (torch.einsum("lnh,lhp->lnp", tokens, weight).argmax(-1) == positions).double().mean(1)
         contribution = (weight[:, :, positions].transpose(1, 2) * tokens).abs().mean(1)
         for i, layer in enumerate((1, 3)):
-            assert float(rows[step][f"position_probe/layer_{layer}/accuracy"]) == pytest.approx(float(accuracy[i]))
-            assert int(float(rows[step][f"position_probe/layer_{layer}/top1_dim"])) == int(contribution[i].argmax())
-        assert float(rows[step]["position_probe/num_tokens"]) == positions.numel()
+            key = f"position_probe_by_layer/layer_{layer}"
+            assert float(rows[step][f"{key}/accuracy"]) == pytest.approx(float(accuracy[i]))
+            assert int(float(rows[step][f"{key}/top1_dim"])) == int(contribution[i].argmax())
+        assert float(rows[step]["position_probe_by_layer/num_tokens"]) == positions.numel()
 
 
 class FailInCapturedStep(pl.Callback):
@@ -839,10 +910,11 @@ def test_csv_logger_gets_the_statistics_of_a_direct_computation(corpus, cache, t
     root = tmp_path / "run"
     assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(), "--trainer.max_steps", "4", logger="csv")) == 0
     (recorder,) = Recorder.made
-    outliers, probe = csv_rows(root, "outliers/num_tokens"), csv_rows(root, "position_probe/num_tokens")
+    outliers = csv_rows(root, "outliers_by_layer/num_tokens")
+    probe = csv_rows(root, "position_probe_by_layer/num_tokens")
     assert sorted(outliers) == sorted(probe) == sorted(recorder.train) == [0, 2]
     for step, (hidden, weight) in recorder.train.items():
-        check_outliers(outliers[step], "outliers", direct_outliers(hidden, step))
+        check_outliers(outliers[step], "outliers", direct_outliers(hidden, False))
         check_probe(probe[step], "position_probe", direct_probe(hidden, weight))
 
 
@@ -851,7 +923,7 @@ class FlakyCSVLogger(CSVLogger):
     through)."""
 
     def log_metrics(self, metrics, step=None) -> None:
-        if step is not None and step >= 2 and any(key.startswith(("outliers/", "position_probe/")) for key in metrics):
+        if step is not None and step >= 2 and any(key.startswith(("outliers", "position_probe")) for key in metrics):
             raise ConnectionError("the metrics server went away")
         super().log_metrics(metrics, step)
 
@@ -865,14 +937,15 @@ def test_a_non_wandb_logger_failing_mid_run_warns_once_and_training_goes_on(corp
     assert failures == ["FlakyCSVLogger failed to log metrics (ConnectionError: the metrics server went away); "
                         "training continues without it"]
     assert final_step(root) == 4
-    assert sorted(csv_rows(root, "outliers/num_tokens")) == sorted(csv_rows(root, "position_probe/num_tokens")) == [0]
+    assert sorted(csv_rows(root, "outliers_by_layer/num_tokens")) == \
+        sorted(csv_rows(root, "position_probe_by_layer/num_tokens")) == [0]
     assert sorted(csv_rows(root, "train/loss")) == [0, 1, 2, 3]  # the logger itself still takes Lightning's metrics
 
 
 @pytest.mark.slow
 def test_validation_anisotropy_is_what_analyze_py_anisotropy_reports_on_the_same_sentences(bert_tok, tmp_path):
     """An eval-mode validation over a fine-tuning data module's validation split (several padded batches): the logged
-    val_outliers/layer_{l}/anisotropy equals `analyze.py anisotropy --clip none` on a file of the same sentences, in
+    val_outliers_by_layer/layer_{l}/anisotropy equals `analyze.py anisotropy --clip none` on a file of the same sentences, in
     order, with the same seed: the same random token of each sentence and the same pairs (the paper's definition)."""
     import analyze
     from datamodules.finetune import FineTuneDataModule
@@ -891,7 +964,7 @@ def test_validation_anisotropy_is_what_analyze_py_anisotropy_reports_on_the_same
     trainer.logger.save()
     (path,) = (tmp_path / "logs").glob("version_*/metrics.csv")
     with path.open() as handle:
-        (row,) = [r for r in csv.DictReader(handle) if r.get("val_outliers/layer_0/anisotropy")]
+        (row,) = [r for r in csv.DictReader(handle) if r.get("val_outliers_by_layer/layer_0/anisotropy")]
 
     sentences = [text for text, _ in data.splits.texts["val"]]
     assert len(sentences) == 20
@@ -902,5 +975,5 @@ def test_validation_anisotropy_is_what_analyze_py_anisotropy_reports_on_the_same
     report = json.loads((tmp_path / "a" / "anisotropy.json").read_text())
     assert report["num_pairs"] == 10 and report["num_sentences"] == 20
     for layer in report["layers"]:
-        logged_value = float(row[f"val_outliers/layer_{layer['layer']}/anisotropy"])
+        logged_value = float(row[f"val_outliers_by_layer/layer_{layer['layer']}/anisotropy"])
         assert logged_value == pytest.approx(layer["raw"], abs=2e-6), layer

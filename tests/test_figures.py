@@ -1,0 +1,169 @@
+"""Figures a researcher can put in a talk (core/figures.py and its callers): every mark in a legend, every colour bar
+labelled, titles inside the figure, plain numbers on log axes, line colours that read on white, and a panel with
+nothing to show that says so. Each check reads the drawn figure's artists, not its pixels.
+
+    .venv/bin/pytest tests/test_figures.py -q
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.collections import PathCollection
+from matplotlib.colors import to_hex, to_rgb
+from matplotlib.lines import Line2D
+
+from analyses.reports import figure_of
+from callbacks.outlier_statistics import OutlierStatistics
+from core import figures
+from lightning_modules.probes import PositionProbe
+
+LONG = "outlier neurons vs the mean contribution: all-MiniLM-L6-v2 (outlier dims [12, 45, 223, 300, 301, 302, 303])"
+
+
+def drawn(fig):
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def signature(artist) -> tuple:
+    """What tells a mark apart in a legend: colour, line style, marker."""
+    if isinstance(artist, PathCollection):
+        return to_hex(artist.get_facecolor()[0], keep_alpha=False), "None", "o"
+    marker = artist.get_marker() if artist.get_marker() not in (None, "", " ") else "None"
+    return to_hex(artist.get_color(), keep_alpha=False), artist.get_linestyle(), marker
+
+
+def marks(ax) -> list:
+    """The data marks of a panel: lines and scatters (not the thin zero line, not colour-bar internals)."""
+    lines = [line for line in ax.get_lines() if line.get_visible() and line.get_linewidth() >= 0.5]
+    return lines + [c for c in ax.collections if isinstance(c, PathCollection)]
+
+
+def legend_signatures(fig) -> set:
+    """Every legend entry of the figure (a panel's legend may serve all panels, as the same name has one colour)."""
+    legends = [legend for legend in [*(ax.get_legend() for ax in fig.axes), *fig.legends] if legend is not None]
+    return {signature(handle) for legend in legends for handle in legend.legend_handles
+            if isinstance(handle, (Line2D, PathCollection))}
+
+
+def contrast_on_white(color) -> float:
+    """The WCAG contrast ratio of `color` against white."""
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in to_rgb(color)]
+    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+    return 1.05 / (luminance + 0.05)
+
+
+def check_talk_ready(fig) -> None:
+    renderer = drawn(fig)
+    box = fig.bbox
+    colorbars = [ax for ax in fig.axes if hasattr(ax, "_colorbar")]
+    known, log_labels = legend_signatures(fig), []
+    for ax in colorbars:
+        assert ax.get_ylabel().strip(), "a colour bar without a label"
+    for ax in fig.axes:  # titles, axis and colour-bar labels: inside the figure
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.label] + ([fig._suptitle] if fig._suptitle is not None else [])
+        for text in texts:
+            if text.get_text() and text.get_visible():
+                extent = text.get_window_extent(renderer)
+                assert box.x0 - 1 <= extent.x0 and extent.x1 <= box.x1 + 1 and box.y0 - 1 <= extent.y0 and \
+                    extent.y1 <= box.y1 + 1, f"cut off: {text.get_text()!r}"
+        for axis, scale in ((ax.yaxis, ax.get_yscale()), (ax.xaxis, ax.get_xscale())):
+            if scale == "log":  # (a panel sharing its neighbour's y axis shows no labels of its own)
+                log_labels += [t.get_text() for t in axis.get_ticklabels(which="both") if t.get_visible()]
+        if ax in colorbars or not ax.get_visible():
+            continue
+        for mark in marks(ax):
+            assert signature(mark) in known, f"a mark not in the legend: {signature(mark)} in {ax.get_title()!r}"
+            assert contrast_on_white(signature(mark)[0]) >= 2.0, f"reads badly on white: {signature(mark)[0]}"
+    assert all(re.fullmatch(r"[0-9.e+-]*", label) for label in log_labels), log_labels
+    assert any(log_labels) or not any("log" in (ax.get_yscale(), ax.get_xscale()) for ax in fig.axes)
+
+
+def test_yellow_is_gone_and_the_checks_catch_what_they_should():
+    assert contrast_on_white("#fde725") < 2.0 and contrast_on_white("#bcbd22") < 2.1  # viridis' end, tab:olive
+    assert min(contrast_on_white(c) for c in figures.line_colors(13)) >= 2.0
+    assert min(contrast_on_white(c) for c in figures.SERIES) >= 2.0
+    fig, ax = figures.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], color="#1f77b4")  # a line nobody explained
+    with pytest.raises(AssertionError, match="not in the legend"):
+        check_talk_ready(fig)
+    fig, ax = figures.subplots(figsize=(4, 3))
+    ax.plot([1, 2], [3.4, 3.9])
+    ax.set_yscale("log")  # matplotlib's own labels on less than a decade: 3x10^0, 4x10^0
+    with pytest.raises(AssertionError):
+        check_talk_ready(fig)
+
+
+def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_titles():
+    rng = np.random.default_rng(0)
+    mean = rng.normal(size=(4, 40))
+    layers = [0, 1, 2, 3]
+    made = [
+        figures.mean_vectors_figure(mean, {1: [3, 7], 2: [3]}, title=LONG),
+        figures.position_rows_figure(rng.normal(size=(30, 40)), [3, 7], title=LONG + " " + LONG),
+        figures.heatmap_figure(rng.random((4, 40)), "dimension", "layer", LONG, colorbar="contribution"),
+        figures.accuracy_by_layer_figure(layers, {"encoder": [0.9, 0.8, 0.7, 0.6], "random-init encoder":
+                                                  [0.5, 0.4, 0.3, 0.3]}, {"majority": 0.1, "chance": 0.05}, LONG),
+        figures.layer_panels_figure([{"title": LONG, "ylabel": "cosine", "layers": layers, "baselines": {"static": 0.2},
+                                      "series": {f"dim {d}": list(rng.random(4)) for d in range(9)}}], LONG, columns=1),
+        figures.over_steps_figure([{"title": "kurtosis", "log": True, "series": {f"layer {k}": ([0, 100, 200],
+                                   [3.4 + k, 3.6 + k, 3.9 + k]) for k in layers}},
+                                   {"title": "share", "series": {"layer 1": ([0, 100], [0.1, 0.5])}}], LONG),
+        figures.layer_step_figure([{"title": "top share", "colorbar": "share of tokens", "values": rng.random((4, 5))},
+                                   {"title": "kurtosis", "colorbar": "kurtosis", "log": True,
+                                    "values": 3 + 40 * rng.random((4, 5))}], [0, 100, 200, 300, 400], layers, LONG),
+        figures.spectrum_figure({"raw": [list(np.sort(rng.random(30))[::-1]) for _ in layers],
+                                 "clipped": [list(np.sort(rng.random(30))[::-1]) for _ in layers]},
+                                title="singular values of each sentence's token matrix, normalised and averaged per "
+                                      "rank (tokenUni): all-MiniLM-L6-v2"),
+        figures.heatmap_grid_figure([rng.random((6, 40)) for _ in layers], [f"layer {k}" for k in layers], "dimension",
+                                    "position", LONG, colorbar="contribution"),
+    ]
+    for fig in made:
+        check_talk_ready(fig)
+    lines = made[0].legends[0].get_texts()  # the outlier dot is explained
+    assert any("outlier" in text.get_text() for text in lines)
+
+
+def test_a_title_breaks_at_spaces_and_never_inside_a_bracketed_list():
+    text = figures.fit_title(LONG, width_inches=5.2, fontsize=10)
+    assert text.replace("\n", " ") == LONG
+    assert "[12, 45, 223, 300, 301, 302, 303])" in text.splitlines()[-1]
+    assert all(line.count("[") == line.count("]") for line in text.splitlines())
+
+
+def text_of(fig) -> str:
+    return " ".join(t.get_text().replace("\n", " ") for ax in fig.axes for t in ax.texts)
+
+
+def test_a_figure_with_nothing_to_show_says_so_in_words():
+    probe = PositionProbe.__new__(PositionProbe)  # its outlier figure (Figure 5b/5c) when no outlier was detected
+    object.__setattr__(probe, "results", {"contributions": torch.rand(3, 16)})
+    object.__setattr__(probe, "spec", SimpleNamespace(outlier_dims=[], layers=[0, 1, 2], outlier_source="detected"))
+    fig = probe.outlier_figure("outlier neurons vs the mean contribution")
+    assert "nothing to show: no outlier dimension was detected" in text_of(fig) and not fig.axes[0].get_lines()
+    report = {"layers": [{"layer": 0, "raw": {"isoscore": 0.1, "isoscore_star": None, "sequence_energy_top1": 0.3}}],
+              "minibatch_tokens": 250, "zeta": 0.2, "num_minibatches": 0, "num_sentences": 200,
+              "clipped_dims": [], "normalize": "none"}
+    fig = figure_of("isotropy", report, "MiniLM")
+    assert "nothing to show: 0 mini-batches of 250 tokens" in text_of(fig) and "200 sentences here" in text_of(fig)
+    fig = OutlierStatistics.figure("val", [], [0, 1])  # the live layer x step image before any validation
+    assert text_of(fig).count("nothing to show: no capture yet") == 3
+    check_talk_ready(fig)
+
+
+def test_the_live_layer_by_step_image_holds_the_history_it_is_given():
+    rows = [[step, "train", layer, 0.1 * layer + step / 1000, 3.0 + layer, 2.0 + step / 100]
+            for step in (0, 20, 40) for layer in (0, 1, 2)]
+    fig = OutlierStatistics.figure("train", rows, [0, 1, 2])
+    panels = [ax for ax in fig.axes if not hasattr(ax, "_colorbar")]
+    assert [ax.get_title() for ax in panels] == ["dominant dimension's share", "kurtosis of the token vectors",
+                                                 "max / median |mean|"]
+    for column, ax in enumerate(panels):  # rows: layers 0, 1, 2; columns: steps 0, 20, 40
+        expected = [[row[3 + column] for row in rows if row[2] == layer] for layer in (0, 1, 2)]
+        np.testing.assert_allclose(np.asarray(ax.get_images()[0].get_array()), expected, rtol=1e-6)
