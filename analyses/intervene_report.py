@@ -140,6 +140,8 @@ def print_intervene(report: dict) -> None:
     mlm, lm = report["mlm"], report["lm"]
     if lm["head"]:
         print(f"next-token loss (ours): {lm['tokens']:,} tokens predicted from the tokens before them, no masking")
+    elif report["model_family"]["causal"]:
+        print(f"next-token loss (ours): {lm['note']}")
     else:
         print(f"MLM loss: {'15% of the tokens masked, the same masks for every variant' if mlm['head'] else mlm['note']}")
     print("effect = after - before; per-layer metrics averaged over layers 1..L; p = (1 + controls at least as "
@@ -175,7 +177,8 @@ def print_intervene(report: dict) -> None:
     for name, entry in report["interventions"].items():
         rms = [norm["name"] for norm in entry.get("norms", ()) if "no bias" in norm["zeroed"]]
         if rms:
-            print(f"{name}: {len(rms)} of its {len(entry['norms'])} norms are RMSNorms (no bias): their gain is zeroed")
+            print(f"{name}: {len(rms)} of its {len(entry['norms'])} norms have no bias (an RMSNorm, or a LayerNorm "
+                  "without one): their gain alone is zeroed")
         if report["model_family"]["norms"] == "pre-LN" and entry.get("norms"):
             print(f"{name}: pre-LN norms normalise a sub-layer's input: the dims are removed from what it reads, not "
                   "from the residual stream (the final norm's: from layer L)")
