@@ -26,6 +26,7 @@ from lightning_modules.arms import CLASSES
 from lightning_modules.encoder import load_encoder
 from lightning_modules.mlm import MLMModule, export, mlm_loss
 from tests.test_callbacks import (
+    LAYERS,
     STEPS,
     Recorder,
     callbacks,
@@ -34,6 +35,7 @@ from tests.test_callbacks import (
     check_probe,
     direct_outliers,
     direct_probe,
+    direct_sinks,
     expected_attention,
     logged,
     tiny_args,
@@ -196,6 +198,12 @@ def test_live_callbacks_and_the_online_probe_of_each_arm_equal_a_direct_computat
         check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
         check_attention(logged(run, "attention", step), "attention",
                         expected_attention([recorder.attention[step]], step, causal=objective == "causal"))
+        # the live attention sinks: from the attention the arm computes (causal, rotated), its eager copy's by hand
+        probabilities = recorder.attention[step]["probabilities"][:LAYERS - 1]
+        row = logged(run, "sinks", step)
+        for layer, want in enumerate(direct_sinks(probabilities, recorder.ids[step], (0, 2)), 1):
+            for name, value in want.items():
+                assert row[f"sinks/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, layer, name)
     # the run's checkpoint reads as its export does (analyze.py trajectory's route): the arm rebuilt from the .ckpt
     checkpoint, exported = (load_encoder(str(path), device="cpu") for path in (root / "checkpoints" / "last.ckpt",
                                                                                 root / "export"))
