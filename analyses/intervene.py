@@ -69,9 +69,10 @@ def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
                         "activation_mean and the ones tracked: auto (default: the persistent outlier dims of the "
                         "unmodified model on the same data, by --min_share / --sigma) or a list, 223 or 77,588 "
                         "(0-indexed)")
-    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output) where "
-                        "activation_zero / activation_mean act and whose LayerNorms layernorm_zero edits: all "
-                        "(default) or a list and ranges, 1-3,6")
+    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output; in a decoder "
+                        "or pre-LN stack the first block's input, L the final norm's output) where activation_zero / "
+                        "activation_mean act and whose norms layernorm_zero edits (pre-LN: the norms inside block l): "
+                        "all (default) or a list and ranges, 1-3,6")
     parser.add_argument("--controls", type=int, default=10, help="random sets of as many non-outlier dims on which "
                         "each dimension-based intervention is repeated, seeded by --seed (default 10; 0: none)")
     parser.add_argument("--sts", default=None, help="STS pairs (a file, or a preset: " + ", ".join(STS_PRESETS) +
