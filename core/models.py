@@ -72,8 +72,9 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Where hidden_states[0..L] are read by hooks, as (module, "input" | "output"): BERT's layout the outputs of
-    `encoder_layers`; a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's input, the layers'
-    outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
+    `encoder_layers` (layer 0: of the embeddings' projection to the hidden size when there is one: ELECTRA's and
+    RoFormer's `embeddings_project`); a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's
+    input, the layers' outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
@@ -81,7 +82,11 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
         raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers model "
                         "with BERT's layout (`embeddings` and `encoder.layer`) nor a flat layer list (`h`, `layers`, "
                         "`decoder.layers`)")
-    return [(module, "output") for module in encoder_layers(model)]
+    modules = encoder_layers(model)
+    project = getattr(base_model(find_encoder(model) or model), "embeddings_project", None)
+    if isinstance(project, nn.Module):
+        modules[0] = project
+    return [(module, "output") for module in modules]
 
 
 def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, int]]:

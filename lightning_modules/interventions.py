@@ -250,7 +250,7 @@ def edit_sites(model: nn.Module) -> list[str]:
     stack = families.decoder_stack(model)
     sites = hidden_state_sites(model)
     if stack is None:  # BERT's layout: the embeddings' and each layer's output
-        return ["the embeddings' output (what layer 1 reads)"] + [
+        return ["the embedding output (what layer 1 reads)"] + [
             f"the output of layer {layer}" + (f" (what layer {layer + 1} reads)" if layer < len(sites) - 1 else "")
             for layer in range(1, len(sites))]
     last = len(sites) - 1

@@ -203,6 +203,22 @@ def test_what_a_family_cannot_take_is_one_line_and_writes_nothing(tmp_path, robe
         assert not out.exists()
 
 
+def test_activation_at_layer_0_of_a_roformer_with_a_narrower_embedding_acts_after_its_projection():
+    """RoFormer (as ELECTRA) may embed at a smaller width and project to the hidden size: hidden_states[0] is the
+    projection's output, so the edit is made there and the encoder runs on it."""
+    torch.manual_seed(0)
+    model = AutoModel.from_config(family_config("roformer", 600, embedding_size=16)).eval()
+    ids = torch.randint(3, 600, (2, 10), generator=torch.Generator().manual_seed(4))
+    base = hidden(model, ids)
+    with intervene(model, Intervention("activation_zero", (3, 17), (0,))):
+        got = hidden(model, ids)
+    state = base[0].clone()
+    state[..., [3, 17]] = 0.0
+    with torch.no_grad():
+        expected = model.encoder(state, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(got, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
 def test_token_type_zero_on_roformer_equals_its_table_zeroed_by_hand():
     """RoFormer (rotary, BERT's embeddings) has token types, so token_type_zero acts there."""
     model = tiny("roformer")
