@@ -5,11 +5,13 @@
     python analyze.py intervene --interventions position_mean token_type_zero layernorm_zero --probe
     python analyze.py intervene --encoder runs/demo/tiny-pe --interventions position_mean activation_zero  # + MLM loss
     python analyze.py intervene --interventions activation_mean --dims 223 --layers 1-3 --controls 20 --sts stsb
+    python analyze.py intervene --encoder gpt2 --interventions position_mean activation_zero   # + next-token loss
     torchrun --nproc_per_node 2 analyze.py intervene ...      # sentences (and STS pairs) sharded, metrics synced
 
 The sentences are tokenised once (analyses.reference.Setting's replay) and every variant of the model reads the same
 padded batches: the unmodified model (the baseline), each intervention, and each control, one encoder pass each (a
-second one over the masked copy for the MLM loss, and the STS pairs and the probe's data, when asked for). Each pass
+second one over the masked copy for the MLM loss, and the STS pairs and the probe's data, when asked for; a causal
+model's next-token loss, ours, comes from the same pass: its LM head reads the last hidden state). Each pass
 is the reference pass of `analyze.py outliers` and `anisotropy` (NeuronStatistics; the paper's seeded random-token
 sample, the same tokens for every variant, so differences are paired), under the intervention. The baseline also
 gives the dimensions (`--dims auto`: the persistent outliers by the outliers analysis' rule, --min_share / --sigma)
@@ -46,6 +48,7 @@ from lightning_modules.interventions import (
     check_intervention,
     intervene,
     masked_lm_loss,
+    next_token_loss,
 )
 from lightning_modules.probes import PositionProbe
 from metrics.controls import control_summary
@@ -66,9 +69,10 @@ def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
                         "activation_mean and the ones tracked: auto (default: the persistent outlier dims of the "
                         "unmodified model on the same data, by --min_share / --sigma) or a list, 223 or 77,588 "
                         "(0-indexed)")
-    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output) where "
-                        "activation_zero / activation_mean act and whose LayerNorms layernorm_zero edits: all "
-                        "(default) or a list and ranges, 1-3,6")
+    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output; in a decoder "
+                        "or pre-LN stack the first block's input, L the final norm's output) where activation_zero / "
+                        "activation_mean act and whose norms layernorm_zero edits (pre-LN: the norms inside block l): "
+                        "all (default) or a list and ranges, 1-3,6")
     parser.add_argument("--controls", type=int, default=10, help="random sets of as many non-outlier dims on which "
                         "each dimension-based intervention is repeated, seeded by --seed (default 10; 0: none)")
     parser.add_argument("--sts", default=None, help="STS pairs (a file, or a preset: " + ", ".join(STS_PRESETS) +
@@ -147,6 +151,8 @@ class Measured:
     num_truncated: int
     mlm_loss: float | None = None
     masked_tokens: int = 0
+    lm_loss: float | None = None  # a causal model's next-token loss (ours), from the same pass
+    lm_tokens: int = 0
     sts: Tensor | None = None  # [layers], Spearman x 100
     probe: Tensor | None = None  # [layers], test accuracy
 
@@ -171,6 +177,7 @@ class Run:
     sentences: list[str]
     sts_pairs: list | None = None
     masks: list[dict] | None = None  # the masked copy of every batch (MLM loss), None without an MLM head
+    causal: bool = False  # a causal model with its LM head: the next-token loss of the reference pass's batches
     passes: list[str] = field(default_factory=list)
 
 
@@ -184,6 +191,22 @@ def mlm_pass(run: Run, desc: str) -> tuple[float, int]:
             total.update(loss.double() * masked)
             count.update(masked)
     return float(total.compute() / count.compute().clamp_min(1)), int(count.compute())
+
+
+class NextTokenMeter:
+    """A causal model's next-token loss over the batches of the reference pass as it reads them (no pass of its own:
+    the LM head reads hidden_states[L]); synced on compute."""
+
+    def __init__(self, encoder: FrozenEncoder) -> None:
+        self.encoder, self.total, self.count = encoder, counter(encoder.device), counter(encoder.device)
+
+    def update(self, batch) -> None:
+        total, count = next_token_loss(self.encoder, batch.hidden_states[-1], batch.input_ids, batch.attention_mask)
+        self.total.update(total)
+        self.count.update(count)
+
+    def compute(self) -> tuple[float, int]:
+        return float(self.total.compute() / self.count.compute().clamp_min(1)), int(self.count.compute())
 
 
 @contextlib.contextmanager
@@ -219,10 +242,14 @@ def measure(run: Run, intervention: Intervention | None, desc: str) -> Measured:
     args = run.args
     run.passes.append(desc)
     with intervene(run.encoder.model, intervention):
-        reference = reference_pass(run.setting, run.sentences, statistics=True, sample=2 * args.num_pairs, desc=desc)
+        meter = NextTokenMeter(run.encoder) if run.causal else None  # updated with every batch, as magnitudes are
+        reference = reference_pass(run.setting, run.sentences, statistics=True, sample=2 * args.num_pairs, desc=desc,
+                                   magnitudes=meter)
         anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
         measured = Measured(reference.statistics, anisotropy[RAW.key].cpu(), pairs, reference.num_sentences,
                             reference.num_truncated)
+        if meter is not None:
+            measured.lm_loss, measured.lm_tokens = meter.compute()
         if run.masks is not None:
             measured.mlm_loss, measured.masked_tokens = mlm_pass(run, desc)
         if run.sts_pairs is not None:
@@ -236,7 +263,8 @@ def measure(run: Run, intervention: Intervention | None, desc: str) -> Measured:
 
 def effects(after: Measured, before: Measured, dims: list[int]) -> dict[str, Tensor]:
     """after - before: per layer (0..L), and the mean over the non-input layers 1..L (`<name>_mean`); the summed share
-    of `dims` (outlier_share) when there are dims; the MLM loss (a number) when measured."""
+    of `dims` (outlier_share) when there are dims; the MLM loss and a causal model's next-token loss (numbers) when
+    measured."""
     changes = {"outlier_share": (after.share[:, dims].sum(1) - before.share[:, dims].sum(1)).cpu()} if dims else {}
     changes.update({key: (value.double().cpu() - before.series()[key].double().cpu())
                     for key, value in after.series().items()})
@@ -244,8 +272,9 @@ def effects(after: Measured, before: Measured, dims: list[int]) -> dict[str, Ten
     for key, change in changes.items():
         result[key] = change
         result[f"{key}_mean"] = change[1:].nanmean()
-    if after.mlm_loss is not None:
-        result["mlm_loss"] = torch.tensor(after.mlm_loss - before.mlm_loss, dtype=torch.float64)
+    for key in ("mlm_loss", "lm_loss"):
+        if getattr(after, key) is not None:
+            result[key] = torch.tensor(getattr(after, key) - getattr(before, key), dtype=torch.float64)
     return result
 
 
@@ -288,7 +317,7 @@ def run_intervene(args, rank: int, world: int) -> dict:
     (sentences, sts_pairs), encoder = prepare(args, rank, read, masked_lm=True)
     collectively(lambda: check_request(request, encoder))
     setting = replace(setting_of(args, encoder, rank, world), replay={})  # tokenised once, replayed for every variant
-    run = Run(args, encoder, setting, sentences, sts_pairs)
+    run = Run(args, encoder, setting, sentences, sts_pairs, causal=encoder.causal_lm is not None)
     if encoder.masked_lm is not None:  # the same masks for every variant: tied to (seed, sentence index)
         masker = SentenceMasker(encoder.tokenizer, MLM_PROBABILITY, args.seed)
         run.masks = [masker(item.inputs["input_ids"], item.inputs["attention_mask"], item.rows)

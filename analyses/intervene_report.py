@@ -10,7 +10,9 @@ min is that dim, layers 0..L}, for the tracked dims (`--dims` and the unmodified
 result also holds `effects` (metric -> after - before: a per-layer list, its mean over layers 1..L as `<metric>_mean`,
 and the MLM loss's change) and, for the dimension-based interventions with controls, `controls` (metric -> `mean`,
 `sd`, `p_value` of the same intervention on random non-outlier dims: metrics/controls.py). A result without dims to
-act on holds only `skipped`.
+act on holds only `skipped`. A causal model's tasks hold `lm_loss` (ours: its next-token loss) where an MLM's hold
+`mlm_loss`; activation_zero / activation_mean say where each layer's edit acts (`acts_at`) and layernorm_zero which
+norms it edits (`norms`: an RMSNorm's gain, it has no bias).
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from torch import Tensor
 from analyses.reference import number
 from analyses.session import run_header
 from core.figures import layer_bands_figure
-from lightning_modules.interventions import DIMENSION_BASED, INTERVENTIONS
+from lightning_modules.interventions import DIMENSION_BASED, INTERVENTIONS, edit_sites, norm_sites
 from metrics.outliers import all_outlier_dims, persistent_dims
 
 PROBE = {"epochs": 2, "sentences": 500, "batch_size": 128, "lr": 1e-2}  # --probe's quick settings (ours; the paper:
 # 10 epochs at 1e-3 on all of SST-2)
 LABELS = {"outlier_share": "summed share of the dims", "kurtosis": "kurtosis (per token, mean)",
           "max_abs": "max |activation|", "anisotropy": "anisotropy", "sts": "STS Spearman x 100",
-          "probe": "position probe accuracy", "mlm_loss": "MLM loss"}
+          "probe": "position probe accuracy", "mlm_loss": "MLM loss", "lm_loss": "next-token loss (ours)"}
+LOSSES = ("mlm_loss", "lm_loss")
+LM_LOSS = ("ours, a causal model's task effect where an MLM's is the MLM loss: the mean cross-entropy of each real "
+           "token after the first given the tokens before it, through the model's LM head, on the same sentences "
+           "(padding never a target; no masking), from the same pass as the statistics")
 EFFECTS_NOTE = ("effects are after - before (the unmodified model): per layer 0..L, `<metric>_mean` their mean over "
                 "the non-input layers 1..L; outlier_share is the summed share of `dims`; controls: the same "
                 "intervention on random sets of as many non-outlier dims, the mean and sd of their effects and the "
@@ -48,6 +54,7 @@ def stats_of(measured, tracked: list[int]) -> dict:
 
 def tasks_of(measured) -> dict:
     return {"mlm_loss": None if measured.mlm_loss is None else number(measured.mlm_loss),
+            "lm_loss": None if measured.lm_loss is None else number(measured.lm_loss),
             "sts": None if measured.sts is None else listed(measured.sts),
             "probe": None if measured.probe is None else listed(measured.probe)}
 
@@ -65,6 +72,11 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
             "layers": (list(entry["layers"]) if entry["layers"] is not None else "all") if dimensional else None,
             "stats": stats_of(entry["measured"], tracked), "tasks": tasks_of(entry["measured"]),
             "effects": {key: listed(value) for key, value in entry["effects"].items()}}
+        if name == "layernorm_zero":
+            entries[name]["norms"] = norm_sites(encoder.model, entry["layers"])
+        elif dimensional:
+            sites = edit_sites(encoder.model)
+            entries[name]["acts_at"] = {str(layer): sites[layer] for layer in entry["layers"] or range(len(sites))}
         if "controls" in entry:
             entries[name]["controls"] = {key: {part: listed(v) for part, v in summary.items()}
                                          for key, summary in entry["controls"].items()}
@@ -86,6 +98,8 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
                 "masking": "per sentence, round(0.15 x (length - 2)) non-special tokens, 80% <mask>, 10% random, "
                            "10% kept (datamodules/masking.py), the same masks for every variant",
                 "masked_tokens": baseline.masked_tokens if head else 0},
+        "lm": {"head": encoder.causal_lm is not None, "note": encoder.lm_note if encoder.causal_lm is None else "",
+               "loss": LM_LOSS, "tokens": baseline.lm_tokens},
         "sts": {"data": args.sts, "num_pairs": len(run.sts_pairs), "score_range": list(args.score_range)}
         if run.sts_pairs is not None else None,
         "probe": {**PROBE, "epochs": args.probe_epochs, "sentences": args.probe_sentences,
@@ -123,8 +137,13 @@ def print_intervene(report: dict) -> None:
     drawn = f"{controls['count']} random sets of {len(dims)} non-outlier dims (seed {controls['seed']})" \
         if controls["count"] else "none"
     print(f"dims: {dims or 'none'} ({report['dims_from']}); controls: {drawn}")
-    mlm = report["mlm"]
-    print(f"MLM loss: {'15% of the tokens masked, the same masks for every variant' if mlm['head'] else mlm['note']}")
+    mlm, lm = report["mlm"], report["lm"]
+    if lm["head"]:
+        print(f"next-token loss (ours): {lm['tokens']:,} tokens predicted from the tokens before them, no masking")
+    elif report["model_family"]["causal"]:
+        print(f"next-token loss (ours): {lm['note']}")
+    else:
+        print(f"MLM loss: {'15% of the tokens masked, the same masks for every variant' if mlm['head'] else mlm['note']}")
     print("effect = after - before; per-layer metrics averaged over layers 1..L; p = (1 + controls at least as "
           "large) / (controls + 1)")
     headers = ["intervention", "metric", "before", "after", "effect", "controls mean ± sd", "p"]
@@ -134,11 +153,11 @@ def print_intervene(report: dict) -> None:
             skipped.append(f"{name} skipped: {entry['skipped']}")
             continue
         for key, label in LABELS.items():
-            effect_key = key if key == "mlm_loss" else f"{key}_mean"
+            effect_key = key if key in LOSSES else f"{key}_mean"
             if effect_key not in entry["effects"]:
                 continue
             effect = entry["effects"][effect_key]
-            before = report["baseline"]["tasks"]["mlm_loss"] if key == "mlm_loss" else mean_of(
+            before = report["baseline"]["tasks"][key] if key in LOSSES else mean_of(
                 series_of(report["baseline"], key, dims))
             summary = entry.get("controls", {}).get(effect_key)
             spread = f"{fmt(summary['mean'])} ± {summary['sd']:.3f}" if summary and summary["sd"] is not None \
@@ -155,6 +174,16 @@ def print_intervene(report: dict) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     for line in skipped:
         print(line)
+    for name, entry in report["interventions"].items():
+        rms = [norm["name"] for norm in entry.get("norms", ()) if "no bias" in norm["zeroed"]]
+        if rms:
+            print(f"{name}: {len(rms)} of its {len(entry['norms'])} norms have no bias (an RMSNorm, or a LayerNorm "
+                  "without one): their gain alone is zeroed")
+        if report["model_family"]["norms"] == "pre-LN" and entry.get("norms"):
+            print(f"{name}: pre-LN norms normalise a sub-layer's input: the dims are removed from what it reads, not "
+                  "from the residual stream (the final norm's: from layer L)")
+        if "acts_at" in entry and report["model_family"]["norms"] == "pre-LN":
+            print(f"{name} acts at: " + "; ".join(f"layer {layer}: {where}" for layer, where in entry["acts_at"].items()))
 
 
 def mean_of(values: list | None) -> float | None:
@@ -188,8 +217,9 @@ def intervention_figure(report: dict, short_name: str):
                     [None if c is None else c + s for c, s in zip(centre, sd)],
                     f"{name} on {report['controls']['count']} random dim sets (mean ± sd)")
         panels.append(panel)
-    mlm = [f"{name} {entry['tasks']['mlm_loss']:.3f}" for name, entry in report["interventions"].items()
-           if "skipped" not in entry and entry["tasks"]["mlm_loss"] is not None]
-    loss = f"; MLM loss {baseline['tasks']['mlm_loss']:.3f} before, " + ", ".join(mlm) if mlm else ""
+    key = "lm_loss" if report["lm"]["head"] else "mlm_loss"
+    mlm = [f"{name} {entry['tasks'][key]:.3f}" for name, entry in report["interventions"].items()
+           if "skipped" not in entry and entry["tasks"].get(key) is not None]
+    loss = f"; {LABELS[key]} {baseline['tasks'][key]:.3f} before, " + ", ".join(mlm) if mlm else ""
     return layer_bands_figure(panels, title=f"interventions on {short_name}: before vs after per layer (dims "
                               f"{dims or 'none'}, 0-indexed){loss}")

@@ -188,8 +188,8 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     `statistics`, `covariance`, `sample` need them. `normalize` whiten / standardize is estimated from the token
     vectors (`fit="tokens"`) or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS); softdecay
     (`softdecay_alpha`) is fit on nothing, and the pass keeps the token sample and covariance of its transformed
-    states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, the magnitude criterion) is updated
-    with every batch. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number
+    states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, the magnitude criterion; or anything
+    with `update(batch)`: intervene's next-token loss) is updated with every batch. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number
     of sentences."""
     if fit not in ("tokens", "sentences"):
         raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")

@@ -39,6 +39,7 @@ from analyses.reference import number, reference_pass
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
 from core.errors import UserError
 from core.figures import over_steps_figure
+from core.models import model_family
 from core.output import check_writable
 from core.sources import local_path
 from lightning_modules.arms import arm_of
@@ -149,6 +150,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
               "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
               "num_truncated": reference.num_truncated,
               "num_special_in_text": reference.num_special_in_text, "num_pairs": pairs, "num_minibatches": batches,
+              "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions (a causal / rotary arm)
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
                           "outlier_dims": layer.outlier_dims, **statistics[layer.layer], **more[layer.layer],

@@ -9,7 +9,7 @@
     model_max_length(model)        # the longest input: table size minus the offset
     position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
     token_type_embedding(model)    # the token-type (segment) table (nn.Embedding) or None
-    mlm_head(masked_lm)            # hidden [..., hidden] -> logits [..., vocab rows] of a masked-LM's head, or None
+    mlm_head(masked_lm)            # hidden [..., hidden] -> logits [..., vocab rows] of a masked- or causal-LM's head
     layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm / RMSNorm
     short_name("runs/x/export")    # "x"
 
@@ -72,8 +72,9 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Where hidden_states[0..L] are read by hooks, as (module, "input" | "output"): BERT's layout the outputs of
-    `encoder_layers`; a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's input, the layers'
-    outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
+    `encoder_layers` (layer 0: of the embeddings' projection to the hidden size when there is one: ELECTRA's and
+    RoFormer's `embeddings_project`); a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's
+    input, the layers' outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
@@ -81,7 +82,11 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
         raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers model "
                         "with BERT's layout (`embeddings` and `encoder.layer`) nor a flat layer list (`h`, `layers`, "
                         "`decoder.layers`)")
-    return [(module, "output") for module in encoder_layers(model)]
+    modules = encoder_layers(model)
+    project = getattr(base_model(find_encoder(model) or model), "embeddings_project", None)
+    if isinstance(project, nn.Module):
+        modules[0] = project
+    return [(module, "output") for module in modules]
 
 
 def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, int]]:
@@ -168,14 +173,18 @@ def token_type_embedding(model: nn.Module) -> nn.Embedding | None:
 
 
 def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
-    """The LM head of a transformers masked-LM model as a function hidden [..., hidden] -> logits [..., vocab rows]:
-    `lm_head` (RoBERTa and its kin), `cls` (BERT), `predictions` (ALBERT), DistilBERT's vocab_transform ->
-    activation -> vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions -> generator_lm_head; None for
-    a layout not among these (or a bare encoder)."""
-    for name in ("lm_head", "cls", "predictions"):
+    """The LM head of a transformers masked-LM (or causal-LM) model as a function hidden [..., hidden] -> logits
+    [..., vocab rows]: `lm_head` (RoBERTa and its kin; GPT-2, Llama, OPT), `cls` (BERT, RoFormer), `predictions`
+    (ALBERT), `embed_out` (GPT-NeoX), ModernBERT's head -> decoder, DistilBERT's vocab_transform -> activation ->
+    vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions -> generator_lm_head; None for a layout not
+    among these (or a bare encoder)."""
+    for name in ("lm_head", "cls", "predictions", "embed_out"):
         head = getattr(masked_lm, name, None)
         if isinstance(head, nn.Module):
             return head
+    transform, decoder = getattr(masked_lm, "head", None), getattr(masked_lm, "decoder", None)
+    if isinstance(transform, nn.Module) and isinstance(decoder, nn.Linear):  # ModernBertForMaskedLM
+        return lambda hidden: decoder(transform(hidden))
     parts = [getattr(masked_lm, name, None) for name in ("vocab_transform", "activation", "vocab_layer_norm",
                                                           "vocab_projector")]
     if all(isinstance(part, nn.Module) for part in parts):

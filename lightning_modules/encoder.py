@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from core.errors import UserError, first_line
+from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import local_path
 from core.tokenizers import check_tokenizer_files, vocab_limit
@@ -94,9 +95,11 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     allows them, as the refusal names it. With `masked_lm`, the model is loaded with its masked-LM head (the encoder is
     the head model's own base model, sharing its weights), kept as `encoder.masked_lm` when the head's weights were all
     in the checkpoint, else None and `encoder.head_note` says why (a bare encoder's checkpoint, as the packaged
-    MiniLM's, has no head); only the base model's weights count for the refusal.
+    MiniLM's, has no head); only the base model's weights count for the refusal. A causal model (a decoder, a causal
+    arm) has no MLM head: with `masked_lm` it is loaded with its causal-LM head instead, kept as `encoder.causal_lm`
+    (None and `encoder.lm_note` says why when its weights were not all in the checkpoint).
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     model_dir = resolve_model_dir(source)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -109,10 +112,9 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
             warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
                           f"{model_dir}", stacklevel=2)
         encoder = FrozenEncoder(model.base_model, tokenizer, name=str(source), exclude_special=exclude_special)
-        if masked_lm and getattr(model.config, "is_decoder", False):
-            encoder.attach_head(None, CAUSAL_HEAD)
-        elif masked_lm:  # the head's rows past the tokenizer's vocabulary (pad_vocab_to_multiple_of) are never predicted
-            encoder.attach_head(model, "", vocab_size=vocab_limit(tokenizer))
+        if masked_lm:  # the head's rows past the tokenizer's vocabulary (pad_vocab_to_multiple_of) are never predicted
+            encoder.attach_head(model, "", vocab_size=vocab_limit(tokenizer),
+                                causal=bool(getattr(model.config, "is_decoder", False)))
         return encoder.to(device=device, dtype=dtype)
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -128,22 +130,21 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
     causal = masked_lm and not has_masked_lm(config)
-    masked_lm = masked_lm and not causal
+    auto = (AutoModelForCausalLM if causal else AutoModelForMaskedLM) if masked_lm else AutoModel
     try:
         with quiet_transformers():  # an export's attention variant (config.json's attention_variant) rebuilt
-            model, info = load_pretrained(AutoModelForMaskedLM if masked_lm else AutoModel, model_dir, dtype=dtype,
-                                          output_loading_info=True)
+            model, info = load_pretrained(auto, model_dir, dtype=dtype, output_loading_info=True)
     except UserError:
         raise
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
-    head, info = split_head(model, info) if masked_lm else (None, info)
+    head, info = split_head(model, info, "LM head" if causal else "MLM head") if masked_lm else (None, info)
     base = model.base_model if masked_lm else model
     check_loading(source, info, base, allow_random_weights, allow_option)
     encoder = FrozenEncoder(base, tokenizer, name=str(source),
                             exclude_special=exclude_special)
-    if masked_lm or causal:
-        encoder.attach_head(model if head is None and not causal else None, CAUSAL_HEAD if causal else head or "")
+    if masked_lm:
+        encoder.attach_head(model if head is None else None, head or "", causal=causal)
     return encoder.to(device=device, dtype=dtype)
 
 
@@ -180,13 +181,21 @@ class FrozenEncoder(nn.Module):
         self._attention = False  # within attention_weights()
         self.masked_lm: nn.Module | None = None  # the model with its MLM head (attach_head), sharing `model`'s weights
         self.head_note = "not loaded with its MLM head"
+        self.causal_lm: nn.Module | None = None  # a causal model with its LM head (attach_head), sharing the weights
+        self.lm_note = "not a causal model" if not is_causal(model.config) else "not loaded with its LM head"
         self.mlm_vocab_size: int | None = None  # logits past it (padding rows of a head) are never predicted
         self.train(False)
 
-    def attach_head(self, masked_lm: nn.Module | None, note: str, vocab_size: int | None = None) -> None:
-        """Keep the masked-LM model whose base model is `self.model` (None: no usable head, `note` says why)."""
-        self.masked_lm = masked_lm.eval().requires_grad_(False) if masked_lm is not None else None
-        self.head_note, self.mlm_vocab_size = note, vocab_size
+    def attach_head(self, model: nn.Module | None, note: str, vocab_size: int | None = None,
+                    causal: bool = False) -> None:
+        """Keep the masked-LM model (`causal`: the causal-LM model) whose base model is `self.model` (None: no usable
+        head, `note` says why). A causal model has no MLM head (`head_note` says so)."""
+        kept = model.eval().requires_grad_(False) if model is not None else None
+        if causal:
+            self.causal_lm, self.lm_note, self.head_note = kept, note, CAUSAL_HEAD
+        else:
+            self.masked_lm, self.head_note = kept, note
+        self.mlm_vocab_size = vocab_size
 
     @property
     def num_hidden_states(self) -> int:

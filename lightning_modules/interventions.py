@@ -1,12 +1,14 @@
-"""Interventions inside an encoder's forward pass: what the model computes when one part of it is removed, as
-context managers that hook the forward pass and restore it on exit (STYLE.md 12).
+"""Interventions inside an encoder's or a decoder's forward pass: what the model computes when one part of it is
+removed, as context managers that hook the forward pass and restore it on exit (STYLE.md 12).
 
     with intervene(encoder.model, Intervention("position_mean")):       # every forward inside sees the change
         batch = encoder(**inputs)
-    with intervene(model, Intervention("layernorm_zero", dims=(223,))):  # gamma and beta of dim 223, every LayerNorm
+    with intervene(model, Intervention("layernorm_zero", dims=(223,))):  # gamma and beta of dim 223, every norm
     with intervene(model, Intervention("activation_mean", dims=(223,), layers=(1, 2), means=result.mean)):
     check_intervention(model, "token_type_zero", "MiniLM")   # one line (UserError) when the model lacks the part
     loss, count = masked_lm_loss(encoder, batch)              # the MLM loss, under whatever intervention is active
+    total, count = next_token_loss(encoder, batch)            # a causal model's next-token loss (ours, for intervene)
+    edit_sites(model)                                          # per layer 0..L: where activation_* acts, in words
 
 The interventions (`INTERVENTIONS`):
     position_mean     the usable rows of the absolute position table replaced by their mean row (position
@@ -14,23 +16,30 @@ The interventions (`INTERVENTIONS`):
     position_shuffle  the usable rows permuted (seeded)
     position_zero     the usable rows zeroed
     token_type_zero   the token-type (segment) embedding rows zeroed
-    layernorm_zero    gamma and beta of `dims` zeroed in every LayerNorm over the hidden size (or in those that write
-                      one of `layers`; core.models.layer_norms): those outputs are 0 (Kovaleva et al. 2021)
-    activation_zero   the hidden state's `dims` set to 0 at each of `layers` (the output of the embeddings, layer 0, or
-                      of transformer layer l), so that later layers see the change (Sun et al. 2024, set_zero)
+    layernorm_zero    gamma and beta of `dims` zeroed in every LayerNorm over the hidden size (an RMSNorm: its gain; it
+                      has no bias), or in those of `layers` (core.models.layer_norms): those outputs are 0 (Kovaleva et
+                      al. 2021)
+    activation_zero   the hidden state's `dims` set to 0 at each of `layers` (where transformers reads hidden_states[l]:
+                      core.models.hidden_state_sites), so that later layers see the change (Sun et al. 2024, set_zero)
     activation_mean   the same dims set to their mean over the data (`means` [layers, hidden]: the unmodified model's,
                       Sun et al.'s set_mean)
 
 The usable rows of a position table are those a token can read (core.models.position_rows): positions offset ..
-offset + max length - 1. RoBERTa numbers positions from padding_idx + 1, so its rows below that (padding's row,
-which no counted token reads) are left as they are, and "the table's mean row" is the mean of the usable rows; for
-BERT (offset 0) that is every row.
+offset + max length - 1. RoBERTa numbers positions from padding_idx + 1 and OPT from 2, so their rows below that
+(padding's row, which no counted token reads) are left as they are, and "the table's mean row" is the mean of the
+usable rows; for BERT and GPT-2 (offset 0) that is every row. Rotary models (Llama, GPT-NeoX, ModernBERT, RoFormer)
+have no table: the position interventions are refused in one line.
 
-Every edit is a forward hook that returns the edited output, registered first (prepend), so it runs before
-transformers' own output-recording hooks and the hidden states a model reports are the edited ones; the hooks are
-removed on exit, even on error. No parameter is ever written: the model object, and the file on disk, stay
-byte-identical. Each equals the model edited by hand (tests/test_intervene.py: the table overwritten, gamma and beta
-zeroed, layers l + 1.. run on the zeroed hidden state).
+Decoders and pre-LN stacks (core/families.py): hidden state 0 is the first block's input (an edit there is a forward
+pre-hook on that block), l < L a block's output (the residual stream the next block reads), and L the final norm's
+output (what the LM head reads: no block after it). A pre-LN norm normalises a sub-layer's input, so layernorm_zero
+there removes the dims from what that sub-layer reads, not from the residual stream.
+
+Every edit is a forward hook (or pre-hook) that returns the edited output (or input), registered first (prepend), so it
+runs before transformers' own output-recording hooks and the hidden states a model reports are the edited ones; the
+hooks are removed on exit, even on error. No parameter is ever written: the model object, and the file on disk, stay
+byte-identical. Each equals the model edited by hand (tests/test_intervene.py, tests/test_intervene_families.py: the
+table overwritten, gamma and beta or the RMSNorm's gain zeroed, layers l + 1.. run on the zeroed hidden state).
 """
 
 from __future__ import annotations
@@ -45,15 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core import families
 from core.capture import layer_output
 from core.errors import UserError
 from core.models import (
-    encoder_layers,
+    first_position_row,
+    hidden_state_sites,
     layer_norms,
     mlm_head,
     model_max_length,
     position_embedding,
-    position_offset,
     token_type_embedding,
 )
 from lightning_modules.encoder import FrozenEncoder
@@ -64,13 +74,14 @@ INTERVENTIONS = {
     "position_shuffle": "the usable rows of the absolute position table permuted (seeded)",
     "position_zero": "the usable rows of the absolute position table zeroed",
     "token_type_zero": "the token-type embedding rows zeroed",
-    "layernorm_zero": "gamma and beta of the dims zeroed in every LayerNorm over the hidden size (or those writing "
-                      "--layers)",
+    "layernorm_zero": "gamma and beta (an RMSNorm: its gain, it has no bias) of the dims zeroed in every LayerNorm "
+                      "or RMSNorm over the hidden size (or those of --layers)",
     "activation_zero": "the dims of the hidden state set to 0 at --layers (later layers see the change)",
     "activation_mean": "the dims of the hidden state set to their mean over the data (the unmodified model's) at "
                        "--layers (later layers see the change)",
 }
 DIMENSION_BASED = ("layernorm_zero", "activation_zero", "activation_mean")
+HEAD_CHUNK = 4096  # tokens through a causal LM head at once (logits [chunk, vocab])
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,27 +103,32 @@ def check_intervention(model: nn.Module, name: str, what: str = "the model") -> 
         raise UserError(f"unknown intervention {name!r} (choose from {', '.join(INTERVENTIONS)})")
     if name.startswith("position_"):
         table = position_embedding(model)
+        if table is None and families.is_rotary(model):
+            raise UserError(f"{name} needs an absolute position-embedding table, and {what} has rotary positions "
+                            "(RoPE rotates queries and keys inside attention): there is no table to intervene on")
         if table is None:
-            raise UserError(f"{name} needs an absolute position-embedding table, and {what} has none (relative or "
-                            "rotary positions, or none)")
+            raise UserError(f"{name} needs an absolute position-embedding table, and {what} has none (relative "
+                            "positions, or none)")
         if not table.weight.detach().any():
             raise UserError(f"{name} needs an absolute position-embedding table, and that of {what} is all zeros "
                             "(trained without positional embeddings): there is no position information to remove")
     elif name == "token_type_zero":
         table = token_type_embedding(model)
         if table is None:
-            raise UserError(f"token_type_zero needs token-type embeddings, and {what} has none")
+            raise UserError(f"token_type_zero needs token-type embeddings, and {what} has none (no token-type table "
+                            f"in the embeddings of its {model.config.model_type!r} model)")
         if not table.weight.detach().any():
             raise UserError(f"token_type_zero: the token-type rows of {what} are all zeros already: nothing to remove")
     elif name == "layernorm_zero" and not layer_norms(model):
-        raise UserError(f"layernorm_zero needs LayerNorms over the hidden size, and {what} has none")
+        raise UserError(f"layernorm_zero needs LayerNorms or RMSNorms over the hidden size, and {what} has none")
     elif name in ("activation_zero", "activation_mean"):
-        encoder_layers(model)  # its own one line when the layers cannot be found
+        hidden_state_sites(model)  # its own one line when the layers cannot be found
 
 
 def position_rows_used(model: nn.Module) -> slice:
-    """The rows of the absolute position table a token can read: offset .. offset + max length - 1."""
-    offset = position_offset(model)
+    """The rows of the absolute position table a token can read: offset .. offset + max length - 1 (offset: RoBERTa's
+    padding_idx + 1, OPT's 2, else 0)."""
+    offset = first_position_row(model)
     rows = position_embedding(model).num_embeddings
     return slice(offset, min(rows, offset + model_max_length(model)))
 
@@ -134,6 +150,24 @@ def edited_position_table(model: nn.Module, name: str, seed: int = 0) -> Tensor:
     else:
         raise ValueError(f"not a position intervention: {name}")
     return edited
+
+
+def table_rows_read(table: nn.Embedding, args: tuple, kwargs: dict, output: Tensor) -> Tensor:
+    """The rows a position table's forward just read: its input ids (nn.Embedding's own forward: BERT's, GPT-2's
+    `wpe`), or OPT's `position_ids` + offset (its forward takes the attention mask and numbers positions from 2,
+    padding -1). Checked against what the table returned, so a layout read wrongly is one line, never a wrong edit."""
+    if type(table).forward is nn.Embedding.forward:
+        ids = args[0] if args else kwargs["input"]
+    else:
+        positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+        if positions is None:  # OPT's own rule, when the caller passes none
+            mask = args[0] if args else kwargs["attention_mask"]
+            positions = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, mask.shape[1] - output.shape[1]:]
+        ids = positions + int(getattr(table, "offset", 0) or 0)
+    if ids.shape != output.shape[:-1] or not torch.equal(F.embedding(ids, table.weight), output):
+        raise UserError(f"cannot tell which rows of the position table ({type(table).__name__}) a token reads, so the "
+                        "position interventions cannot act on it")
+    return ids
 
 
 def with_first(output, tensor: Tensor):
@@ -163,8 +197,21 @@ def _hook(edit: Callable) -> Callable:
     return hook
 
 
-def hooks(model: nn.Module, intervention: Intervention) -> list[tuple[nn.Module, Callable]]:
-    """(module, forward hook) pairs that carry out `intervention` on `model`."""
+def _input_hook(edit: Callable) -> Callable:
+    """A forward pre-hook (with kwargs) that edits the module's hidden-state input (its first argument, or
+    `hidden_states`): edit(input tensor)."""
+    def hook(module, args, kwargs):
+        if args:
+            return (edit(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": edit(kwargs["hidden_states"])}
+    return hook
+
+
+Hook = tuple[nn.Module, Callable, bool]  # (module, hook, runs before the module: a pre-hook on its input)
+
+
+def hooks(model: nn.Module, intervention: Intervention) -> list[Hook]:
+    """(module, hook, pre) triples that carry out `intervention` on `model`."""
     name = intervention.name
     check_intervention(model, name)
     wanted = None if intervention.layers is None else set(intervention.layers)
@@ -172,28 +219,62 @@ def hooks(model: nn.Module, intervention: Intervention) -> list[tuple[nn.Module,
         table = position_embedding(model)
         edited = edited_position_table(model, name, intervention.seed)
 
-        def lookup(output, args, kwargs):  # the edited table read at the same position ids
-            ids = args[0] if args else kwargs["input"]
-            return F.embedding(ids, edited.to(output.device))
-        return [(table, _hook(lookup))]
+        def lookup(output, args, kwargs):  # the edited table read at the same rows
+            return F.embedding(table_rows_read(table, args, kwargs, output), edited.to(output.device))
+        return [(table, _hook(lookup), False)]
     if name == "token_type_zero":
-        return [(token_type_embedding(model), _hook(lambda output, args, kwargs: torch.zeros_like(output)))]
+        return [(token_type_embedding(model), _hook(lambda output, args, kwargs: torch.zeros_like(output)), False)]
     dims = torch.tensor(intervention.dims, dtype=torch.long)
-    if name == "layernorm_zero":  # gamma_d x_hat_d + beta_d = 0 for each chosen d: the output's dims are 0
-        return [(module, _hook(lambda output, args, kwargs: set_dims(output, dims.to(output.device), 0.0)))
+    if name == "layernorm_zero":  # gamma_d x_hat_d + beta_d = 0 (an RMSNorm: gamma_d x_d / rms = 0): dims are 0
+        return [(module, _hook(lambda output, args, kwargs: set_dims(output, dims.to(output.device), 0.0)), False)
                 for _, written, module in layer_norms(model) if wanted is None or wanted & set(written)]
-    modules = encoder_layers(model)
-    layers = range(len(modules)) if wanted is None else sorted(wanted)
-    if name == "activation_zero":
-        return [(modules[layer], _hook(lambda output, args, kwargs: set_dims(output, dims.to(output.device), 0.0)))
-                for layer in layers]
-    if intervention.means is None:
+    sites = hidden_state_sites(model)
+    layers = range(len(sites)) if wanted is None else sorted(wanted)
+    if name == "activation_mean" and intervention.means is None:
         raise ValueError("activation_mean needs the per-dim means over the data (`means`)")
 
-    def to_mean(layer: int) -> Callable:
-        values = intervention.means[layer, dims]
-        return _hook(lambda output, args, kwargs: set_dims(output, dims.to(output.device), values))
-    return [(modules[layer], to_mean(layer)) for layer in layers]
+    def at(layer: int) -> Hook:
+        values = 0.0 if name == "activation_zero" else intervention.means[layer, dims]
+
+        def edit(hidden: Tensor) -> Tensor:
+            return set_dims(hidden, dims.to(hidden.device), values)
+        module, read = sites[layer]
+        if read == "input":
+            return module, _input_hook(edit), True
+        return module, _hook(lambda output, args, kwargs: edit(output)), False
+    return [at(layer) for layer in layers]
+
+
+def edit_sites(model: nn.Module) -> list[str]:
+    """Per hidden-state layer 0..L, where activation_zero / activation_mean act, in words (for reports)."""
+    stack = families.decoder_stack(model)
+    sites = hidden_state_sites(model)
+    if stack is None:  # BERT's layout: the embeddings' and each layer's output
+        return ["the embedding output (what layer 1 reads)"] + [
+            f"the output of layer {layer}" + (f" (what layer {layer + 1} reads)" if layer < len(sites) - 1 else "")
+            for layer in range(1, len(sites))]
+    last = len(sites) - 1
+    named = [families.name_of(model, module) for module, _ in sites]
+    words = [f"the input of the first block ({named[0]}): the embedding output"]
+    words += [f"the output of block {layer} ({named[layer]}): the residual stream block {layer + 1} reads"
+              for layer in range(1, last)]
+    words.append(f"the output of the final norm ({named[last]}): what the LM head reads, no block after it"
+                 if stack.final_norm is not None else f"the output of the last block ({named[last]})")
+    return words
+
+
+def norm_sites(model: nn.Module, layers: tuple[int, ...] | None = None) -> list[dict]:
+    """The norms layernorm_zero edits (those of `layers`, or all): name, hidden-state layers, placement in a pre-LN
+    stack (core.families.norm_placement), and what is zeroed (an RMSNorm has no bias: its gain only)."""
+    found = []
+    for name, written, module in layer_norms(model):
+        if layers is not None and not set(layers) & set(written):
+            continue
+        placed = families.norm_placement(model, module)
+        bias = getattr(module, "bias", None) is not None
+        found.append({"name": name, "layers": written, **({"placement": placed[1]} if placed else {}),
+                      "zeroed": "gain and bias" if bias else f"gain ({type(module).__name__}: no bias)"})
+    return found
 
 
 @contextlib.contextmanager
@@ -202,8 +283,9 @@ def intervene(model: nn.Module, intervention: Intervention | None) -> Iterator[N
     hooks are removed on exit, even on error; no parameter is written."""
     handles = []
     try:
-        for module, hook in hooks(model, intervention) if intervention is not None else ():
-            handles.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
+        for module, hook, pre in hooks(model, intervention) if intervention is not None else ():
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            handles.append(register(hook, prepend=True, with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -226,3 +308,24 @@ def masked_lm_loss(encoder: FrozenEncoder, batch: dict[str, Tensor]) -> tuple[Te
         loss, count, _ = mlm_step(model, {key: batch[key].to(device) for key in ("input_ids", "positions", "targets")},
                                   vocab_size=encoder.mlm_vocab_size)
     return loss, count
+
+
+@torch.no_grad()
+def next_token_loss(encoder: FrozenEncoder, last_hidden: Tensor, input_ids: Tensor, attention_mask: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy, count) of predicting each real token after the first from the tokens before it, through
+    a causal model's LM head (`encoder.causal_lm`), from the last hidden state the head reads ([batch, seq, hidden]:
+    hidden_states[L], after the final norm) of right-padded sentences: padding is never a target. Logits past the
+    tokenizer's vocabulary (an arm's padded head rows) are cut off; the head runs HEAD_CHUNK tokens at a time."""
+    if encoder.causal_lm is None:
+        raise UserError(f"{encoder.name} has {encoder.lm_note}: no next-token loss")
+    head = mlm_head(encoder.causal_lm)
+    targets = attention_mask[:, 1:].bool().to(last_hidden.device)  # a real token after a real one (right padding)
+    hidden, wanted = last_hidden[:, :-1][targets], input_ids[:, 1:].to(last_hidden.device)[targets]
+    total = torch.zeros((), dtype=torch.float64, device=last_hidden.device)
+    for start in range(0, hidden.shape[0], HEAD_CHUNK):
+        logits = head(hidden[start:start + HEAD_CHUNK])
+        if encoder.mlm_vocab_size is not None:
+            logits = logits[..., :encoder.mlm_vocab_size]
+        total += F.cross_entropy(logits.float(), wanted[start:start + HEAD_CHUNK], reduction="sum").double()
+    return total, torch.tensor(hidden.shape[0], device=last_hidden.device)

@@ -2,7 +2,7 @@
 
     check_is_encoder(config, "bert-base-uncased", decoders=True)   # a one-line UserError for a model it cannot read
     check_loading(source, info, model)       # weights missing or of another shape: refused (or warned, when allowed)
-    head_note, base_info = split_head(masked_lm, info)   # a masked-LM load's report: its head, and its base model's
+    head_note, base_info = split_head(masked_lm, info)   # a masked- (or causal-) LM load's report: its head, its base's
     load_failure(error, "its weights")       # a library's loading error as one line
 
 lightning_modules/encoder.py's load_encoder and lightning_modules/finetune.py call these.
@@ -20,9 +20,10 @@ from core.errors import UserError, first_line
 from core.models import mlm_head
 
 
-def split_head(model: nn.Module, info: Mapping) -> tuple[str | None, dict]:
-    """A masked-LM model's load report split in two: (None when its head's weights were all in the checkpoint, else
-    why it has no head; the report of its base model alone, key prefixes stripped, for `check_loading`)."""
+def split_head(model: nn.Module, info: Mapping, what: str = "MLM head") -> tuple[str | None, dict]:
+    """A masked-LM (or causal-LM: `what` "LM head") model's load report split in two: (None when its head's weights
+    were all in the checkpoint, else why it has no head; the report of its base model alone, key prefixes stripped,
+    for `check_loading`)."""
     prefix = f"{model.base_model_prefix}."
     base, head = {}, []
     for kind in ("missing_keys", "mismatched_keys"):
@@ -30,10 +31,10 @@ def split_head(model: nn.Module, info: Mapping) -> tuple[str | None, dict]:
         head += [str(key) for key in keys if not str(key).startswith(prefix)]
         base[kind] = [str(key).removeprefix(prefix) for key in keys if str(key).startswith(prefix)]
     if mlm_head(model) is None:
-        return f"no MLM head ({type(model).__name__}: a head layout this project does not know)", base
+        return f"no {what} ({type(model).__name__}: a head layout this project does not know)", base
     if head:
         shown = ", ".join(sorted(head)[:3]) + (", ..." if len(head) > 3 else "")
-        return f"no MLM head (its weights are not in the checkpoint: {shown})", base
+        return f"no {what} (its weights are not in the checkpoint: {shown})", base
     return None, base
 
 

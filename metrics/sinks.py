@@ -9,14 +9,18 @@ sail-sg/Attention-Sink): heads that put much of every query's attention on the f
                       #  "special_mass" [layers, kinds], "num_sequences"}
 
 Gu et al.'s metric (eval_sink_open_source.py, `compute_attention_sink`): the importance of key j is the mean, over the
-queries that can see it, of the attention they give it; a head of a sequence is a sink when the first token's
-importance exceeds epsilon (0.3); their metric is the share of (sequence, layer, head) that are sinks. Per layer, as
-here: the share of (sequence, head) whose first token (position 0) receives more than epsilon of the attention,
-averaged over the sequence's query positions. An encoder's queries all see every key, so the mean is over every
-counted query (padding never counts; special tokens unless the caller's mask leaves them out) - the same as theirs on
-a causal model, where query i sees keys 0..i. The mass on special tokens is the attention every counted query gives,
-in all, to the keys of each kind (a special token: [CLS] / <s>, [SEP] / </s>, ...), averaged over queries, heads and
-sequences. Every state is a float64 sum, so a DDP run's values equal a single process's.
+queries that can see it, of the attention they give it (their `ratios`: T - j queries of a causal model see key j);
+a head of a sequence is a sink when the first token's importance exceeds epsilon (0.3); their metric is the share of
+(sequence, layer, head) that are sinks. Per layer, as here: the share of (sequence, head) whose first token (position
+0) receives more than epsilon of the attention, averaged over the sequence's query positions. Every query sees the
+first token, in a causal model (query i sees keys 0..i, and right padding keeps the first token at position 0) as in
+an encoder, so the mean over every counted query (padding never counts; special tokens unless the caller's mask leaves
+them out) is their importance of key 0 exactly (tests/test_families.py, against each family's eager attention). The
+mass on special tokens is the attention every counted query gives, in all, to the keys of each kind (a special token:
+[CLS] / <s>, [SEP] / </s>, ...), averaged over queries, heads and sequences: in a causal model the queries before a
+special token cannot see it and give it nothing, so it reads as the share of all attention that goes to special tokens
+(not Gu et al.'s importance of those keys). Every state is a float64 sum, so a DDP run's values equal a single
+process's.
 """
 
 from __future__ import annotations

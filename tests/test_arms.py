@@ -26,14 +26,17 @@ from lightning_modules.arms import CLASSES
 from lightning_modules.encoder import load_encoder
 from lightning_modules.mlm import MLMModule, export, mlm_loss
 from tests.test_callbacks import (
+    LAYERS,
     STEPS,
     Recorder,
     callbacks,
     check_attention,
     check_outliers,
     check_probe,
+    direct_magnitudes,
     direct_outliers,
     direct_probe,
+    direct_sinks,
     expected_attention,
     logged,
     tiny_args,
@@ -196,6 +199,19 @@ def test_live_callbacks_and_the_online_probe_of_each_arm_equal_a_direct_computat
         check_probe(logged(run, "position_probe", step), "position_probe", direct_probe(hidden, weight))
         check_attention(logged(run, "attention", step), "attention",
                         expected_attention([recorder.attention[step]], step, causal=objective == "causal"))
+        # the live attention sinks: from the attention the arm computes (causal, rotated), its eager copy's by hand
+        probabilities = recorder.attention[step]["probabilities"][:LAYERS - 1]
+        row = logged(run, "sinks", step)
+        for layer, want in enumerate(direct_sinks(probabilities, recorder.ids[step], (0, 2)), 1):
+            for name, value in want.items():
+                assert row[f"sinks/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, layer, name)
+        row = logged(run, "outliers", step)  # massive activations and Bondarenko's statistics, live, by hand
+        for layer, want in enumerate(direct_magnitudes(hidden)):
+            key = f"outliers/layer_{layer}"
+            for name in ("kurtosis_sequence", "inf_norm_sequence"):
+                assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (step, key, name)
+            assert row[f"{key}/massive_ratio"] == pytest.approx(want["massive_ratio"], rel=0.02)  # the histogram
+            assert row[f"{key}/massive_dim"] == want["massive_dim"]
     # the run's checkpoint reads as its export does (analyze.py trajectory's route): the arm rebuilt from the .ckpt
     checkpoint, exported = (load_encoder(str(path), device="cpu") for path in (root / "checkpoints" / "last.ckpt",
                                                                                 root / "export"))

@@ -1,5 +1,6 @@
 """Decoders (GPT-2, Llama, GPT-NeoX, OPT) and rotary encoders (ModernBERT, RoFormer) in the analyses, the probe and
-the live callbacks' capture, each against transformers' own `output_hidden_states`, one sentence at a time.
+the live callbacks' capture, each against transformers' own `output_hidden_states` (and, for the attention sinks, its
+eager `attentions`), one sentence at a time.
 
     .venv/bin/pytest tests/test_families.py -q
 """
@@ -67,6 +68,31 @@ def direct_hidden(path, texts: list[str], max_length: int) -> list[torch.Tensor]
                                   output_hidden_states=True).hidden_states)[:, 0] for text in texts]
 
 
+def direct_sinks(path, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sentence alone through the model with eager attention (transformers' own `attentions`): per transformer
+    layer, the attention each (sentence, head) gives the first token averaged over its queries ([layers, sentences x
+    heads]: Gu et al.'s importance of key 0, the attention summed over the queries that see it, divided by their number,
+    T for key 0 in a causal model as in an encoder), and the attention on the special tokens, per query, averaged
+    ([layers]). A causal model's eager attention is checked to be causal on the way."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids) - {tokenizer.pad_token_id}))
+    first, mass = [[] for _ in range(LAYERS)], torch.zeros(LAYERS, dtype=torch.float64)
+    for text in texts:
+        inputs = tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")
+        with torch.no_grad():
+            attentions = model(**inputs, output_attentions=True).attentions  # per layer [1, heads, T, T]
+        keys = torch.isin(inputs["input_ids"][0], special)
+        for layer, weights in enumerate(attentions):
+            weights = weights[0].double()
+            seen = weights.shape[-1] - torch.arange(weights.shape[-1])  # Gu et al.'s `ratios`: queries that see key k
+            if model.config.model_type in DECODERS:
+                assert float(weights.triu(1).abs().max()) == 0.0  # no query sees a later key
+            first[layer].append((weights / seen).sum(-2)[:, 0])
+            mass[layer] += weights[..., keys].sum(-1).mean(-1).sum() / weights.shape[0]
+    return torch.stack([torch.cat(f) for f in first]), mass / len(texts)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, decoder_tok, roberta_tok):
     root = tmp_path_factory.mktemp("families")
@@ -79,9 +105,20 @@ def test_outliers_report_matches_transformers_hidden_states_and_traces_each_fami
                                                                                           tmp_path):
     sentences, data = texts
     out = tmp_path / "report"
+    first, special = direct_sinks(models[kind], sentences, 24)
+    epsilon = round(float(first.median()), 4)  # Gu et al.'s 0.3 sees no sink in a random model: a share inside (0, 1)
     assert analyze.main(["outliers", "--no_progress", "--encoder", str(models[kind]), "--data", str(data),
-                         "--output_dir", str(out), "--max_length", "24", "--batch_size", "5"]) == 0
+                         "--output_dir", str(out), "--max_length", "24", "--batch_size", "5", "--sink_epsilon",
+                         str(epsilon)]) == 0
     report = json.loads((out / "outliers.json").read_text())
+    # attention sinks (Gu et al.) from the eager pass of padded batches, against each sentence alone by hand
+    assert report["layers"][0]["attention_sinks"] is None
+    for row, heads, on_special in zip(report["layers"][1:], first, special):
+        sinks = row["attention_sinks"]
+        assert sinks["first_token_mass"] == pytest.approx(float(heads.mean()), abs=2e-6)
+        assert sinks["sink_share"] == pytest.approx(float((heads > epsilon).double().mean()), abs=1e-6)
+        assert sinks["special_token_mass"] == pytest.approx(float(on_special), abs=5e-6)
+    assert 0 < np.mean([row["attention_sinks"]["sink_share"] for row in report["layers"][1:]]) < 1
 
     tokens = torch.cat(direct_hidden(models[kind], sentences, 24), dim=1)  # [layers, tokens, hidden]
     assert report["num_tokens"] == tokens.shape[1] and len(report["layers"]) == LAYERS + 1

@@ -217,3 +217,49 @@ def test_several_runs_refuse_bad_input_in_one_line_and_write_nothing(run, nope_r
     assert capsys.readouterr().err.strip().splitlines() == [
         "analyze.py trajectory: error: duplicate run label 'run' in --run (label each run: --run NAME=RUN_DIR)"]
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective, positions", [("causal", "learned"), ("mlm", "rope")])
+def test_the_trajectory_of_a_causal_and_a_rotary_arms_run_reads_each_checkpoint_as_the_arm_computes(
+        objective, positions, corpus, cache, tmp_path):
+    """`trajectory --run` on a causal arm (RobertaForCausalLM) and a rotary one (RoFormerForMaskedLM): each point's
+    family, its outlier shares and its attention sinks against the checkpoint's own model, one sentence at a time (the
+    sinks from its eager attention: causal for the causal arm, rotated for the rotary one)."""
+    from lightning_modules.encoder import load_encoder
+
+    root = tmp_path / "run"
+    tiny_run(root, corpus, cache, "--model.objective", objective, "--model.positions", positions,
+             "--trainer.max_steps", "4")
+    texts = corpus_sentences(12, start=300)
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert analyze.main(["trajectory", "--run", str(root), "--data", str(sentences), *COMMON,
+                         "--output_dir", str(tmp_path / "t")]) == 0
+    points = json.loads((tmp_path / "t" / "trajectory.json").read_text())["checkpoints"]
+    assert [point["step"] for point in points] == [2, 4]
+    for point in points:
+        family = point["model_family"]
+        assert family["causal"] is (objective == "causal")
+        assert family["positions"] == ("rotary (RoPE)" if positions == "rope" else "learned table")
+        encoder = load_encoder(point["path"], device="cpu")
+        model, tokenizer = encoder.model, encoder.tokenizer
+        model.set_attn_implementation("eager")
+        first, tokens = [[] for _ in range(2)], [[] for _ in range(3)]
+        for text in texts:
+            inputs = tokenizer(text, truncation=True, max_length=encoder.max_length, return_tensors="pt")
+            with torch.no_grad():
+                out = model(**inputs, output_attentions=True, output_hidden_states=True)
+            for layer, weights in enumerate(out.attentions):  # [1, heads, T, T]
+                if objective == "causal":
+                    assert float(weights.triu(1).abs().max()) == 0.0
+                first[layer].append(weights[0, :, :, 0].double().mean(-1))  # every query sees the first token
+            for layer, states in enumerate(out.hidden_states):
+                tokens[layer].append(states[0])
+        for row, heads in zip(point["layers"][1:], first):
+            assert row["attention_sinks"]["first_token_mass"] == pytest.approx(float(torch.cat(heads).mean()),
+                                                                              abs=2e-6)
+        for row, states in zip(point["layers"], tokens):
+            top = torch.cat(states).argmax(-1)
+            assert row["argmax_share"] == pytest.approx(float((top == row["argmax_dim"]).double().mean()), abs=1e-6)
+            assert row["argmax_dim"] == int(torch.bincount(top).argmax())
