@@ -7,7 +7,6 @@
     model_max_length(model)        # the longest input: table size minus the offset
     position_rows(model)           # the rows a token can use, in the hidden space ([positions, hidden], note)
     layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm over the hidden size
-    short_name("runs/x/export")    # "x"
 
 Layers follow transformers' `hidden_states`: 0 is the embedding output, l the output of transformer layer l.
 """
@@ -16,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from pathlib import Path
 
 from torch import Tensor, nn
 
 from core.errors import UserError
+from core.sources import short_name  # noqa: F401  (a readable name for a model path: the path rule's)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -160,14 +159,6 @@ def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.LayerNorm]]:
     hidden = model.config.hidden_size
     return [(name, written_layers(model, name), module) for name, module in model.named_modules()
             if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (hidden,)]
-
-
-def short_name(source: str) -> str:
-    """A readable name for a model path: its last component that is not a generic folder name."""
-    for part in reversed(Path(str(source)).parts):
-        if part not in ("model", "export", "snapshots", "checkpoints", "/"):
-            return part
-    return str(source)
 
 
 @contextlib.contextmanager

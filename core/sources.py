@@ -5,6 +5,7 @@
     looks_local("glue/sst2")              # False, unless ./glue is a directory here
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it
                                           # looks local but is not there; None for a hub id or datasets name
+    short_name("runs/x/export")           # "x": a readable name for a model path
 """
 
 from __future__ import annotations
@@ -39,3 +40,11 @@ def local_path(source: str | os.PathLike, what: str) -> Path | None:
     if not path.exists():
         raise UserError(f"{what} path not found: {os.fspath(source)}")
     return path
+
+
+def short_name(source: str) -> str:
+    """A readable name for a model path: its last component that is not a generic folder name."""
+    for part in reversed(Path(str(source)).parts):
+        if part not in ("model", "export", "snapshots", "checkpoints", "/"):
+            return part
+    return str(source)

@@ -28,18 +28,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from core.defaults import STS_PRESETS  # name -> (datasets source, rows kept): core/defaults.py
 from core.errors import UserError
 from datamodules.text import iter_records, iter_texts, read_split, sample_texts
 
 WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
-# name -> (datasets source, {column: value} a row must have). SICK-R: the SemEval-2014 Task 1 test portion of SICK
-# (the SemEval_set column; SentEval's SICK_test_annotated.txt, which it mirrors, can be passed as a file). STS12-16:
-# each year's subsets pooled into one set of pairs, as the mteb test splits hold them.
-STS_PRESETS = {
-    "stsb": ("mteb/stsbenchmark-sts::test", {}),
-    "sickr": ("RobZamp/sick::test", {"SemEval_set": "TEST"}),
-    **{f"sts{year}": (f"mteb/sts{year}-sts::test", {}) for year in range(12, 17)},
-}
 STS_COLUMNS = {
     "sentence1": ("sentence1", "sentence_a", "sentence_A", "text1", "s1"),
     "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),

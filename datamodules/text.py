@@ -18,10 +18,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line
 from core.sources import looks_local
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}

@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from core.defaults import OUTLIER_MIN_SHARE
 from metrics.neuron_stats import NeuronStatisticsResult
 
 
 @dataclass(frozen=True)
 class OutlierRule:
-    min_share: float = 0.2
+    min_share: float = OUTLIER_MIN_SHARE
     sigma: float | None = None  # opt-in (ours): also a robust z-score of the dimension's mean above sigma
 
     def describe(self) -> str:
