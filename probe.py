@@ -14,7 +14,25 @@ stderr and exit status 2, with no report written. --seed_everything (default 0) 
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (`probe.py --help` is answered before the heavy imports below)
 import sys
+
+from core.usage import help_first
+
+OVERRIDES = [
+    ("--config FILE", "configs/probe/position.yaml (§3), sst2.yaml, imdb.yaml, sst5.yaml, classify.yaml"),
+    ("--model.encoder ENCODER", "a hub id, a local directory or this project's export (default: packaged MiniLM)"),
+    ("--data.source SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
+    ("--data.max_sentences N", "a seeded sample of N sentences per split (0: all)"),
+    ("--data.max_length N", "tokens per sentence"),
+    ("--data.exclude_special true", "leave special tokens out ([CLS], <s>: they give their position away)"),
+    ("--trainer.default_root_dir DIR", "where the report, arrays and figures go"),
+    ("--trainer.max_epochs N", "probe epochs (the paper: 10)"),
+    ("--seed_everything N", "seeds splits, baselines and probes (default 0)"),
+]
+if __name__ == "__main__":
+    help_first("probe.py", __doc__, OVERRIDES)
+
 import warnings
 
 import torch.distributed as dist

@@ -24,9 +24,29 @@ the same checkpoints, lock, logger and resume, and writes <default_root_dir>/exp
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (`train.py --help` is answered before the heavy imports below)
+import sys
+
+from core.usage import help_first
+
+OVERRIDES = [
+    ("--config FILE", "configs/pretrain/*.yaml, configs/finetune/*.yaml; several merge in order"),
+    ("--trainer.default_root_dir DIR", "the run directory: checkpoints/, export/, wandb/ (one live run each)"),
+    ("--ckpt_path last", "resume the run in default_root_dir exactly (or re-export a finished one)"),
+    ("--model.position_embeddings false", "pretrain without positional embeddings (Table 4's no-PE arm)"),
+    ("--trainer.max_steps N", "optimizer steps (the schedule follows)"),
+    ("--trainer.devices N --trainer.num_nodes M", "DDP; the global batch stays --data.global_batch_size"),
+    ("--data.corpus SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
+    ("--data.batch_size N", "sequences per device and micro-batch (accumulation makes up the global batch)"),
+    ("--model.encoder ENCODER", "fine-tuning: a hub id, a local directory or this project's export"),
+    ("--trainer.logger false", "no W&B (it is offline by itself without credentials or network)"),
+    ("--seed_everything N", "the run's one seed (default 0)"),
+]
+if __name__ == "__main__":
+    help_first("train.py", __doc__, OVERRIDES)
+
 import json
 import signal
-import sys
 import traceback
 from operator import itemgetter
 from pathlib import Path

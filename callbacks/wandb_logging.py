@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import netrc
 import os
-import socket
 import sys
-import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +35,7 @@ from pytorch_lightning.loggers.logger import DummyExperiment, DummyLogger, rank_
 from pytorch_lightning.utilities import rank_zero_only
 
 from core.figures import figure_array
+from core.sources import reachable
 
 DEFAULT_HOST = "https://api.wandb.ai"
 STEP_METRIC = "trainer/global_step"
@@ -59,25 +58,6 @@ def has_credentials(host: str) -> bool:
         return netrc.netrc(os.environ.get("NETRC") or None).authenticators(urlparse(host).hostname or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
-
-
-def reachable(url: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the host of `url` opens within `timeout` seconds (name lookup included)."""
-    parsed = urlparse(url)
-    port = parsed.port or (80 if parsed.scheme == "http" else 443)
-    opened: list[bool] = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
-            opened.append(True)
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(opened)
 
 
 def choose_mode(offline: bool = False) -> tuple[str, str | None]:

@@ -3,6 +3,7 @@
     raise UserError(f"data path not found: {source}")      # train.py / probe.py / analyze.py print it, exit 2
     first_line(error)                                      # a library's message, cut to one (whole) line
     plain_warnings()                                       # warnings print as "warning: <message>"
+    warn_once("IsoScore* not computed: ...")               # a warning this process has not given yet (else nothing)
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def first_line(error: BaseException) -> str:
             break
         text = f"{text} {more}"
     return " ".join(text.split())
+
+
+_given: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn, unless this process gave the same message before (whatever the warnings filters say)."""
+    if message not in _given:
+        _given.add(message)
+        warnings.warn(message, category, stacklevel=2)
 
 
 def plain_warnings() -> None:

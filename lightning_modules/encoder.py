@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from core.errors import UserError, first_line
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
-from core.sources import local_path
+from core.sources import check_hub, local_path
 from core.tokenizers import check_tokenizer_files
 from lightning_modules.attention import install_recorded, load_pretrained
 
@@ -51,6 +51,7 @@ def resolve_model_dir(source: str | Path) -> str:
     passes through."""
     path = local_path(source, "encoder")
     if path is None:
+        check_hub(source, "encoder")
         return str(source)
     if path.is_file() and path.suffix == ".ckpt":
         return str(path)
