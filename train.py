@@ -72,7 +72,8 @@ from callbacks.checkpointing import (
     resume_target,
 )
 from callbacks.live import check_callbacks
-from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
+from callbacks.summary import RunSummary, run_summary, summary_lines
+from callbacks.wandb_logging import AutoWandbLogger, keep_runs, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.finetune import FineTuneDataModule
@@ -133,6 +134,7 @@ class TrainCLI(ProjectCLI):
         elif ckpt_path in (None, "last"):
             check_fresh_start(trainer.default_root_dir)
             arguments["ckpt_path"] = None
+        keep_runs(trainer, path)  # one W&B run per training run: a resume continues the one it kept
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -162,6 +164,12 @@ class PretrainCLI(TrainCLI):
         check_block_length(data.hparams.block_length, model)
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         self.check_run(data.accumulation(trainer.world_size))
+        trainer.callbacks.append(RunSummary())  # the last validation loss, for the summary after the fit
+
+    def after_fit(self) -> None:
+        """Where the export, checkpoints and W&B run are, the last validation loss and outlier verdict."""
+        if self.trainer.is_global_zero:
+            print("\n" + "\n".join(summary_lines(run_summary(self.trainer))), flush=True)
 
 
 class FineTuneCLI(TrainCLI):

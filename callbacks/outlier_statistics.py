@@ -56,7 +56,14 @@ from core.errors import UserError
 from core.figures import mean_vectors_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.neuron_stats import NeuronStatistics
-from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
+from metrics.outliers import (
+    OutlierRule,
+    detect_outliers,
+    max_median_ratio,
+    outlier_verdict,
+    persistent_dims,
+    top_mean_dims,
+)
 
 PREFIX = {"train": "outliers", "val": "val_outliers"}
 TABLE_COLUMNS = ["step", "split", "layer", "outlier_dims", "argmax_dim", "argmax_share", "argmin_dim", "argmin_share",
@@ -104,6 +111,7 @@ class OutlierStatistics(LiveCallback):
         self.stats: dict[str, NeuronStatistics] = {}
         self.tokens: dict[str, TokenSample] = {}  # the anisotropy's random token of each sequence, by its index
         self.seen = dict.fromkeys(PREFIX, 0)  # sequences this rank has captured since the stage's last finish
+        self.last: dict | None = None  # rank zero: the verdict of the last capture (train.py's end-of-run summary)
 
     def check_settings(self) -> None:
         super().check_settings()
@@ -153,9 +161,21 @@ class OutlierStatistics(LiveCallback):
         stats.reset()
         tokens.reset()
         self.seen[stage] = 0
-        if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
+        if not trainer.is_global_zero or result.num_tokens == 0:
             return
-        self.log_result(trainer, stage, step, result, anisotropy.cpu())
+        self.last = self.verdict(result, stage, step)
+        if logs.real_loggers(trainer):
+            self.log_result(trainer, stage, step, result, anisotropy.cpu())
+
+    def verdict(self, result, stage: str, step: int) -> dict:
+        """The capture's outlier verdict (metrics.outliers.outlier_verdict), its layers numbered as hidden states."""
+        cpu = replace(result, **{name: getattr(result, name).cpu() for name in (
+            "mean", "argmax_count", "argmin_count", "kurtosis_sum")})
+        found = detect_outliers(cpu, self.rule)
+        for layer, outliers in zip(self.layers, found):
+            outliers.layer = layer
+        kurtosis = [row["kurtosis_mean"] for row in cpu.magnitudes()]
+        return {"stage": stage, "step": step, **outlier_verdict(found, kurtosis)}
 
     def log_result(self, trainer, stage: str, step: int, result, anisotropy: Tensor) -> None:
         prefix = PREFIX[stage]
@@ -206,7 +226,8 @@ class OutlierStatistics(LiveCallback):
             logs.log_table(trainer, "outliers/table", TABLE_COLUMNS, self.rows, trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"rows": self.rows}
+        return {"rows": self.rows, "last": self.last}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.rows = list(state_dict.get("rows", []))
+        self.last = state_dict.get("last")

@@ -13,9 +13,9 @@ import analyze
 def report(encoder: str, num_layers: int, offset: int, persistent: list[int]) -> dict:
     """An outliers.json as `analyze.py outliers` writes it (only the keys compare reads), layer l's argmax dim
     offset + l, its argmin dim offset + 100 + l, and shares that differ per layer."""
-    layers = [{"layer": l, "argmax_dim": offset + l, "argmax_share": 0.05 * (l + 1), "argmin_dim": offset + 100 + l,
-               "argmin_share": 0.01 * (l + 1), "outlier_dims": [offset + l] if l % 2 else []}
-              for l in range(num_layers + 1)]
+    layers = [{"layer": n, "argmax_dim": offset + n, "argmax_share": 0.05 * (n + 1), "argmin_dim": offset + 100 + n,
+               "argmin_share": 0.01 * (n + 1), "outlier_dims": [offset + n] if n % 2 else []}
+              for n in range(num_layers + 1)]
     return {"encoder": encoder, "num_tokens": 1000 * num_layers, "num_layers": num_layers, "layers": layers,
             "persistent_dims": persistent, "origins": {"position_embeddings_note": ""}}
 
