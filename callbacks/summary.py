@@ -8,7 +8,7 @@ outlier verdict of its last capture (persistent dims, top share, kurtosis), prin
       checkpoints  runs/pretrain/tiny/checkpoints/last.ckpt (resume or extend: --ckpt_path last)
       W&B          offline run 5mfme1xx in runs/pretrain/tiny/wandb; upload: wandb sync runs/.../offline-run-*-5mfme1xx
       validation   loss 6.338 at step 200
-      outliers     validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
+      outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 
 RunSummary (a callback train.py adds) keeps the last validation loss with its step, in the checkpoints too, so that a
 re-run of a finished run reports the same; the verdict is OutlierStatistics' `last` (kept in its checkpoint state).
@@ -89,8 +89,8 @@ def summary_lines(summary: dict) -> list[str]:
     if verdict is None:
         lines.append("  outliers     no live outlier statistics in this run (callbacks.outlier_statistics)")
     else:
-        stage = "validation" if verdict["stage"] == "val" else "training step"
-        lines.append(f"  outliers     {stage} at step {verdict['step']}: persistent dims "
+        stage = "the validation at step" if verdict["stage"] == "val" else "training step"
+        lines.append(f"  outliers     {stage} {verdict['step']}: persistent dims "
                      f"{verdict['persistent_dims'] or 'none'}; top share {verdict['top_share']:.1%} (layer "
                      f"{verdict['top_share_layer']}, dim {verdict['top_share_dim']}); kurtosis "
                      f"{verdict['kurtosis']:.3g} (layer {verdict['kurtosis_layer']}; dims 0-indexed)")

@@ -32,6 +32,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from core.errors import UserError
 from core.lock import RunLock
+from core.quiet import quiet_trainer
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
 
 LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
@@ -180,6 +181,7 @@ class ProjectCLI(LightningCLI):
         jsonargparse's report of every type it tried."""
         try:
             super().instantiate_classes()
+            quiet_trainer(self.trainer)  # a one-line model summary; a step-bounded run's bar counts steps
         except Exception as error:
             cause: BaseException | None = error
             while cause is not None and not isinstance(cause, UserError):

@@ -108,7 +108,7 @@ def test_the_summary_names_the_run_files_and_the_last_capture(stopped_resumed_re
     kurtosis = max((row[f"val_outliers/layer_{n}/kurtosis"], n) for n in layers if n >= 1)
     persistent = run.summary["val_outliers/persistent_dims"]
     assert summary["outliers"] == (
-        f"validation at step {STEPS}: persistent dims {persistent or 'none'}; top share {shares[0]:.1%} (layer "
+        f"the validation at step {STEPS}: persistent dims {persistent or 'none'}; top share {shares[0]:.1%} (layer "
         f"{shares[1]}, dim {shares[2]}); kurtosis {kurtosis[0]:.3g} (layer {kurtosis[1]}; dims 0-indexed)")
     # a re-run of the finished run reports the same, from its checkpoint
     again = summary_of(outputs[2])
