@@ -116,12 +116,27 @@ def model_max_length(model: nn.Module, tokenizer=None) -> int:
     return positions - position_offset(model)
 
 
+E_TO_H = ("encoder.embedding_hidden_mapping_in", "embeddings_project")  # ALBERT's, ELECTRA's (on the bare encoder)
+
+
+def e_to_h_projection(model: nn.Module) -> tuple[str | None, nn.Linear | None]:
+    """(its name, the Linear) mapping a factorised embedding output of width E to the hidden size H, or (None, None)."""
+    for name in E_TO_H:
+        module = base_model(model)
+        for part in name.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.Linear):
+            return name.rsplit(".", 1)[-1], module
+    return None, None
+
+
 def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
     """The rows of the absolute position table a token can actually use, in the hidden space ([positions, hidden],
     float32 on the CPU), or None and why not.
 
-    ALBERT's factorised table [positions, E] is narrower than the hidden size H: its rows are traced into the hidden
-    space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
+    A factorised table [positions, E] narrower than the hidden size H (ALBERT's; ELECTRA's with embedding_size != H)
+    has its rows traced into the hidden space through the model's E-to-H projection (E_TO_H: ALBERT's
+    `encoder.embedding_hidden_mapping_in`, ELECTRA's `embeddings_project`; rows @ W.T, no bias), and the note says so.
     """
     table = position_embedding(model)
     if table is None:
@@ -132,12 +147,12 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
     note, width, hidden = "", weight.shape[1], model.config.hidden_size
     if width != hidden:
         why = f"factorised embeddings: the position table has width E={width}, the hidden size is H={hidden}"
-        projection = getattr(getattr(base_model(model), "encoder", None), "embedding_hidden_mapping_in", None)
-        if not isinstance(projection, nn.Linear) or tuple(projection.weight.shape) != (hidden, width):
+        name, projection = e_to_h_projection(model)
+        if projection is None or tuple(projection.weight.shape) != (hidden, width):
             return None, f"{why}, and no E-to-H projection to trace its rows through"
         weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
-        note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
-                "bias; the embedding LayerNorm before it is not applied)")
+        note = (f"{why}; rows traced into the hidden space through {name} (rows @ W.T, no bias; the embedding "
+                "LayerNorm before it is not applied)")
     offset = position_offset(model)
     return weight[offset: offset + model_max_length(model)], note
 
