@@ -31,7 +31,7 @@ def read_report(text: str) -> tuple[str | None, Path, dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UserError(f"cannot read report {path}: {error}") from None
     if not isinstance(report, dict) or any(key not in report for key in KEYS) or not report["layers"]:
-        raise UserError(f"{path} is not an outliers report of `analyze.py outliers` (no {', '.join(KEYS)})")
+        raise UserError(f"{path} is not an outliers report of analyze.py outliers (no {', '.join(KEYS)})")
     return name or None, path, report
 
 
