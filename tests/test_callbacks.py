@@ -351,6 +351,9 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
     assert result.returncode == 0, result.stderr[-3000:]
+    # one W&B run for the two processes: rank 1 starts none, and the run is the one kept in the run directory
+    (part,) = (root / "wandb").glob("offline-run-*")
+    assert part.name.endswith("-" + (root / "wandb_run_id").read_text().strip())
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (STEPS,)),
                 ("val_position_probe", (STEPS,)), ("attention", (0, 2, 4)), ("val_attention", (STEPS,)))
