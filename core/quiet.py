@@ -29,8 +29,8 @@ class OneLineSummary(ModelSummary):
         parameters = list(pl_module.parameters())
         total = sum(p.numel() for p in parameters)
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
-        log.info(f"{type(pl_module).__name__}: {get_human_readable_count(total)} parameters "
-                 f"({get_human_readable_count(trainable)} trainable)")
+        log.info(f"{type(pl_module).__name__}: {get_human_readable_count(total).strip()} parameters "
+                 f"({get_human_readable_count(trainable).strip()} trainable)")
 
 
 def step_bounded(trainer) -> bool:
