@@ -34,10 +34,12 @@ if __name__ == "__main__":
     help_first("probe.py", __doc__, OVERRIDES)
 
 import warnings
+from pathlib import Path
 
 import torch.distributed as dist
 from pytorch_lightning import LightningDataModule, LightningModule
 
+from callbacks.wandb_logging import keep_runs, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
 
@@ -54,6 +56,9 @@ class ProbeCLI(ProjectCLI):
 
     def before_fit(self) -> None:
         self.lock_run()  # rank 0: one live run per directory (a directory that cannot be written: one line)
+        use_root_dir(self.trainer)  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume
+        keep_runs(self.trainer, ckpt_path if ckpt_path and Path(ckpt_path).is_file() else None)
 
     def after_fit(self) -> None:
         """Test the trained probes once, then write the report (rank zero) and print a summary."""
