@@ -12,6 +12,7 @@
     python analyze.py paper --encoder roberta-base               # the paper's §3-4 in one command -> paper.md
     python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
     python analyze.py trajectory --run pe=runs/a --run nope=runs/b   # several runs in one figure and one JSON
+    python analyze.py compare runs/a/outliers.json runs/b/outliers.json   # outlier reports side by side
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
