@@ -13,12 +13,12 @@ offline) or fails mid-run gives one warning (LoggingWarning) and training goes o
 the trainer's default_root_dir (`use_root_dir`, called by train.py); the run is finished when the trainer finalises
 the logger, so several fits in one process each get their own run.
 
-One W&B run per training run (`keep_run`, called by train.py): the run's id is kept in its directory (RUN_ID_FILE) and
-in every checkpoint (KeepRunId, key CHECKPOINT_KEY), and a resume (--ckpt_path last, a SIGTERM / SLURM requeue, a
-re-run of a finished run) continues that run (resume="allow" with the kept id), its history at the resumed step. An
-id given by the user (--trainer.logger.init_args.id) wins; a fresh start gets a new run. Only global rank zero ever
-starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run:
-`wandb sync <root>/wandb/offline-run-*-<id>` uploads them together, in order, as that one run.
+One W&B run per training run (`keep_runs`, called by train.py and probe.py): its id is kept in the run directory
+(RUN_ID_FILE) and in every checkpoint (KeepRunId, key CHECKPOINT_KEY), and a resume (--ckpt_path last, a SIGTERM /
+SLURM requeue, a re-run of a finished run) continues that run (resume="allow" with the kept id), its history at the
+resumed step. An id given by the user (--trainer.logger.init_args.id) wins; a fresh start gets a new run. Only global
+rank zero ever starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run: `wandb
+sync <root>/wandb/offline-run-*-<id>` uploads them together, in order, as that one run.
 
 log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
 it can take: scalars to every logger (CSV, TensorBoard, W&B); figures to W&B and TensorBoard; tables to W&B (as a
