@@ -47,6 +47,8 @@ def run_summary(trainer) -> dict:
     root = Path(trainer.default_root_dir)
     callback = trainer.checkpoint_callback
     last = Path(callback.last_model_path) if callback is not None and callback.last_model_path else None
+    if last is not None and last.parent == (root / "checkpoints").resolve():  # named as the run directory is
+        last = root / "checkpoints" / last.name
     summary = {"step": trainer.global_step, "run_dir": str(root),
                "export": str(root / "export") if (root / "export" / "config.json").is_file() else None,
                "checkpoint": str(last) if last is not None and last.is_file() else None,
