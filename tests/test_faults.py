@@ -809,6 +809,13 @@ ERROR_ROW_TESTS = {
     ("probe.py", "a data directory that is no `datasets` directory"): [
         "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("every entry point", "a hub id or datasets name with no network and no `HF_HUB_OFFLINE`"): [
+        "test_offline.py::test_unreachable_hub_fails_in_seconds_with_the_way_out_and_no_hub_call",
+    ],
+    ("analyze.py compare", "no report given"): ["test_compare.py::test_bad_usage_is_one_line"],
+    ("analyze.py compare", "a missing report, or a JSON file that is no outliers report"): [
+        "test_compare.py::test_bad_usage_is_one_line",
+    ],
     ("analyze.py", "unknown hub id (offline or not found)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
@@ -970,6 +977,10 @@ ERROR_ROW_TESTS = {
     ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
 }
 FAULT_ROW_TESTS = {
+    "the W&B run of a stopped run": [
+        "test_one_run.py::test_a_stopped_resumed_and_rerun_training_run_is_one_wandb_run_with_every_step_once",
+        "test_callbacks.py::test_two_process_ddp_logs_what_one_process_logs",
+    ],
     "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],
     "a kill inside a checkpoint write": [
         "test_faults.py::test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one",
