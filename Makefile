@@ -35,7 +35,7 @@ demo-pretrain: venv
 	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false --trainer.default_root_dir $(RUNS)/tiny-nope --ckpt_path last
 	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-pe --output_dir $(RUNS)/tiny-pe/outliers --no_progress
 	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-nope --output_dir $(RUNS)/tiny-nope/outliers --no_progress
-	$(PY) scripts/compare_outliers.py $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
+	$(PY) analyze.py compare $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
 

@@ -13,14 +13,15 @@
     python analyze.py trajectory --run runs/pretrain/tiny        # every checkpoint of a run, in step order
     python analyze.py trajectory --run pe=runs/a --run nope=runs/b   # several runs in one figure and one JSON
     python analyze.py intervene --interventions position_mean layernorm_zero --probe   # inside the forward pass
+    python analyze.py compare runs/a/outliers.json runs/b/outliers.json   # outlier reports side by side
     torchrun --nproc_per_node 4 analyze.py all ...               # items sharded over ranks, rank 0 writes
 
 Every evaluation reports raw values beside clipped ones (`--clip auto`, the default, zeroes the persistent outlier
 dimensions detected on the same data in every non-input layer for models of at most 12 layers, as the paper's §4 clips
 its base models, and each layer's own outliers in that layer for deeper ones, as its Appendix D its large ones: the
-12-layer threshold is ours; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`; or `--clip 1-10:896,10-17:678`)
-and, with
-`--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc normalisation. The runs live in analyses/ (runs.py,
+12-layer threshold is ours; `--clip per-layer` the latter at any depth; `--clip none`; given dimensions `--clip 5,17`;
+or `--clip 1-10:896,10-17:678`) and, with `--normalize whiten`, `standardize` or `softdecay`, beside a post-hoc
+normalisation. The runs live in analyses/ (runs.py,
 outliers.py), the protocols in analyses/geometry.py and analyses/semantic.py, the tables, figures and summary in
 analyses/reports.py. Dimensions and layers are 0-indexed; layer 0 is the
 embedding output. Errors in the input are one line on stderr and exit status 2, with nothing written.
@@ -31,22 +32,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from analyses.intervene import INTERVENE_HELP, add_intervene_arguments, run_intervene
-from analyses.magnitudes import add_magnitude_arguments, check_magnitude_arguments
-from analyses.outliers import run_outliers
-from analyses.paper import STS_SETS, run_paper
-from analyses.runs import run_all, run_anisotropy, run_isotropy, run_self_similarity, run_sts, run_wic
-from analyses.session import distributed
-from analyses.trajectory import run_trajectory
-from core.cli import OneLineArgumentParser
+from analyses.options import (
+    INTERVENE_HELP,
+    add_intervene_arguments,
+    add_magnitude_arguments,
+    check_magnitude_arguments,
+)
+from core.arguments import HelpFormatter, OneLineArgumentParser, load_runner
+from core.defaults import (
+    DEFAULT_CORPUS,
+    NORMALIZATIONS,
+    OUTLIER_MIN_SHARE,
+    SOFTDECAY_ALPHA,
+    STS_PRESETS,
+    STS_SETS,
+)
 from core.errors import UserError, plain_warnings
-from core.trainer_checks import check_device
-from datamodules.pairs import STS_PRESETS
-from datamodules.text import DEFAULT_CORPUS
-from lightning_modules.encoder import default_encoder
-from metrics.outliers import OutlierRule
-from metrics.transforms import NORMALIZATIONS, SOFTDECAY_ALPHA, check_softdecay_alpha, parse_clip
 
+# Nothing above imports torch: `--help` answers at once. A subcommand's runner is named "package.module:function" and
+# imported after the arguments are parsed (load_runner), as is everything `validate` needs.
 
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
                          max_sentences: int = 2000, encoder: bool = True) -> None:
@@ -59,23 +63,25 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
                                  "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)" if data else
                             "the pairs: a file, a datasets directory or NAME[:CONFIG][:SPLIT] (formats: "
                             "docs/analyses.md)")
-    parser.add_argument("--output_dir", default=f"runs/analyze/{output}")
+    parser.add_argument("--output_dir", default=f"runs/analyze/{output}",
+                        help="where the report, figures and summary go (written whole, or not at all)")
     parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
     parser.add_argument("--max_sentences", type=int, default=max_sentences,
                         help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch_size", type=int, default=32, help="sentences per forward pass")
+    parser.add_argument("--seed", type=int, default=0, help="the one seed of the run: sentence sample, random tokens "
+                        "and pairs, mini-batches (recorded in the report)")
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--allow_random_weights", action="store_true",
                         help="analyse an encoder whose checkpoint lacks some of its weights (or holds them in another "
                              "shape), which are then randomly initialised (default: refused)")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
 
 
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--min_share", type=float, default=OutlierRule.min_share,
+    parser.add_argument("--min_share", type=float, default=OUTLIER_MIN_SHARE,
                         help="share of the token vectors whose max or min a dimension must hold to be an outlier "
                              "(default 0.2: ours, for the paper's 'most vectors')")
     parser.add_argument("--sigma", type=float, default=None,
@@ -103,45 +109,49 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(prog="analyze.py", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="analyze.py", description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                   formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, run, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
+    def command(name: str, run: str, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
                 max_sentences: int = 2000, variants: bool = True, encoder: bool = True) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help)
+        """A subcommand with the common options; `run`: its runner, "package.module:function" (imported after
+        parsing), called as run(args, rank, world)."""
+        sub = commands.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
         add_common_arguments(sub, output, data, max_sentences, encoder)
         add_variant_arguments(sub) if variants else add_rule_arguments(sub)
-        sub.set_defaults(run=run)
+        sub.set_defaults(run=run, ranks=True)
         return sub
 
-    outliers = command("outliers", run_outliers, "outlier dimensions per layer and their origins", "outliers",
-                       variants=False)
+    outliers = command("outliers", "analyses.outliers:run_outliers", "outlier dimensions per layer and their origins",
+                       "outliers", variants=False)
     outliers.add_argument("--token_frequency", action="store_true",
                           help="opt-in, ours (Puccetti et al. 2022): Spearman between each token type's frequency in "
                                "the data and the mean |value| of each outlier dim over its tokens (a second pass)")
     add_magnitude_arguments(outliers)
-    anisotropy = command("anisotropy", run_anisotropy, "mean cosine of random token pairs per layer (2000 "
-                         "sentences -> 1000 pairs), raw and clipped", "anisotropy")
-    isotropy = command("isotropy", run_isotropy, "IsoScore, IsoScore* and the singular-value spectrum per layer",
-                       "isotropy")
-    selfsim = command("self-similarity", run_self_similarity, "self-similarity of words in different contexts "
-                      "(Ethayarajh 2019), raw and adjusted by the anisotropy of 2000 random sentences of --data",
+    anisotropy = command("anisotropy", "analyses.runs:run_anisotropy", "mean cosine of random token pairs per layer "
+                         "(2000 sentences -> 1000 pairs), raw and clipped", "anisotropy")
+    isotropy = command("isotropy", "analyses.runs:run_isotropy", "IsoScore, IsoScore* and the singular-value spectrum "
+                       "per layer", "isotropy")
+    selfsim = command("self-similarity", "analyses.runs:run_self_similarity", "self-similarity of words in different "
+                      "contexts (Ethayarajh 2019), raw and adjusted by the anisotropy of 2000 random sentences of --data",
                       "self_similarity", max_sentences=0)
-    wic = command("wic", run_wic, "Word-in-Context: cosine of the target word's vectors against a threshold",
-                  "wic", data=None)
+    wic = command("wic", "analyses.runs:run_wic", "Word-in-Context: cosine of the target word's vectors against a "
+                  "threshold", "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
-    sts = command("sts", run_sts, "STS: Spearman of mean-pooled cosine against gold scores", "sts", data=None)
+    sts = command("sts", "analyses.runs:run_sts", "STS: Spearman of mean-pooled cosine against gold scores", "sts",
+                  data=None)
     sts.add_argument("--gold", default=None, help="gold file of a SentEval STS.input.*.txt (default: STS.gs.*)")
-    everything = command("all", run_all, "the outlier report and every evaluation, with summary.md/json", "all")
+    everything = command("all", "analyses.runs:run_all", "the outlier report and every evaluation, with "
+                         "summary.md/json", "all")
     everything.add_argument("--wic", default=None, help="WiC data (as for `wic --data`); skipped when not given")
     everything.add_argument("--sts", nargs="+", default=None,
                             help=f"STS data sets (files or presets {', '.join(STS_PRESETS)}); skipped when not given")
     everything.add_argument("--pool_sentences", type=int, default=0, help="sentences searched for the "
                             "self-similarity words (default 0: all of --data, streamed; N: a seeded sample of N)")
-    paper = command("paper", run_paper, "the paper's experiments on one encoder (§3 outliers, origins, position "
-                    "probe; §4 anisotropy, self-similarity, WiC, STS, classifiers; raw and clipped) -> paper.md",
-                    "paper", data=False)
+    paper = command("paper", "analyses.paper:run_paper", "the paper's experiments on one encoder (§3 outliers, "
+                    "origins, position probe; §4 anisotropy, self-similarity, WiC, STS, classifiers; raw and clipped) "
+                    "-> paper.md", "paper", data=False)
     for option, default, what in (("--sst2", "glue/sst2", "SST-2 (outliers, anisotropy, self-similarity, the position "
                                    "probe on its splits, a classifier)"),
                                   ("--qqp", "glue/qqp", "QQP sentences (anisotropy, self-similarity)"),
@@ -160,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")
     paper.add_argument("--pool_sentences", type=int, default=0, help="sentences searched for the self-similarity "
                        "words (default 0: the whole of --sst2 / --qqp, streamed, as the paper; N: a seeded sample)")
-    trajectory = command("trajectory", run_trajectory, "outlier statistics, anisotropy and IsoScore* of every "
-                         "checkpoint of a run, in step order, on the same sentences", "trajectory", variants=False,
-                         encoder=False)
+    trajectory = command("trajectory", "analyses.trajectory:run_trajectory", "outlier statistics, anisotropy and "
+                         "IsoScore* of every checkpoint of a run, in step order, on the same sentences", "trajectory",
+                         variants=False, encoder=False)
     sources = trajectory.add_mutually_exclusive_group(required=True)
     sources.add_argument("--run", dest="run_dir", metavar="[LABEL=]RUN_DIR", action="append", default=None,
                          help="a train.py run directory: every checkpoint in its checkpoints/; given several times, "
@@ -170,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     add_magnitude_arguments(trajectory)
-    intervene = command("intervene", run_intervene, INTERVENE_HELP, "intervene", variants=False)
+    intervene = command("intervene", "analyses.intervene:run_intervene", INTERVENE_HELP, "intervene", variants=False)
     add_intervene_arguments(intervene)
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
@@ -188,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")
         sub.add_argument("--minibatches", type=int, default=4, help="IsoScore* mini-batches (averaged)")
+    compare = commands.add_parser("compare", help="outliers.json reports side by side, layer by layer",
+                                  description="outliers.json reports of `analyze.py outliers` side by side, layer by "
+                                              "layer, each with its own layers and name (reads JSON only)",
+                                  formatter_class=HelpFormatter)
+    compare.add_argument("reports", nargs="+", metavar="[NAME=]OUTLIERS_JSON",
+                         help="reports of `analyze.py outliers`, any number; NAME= labels a column (default: the "
+                              "encoder's name)")
+    compare.set_defaults(run="analyses.compare:run_compare", ranks=False)
     return parser
 
 
@@ -213,19 +231,28 @@ def validate(args) -> None:
         raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
     if getattr(args, "sigma", None) is not None and args.sigma <= 0:
         raise UserError(f"--sigma must be positive, got {args.sigma}")
-    if not 0 < getattr(args, "min_share", 0.2) <= 1:
+    if not 0 < getattr(args, "min_share", OUTLIER_MIN_SHARE) <= 1:
         raise UserError(f"--min_share must lie in (0, 1], got {args.min_share}")
-    check_magnitude_arguments(args)
     if getattr(args, "normalize", "none") == "softdecay":
+        from metrics.transforms import check_softdecay_alpha
+
         check_softdecay_alpha(args.softdecay_alpha)
     if hasattr(args, "clip"):
+        from metrics.transforms import parse_clip
+
         args.clip = parse_clip(args.clip)
         for note in args.clip.notes:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
-    check_device(getattr(args, "device", None))
+    check_magnitude_arguments(args)
+    if getattr(args, "device", None) is not None:
+        from core.trainer_checks import check_device
+
+        check_device(args.device)
     if getattr(args, "encoder", "") is None:
+        from lightning_modules.encoder import default_encoder
+
         args.encoder = default_encoder()
 
 
@@ -234,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        run = load_runner(args.run)
+        if not args.ranks:  # reads reports only: no process group, no torch
+            run(args, 0, 1)
+            return 0
+        from analyses.session import distributed
+
         with distributed() as (rank, world):
-            args.run(args, rank, world)
+            run(args, rank, world)
     except UserError as error:
         print(f"analyze.py {args.command}: error: {error}", file=sys.stderr)
         return 2

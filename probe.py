@@ -14,12 +14,32 @@ stderr and exit status 2, with no report written. --seed_everything (default 0) 
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (`probe.py --help` is answered before the heavy imports below)
 import sys
+
+from core.usage import help_first
+
+OVERRIDES = [
+    ("--config FILE", "configs/probe/position.yaml (§3), sst2.yaml, imdb.yaml, sst5.yaml, classify.yaml"),
+    ("--model.encoder ENCODER", "a hub id, a local directory or this project's export (default: packaged MiniLM)"),
+    ("--data.source SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
+    ("--data.max_sentences N", "a seeded sample of N sentences per split (0: all)"),
+    ("--data.max_length N", "tokens per sentence"),
+    ("--data.exclude_special true", "leave special tokens out ([CLS], <s>: they give their position away)"),
+    ("--trainer.default_root_dir DIR", "where the report, arrays and figures go"),
+    ("--trainer.max_epochs N", "probe epochs (the paper: 10)"),
+    ("--seed_everything N", "seeds splits, baselines and probes (default 0)"),
+]
+if __name__ == "__main__":
+    help_first("probe.py", __doc__, OVERRIDES)
+
 import warnings
+from pathlib import Path
 
 import torch.distributed as dist
 from pytorch_lightning import LightningDataModule, LightningModule
 
+from callbacks.wandb_logging import keep_runs, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
 
@@ -37,6 +57,9 @@ class ProbeCLI(ProjectCLI):
 
     def before_fit(self) -> None:
         self.lock_run()  # rank 0: one live run per directory (a directory that cannot be written: one line)
+        use_root_dir(self.trainer)  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume
+        keep_runs(self.trainer, ckpt_path if ckpt_path and Path(ckpt_path).is_file() else None)
 
     def after_fit(self) -> None:
         """Test the trained probes once, then write the report (rank zero) and print a summary."""

@@ -14,19 +14,21 @@ from __future__ import annotations
 import sys
 
 import analyze
-from analyses.study import run_study
-from core.cli import OneLineArgumentParser
+from core.arguments import HelpFormatter, OneLineArgumentParser
 from core.errors import UserError, plain_warnings
 
 
 def build_parser() -> OneLineArgumentParser:
-    parser = OneLineArgumentParser(prog="study.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/study/study.yaml", help="the study file (configs/study/study.yaml)")
+    parser = OneLineArgumentParser(prog="study.py", description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                   formatter_class=HelpFormatter)
+    parser.add_argument("--config", default="configs/study/study.yaml", help="the study file: its arms, recipe and "
+                        "comparison options")
     parser.add_argument("--output_dir", default="runs/study", help="one run directory per arm, study.json, study.png")
-    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the study's arms, in this order")
+    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the study's arms, in this order "
+                        "(default: all of them)")
     parser.add_argument("--max_steps", type=int, default=None,
                         help="train every arm this many steps instead of the config's (a quick look; the learning-"
-                             "rate schedule follows it)")
+                             "rate schedule follows it; default: the config's)")
     return parser
 
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     plain_warnings()
     args = build_parser().parse_args(argv)
     try:
+        from analyses.study import run_study  # imported after parsing: --help imports no torch
+
         run_study(args.config, args.output_dir, parse_trajectory, args.arms, args.max_steps)
     except UserError as error:
         print(f"study.py: error: {error}", file=sys.stderr)

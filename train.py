@@ -24,9 +24,29 @@ the same checkpoints, lock, logger and resume, and writes <default_root_dir>/exp
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (`train.py --help` is answered before the heavy imports below)
+import sys
+
+from core.usage import help_first
+
+OVERRIDES = [
+    ("--config FILE", "configs/pretrain/*.yaml, configs/finetune/*.yaml; several merge in order"),
+    ("--trainer.default_root_dir DIR", "the run directory: checkpoints/, export/, wandb/ (one live run each)"),
+    ("--ckpt_path last", "resume the run in default_root_dir exactly (or re-export a finished one)"),
+    ("--model.position_embeddings false", "pretrain without positional embeddings (Table 4's no-PE arm)"),
+    ("--trainer.max_steps N", "optimizer steps (the schedule follows)"),
+    ("--trainer.devices N --trainer.num_nodes M", "DDP; the global batch stays --data.global_batch_size"),
+    ("--data.corpus SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
+    ("--data.batch_size N", "sequences per device and micro-batch (accumulation makes up the global batch)"),
+    ("--model.encoder ENCODER", "fine-tuning: a hub id, a local directory or this project's export"),
+    ("--trainer.logger false", "no W&B (it is offline by itself without credentials or network)"),
+    ("--seed_everything N", "the run's one seed (default 0)"),
+]
+if __name__ == "__main__":
+    help_first("train.py", __doc__, OVERRIDES)
+
 import json
 import signal
-import sys
 import traceback
 from operator import itemgetter
 from pathlib import Path
@@ -54,7 +74,8 @@ from callbacks.checkpointing import (
     resume_target,
 )
 from callbacks.live import check_callbacks
-from callbacks.wandb_logging import AutoWandbLogger, use_root_dir
+from callbacks.summary import RunSummary, run_summary, summary_lines
+from callbacks.wandb_logging import AutoWandbLogger, keep_runs, use_root_dir
 from core.cli import HeldLogs, ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.finetune import FineTuneDataModule
@@ -126,6 +147,7 @@ class TrainCLI(ProjectCLI):
         elif ckpt_path in (None, "last"):
             check_fresh_start(trainer.default_root_dir)
             arguments["ckpt_path"] = None
+        keep_runs(trainer, path)  # one W&B run per training run: a resume continues the one it kept
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -161,6 +183,12 @@ class PretrainCLI(TrainCLI):
         check_block_length(data.hparams.block_length, model)
         data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
         self.check_run(data.accumulation(trainer.world_size))
+        trainer.callbacks.append(RunSummary())  # the last validation loss, for the summary after the fit
+
+    def after_fit(self) -> None:
+        """Where the export, checkpoints and W&B run are, the last validation loss and outlier verdict."""
+        if self.trainer.is_global_zero:
+            print("\n" + "\n".join(summary_lines(run_summary(self.trainer))), flush=True)
 
 
 class FineTuneCLI(TrainCLI):

@@ -79,6 +79,18 @@ def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta:
     return star.compute(), plain.compute(), len(batches)
 
 
+def minibatch_shortfall(batches: int, minibatch: int, minibatches: int, sentences: int) -> str | None:
+    """The warning when fewer IsoScore* mini-batches than asked for could be drawn (one random token per sentence
+    with a token, `sentences` of them), saying what it needs; None when all were."""
+    if batches >= minibatches:
+        return None
+    needs = (f"--minibatches {minibatches} of --minibatch {minibatch} tokens need {minibatch * minibatches} sentences "
+             f"with a token (one random token each), got {sentences}")
+    if batches == 0:
+        return f"IsoScore* not computed ('-'): {needs}; lower --minibatch or give more sentences (--max_sentences)"
+    return f"IsoScore* averaged over {batches} mini-batches, not {minibatches}: {needs}"
+
+
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
              minibatches: int = 4) -> dict:
     """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
@@ -105,9 +117,11 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
         values[key].update(sequence_energy_top1=result["energy_top1"], sequence_cdf_auc=result["cdf_auc"])
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
+    shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()))
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
             "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
+            **({"isoscore_star_warning": shortfall} if shortfall else {}),
             "corpus_spectra": spectra,
             "sequence_spectra": {key: [[round(float(v), 6) for v in row] for row in result["spectrum"]]
                                  for key, result in sequences.items()},
@@ -190,6 +204,10 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         lost.update(sum(len(w) for w in wanted) - len(found))
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
+    warning = None
+    if not baseline.report.get("num_pairs"):
+        warning = ("the anisotropy-adjusted self-similarity is not computed ('-'): its anisotropy baseline's random "
+                   f"token pairs need at least 2 sentences with a token, got {baseline.report.get('num_sentences', 0)}")
     values, counted = {}, 0
     for variant in variants:
         result = metrics[variant.key].compute()
@@ -203,4 +221,5 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "num_sentences": len(contexts.sentences), **baseline.describe(),
             "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
-            "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows}
+            "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,
+            **({"adjusted_warning": warning} if warning else {})}

@@ -38,12 +38,11 @@ from analyses.reference import Setting, counter, reference_pass
 from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_truncation
 from core.errors import UserError
 from datamodules.masking import SentenceMasker
-from datamodules.pairs import STS_PRESETS, read_sts
+from datamodules.pairs import read_sts
 from datamodules.probing import PositionDataModule
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.interventions import (
     DIMENSION_BASED,
-    INTERVENTIONS,
     Intervention,
     check_intervention,
     intervene,
@@ -56,39 +55,7 @@ from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
 from metrics.transforms import RAW
 
-INTERVENE_HELP = ("interventions inside the forward pass (position table, token types, LayerNorm weights, activations) with "
-        "random-dimension controls and p-values: outlier statistics, anisotropy, MLM loss, STS, position probe")
 MLM_PROBABILITY = 0.15
-
-
-def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--interventions", nargs="+", choices=list(INTERVENTIONS), default=["layernorm_zero"],
-                        metavar="NAME", help="one or several of " + ", ".join(INTERVENTIONS) + " (default "
-                        "layernorm_zero; docs/interventions.md says what each does)")
-    parser.add_argument("--dims", default="auto", help="the dims of layernorm_zero / activation_zero / "
-                        "activation_mean and the ones tracked: auto (default: the persistent outlier dims of the "
-                        "unmodified model on the same data, by --min_share / --sigma) or a list, 223 or 77,588 "
-                        "(0-indexed)")
-    parser.add_argument("--layers", default="all", help="hidden-state layers (0 = embedding output; in a decoder "
-                        "or pre-LN stack the first block's input, L the final norm's output) where activation_zero / "
-                        "activation_mean act and whose norms layernorm_zero edits (pre-LN: the norms inside block l): "
-                        "all (default) or a list and ranges, 1-3,6")
-    parser.add_argument("--controls", type=int, default=10, help="random sets of as many non-outlier dims on which "
-                        "each dimension-based intervention is repeated, seeded by --seed (default 10; 0: none)")
-    parser.add_argument("--sts", default=None, help="STS pairs (a file, or a preset: " + ", ".join(STS_PRESETS) +
-                        "): Spearman of mean-pooled cosines per layer for every variant (default: none)")
-    parser.add_argument("--score_range", default="0,5", help="declared range of the --sts gold scores LO,HI "
-                        "(default 0,5; SICK-R is 1,5)")
-    parser.add_argument("--probe", action="store_true", help="also the all-layer position probe's test accuracy for "
-                        f"every variant, quick settings (ours): {PROBE['epochs']} epochs at lr {PROBE['lr']} by default, "
-                        "--probe_sentences of --data split 80/10/10 (one process only)")
-    parser.add_argument("--probe_sentences", type=int, default=PROBE["sentences"],
-                        help=f"sentences of --data for the probe (default {PROBE['sentences']})")
-    parser.add_argument("--probe_epochs", type=int, default=PROBE["epochs"],
-                        help=f"probe epochs (default {PROBE['epochs']}; the paper trains 10)")
-    parser.add_argument("--num_pairs", type=int, default=1000,
-                        help="anisotropy: token pairs, one random token from each of 2 x this many random sentences "
-                             "(default 1000, the paper's)")
 
 
 @dataclass

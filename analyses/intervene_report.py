@@ -21,12 +21,12 @@ from torch import Tensor
 
 from analyses.reference import number
 from analyses.session import run_header
+from core.defaults import INTERVENE_PROBE, INTERVENTIONS
 from core.figures import layer_bands_figure
-from lightning_modules.interventions import DIMENSION_BASED, INTERVENTIONS, edit_sites, norm_sites
+from lightning_modules.interventions import DIMENSION_BASED, edit_sites, norm_sites
 from metrics.outliers import all_outlier_dims, persistent_dims
 
-PROBE = {"epochs": 2, "sentences": 500, "batch_size": 128, "lr": 1e-2}  # --probe's quick settings (ours; the paper:
-# 10 epochs at 1e-3 on all of SST-2)
+PROBE = INTERVENE_PROBE  # --probe's quick settings (ours; the paper trains 10 epochs): core/defaults.py
 LABELS = {"outlier_share": "summed share of the dims", "kurtosis": "kurtosis (per token, mean)",
           "max_abs": "max |activation|", "anisotropy": "anisotropy", "sts": "STS Spearman x 100",
           "probe": "position probe accuracy", "mlm_loss": "MLM loss", "lm_loss": "next-token loss (ours)"}

@@ -24,69 +24,14 @@ import unicodedata
 
 import torch
 
-from core.errors import UserError
+from core.defaults import MASSIVE_TOP_K
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder
-from metrics.magnitude import DEFAULTS as MAGNITUDE_DEFAULTS
-from metrics.magnitude import RULES as MAGNITUDE_RULES
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
-from metrics.massive import DEFAULTS as MASSIVE_DEFAULTS
-from metrics.massive import RULES as MASSIVE_RULES
 from metrics.massive import MassiveActivations, MassiveRule
 from metrics.sinks import EPSILON, AttentionSinks
 
-TOP_K = 5
 QUERIES = "the counted tokens (padding never; special tokens unless --exclude_special)"
 MARKERS = ("##", "Ġ", "▁", "Ċ")  # subword markers stripped before the punctuation test (WordPiece, BPE, spm)
-
-
-def add_magnitude_arguments(parser) -> None:
-    """The options of the massive activations, attention sinks and magnitude criterion (outliers, trajectory)."""
-    parser.add_argument("--massive_rule", choices=MASSIVE_RULES, default="ratio",
-                        help="massive activations: ratio (default, ours: |x| >= --massive_ratio x the layer's median "
-                             "|x|) or sun (Sun et al. 2024, for LLMs: |x| > --massive_min and >= --massive_ratio x the "
-                             "median)")
-    parser.add_argument("--massive_ratio", type=float, default=None,
-                        help=f"times the layer's median |x| (default {MASSIVE_DEFAULTS['ratio']['ratio']:g} for "
-                             f"ratio, {MASSIVE_DEFAULTS['sun']['ratio']:g} for sun)")
-    parser.add_argument("--massive_min", type=float, default=None,
-                        help=f"an absolute floor on |x| (default {MASSIVE_DEFAULTS['sun']['min_abs']:g} for sun, none "
-                             "for ratio)")
-    parser.add_argument("--massive_top_k", type=int, default=TOP_K,
-                        help=f"dimensions of largest peak |x| reported per layer (default {TOP_K})")
-    parser.add_argument("--sink_epsilon", type=float, default=EPSILON,
-                        help=f"attention sinks (Gu et al. 2025): a head is a sink when the first token gets more than "
-                             f"this of the attention, averaged over queries (default {EPSILON:g}, theirs)")
-    parser.add_argument("--no_attention_sinks", action="store_true",
-                        help="skip the attention sinks and their pass (default: computed, in one more pass over the "
-                             "sentences with eager attention)")
-    parser.add_argument("--magnitude_rule", choices=MAGNITUDE_RULES, default="rms",
-                        help="magnitude outliers: rms (default, ours: |x_d| > --magnitude_threshold x the token's "
-                             "RMS) or int8 (LLM.int8, Dettmers et al. 2022: |x_d| >= --magnitude_threshold), in at "
-                             "least --magnitude_share of the tokens")
-    parser.add_argument("--magnitude_threshold", type=float, default=None,
-                        help=f"default {MAGNITUDE_DEFAULTS['rms']['threshold']:g} (x RMS) for rms, "
-                             f"{MAGNITUDE_DEFAULTS['int8']['threshold']:g} for int8")
-    parser.add_argument("--magnitude_share", type=float, default=None,
-                        help=f"default {MAGNITUDE_DEFAULTS['rms']['min_share']:g} for rms, "
-                             f"{MAGNITUDE_DEFAULTS['int8']['min_share']:g} for int8")
-
-
-def check_magnitude_arguments(args) -> None:
-    """One line for a value out of range (before anything is written)."""
-    if not hasattr(args, "massive_rule"):
-        return
-    for name in ("massive_ratio", "magnitude_threshold"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise UserError(f"--{name} must be positive, got {value}")
-    if args.massive_min is not None and args.massive_min < 0:
-        raise UserError(f"--massive_min must not be negative, got {args.massive_min}")
-    if args.massive_top_k < 1:
-        raise UserError(f"--massive_top_k must be at least 1, got {args.massive_top_k}")
-    if not 0 <= args.sink_epsilon < 1:
-        raise UserError(f"--sink_epsilon must lie in [0, 1), got {args.sink_epsilon}")
-    if args.magnitude_share is not None and not 0 < args.magnitude_share <= 1:
-        raise UserError(f"--magnitude_share must lie in (0, 1], got {args.magnitude_share}")
 
 
 def rules_of(args) -> dict:
@@ -117,7 +62,7 @@ class Magnitudes:
 
     def __init__(self, encoder: FrozenEncoder, massive: MassiveRule = MassiveRule(),
                  magnitude: MagnitudeRule = MagnitudeRule(), sinks: bool = True, epsilon: float = EPSILON,
-                 top_k: int = TOP_K) -> None:
+                 top_k: int = MASSIVE_TOP_K) -> None:
         self.encoder, self.massive_rule, self.magnitude_rule, self.top_k = encoder, massive, magnitude, top_k
         layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
         self.massive = MassiveActivations(layers, hidden).to(device)
@@ -132,7 +77,7 @@ class Magnitudes:
 
     @classmethod
     def of(cls, args, encoder: FrozenEncoder) -> Magnitudes:
-        """The metrics the options of `add_magnitude_arguments` ask for."""
+        """The metrics the options of `analyses.options.add_magnitude_arguments` ask for."""
         return cls(encoder, MassiveRule(args.massive_rule, args.massive_ratio, args.massive_min),
                    MagnitudeRule(args.magnitude_rule, args.magnitude_threshold, args.magnitude_share),
                    not args.no_attention_sinks, args.sink_epsilon, args.massive_top_k)

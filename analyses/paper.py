@@ -45,7 +45,6 @@ from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.transforms import parse_clip
 
 CLASSIFIERS = {"sst2": 768, "imdb": 128, "sst5": 1536}  # the paper's batch sizes (§4.4)
-STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 
 
 @dataclass

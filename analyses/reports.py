@@ -119,8 +119,14 @@ def print_report(name: str, report: dict) -> None:
               f"{report['skipped']['count']} items whose target is not at its offsets")
     if report.get("static_baseline"):
         print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
-    if report.get("normalize_warning"):
-        print(f"warning: {report['normalize_warning']}", file=sys.stderr)
+    for warning in report_warnings(report):
+        print(f"warning: {warning}", file=sys.stderr)
+
+
+def report_warnings(report: dict) -> list[str]:
+    """What a report could not compute, or computed with less than asked, each in one line: its `*_warning` keys
+    (normalize_warning, isoscore_star_warning, adjusted_warning, ...)."""
+    return [value for key, value in report.items() if key.endswith("_warning") and value]
 
 
 def summarise(reports: dict, notes: list[str]) -> dict:
@@ -157,8 +163,8 @@ def summarise(reports: dict, notes: list[str]) -> dict:
                 row[f"{name}_spearman"] = {k: report["layers"][layer][k] for k in keys}
         figure.append(row)
     summary["figure6_layers"] = figure
-    summary["notes"] = notes + [f"{name}: {report['normalize_warning']}" for name, report in reports.items()
-                                if report.get("normalize_warning")]
+    summary["notes"] = notes + [f"{name}: {warning}" for name, report in reports.items()
+                                for warning in report_warnings(report)]
     return summary
 
 

@@ -1,7 +1,7 @@
 """The outlier-causes study: arms trained one after another by train.py, then their trajectories compared.
 
-    python scripts/study.py --config configs/study/study.yaml --output_dir runs/study              # make study
-    python scripts/study.py --config configs/study/study.yaml --arms baseline nope --max_steps 200 \\
+    python study.py --config configs/study/study.yaml --output_dir runs/study              # make study
+    python study.py --config configs/study/study.yaml --arms baseline nope --max_steps 200 \\
         --output_dir runs/study-quick                                                             # a quick look
 
 The study file (configs/study/study.yaml) names train.py's config every arm starts from (`train_config`), the arms

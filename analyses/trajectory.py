@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from analyses.geometry import minibatch_isoscores, pair_anisotropy
+from analyses.geometry import minibatch_isoscores, minibatch_shortfall, pair_anisotropy
 from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
-from core.errors import UserError
+from core.errors import UserError, warn_once
 from core.figures import over_steps_figure
 from core.models import model_family
 from core.output import check_writable
@@ -146,6 +146,9 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
     star, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, args.minibatches)
+    shortfall = minibatch_shortfall(batches, args.minibatch, args.minibatches, int(reference.sample[1].sum()))
+    if shortfall and rank == 0:
+        warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
               "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
               "num_truncated": reference.num_truncated,

@@ -75,7 +75,14 @@ from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations
 from metrics.neuron_stats import NeuronStatistics
-from metrics.outliers import OutlierRule, detect_outliers, max_median_ratio, persistent_dims, top_mean_dims
+from metrics.outliers import (
+    OutlierRule,
+    detect_outliers,
+    max_median_ratio,
+    outlier_verdict,
+    persistent_dims,
+    top_mean_dims,
+)
 from metrics.summary import over_layers, top_share
 
 PREFIX = {"train": "outliers", "val": "val_outliers"}
@@ -128,6 +135,7 @@ class OutlierStatistics(LiveCallback):
         self.magnitude: dict[str, MagnitudeCounts] = {}  # tokens above the magnitude rule's threshold
         self.tokens: TokenSample | None = None  # validation: the anisotropy's random token of each sequence
         self.seen = 0  # validation sequences this rank has captured since the last validation's end
+        self.last: dict | None = None  # rank zero: the verdict of the last capture (train.py's end-of-run summary)
 
     def check_settings(self) -> None:
         super().check_settings()
@@ -194,9 +202,21 @@ class OutlierStatistics(LiveCallback):
             anisotropy = anisotropy.cpu().tolist()
             self.tokens.reset()
             self.seen = 0
-        if not trainer.is_global_zero or not logs.real_loggers(trainer) or result.num_tokens == 0:
+        if not trainer.is_global_zero or result.num_tokens == 0:
             return
-        self.log_result(trainer, stage, step, result, anisotropy, extra)
+        self.last = self.verdict(result, stage, trainer.global_step if stage == "val" else step)  # steps done
+        if logs.real_loggers(trainer):
+            self.log_result(trainer, stage, step, result, anisotropy, extra)
+
+    def verdict(self, result, stage: str, step: int) -> dict:
+        """The capture's outlier verdict (metrics.outliers.outlier_verdict), its layers numbered as hidden states."""
+        cpu = replace(result, **{name: getattr(result, name).cpu() for name in (
+            "mean", "argmax_count", "argmin_count", "kurtosis_sum")})
+        found = detect_outliers(cpu, self.rule)
+        for layer, outliers in zip(self.layers, found):
+            outliers.layer = layer
+        kurtosis = [row["kurtosis_mean"] for row in cpu.magnitudes()]
+        return {"stage": stage, "step": step, **outlier_verdict(found, kurtosis)}
 
     def log_result(self, trainer, stage: str, step: int, result, anisotropy: list[float] | None, extra: dict
                    ) -> None:
@@ -282,8 +302,9 @@ class OutlierStatistics(LiveCallback):
             logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"rows": self.rows, "history": self.history}
+        return {"rows": self.rows, "history": self.history, "last": self.last}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.rows = list(state_dict.get("rows", []))
         self.history = list(state_dict.get("history", []))
+        self.last = state_dict.get("last")

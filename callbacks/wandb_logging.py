@@ -13,6 +13,13 @@ offline) or fails mid-run gives one warning (LoggingWarning) and training goes o
 the trainer's default_root_dir (`use_root_dir`, called by train.py); the run is finished when the trainer finalises
 the logger, so several fits in one process each get their own run.
 
+One W&B run per training run (`keep_runs`, called by train.py and probe.py): its id is kept in the run directory
+(RUN_ID_FILE) and in every checkpoint (KeepRunId, key CHECKPOINT_KEY), and a resume (--ckpt_path last, a SIGTERM /
+SLURM requeue, a re-run of a finished run) continues that run (resume="allow" with the kept id), its history at the
+resumed step. An id given by the user (--trainer.logger.init_args.id) wins; a fresh start gets a new run. Only global
+rank zero ever starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run: `wandb
+sync <root>/wandb/offline-run-*-<id>` uploads them together, in order, as that one run.
+
 log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
 it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
 TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B. Rank zero only. A logger that raises is warned
@@ -23,24 +30,26 @@ from __future__ import annotations
 
 import netrc
 import os
-import socket
 import sys
-import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.loggers import TensorBoardLogger, WandbLogger
 from pytorch_lightning.loggers.logger import DummyExperiment, DummyLogger, rank_zero_experiment
 from pytorch_lightning.utilities import rank_zero_only
 
 from core.figures import figure_array
-from core.output import disk_full, failed_file, write_error
+from core.output import atomic_file, disk_full, failed_file, write_error
+from core.sources import reachable
 
 DEFAULT_HOST = "https://api.wandb.ai"
 STEP_METRIC = "trainer/global_step"
+RUN_ID_FILE = "wandb_run_id"  # in the run directory: the id of the training run's one W&B run
+CHECKPOINT_KEY = "wandb_run_id"  # the same id in every checkpoint
 
 
 class LoggingWarning(UserWarning):
@@ -63,25 +72,6 @@ def has_credentials(host: str) -> bool:
         return netrc.netrc(os.environ.get("NETRC") or None).authenticators(urlparse(host).hostname or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
-
-
-def reachable(url: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the host of `url` opens within `timeout` seconds (name lookup included)."""
-    parsed = urlparse(url)
-    port = parsed.port or (80 if parsed.scheme == "http" else 443)
-    opened: list[bool] = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
-            opened.append(True)
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(opened)
 
 
 def choose_mode(offline: bool = False) -> tuple[str, str | None]:
@@ -120,6 +110,34 @@ class AutoWandbLogger(WandbLogger):
         super().__init__(name=name, save_dir=save_dir, project=project, **kwargs)
         self._force_offline = offline
         self._failed = False
+        self._run_dir: Path | None = None  # where RUN_ID_FILE goes (keep_run)
+        self.mode: str | None = None  # "online" / "offline" once started
+        self.url: str | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run's id: the started run's, else the one it will resume (kept or given), else None."""
+        return self._wandb_init.get("id")
+
+    def keep_run(self, run_dir: str | os.PathLike, resumed: str | None) -> None:
+        """Keep this training run's W&B run: its id written to `run_dir`/RUN_ID_FILE when it starts, and `resumed` (the
+        id kept by the run being resumed, or None for a fresh start) continued, unless the user gave an id."""
+        self._run_dir = Path(run_dir)
+        if resumed and not self._wandb_init.get("id") and self._experiment is None:
+            self._wandb_init["id"] = self._id = resumed
+            self._wandb_init["resume"] = "allow"
+
+    def offline_dirs(self) -> list[Path]:
+        """This run's offline directories (one per start: the first and each resume), oldest first."""
+        if self.run_id is None or self._wandb_init.get("dir") is None:
+            return []
+        return sorted((Path(self._wandb_init["dir"]) / "wandb").glob(f"offline-run-*-{self.run_id}"))
+
+    def sync_command(self) -> str | None:
+        """The command that uploads every offline part of this run (None unless it ran offline)."""
+        if self.mode != "offline" or self._wandb_init.get("dir") is None:
+            return None
+        return f"wandb sync {Path(self._wandb_init['dir']) / 'wandb'}/offline-run-*-{self.run_id}"
 
     def use_dir(self, directory: str | os.PathLike) -> None:
         """Set save_dir unless one was given or the run has started."""
@@ -152,17 +170,32 @@ class AutoWandbLogger(WandbLogger):
                 warnings.warn(f"W&B could not start {attempt} ({_first_line(error)})", LoggingWarning, stacklevel=2)
                 continue
             self._wandb_init["id"] = run.id  # a later re-start (after finish) resumes this run
+            self.mode, self.url = attempt, getattr(run, "url", None) if attempt == "online" else None
+            self._write_run_id(run.id)
             if hasattr(run, "define_metric"):
                 run.define_metric(STEP_METRIC)
                 run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
             if attempt == "offline":
                 directory = Path(run.dir).parent
-                print(f"W&B: offline ({why}); the run is kept in {directory}; upload it later with: "
-                      f"wandb sync {directory}", file=sys.stderr, flush=True)
+                parts = len(self.offline_dirs())
+                kept = f"part {parts} of run {run.id} is kept in {directory}" if parts > 1 else \
+                    f"the run is kept in {directory}"
+                print(f"W&B: offline ({why}); {kept}; upload it later with: {self.sync_command()}", file=sys.stderr,
+                      flush=True)
             return run
         self._failed = True
         warnings.warn("W&B is off for this run: training continues without it", LoggingWarning, stacklevel=2)
         return None
+
+    def _write_run_id(self, run_id: str) -> None:
+        if self._run_dir is None:
+            return
+        try:
+            with atomic_file(self._run_dir / RUN_ID_FILE) as handle:
+                handle.write(f"{run_id}\n".encode())
+        except OSError as error:  # the checkpoints keep it too
+            warnings.warn(f"cannot keep the W&B run id in {self._run_dir} ({_first_line(error)})", LoggingWarning,
+                          stacklevel=3)
 
     def _guard(self, call, *args) -> None:
         if self._failed:
@@ -198,6 +231,42 @@ def use_root_dir(trainer) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, AutoWandbLogger):
             logger.use_dir(trainer.default_root_dir)
+
+
+def kept_run_id(checkpoint: str | os.PathLike | None, run_dir: str | os.PathLike) -> str | None:
+    """The W&B run id a resume from `checkpoint` continues: the checkpoint's own, else the one kept in `run_dir`
+    (a checkpoint written before ids were kept); None for a fresh start (`checkpoint` None)."""
+    if checkpoint is None:
+        return None
+    from core.safe_load import load_weights_only
+
+    kept = load_weights_only(checkpoint, mmap=True).get(CHECKPOINT_KEY)
+    if kept:
+        return str(kept)
+    path = Path(run_dir) / RUN_ID_FILE
+    return path.read_text(encoding="utf-8").strip() or None if path.is_file() else None
+
+
+def keep_runs(trainer, checkpoint: str | os.PathLike | None) -> None:
+    """One W&B run per training run: every AutoWandbLogger of `trainer` keeps its run id in default_root_dir and in
+    the checkpoints (a KeepRunId callback), and a resume from `checkpoint` continues the run it kept."""
+    loggers = [logger for logger in trainer.loggers if isinstance(logger, AutoWandbLogger)]
+    if not loggers:
+        return
+    resumed = kept_run_id(checkpoint, trainer.default_root_dir)
+    for logger in loggers:
+        logger.keep_run(trainer.default_root_dir, resumed)
+    if not any(isinstance(callback, KeepRunId) for callback in trainer.callbacks):
+        trainer.callbacks.append(KeepRunId())
+
+
+class KeepRunId(Callback):
+    """Writes the W&B run id into every checkpoint (CHECKPOINT_KEY), so that a resume from it continues that run."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, AutoWandbLogger) and logger.run_id:
+                checkpoint[CHECKPOINT_KEY] = logger.run_id
 
 
 # ---- helpers for callbacks: each logger gets what it supports ----

@@ -18,7 +18,6 @@ line a bad input prints.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib
 import inspect
@@ -35,6 +34,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from core.errors import UserError
 from core.lock import RunLock
 from core.output import disk_full, failed_file, write_error
+from core.quiet import quiet_trainer
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
 from core.trainer_checks import check_trainer_settings, check_unique_callbacks, lightning_refusals
 
@@ -210,6 +210,7 @@ class ProjectCLI(LightningCLI):
         check_trainer_settings(self._get(self.config, "trainer"))
         try:
             super().instantiate_classes()
+            quiet_trainer(self.trainer)  # a one-line model summary; a step-bounded run's bar counts steps
         except Exception as error:
             cause: BaseException | None = error
             while cause is not None and not isinstance(cause, UserError):
@@ -340,25 +341,3 @@ def config_paths(argv) -> list[str]:
         elif flag.startswith("--config="):
             paths.append(flag.split("=", 1)[1])
     return paths
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """analyze.py's argparse parser: an error is one line (no usage), an unknown option with the closest one."""
-
-    def error(self, message: str):
-        unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
-        if unknown:
-            close = difflib.get_close_matches(unknown.group(1), sorted(_options(self)), n=1)
-            message = f"unknown option {unknown.group(1)}" + (f" (did you mean {close[0]}?)" if close else "")
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
-
-
-def _options(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of `parser` and its subcommands' parsers."""
-    options = set()
-    for action in parser._actions:
-        options.update(option for option in action.option_strings if option.startswith("--"))
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                options |= _options(sub)
-    return options

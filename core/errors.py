@@ -3,11 +3,13 @@
     raise UserError(f"data path not found: {source}")      # train.py / probe.py / analyze.py print it, exit 2
     first_line(error)                                      # a library's message, cut to one (whole) line
     plain_warnings()                                       # warnings print as "warning: <message>"
+    warn_once("IsoScore* not computed: ...")               # a warning this process has not given yet (else nothing)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 
@@ -29,24 +31,41 @@ def first_line(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+_given: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn, unless this process gave the same message before (whatever the warnings filters say)."""
+    if message not in _given:
+        _given.add(message)
+        warnings.warn(message, category, stacklevel=2)
+
+
 def plain_warnings() -> None:
     """Show warnings as one line each, `warning: <message>`, as the entry points' own warnings are (they call this:
     a user reads these lines, not a developer; the file and line of the code that warned are left out)."""
     warnings.formatwarning = _one_line
     # Lightning's own use of a deprecated torch API: nothing a user can act on
     warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*", FutureWarning)
-    # Lightning's tips (an advert for its cloud logger on every run): nothing to act on. At the loggers that make its
-    # rank-zero lines and at the package loggers (core.cli.HeldLogs hands held lines to those)
+    # Lightning's lines that say nothing to act on (UNACTIONABLE: its tips, an advert for its cloud logger; "GPU
+    # available: False" on a CPU; "Seed set to 0", the seed being in the config; why fit stopped, the run's summary
+    # says). At the loggers that make them, at the package loggers (core.cli.HeldLogs hands held lines to those), and
+    # at the package loggers' handlers (which also see what their child loggers propagate)
     for package in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
-        for name in (package, f"{package}.utilities.rank_zero"):
+        for name in (package, f"{package}.utilities.rank_zero", f"{package}.utilities.seed"):
             logger = logging.getLogger(name)
-            if not any(isinstance(f, _NoTips) for f in logger.filters):
-                logger.addFilter(_NoTips())
+            for holder in [logger, *logger.handlers]:
+                if not any(isinstance(f, _Unactionable) for f in holder.filters):
+                    holder.addFilter(_Unactionable())
 
 
-class _NoTips(logging.Filter):
+UNACTIONABLE = re.compile(r"💡 Tip|(GPU|TPU|HPU|IPU) available: False|Seed set to -?\d+$|`Trainer\.fit` stopped: "
+                          r"`max_(steps|epochs)=\d+` reached\.$")
+
+
+class _Unactionable(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
+        return not UNACTIONABLE.match(str(record.msg))
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:

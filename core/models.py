@@ -11,7 +11,6 @@
     token_type_embedding(model)    # the token-type (segment) table (nn.Embedding) or None
     mlm_head(masked_lm)            # hidden [..., hidden] -> logits [..., vocab rows] of a masked- or causal-LM's head
     layer_norms(model)             # (name, hidden-state layers it writes, module) for each LayerNorm / RMSNorm
-    short_name("runs/x/export")    # "x"
 
 Layers follow transformers' `hidden_states`: 0 is the embedding output, l the output of transformer layer l (for a
 decoder with a final norm, layer L is after that norm: core/families.py).
@@ -22,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 from torch import Tensor, nn
 
 from core import families
 from core.errors import UserError
+from core.sources import short_name  # noqa: F401  (a readable name for a model path: the path rule's)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -205,12 +204,27 @@ def model_max_length(model: nn.Module, tokenizer=None) -> int:
     return positions - position_offset(model)
 
 
+E_TO_H = ("encoder.embedding_hidden_mapping_in", "embeddings_project")  # ALBERT's, ELECTRA's (on the bare encoder)
+
+
+def e_to_h_projection(model: nn.Module) -> tuple[str | None, nn.Linear | None]:
+    """(its name, the Linear) mapping a factorised embedding output of width E to the hidden size H, or (None, None)."""
+    for name in E_TO_H:
+        module = base_model(model)
+        for part in name.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.Linear):
+            return name.rsplit(".", 1)[-1], module
+    return None, None
+
+
 def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
     """The rows of the absolute position table a token can actually use, in the hidden space ([positions, hidden],
     float32 on the CPU), or None and why not.
 
-    ALBERT's factorised table [positions, E] is narrower than the hidden size H: its rows are traced into the hidden
-    space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
+    A factorised table [positions, E] narrower than the hidden size H (ALBERT's; ELECTRA's with embedding_size != H)
+    has its rows traced into the hidden space through the model's E-to-H projection (E_TO_H: ALBERT's
+    `encoder.embedding_hidden_mapping_in`, ELECTRA's `embeddings_project`; rows @ W.T, no bias), and the note says so.
     """
     table = position_embedding(model)
     if table is None:
@@ -224,12 +238,12 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
     note, width, hidden = "", weight.shape[1], model.config.hidden_size
     if width != hidden:
         why = f"factorised embeddings: the position table has width E={width}, the hidden size is H={hidden}"
-        projection = getattr(getattr(base_model(model), "encoder", None), "embedding_hidden_mapping_in", None)
-        if not isinstance(projection, nn.Linear) or tuple(projection.weight.shape) != (hidden, width):
+        name, projection = e_to_h_projection(model)
+        if projection is None or tuple(projection.weight.shape) != (hidden, width):
             return None, f"{why}, and no E-to-H projection to trace its rows through"
         weight = weight @ projection.weight.detach().float().cpu().T  # [positions, E] @ [E, H] -> [positions, H]
-        note = (f"{why}; rows traced into the hidden space through embedding_hidden_mapping_in (rows @ W.T, no "
-                "bias; the embedding LayerNorm before it is not applied)")
+        note = (f"{why}; rows traced into the hidden space through {name} (rows @ W.T, no bias; the embedding "
+                "LayerNorm before it is not applied)")
     offset = first_position_row(model)
     return weight[offset: offset + model_max_length(model)], note
 
@@ -258,14 +272,6 @@ def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.Module]]:
             if placed is None or placed[0]:
                 found.append((name, placed[0] if placed is not None else written_layers(model, name), module))
     return found
-
-
-def short_name(source: str) -> str:
-    """A readable name for a model path: its last component that is not a generic folder name."""
-    for part in reversed(Path(str(source)).parts):
-        if part not in ("model", "export", "snapshots", "checkpoints", "/"):
-            return part
-    return str(source)
 
 
 @contextlib.contextmanager

@@ -5,12 +5,18 @@
     looks_local("glue/sst2")              # False, unless ./glue is a directory here
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it
                                           # looks local but is not there; None for a hub id or datasets name
+    short_name("runs/x/export")           # "x": a readable name for a model path
+    check_hub("bert-base-uncased", "encoder")   # before a hub id or datasets name is fetched: offline (no network
+                                          # and no HF_HUB_OFFLINE) it is one line in at most 3 s, not minutes of retries
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 from core.errors import UserError
 
@@ -30,6 +36,11 @@ def looks_local(source: str | os.PathLike) -> bool:
             or (len(parts) == 2 and Path(parts[0]).is_dir()) or Path(text).suffix.lower() in LOCAL_SUFFIXES)
 
 
+OFFLINE_FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+HUB = "https://huggingface.co"
+_answered: dict[str, bool] = {}  # the hub's reachability, asked once per process
+
+
 def local_path(source: str | os.PathLike, what: str) -> Path | None:
     """The existing local path `source` names (user directory expanded), None when it is a hub id or datasets name;
     a UserError "`what` path not found: `source`" when it looks local but does not exist."""
@@ -39,3 +50,49 @@ def local_path(source: str | os.PathLike, what: str) -> Path | None:
     if not path.exists():
         raise UserError(f"{what} path not found: {os.fspath(source)}")
     return path
+
+
+def short_name(source: str) -> str:
+    """A readable name for a model path: its last component that is not a generic folder name."""
+    for part in reversed(Path(str(source)).parts):
+        if part not in ("model", "export", "snapshots", "checkpoints", "/"):
+            return part
+    return str(source)
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face libraries are told to stay offline (they read their local cache, without retries)."""
+    return any(os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on") for flag in OFFLINE_FLAGS)
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the host of `url` opens within `timeout` seconds (name lookup included)."""
+    parsed = urlparse(url)
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(opened)
+
+
+def check_hub(source: str | os.PathLike, what: str) -> None:
+    """Before `source`, a hub id or datasets name (not local_path's), is fetched: unless the libraries are told to stay
+    offline (HF_HUB_OFFLINE and the like: they read their cache), the hub (HF_ENDPOINT) must accept a connection
+    within 3 s; else one line saying what to do, instead of the libraries' minutes of retries."""
+    if hub_offline():
+        return
+    endpoint = os.environ.get("HF_ENDPOINT") or HUB
+    if endpoint not in _answered:
+        _answered[endpoint] = reachable(endpoint)
+    if not _answered[endpoint]:
+        raise UserError(f"{what} {os.fspath(source)!r} is a hub name and {urlparse(endpoint).hostname} cannot be "
+                        "reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache")

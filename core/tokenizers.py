@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from core.errors import UserError, first_line
-from core.sources import local_path
+from core.sources import check_hub, local_path
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
 
@@ -25,6 +25,8 @@ def load_tokenizer(source: str | Path):
     path = local_path(source, "tokenizer")
     if path is not None:
         check_tokenizer_files(path, f"tokenizer {str(source)!r}")
+    else:
+        check_hub(source, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file

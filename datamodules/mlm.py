@@ -45,9 +45,13 @@ class MLMDataModule(pl.LightningDataModule):
         batch_size: sequences per device and step (micro-batch).
         global_batch_size: sequences per optimizer step across all devices and nodes; gradient accumulation is
             derived from it (global / (batch_size × devices × nodes)). None: no accumulation.
-        val_fraction, max_val_blocks: the held-out split (a fraction of the blocks, at most this many).
+        mlm_probability: the share of tokens masked in each batch (dynamic masking; RoBERTa's 15%).
+        val_fraction: the held-out split, a fraction of the blocks.
+        max_val_blocks: at most this many held-out blocks.
+        val_batch_size: sequences per device in validation (default: batch_size).
         streaming: make training blocks on the fly (no cache of the whole corpus); the first `val_texts` texts are
             held out and cached for validation. Each loader worker tokenises its own shard of the texts.
+        val_texts: streaming: the texts held out for validation.
         cache_dir: where tokenizers and blocks are cached (default $POSART_CACHE or ~/.cache/positional-artefacts).
         num_workers: loader worker processes per device (masking runs there; streaming: tokenising too, one shard
             of the stream each, so a streaming run resumes with the same number).

@@ -20,18 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.defaults import STS_PRESETS  # name -> (datasets source, rows kept): core/defaults.py
 from core.errors import UserError
 from datamodules.text import iter_records, read_split
 from datamodules.words import WORD
 
-# name -> (datasets source, {column: value} a row must have). SICK-R: the SemEval-2014 Task 1 test portion of SICK
-# (the SemEval_set column; SentEval's SICK_test_annotated.txt, which it mirrors, can be passed as a file). STS12-16:
-# each year's subsets pooled into one set of pairs, as the mteb test splits hold them.
-STS_PRESETS = {
-    "stsb": ("mteb/stsbenchmark-sts::test", {}),
-    "sickr": ("RobZamp/sick::test", {"SemEval_set": "TEST"}),
-    **{f"sts{year}": (f"mteb/sts{year}-sts::test", {}) for year in range(12, 17)},
-}
 STS_COLUMNS = {
     "sentence1": ("sentence1", "sentence_a", "sentence_A", "text1", "s1"),
     "sentence2": ("sentence2", "sentence_b", "sentence_B", "text2", "s2"),

@@ -18,10 +18,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line
-from core.sources import looks_local
+from core.sources import check_hub, hub_offline, looks_local
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
@@ -193,6 +193,8 @@ def _open_datasets(name: str, config: str | None, local: bool):
     if saved:
         loaded = datasets.load_from_disk(name)
         return loaded, list(loaded) if isinstance(loaded, datasets.DatasetDict) else None
+    if not local:
+        check_hub(name, "dataset")
     attempts = [(name, config)]
     if config is None and "/" in name and not local:
         head, tail = name.rsplit("/", 1)
@@ -205,7 +207,7 @@ def _open_datasets(name: str, config: str | None, local: bool):
             errors.append(f"{type(error).__name__}: {first_line(error)}")
             continue
         return loaded, list(loaded)
-    offline = " (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set)" if _offline() else ""
+    offline = " (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set)" if hub_offline() else ""
     raise UserError(f"cannot load dataset {name!r}{offline}: {errors[-1]}")
 
 
@@ -235,10 +237,6 @@ def _nonempty(rows: Iterator[dict], name: str) -> Iterator[dict]:
         yield row
     if count == 0:
         raise UserError(f"dataset {name} is empty")
-
-
-def _offline() -> bool:
-    return any(os.environ.get(flag, "").lower() in ("1", "true", "yes") for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def sample_texts(texts: Iterator[str], limit: int | None, seed: int) -> list[str]:

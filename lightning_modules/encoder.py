@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from core.errors import UserError, first_line
 from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
-from core.sources import local_path
+from core.sources import check_hub, local_path
 from core.tokenizers import check_tokenizer_files, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import check_is_encoder, check_loading, has_masked_lm, load_failure, split_head
@@ -71,6 +71,7 @@ def resolve_model_dir(source: str | Path) -> str:
     passes through."""
     path = local_path(source, "encoder")
     if path is None:
+        check_hub(source, "encoder")
         return str(source)
     if path.is_file() and path.suffix == ".ckpt":
         return str(path)

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from core import families
 from core.capture import layer_output
+from core.defaults import INTERVENTIONS
 from core.errors import UserError
 from core.models import (
     first_position_row,
@@ -69,17 +70,6 @@ from core.models import (
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.mlm import mlm_step
 
-INTERVENTIONS = {
-    "position_mean": "every usable row of the absolute position table replaced by their mean row",
-    "position_shuffle": "the usable rows of the absolute position table permuted (seeded)",
-    "position_zero": "the usable rows of the absolute position table zeroed",
-    "token_type_zero": "the token-type embedding rows zeroed",
-    "layernorm_zero": "gamma and beta (an RMSNorm: its gain, it has no bias) of the dims zeroed in every LayerNorm "
-                      "or RMSNorm over the hidden size (or those of --layers)",
-    "activation_zero": "the dims of the hidden state set to 0 at --layers (later layers see the change)",
-    "activation_mean": "the dims of the hidden state set to their mean over the data (the unmodified model's) at "
-                       "--layers (later layers see the change)",
-}
 DIMENSION_BASED = ("layernorm_zero", "activation_zero", "activation_mean")
 HEAD_CHUNK = 4096  # tokens through a causal LM head at once (logits [chunk, vocab])
 

@@ -145,15 +145,21 @@ class MLMModule(TrainingModule):
         positions: learned, none or rope (RoFormer's rotary positions; ours); default: learned, or none with
             position_embeddings false.
         vocab_size: embedding rows (linked from the datamodule's tokenizer by train.py).
-        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings: the
-            RoBERTa architecture (max_position_embeddings includes RoBERTa's 2 offset rows).
+        hidden_size: the RoBERTa architecture's hidden size.
+        num_hidden_layers: its transformer layers.
+        num_attention_heads: its attention heads per layer.
+        intermediate_size: its feed-forward width.
+        max_position_embeddings: its position table's rows, RoBERTa's 2 offset rows included (block length + 2).
         dropout: hidden and attention dropout.
         lr, betas, eps, weight_decay: AdamW (fused wherever the device has the kernels); every trained parameter
             is decayed, as fairseq (the paper's trainer) does; a frozen table is not trained at all.
         decay_bias_and_norm: False keeps biases and LayerNorm weights out of weight decay (BERT's and transformers'
             convention; not the paper's).
-        warmup_steps, decay_steps, end_lr, power: linear warm-up to `lr`, then (1 - progress)^power decay to
-            `end_lr` at `decay_steps` (default: the trainer's max_steps).
+        warmup_steps: linear warm-up to `lr` over this many steps.
+        decay_steps: the step at which the (1 - progress)^power decay reaches `end_lr` (default: the trainer's
+            max_steps).
+        end_lr: the learning rate at `decay_steps`.
+        power: the decay's exponent (1: linear).
         compile: torch.compile the forward pass and the loss together (two graphs: with and without the hidden
             states the live-statistics callbacks capture); validation runs eagerly.
         attn_implementation: transformers attention backend ("sdpa"; "eager" only for debugging); the softmax inside
@@ -161,12 +167,17 @@ class MLMModule(TrainingModule):
         pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
             matmuls); the extra rows are never input nor predicted, and the export drops them.
         pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
-        regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: an isotropy regulariser on the training
-            forward's hidden states (none, istar, cosreg; lightning_modules/regularizers.py); none by default.
+        regularizer: an isotropy regulariser on the training forward's hidden states: none (default), istar or
+            cosreg (lightning_modules/regularizers.py; docs/finetuning.md).
+        reg_weight: its weight λ in the loss (λ > 0 towards isotropy, λ < 0 away).
+        reg_layers: the hidden-state layers it acts on (default: every layer 1..L).
+        zeta: I-STAR's shrinkage towards the covariance of the epoch's first tokens.
+        reg_shrinkage_tokens: tokens of that covariance (C0).
         attention: softmax (the paper's), clipped_softmax or gated (Bondarenko et al. 2023;
             lightning_modules/attention.py).
-        clip_softmax_gamma, clip_softmax_zeta: clipped softmax's clip((zeta - gamma) softmax + gamma, 0, 1)
-            (None: their BERT recipe's gamma -0.025, zeta 1); only with attention clipped_softmax.
+        clip_softmax_gamma: clipped softmax's gamma in clip((zeta - gamma) softmax + gamma, 0, 1) (None: their
+            BERT recipe's -0.025); only with attention clipped_softmax.
+        clip_softmax_zeta: its zeta (None: 1).
         attention_gate_init: gated attention's initial gate probability sigmoid(bias) (None: 0.25); only with
             attention gated.
     """

@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-RULES = ("rms", "int8")
-DEFAULTS = {"rms": {"threshold": 4.0, "min_share": 0.2}, "int8": {"threshold": 6.0, "min_share": 0.06}}
+from core.defaults import MAGNITUDE_DEFAULTS, MAGNITUDE_RULES
+
+RULES, DEFAULTS = MAGNITUDE_RULES, MAGNITUDE_DEFAULTS  # core/defaults.py: the parsers show them without torch
 
 
 @dataclass(frozen=True)

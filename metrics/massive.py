@@ -36,11 +36,12 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from core.defaults import MASSIVE_DEFAULTS, MASSIVE_RULES
+
 BINS_PER_DECADE = 64
 LOW_DECADE, HIGH_DECADE = -6, 6  # the histogram's range, 1e-6 .. 1e6
 NUM_BINS = BINS_PER_DECADE * (HIGH_DECADE - LOW_DECADE) + 2  # + underflow and overflow
-RULES = ("ratio", "sun")
-DEFAULTS = {"ratio": {"ratio": 20.0, "min_abs": 0.0}, "sun": {"ratio": 1000.0, "min_abs": 100.0}}
+RULES, DEFAULTS = MASSIVE_RULES, MASSIVE_DEFAULTS  # core/defaults.py: the parsers show them without torch
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ For each dimension d:
 - position_embeddings: the rows (positions, 0-indexed from the first position a token can take) whose largest or
   smallest value lies on d, their shares of all rows, and d's rank by |column mean| of the table. The whole entry
   is None, with a reason, when the model has no absolute position table or an all-zero one (this project's no-PE
-  models). ALBERT's factorised table [positions, E] is narrower than the hidden size H: its rows are traced into
-  the hidden space through `embedding_hidden_mapping_in` (rows @ W.T, no bias), and the note says so.
+  models). A factorised table [positions, E] narrower than the hidden size H (ALBERT's, ELECTRA's) has its rows
+  traced into the hidden space through the E-to-H projection (`embedding_hidden_mapping_in`, `embeddings_project`:
+  rows @ W.T, no bias; core.models.position_rows), and the note says so.
 - layer_norms: for every LayerNorm over the hidden size, d's gain and bias and their ranks by magnitude among
   all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
   shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers. An RMSNorm

@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from core.defaults import OUTLIER_MIN_SHARE
 from metrics.neuron_stats import NeuronStatisticsResult
 
 
 @dataclass(frozen=True)
 class OutlierRule:
-    min_share: float = 0.2
+    min_share: float = OUTLIER_MIN_SHARE
     sigma: float | None = None  # opt-in (ours): also a robust z-score of the dimension's mean above sigma
 
     def describe(self) -> str:
@@ -107,6 +108,19 @@ def persistent_dims(layers: list[LayerOutliers]) -> list[int]:
             counts[dim] = counts.get(dim, 0) + 1
     needed = (len(counted) + 1) // 2
     return sorted((d for d, c in counts.items() if c >= needed), key=lambda d: (-counts[d], d))
+
+
+def outlier_verdict(layers: list[LayerOutliers], kurtosis: list[float]) -> dict:
+    """What one capture found, in a few numbers: the persistent dims; the top share (the largest argmax or argmin
+    share over the non-input layers, with its layer and dim); the largest mean kurtosis over them (`kurtosis`: per
+    entry of `layers`, Pearson, 3 for Gaussian) with its layer. Layer 0 counts only when no other layer is given."""
+    chosen = [(layer, k) for layer, k in zip(layers, kurtosis) if layer.layer >= 1] or list(zip(layers, kurtosis))
+    share, layer, dim = max(max((row.argmax_share, row.layer, row.argmax_dim), (row.argmin_share, row.layer,
+                                                                                   row.argmin_dim))
+                            for row, _ in chosen)
+    peak, peak_layer = max((k, row.layer) for row, k in chosen)
+    return {"persistent_dims": persistent_dims(layers), "top_share": share, "top_share_layer": layer,
+            "top_share_dim": dim, "kurtosis": peak, "kurtosis_layer": peak_layer}
 
 
 def all_outlier_dims(layers: list[LayerOutliers]) -> list[int]:

@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-EPSILON = 0.3  # Gu et al.'s epsilon
+from core.defaults import SINK_EPSILON
+
+EPSILON = SINK_EPSILON  # Gu et al.'s epsilon (core/defaults.py)
 
 
 def key_attention(probs: Tensor, query_mask: Tensor) -> Tensor:

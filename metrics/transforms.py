@@ -47,14 +47,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from core.defaults import NORMALIZATIONS, SOFTDECAY_ALPHA  # noqa: F401  (--normalize's choices, the alpha's default)
 from core.errors import UserError
 from metrics.geometry import CovarianceResult
 from metrics.isotropy import eigh, svd
 from metrics.outliers import LayerOutliers, persistent_dims
 
-NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")
 REPORT_KEYS = {"whiten": "whitened", "standardize": "standardized"}  # the fitted normalisations' variant keys
-SOFTDECAY_ALPHA = -0.2  # --softdecay_alpha's default
 BASE_DEPTH = 12  # --clip auto (a threshold of ours): persistent dims up to this many layers (§4), each layer's beyond
 
 

@@ -204,10 +204,10 @@ def test_live_callbacks_and_the_online_probe_of_each_arm_equal_a_direct_computat
         row = logged(run, "sinks", step)
         for layer, want in enumerate(direct_sinks(probabilities, recorder.ids[step], (0, 2)), 1):
             for name, value in want.items():
-                assert row[f"sinks/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, layer, name)
+                assert row[f"sinks_by_layer/layer_{layer}/{name}"] == pytest.approx(value, abs=1e-5), (step, layer, name)
         row = logged(run, "outliers", step)  # massive activations and Bondarenko's statistics, live, by hand
         for layer, want in enumerate(direct_magnitudes(hidden)):
-            key = f"outliers/layer_{layer}"
+            key = f"outliers_by_layer/layer_{layer}"
             for name in ("kurtosis_sequence", "inf_norm_sequence"):
                 assert row[f"{key}/{name}"] == pytest.approx(want[name], rel=1e-4), (step, key, name)
             assert row[f"{key}/massive_ratio"] == pytest.approx(want["massive_ratio"], rel=0.02)  # the histogram

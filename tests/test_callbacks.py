@@ -482,6 +482,9 @@ def test_two_process_ddp_logs_what_one_process_logs(single, corpus, cache, tmp_p
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)  # a deadlock (a rank left waiting in a collective) times out
     assert result.returncode == 0, result.stderr[-3000:]
+    # one W&B run for the two processes: rank 1 starts none, and the run is the one kept in the run directory
+    (part,) = (root / "wandb").glob("offline-run-*")
+    assert part.name.endswith("-" + (root / "wandb_run_id").read_text().strip())
     one, two = single[0], wandb_run(root)
     prefixes = (("outliers", (0, 2, 4)), ("position_probe", (0, 2, 4)), ("val_outliers", (VAL_STEP,)),
                 ("val_position_probe", (VAL_STEP,)), ("attention", (0, 2, 4)), ("val_attention", (VAL_STEP,)),
@@ -633,7 +636,8 @@ def test_without_credentials_wandb_goes_offline_with_one_line(built, tmp_path, m
     # nothing else: W&B's own offline banner and run summary repeat that line
     assert not [line for line in (captured.out + captured.err).splitlines() if line.lower().startswith("wandb:")]
     (directory,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
-    assert lines[0].endswith(f"wandb sync {directory}")
+    sync = lines[0].split("wandb sync ")[-1]  # every part of this run (one per start): here the one
+    assert sorted(Path("/").glob(sync.lstrip("/"))) == [directory] and sync.endswith(f"-{logger.run_id}")
     assert read_run(directory).values("outliers/x") == [0.5]
 
 

@@ -496,6 +496,49 @@ def longest_shared(text: str, source: str) -> int:
 # The rows of docs/errors.md's tables and the tests that run each of them: bad inputs by (entry point, bad input),
 # faults by their name, each as written in the table's first cells.
 ERROR_ROW_TESTS = {
+    ('analyze.py', '`--sink_epsilon` outside [0, 1) (outliers, trajectory)'): [
+        'test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing',
+    ],
+    ('analyze.py', '`--massive_ratio` or `--magnitude_threshold` not positive, `--massive_min` negative, `--massive_top_k` below 1, `--magnitude_share` outside (0, 1]'): [
+        'test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: an unknown intervention'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: a position intervention on a model without an absolute position table (rotary, relative, none)'): [
+        'test_intervene_families.py::test_what_a_family_cannot_take_is_one_line_and_writes_nothing',
+    ],
+    ('analyze.py', "intervene: a position intervention on a model whose table is all zeros (this project's no-PE models)"): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: `token_type_zero` on a model without token-type embeddings (DistilBERT)'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+        'test_intervene_families.py::test_what_a_family_cannot_take_is_one_line_and_writes_nothing',
+    ],
+    ('analyze.py', 'intervene: `layernorm_zero` on a model without a LayerNorm or RMSNorm over the hidden size'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: a dimension outside the model'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: a layer outside the model'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: `--dims` or `--layers` not understood'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: a negative `--controls`'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: `--probe` with too few epochs or sentences'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', 'intervene: `--probe` under torchrun'): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', "intervene: fewer non-outlier dimensions than the controls need (after the unmodified model's pass; nothing written)"): [
+        'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
     # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
     ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
         'test_trajectory.py::test_several_runs_refuse_bad_input_in_one_line_and_write_nothing',
@@ -891,6 +934,13 @@ ERROR_ROW_TESTS = {
         'test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing',
         'test_refusals.py::test_a_partly_random_model_is_analysed_only_when_asked_for',
     ],
+    ("every entry point", "a hub id or datasets name with no network and no `HF_HUB_OFFLINE`"): [
+        "test_offline.py::test_unreachable_hub_fails_in_seconds_with_the_way_out_and_no_hub_call",
+    ],
+    ("analyze.py compare", "no report given"): ["test_compare.py::test_bad_usage_is_one_line"],
+    ("analyze.py compare", "a missing report, or a JSON file that is no outliers report"): [
+        "test_compare.py::test_bad_usage_is_one_line",
+    ],
     ("analyze.py", "unknown hub id (offline or not found)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
@@ -1060,6 +1110,10 @@ ERROR_ROW_TESTS = {
     ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
 }
 FAULT_ROW_TESTS = {
+    "the W&B run of a stopped run": [
+        "test_one_run.py::test_a_stopped_resumed_and_rerun_training_run_is_one_wandb_run_with_every_step_once",
+        "test_callbacks.py::test_two_process_ddp_logs_what_one_process_logs",
+    ],
     "`kill -9` mid-step": ["test_faults.py::test_kill_9_mid_step_then_resume_equals_an_uninterrupted_run"],
     "a kill inside a checkpoint write": [
         "test_faults.py::test_a_kill_inside_a_checkpoint_write_keeps_the_previous_one",

@@ -15,8 +15,10 @@ from torch import nn
 from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
 import analyze
+from analyses.intervene import parse_request
+from core.errors import UserError
 from datamodules.masking import MaskCollator
-from lightning_modules.interventions import Intervention, intervene
+from lightning_modules.interventions import Intervention, check_intervention, intervene
 from metrics.controls import control_summary, empirical_p_value
 from tests.tiny import (
     HIDDEN,
@@ -274,6 +276,9 @@ def test_bad_requests_are_one_line_and_write_nothing(tmp_path, bert_tok, roberta
         "no token types": ([distil, "--interventions", "token_type_zero"], "token_type_zero needs token-type"),
         "bad dims": ([bert, "--dims", "a,b"], "--dims must be a list of numbers"),
         "negative controls": ([bert, "--controls", "-1"], "--controls must be 0 or more"),
+        "probe without epochs": ([bert, "--probe", "--probe_epochs", "0"], "--probe needs --probe_epochs >= 1"),
+        "too few control dims": ([bert, "--dims", "0-20", "--controls", "1"],  # 32 dims: fewer than 21 left once the dims and outliers are out
+                                 "21 control dims wanted, but only"),
     }
     for case, ((encoder, *argv), message) in cases.items():
         out = tmp_path / f"out-{case.replace(' ', '-')}"
@@ -281,6 +286,17 @@ def test_bad_requests_are_one_line_and_write_nothing(tmp_path, bert_tok, roberta
         errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
         assert len(errors) == 1 and message in errors[0], (case, errors)
         assert not out.exists(), case
+    args = analyze.build_parser().parse_args(["intervene", "--probe"])  # under torchrun: refused before any work
+    with pytest.raises(UserError, match="--probe trains in one process"):
+        parse_request(args, world=2)
+    normless = AutoModel.from_pretrained(bert)  # every LayerNorm gone: nothing layernorm_zero could edit
+    for name, module in list(normless.named_modules()):
+        for child, value in list(module.named_children()):
+            if isinstance(value, torch.nn.LayerNorm):
+                setattr(module, child, torch.nn.Identity())
+    with pytest.raises(UserError, match="layernorm_zero needs LayerNorms or RMSNorms over the hidden size, and x has none"):
+        check_intervention(normless, "layernorm_zero", "x")
+    capfd.readouterr()  # transformers' loading bar of the model built above
     with pytest.raises(SystemExit) as exit_info:  # argparse: an unknown intervention
         run("--encoder", bert, "--data", data, "--interventions", "position_median", "--output_dir", tmp_path / "x")
     assert exit_info.value.code == 2 and not (tmp_path / "x").exists()

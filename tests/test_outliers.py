@@ -274,3 +274,29 @@ def test_no_report_credits_the_paper_with_a_number_it_does_not_give(tmp_path, be
               "auto: each non-input layer's own outlier dims zeroed in that layer only, the paper's Appendix D rule for "
               "deep models (24 > 12 layers: their outliers move across layer ranges)"]
     assert all(credits_the_paper(text) for text in before)
+
+
+def test_electra_positions_traced_through_its_embedding_projection():
+    """ELECTRA with embedding_size E != hidden_size H: its position rows reach the hidden space through
+    `embeddings_project` (rows @ W.T, no bias), as ALBERT's through embedding_hidden_mapping_in."""
+    from transformers import ElectraConfig, ElectraModel
+
+    from core.models import position_rows
+    from metrics.origins import trace_origins
+
+    torch.manual_seed(0)
+    config = ElectraConfig(vocab_size=60, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=24)
+    model = ElectraModel(config).eval()
+    table, projection = model.embeddings.position_embeddings.weight, model.embeddings_project.weight  # [24, 16], [32, 16]
+    planted = [0, 3, 4, 9]
+    with torch.no_grad():  # a large value in E-space dim 5 of a few rows, sent by the projection to hidden dim 30
+        table[planted, 5] += 6.0
+        projection[30, 5] = 2.0
+    expected = table.detach() @ projection.detach().T  # [positions, H], computed directly
+    rows, note = position_rows(model)
+    torch.testing.assert_close(rows, expected)  # BERT-style numbering from 0: every row a token can use
+    assert "embeddings_project" in note and "E=16" in note and "H=32" in note
+    report = trace_origins(model, [30])
+    as_max = (expected.argmax(1) == 30).nonzero().flatten().tolist()
+    assert set(planted) <= set(as_max) and report["position_embeddings"]["dims"]["30"]["positions_as_max"] == as_max

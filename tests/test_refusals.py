@@ -406,12 +406,14 @@ def test_warnings_print_as_one_line_each():
         "warning: 4 of 40 sentences were truncated\n"
 
 
-def test_lightning_tips_are_dropped_and_its_other_lines_kept():
-    """Lightning logs a tip (an advert for its cloud logger) whenever a Trainer is made: after plain_warnings it never
-    reaches a handler, whether logged directly or held back and handed over by core.cli.HeldLogs; the banner stays."""
+def test_lightning_lines_with_nothing_to_act_on_are_dropped_and_its_other_lines_kept():
+    """Lightning logs a tip (an advert for its cloud logger) whenever a Trainer is made, "GPU available: False" on a CPU,
+    "Seed set to 0": after plain_warnings none reaches a handler, whether logged directly or held back and handed over
+    by core.cli.HeldLogs; a line to act on ("GPU available: True, used: False") stays."""
     import logging
 
     import pytorch_lightning as pl
+    from pytorch_lightning.utilities import rank_zero_info
 
     from core.cli import HeldLogs
     from core.errors import plain_warnings
@@ -424,27 +426,38 @@ def test_lightning_tips_are_dropped_and_its_other_lines_kept():
         def emit(self, record):
             self.lines.append(record.getMessage())
 
-    keep, package = Keep(), logging.getLogger("pytorch_lightning")
-    package.addHandler(keep)
-    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "pytorch_lightning.utilities.rank_zero")]
-    saved = [logger.filters[:] for logger in loggers]
-    for logger in loggers:  # as before any plain_warnings() of an earlier test
-        logger.filters = [f for f in logger.filters if type(f).__name__ != "_NoTips"]
+    keep, packages = Keep(), [logging.getLogger(name) for name in ("pytorch_lightning", "lightning_fabric")]
+    for package in packages:
+        package.addHandler(keep)
+    holders = [holder for name in ("pytorch_lightning", "pytorch_lightning.utilities.rank_zero", "lightning_fabric",
+                                   "lightning_fabric.utilities.seed")
+               for holder in (logging.getLogger(name), *logging.getLogger(name).handlers)]
+    saved = [holder.filters[:] for holder in holders]
+    for holder in holders:  # as before any plain_warnings() of an earlier test
+        holder.filters = [f for f in holder.filters if type(f).__name__ != "_Unactionable"]
+    actionable = "GPU available: True, used: False"
     try:
         pl.Trainer(logger=False, enable_progress_bar=False)
+        pl.seed_everything(0)
         assert any(line.startswith("💡 Tip") for line in keep.lines)  # what Lightning does on its own
+        assert "GPU available: False, used: False" in keep.lines and "Seed set to 0" in keep.lines
         plain_warnings()
         keep.lines.clear()
         pl.Trainer(logger=False, enable_progress_bar=False)
+        pl.seed_everything(0)
+        rank_zero_info(actionable)
         held = HeldLogs()
         pl.Trainer(logger=False, enable_progress_bar=False)
+        pl.seed_everything(0)
+        rank_zero_info(actionable)
         held.release(emit=True)
     finally:
-        package.removeHandler(keep)
-        for logger, filters in zip(loggers, saved):
-            logger.filters = filters
-    assert not any("Tip" in line for line in keep.lines)
-    assert sum(line.startswith("GPU available") for line in keep.lines) == 2  # direct and held
+        for package in packages:
+            package.removeHandler(keep)
+        for holder, filters in zip(holders, saved):
+            holder.filters = filters
+    assert not any("Tip" in line or "available: False" in line or line.startswith("Seed set") for line in keep.lines)
+    assert keep.lines.count(actionable) == 2  # direct and held
 
 
 def run_checkpoint(path: Path, roberta_tok) -> None:

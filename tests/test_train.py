@@ -522,57 +522,6 @@ def test_model_takes_pad_bos_eos_ids_from_the_tokenizer(corpus, cache, tmp_path,
         assert expected != (1, 0, 2)
 
 
-def outliers_report(encoder: str, layers: list[tuple], persistent: list[int], note: str | None) -> dict:
-    """A minimal outliers.json with the keys compare_outliers.py reads."""
-    return {"encoder": encoder, "num_tokens": 12345, "persistent_dims": persistent,
-            "origins": {"position_embeddings_note": note},
-            "layers": [{"layer": i, "argmax_dim": a, "argmax_share": sa, "argmin_dim": b, "argmin_share": sb,
-                        "outlier_dims": dims} for i, (a, sa, b, sb, dims) in enumerate(layers)]}
-
-
-def test_compare_outliers_prints_both_reports_side_by_side(tmp_path):
-    import re
-
-    left = outliers_report("runs/demo/tiny-pe", [(5, 0.83, 17, 0.071, [5, 17]),
-                                                        (588, 0.42, 77, 0.36, [3, 77, 100, 200, 588, 600])],
-                           [77], None)
-    right = outliers_report("runs/demo/tiny-nope/export", [(9, 0.19, 2, 0.64, []), (31, 0.97, 4, 0.012, [31])],
-                            [], "all zeros: no positional embeddings")
-    paths = []
-    for name, report in (("pe.json", left), ("nope.json", right)):
-        (tmp_path / name).write_text(json.dumps(report))
-        paths.append(str(tmp_path / name))
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_outliers.py"), *paths], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    cell = r"max\s+(\d+)\s+(\d+)%\s+min\s+(\d+)\s+(\d+)%\s+(\S+)"
-    rows = [re.fullmatch(rf"\s*(\d+)\s+{cell}\s+{cell}\s*", line) for line in lines]
-    rows = [row.groups() for row in rows if row]
-    assert len(rows) == 2
-    for layer, row in enumerate(rows):
-        assert int(row[0]) == layer
-        for report, values in ((left, row[1:6]), (right, row[6:11])):
-            entry = report["layers"][layer]
-            assert int(values[0]) == entry["argmax_dim"] and int(values[1]) == round(100 * entry["argmax_share"])
-            assert int(values[2]) == entry["argmin_dim"] and int(values[3]) == round(100 * entry["argmin_share"])
-            dims = entry["outlier_dims"]
-            shown = ",".join(map(str, dims[:4])) + ("…" if len(dims) > 4 else "") if dims else "-"
-            assert values[4] == shown
-    header = next(line for line in lines if line.strip().startswith("layer"))
-    assert header.split() == ["layer", "tiny-pe", "tiny-nope"]  # each column named after its run
-    assert "12,345 / 12,345 tokens" in result.stdout
-    summary = [line for line in lines if "persistent outlier dims" in line]
-    assert summary == ["tiny-pe: persistent outlier dims [77]; largest argmax share 83%; positional embeddings: "
-                       "position table traced",
-                       "tiny-nope: persistent outlier dims none; largest argmax share 97%; positional embeddings: "
-                       "all zeros: no positional embeddings"]
-    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_outliers.py"), paths[0],
-                              str(tmp_path / "absent.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 2 and missing.stderr.strip().startswith("compare_outliers.py: error: cannot read")
-    assert len(missing.stderr.strip().splitlines()) == 1
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:--model.warmup_steps 20 does not end:UserWarning")  # the config's, cut to 5 steps
 def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseline(tmp_path):

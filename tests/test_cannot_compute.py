@@ -1,0 +1,52 @@
+"""A statistic that cannot be computed on the data given says so, once, in one warning line with what it needs:
+IsoScore* with fewer sentences than its mini-batches need (one random token per sentence)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import analyze
+from tests.tiny import corpus_sentences, save_tiny_encoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, bert_tok):
+    root = tmp_path_factory.mktemp("cannot_compute")
+    sentences = [s for s in corpus_sentences(200) if s.strip()][:30]
+    (root / "s.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    return save_tiny_encoder(root / "bert", "bert", bert_tok), root / "s.txt", len(sentences)
+
+
+def isotropy(tiny, tmp_path, capsys, *argv) -> tuple[dict, list[str]]:
+    encoder, data, _ = tiny
+    out = tmp_path / "out"
+    assert analyze.main(["isotropy", "--encoder", str(encoder), "--data", str(data), "--max_sentences", "0",
+                         "--max_length", "32", "--no_progress", "--clip", "none", "--output_dir", str(out),
+                         *argv]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    return json.loads((out / "isotropy.json").read_text()), warnings
+
+
+def test_isoscore_star_with_too_few_sentences_says_what_it_needs_once(tiny, tmp_path, capsys):
+    _, _, sentences = tiny  # 30 sentences, each with tokens: 30 random tokens, fewer than one mini-batch of 250
+    report, warnings = isotropy(tiny, tmp_path, capsys)
+    expected = (f"IsoScore* not computed ('-'): --minibatches 4 of --minibatch 250 tokens need 1000 sentences with a "
+                f"token (one random token each), got {sentences}; lower --minibatch or give more sentences "
+                "(--max_sentences)")
+    assert warnings == [f"warning: {expected}"]  # one line, once (not once per variant or layer)
+    assert report["isoscore_star_warning"] == expected and report["num_minibatches"] == 0
+    assert all(row["raw"]["isoscore_star"] is None for row in report["layers"])
+
+
+def test_isoscore_star_over_fewer_mini_batches_than_asked_says_so(tiny, tmp_path, capsys):
+    _, _, sentences = tiny
+    report, warnings = isotropy(tiny, tmp_path, capsys, "--minibatch", "8")
+    batches = sentences // 8  # 3 whole mini-batches of 8 of the 30 random tokens
+    assert report["num_minibatches"] == batches < 4
+    assert warnings == [f"warning: IsoScore* averaged over {batches} mini-batches, not 4: --minibatches 4 of "
+                        f"--minibatch 8 tokens need 32 sentences with a token (one random token each), got {sentences}"]
+    assert all(row["raw"]["isoscore_star"] is not None for row in report["layers"])
+    report, warnings = isotropy(tiny, tmp_path / "enough", capsys, "--minibatch", "7")  # 4 x 7 = 28 <= 30: all
+    assert report["num_minibatches"] == 4 and "isoscore_star_warning" not in report and warnings == []

