@@ -290,7 +290,7 @@ def test_bad_requests_are_one_line_and_write_nothing(tmp_path, bert_tok, roberta
     with pytest.raises(UserError, match="--probe trains in one process"):
         parse_request(args, world=2)
     normless = AutoModel.from_pretrained(bert)  # every LayerNorm gone: nothing layernorm_zero could edit
-    for name, module in list(normless.named_modules()):
+    for module in list(normless.modules()):
         for child, value in list(module.named_children()):
             if isinstance(value, torch.nn.LayerNorm):
                 setattr(module, child, torch.nn.Identity())
