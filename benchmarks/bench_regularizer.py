@@ -38,8 +38,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
 
+import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_callbacks import QUICK, WindowTimer  # noqa: E402
+from bench_callbacks import QUICK  # noqa: E402
 
 from lightning_modules.training import TrainingModule  # noqa: E402
 
@@ -69,6 +70,23 @@ class ShrinkageTimer:
 
     def __exit__(self, *exc) -> None:
         TrainingModule.refresh_shrinkage = self.original
+
+
+class WindowTimer(pl.Callback):
+    """Wall and process CPU time from the start of optimizer step `start` to the end of step `start + steps - 1`
+    (callbacks included: this one is appended last)."""
+
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.stop = start, start + steps
+        self.wall = self.cpu = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.start and self.wall is None:
+            self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.stop and isinstance(self.wall, float) and not hasattr(self, "wall_s"):
+            self.wall_s, self.cpu_s = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
 def fit(args: list[str], steps: int, start: int = 1) -> tuple[WindowTimer, ShrinkageTimer]:
