@@ -6,7 +6,7 @@ outlier verdict of its last capture (persistent dims, top share, kurtosis), prin
     pretraining finished at step 200: runs/pretrain/tiny
       export       runs/pretrain/tiny/export (analyze.py outliers --encoder runs/pretrain/tiny)
       checkpoints  runs/pretrain/tiny/checkpoints/last.ckpt (resume or extend: --ckpt_path last)
-      W&B          offline run 5mfme1xx in runs/pretrain/tiny/wandb; upload: wandb sync runs/.../offline-run-*-5mfme1xx
+      W&B          offline run 5mfme1xx in runs/pretrain/tiny/wandb; upload: wandb sync runs/.../offline-run-*-5mfme1xx*
       validation   loss 6.338 at step 200
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 

@@ -17,8 +17,8 @@ One W&B run per training run (`keep_runs`, called by train.py and probe.py): its
 (RUN_ID_FILE) and in every checkpoint (KeepRunId, key CHECKPOINT_KEY), and a resume (--ckpt_path last, a SIGTERM /
 SLURM requeue, a re-run of a finished run) continues that run (resume="allow" with the kept id), its history at the
 resumed step. An id given by the user (--trainer.logger.init_args.id) wins; a fresh start gets a new run. Only global
-rank zero ever starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run: `wandb
-sync <root>/wandb/offline-run-*-<id>` uploads them together, in order, as that one run.
+rank zero ever starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run (`-<id>-1` when two start within
+the same second): `wandb sync <root>/wandb/offline-run-*-<id>*` uploads them together, in order, as that one run.
 
 log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
 it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
@@ -131,13 +131,13 @@ class AutoWandbLogger(WandbLogger):
         """This run's offline directories (one per start: the first and each resume), oldest first."""
         if self.run_id is None or self._wandb_init.get("dir") is None:
             return []
-        return sorted((Path(self._wandb_init["dir"]) / "wandb").glob(f"offline-run-*-{self.run_id}"))
+        return sorted((Path(self._wandb_init["dir"]) / "wandb").glob(f"offline-run-*-{self.run_id}*"))
 
     def sync_command(self) -> str | None:
         """The command that uploads every offline part of this run (None unless it ran offline)."""
         if self.mode != "offline" or self._wandb_init.get("dir") is None:
             return None
-        return f"wandb sync {Path(self._wandb_init['dir']) / 'wandb'}/offline-run-*-{self.run_id}"
+        return f"wandb sync {Path(self._wandb_init['dir']) / 'wandb'}/offline-run-*-{self.run_id}*"
 
     def use_dir(self, directory: str | os.PathLike) -> None:
         """Set save_dir unless one was given or the run has started."""

@@ -336,7 +336,7 @@ def test_attention_geometry_of_each_variant_equals_the_eager_projections_and_sof
     assert sorted(recorder.attention) == [0, 2, 4]
     for step, record in recorder.attention.items():
         live.check_attention(live.logged(run, "attention", step), "attention", live.expected_attention([record], step))
-    live.check_attention(live.logged(run, "val_attention", live.STEPS), "val_attention",
+    live.check_attention(live.logged(run, "val_attention", live.VAL_STEP), "val_attention",
                          live.expected_attention(recorder.val_attention, None))
 
 
