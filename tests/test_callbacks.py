@@ -637,7 +637,7 @@ def test_without_credentials_wandb_goes_offline_with_one_line(built, tmp_path, m
     assert not [line for line in (captured.out + captured.err).splitlines() if line.lower().startswith("wandb:")]
     (directory,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     sync = lines[0].split("wandb sync ")[-1]  # every part of this run (one per start): here the one
-    assert sorted(Path("/").glob(sync.lstrip("/"))) == [directory] and sync.endswith(f"-{logger.run_id}")
+    assert sorted(Path("/").glob(sync.lstrip("/"))) == [directory] and sync.endswith(f"-{logger.run_id}*")
     assert read_run(directory).values("outliers/x") == [0.5]
 
 
