@@ -14,7 +14,7 @@ from pathlib import Path
 from core.errors import UserError, first_line
 from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
-from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab
+from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab, token_type_of
 
 KINDS = {"mlm": ("MLM pretraining", "MLMModule", "position_embeddings"),  # what a checkpoint of each is, and the
          "finetune": ("fine-tuning", "FineTuneModule", "classes")}  # hyper-parameter only its module has
@@ -52,7 +52,7 @@ def load_checkpoint_model(path: str | Path):
     try:
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
                             dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
-                            attention=attention)
+                            attention=attention, token_type_embeddings=token_type_of(hparams))
     except (TypeError, ValueError, RuntimeError) as error:  # sizes that describe no model (a hand-edited file)
         raise UserError(f"{path}: its hyper-parameters describe no model ({first_line(error)})") from None
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()
