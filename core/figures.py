@@ -146,15 +146,25 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
 def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int = 3):
     """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
 
-    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis)."""
+    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis). A series
+    given as (steps, values, low, high) also draws the band from low to high (e.g. the range over seeds); a panel's
+    "thresholds": {name: (steps, values)} draws a dashed line in the colour of the series of that name (e.g. the level
+    above which it is beyond its null), and "threshold_label" names the dashed lines in the legend."""
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
         colors = plt.cm.viridis(np.linspace(0, 1, max(len(series), 2)))
-        for (name, (steps, values)), color in zip(series.items(), colors):
+        for (name, (steps, values, *band)), color in zip(series.items(), colors):
             ax.plot(list(steps), list(values), marker="o", markersize=2.5, linewidth=1, color=color, label=name)
+            if band:
+                ax.fill_between(list(steps), np.asarray(band[0], dtype=float), np.asarray(band[1], dtype=float),
+                                color=color, alpha=0.2, linewidth=0)
+            if name in panel.get("thresholds", {}):
+                steps, values = panel["thresholds"][name]
+                label = panel.get("threshold_label") if name == next(iter(panel["thresholds"])) else None
+                ax.plot(list(steps), list(values), linestyle="--", linewidth=0.8, color=color, label=label)
         ax.set_title(panel.get("title", ""), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)

@@ -429,7 +429,7 @@ def test_export_with_the_zero_row_gives_plain_transformers_the_same_hidden_state
     torch.manual_seed(0)
     module = MLMModule(**TINY).eval()
     with torch.no_grad():  # a trained-looking model: every other weight moved off its initialisation
-        for name, parameter in module.model.named_parameters():
+        for parameter in module.model.parameters():
             if parameter.requires_grad:
                 parameter.add_(0.02 * torch.randn_like(parameter))
     export(module, bpe, tmp_path / "export")
