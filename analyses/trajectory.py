@@ -121,7 +121,8 @@ def check_architectures(points: list[Point]) -> None:
 def analyse(args, point: Point, sentences: list[str], rank: int, world: int, encoder=None) -> tuple[dict, int]:
     """One checkpoint: outlier statistics, raw anisotropy and raw IsoScore* per layer, from one reference pass; and the
     encoder's maximum length. `encoder`: one already open (the study's Gaussian null) instead of `point.source`."""
-    if encoder is None:
+    opened = encoder is None
+    if opened:
         args.encoder = point.source
         encoder = collectively(lambda: open_encoder(args))
     setting = setting_of(args, encoder, rank, world)
@@ -146,9 +147,10 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
     max_length = args.max_length or encoder.max_length
     del encoder, setting, reference  # one encoder resident at a time
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if opened:  # (one handed in stays the caller's)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return result, max_length
 
 
