@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -208,9 +209,17 @@ def flat(config: dict, prefix: str = "") -> dict:
 def check_arm_directory(arm: Arm) -> None:
     """A run directory already there must hold this study's arm and seed with the same resolved config (on the keys
     both configs have; a key the older one lacks counts as LEGACY says)."""
-    if (arm.run_dir.parent / ARM_FILE).is_file():
-        raise UserError(f"arm {arm.label}: {arm.run_dir.parent} holds a run of an older study.py (one seed, in the arm's "
+    parent = arm.run_dir.parent
+    if (parent / ARM_FILE).is_file():
+        raise UserError(f"arm {arm.label}: {parent} holds a run of an older study.py (one seed, in the arm's "
                         "directory itself): use another --output_dir or remove it")
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"arm {arm.label}: {parent} is not a directory")
+    foreign = sorted(p.name for p in parent.iterdir() if not (p.is_dir() and re.fullmatch(r"seed\d+", p.name))) \
+        if parent.is_dir() else []
+    if foreign:
+        raise UserError(f"arm {arm.label}: {parent} holds {foreign[0]}, not a study run (seed<k>/): choose another "
+                        "--output_dir or remove it")
     if not arm.run_dir.exists():
         return
     if not arm.run_dir.is_dir():

@@ -20,8 +20,15 @@ from analyses.null import STATISTICS, seed_statistics
 from analyses.trajectory import Point, analyse
 from lightning_modules.encoder import FrozenEncoder
 from lightning_modules.null import GaussianStates, gaussian_encoder
-from metrics.null import across_seeds, beyond, expected_kurtosis, expected_top_share, gaussian_states, top_share_sd
 from metrics.neuron_stats import NeuronStatistics
+from metrics.null import (
+    across_seeds,
+    beyond,
+    expected_kurtosis,
+    expected_top_share,
+    gaussian_states,
+    top_share_sd,
+)
 from tests.tiny import corpus_sentences, tiny_config
 
 # ---- the Gaussian null against its closed forms and a direct computation ----
