@@ -36,8 +36,9 @@ demo-pretrain: venv
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
 	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
 
-# The outlier-causes study (docs/study.md): baseline, no PE, clipped softmax, gated attention on 2 CPU cores, then
-# study.json / study.png. Re-running skips the finished arms and resumes a stopped one.
+# The outlier-causes study (docs/study.md): baseline, no PE, clipped softmax, gated attention, 3 seeds each, on 2 CPU
+# cores, then study.json / study.png with the null and a verdict per arm. Re-running skips the finished runs and
+# resumes a stopped one.
 study: venv
 	$(OFFLINE) $(PY) study.py --config configs/study/study.yaml --output_dir runs/study
 
