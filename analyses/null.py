@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from analyses.session import collectively, open_encoder
-from analyses.trajectory import Point, analyse, summary_of
+from analyses.trajectory import Point, analyse, architecture, summary_of
 from lightning_modules.null import gaussian_encoder
 from metrics.null import across_seeds, beyond, rescaled, verdict_text
 
@@ -60,9 +60,10 @@ def null_value(point: dict, null: dict, key: str) -> float | None:
 
 
 def shape_of(run: dict) -> tuple:
-    """What a Gaussian null must share with a run: the layer count, and the tokens (same sentences, same tokenizer)."""
+    """What a Gaussian null must share with a run: the hidden size, the layer count, and the tokens (the same
+    sentences, tokenizer and length)."""
     first = run["checkpoints"][0]
-    return len(first["layers"]), first["num_tokens"], run["max_length"]
+    return architecture(first["path"])["hidden_size"], len(first["layers"]), first["num_tokens"], run["max_length"]
 
 
 def gaussian_nulls(args, report: dict, sentences: list[str], samples: int, rank: int = 0, world: int = 1) -> list[dict]:
