@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 RUNS ?= runs/demo
 
-.PHONY: demo demo-pretrain study test lint bench venv clean
+.PHONY: demo demo-pretrain study study-bb test lint bench venv clean
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,12 @@ demo-pretrain: venv
 # resumes a stopped one.
 study: venv
 	$(OFFLINE) $(PY) study.py --config configs/study/study.yaml --output_dir runs/study
+
+# The same four arms on the Bigram-Backcopy recipe (configs/study/bb.yaml), where the baseline's outliers pass the null
+# on 2 CPU cores (docs/study.md): the toy corpus first (seeded), then the study.
+study-bb: venv
+	test -f runs/bb/corpus.txt || $(PY) scripts/bigram_backcopy.py --output runs/bb/corpus.txt
+	$(OFFLINE) $(PY) study.py --config configs/study/study-bb.yaml --output_dir runs/study-bb
 
 # Two pytest workers (pytest-xdist), a file each at a time, one intra-op thread each (tests/conftest.py): on 2 cores
 # the suite takes ~15 min instead of ~23. TEST_WORKERS=0 runs it in this process; make test TEST_ARGS='-k probe' etc.
