@@ -7,7 +7,7 @@ trajectories compared against a null.
 
 The study file (configs/study/study.yaml) names train.py's config every arm starts from (`train_config`), the arms
 (`arms`: name -> train.py settings that arm changes, e.g. `model.position_embeddings: false`), the seeds (`seeds`,
-default [0]; `--seeds` overrides them), the null (`null`: `gaussian_samples`, `margin`) and the options of `analyze.py
+default [0]; `--seeds` overrides them), the verdict (`verdict`: the null's `gaussian_samples`, the `margin`) and the options of `analyze.py
 trajectory` for the comparison (`trajectory`). Each run trains in <output_dir>/<arm>/seed<k> (train.py's
 `--seed_everything k`) with every periodic checkpoint kept (`--checkpoint.save_top_k -1`) and the model before its
 first update (`--checkpoint.save_initial true`: step 0, null (a)); then `run_trajectories` (analyses/trajectory.py)
@@ -38,8 +38,8 @@ import yaml
 from core.errors import UserError
 from core.output import atomic_file, check_writable
 
-STUDY_KEYS = ("train_config", "arms", "seeds", "null", "trajectory")
-NULL_DEFAULTS = {"gaussian_samples": 3, "margin": 0.5}  # the study file's `null` (analyses/null.py, docs/study.md)
+STUDY_KEYS = ("train_config", "arms", "seeds", "verdict", "trajectory")
+VERDICT_DEFAULTS = {"gaussian_samples": 3, "margin": 0.5}  # the study file's `verdict` (analyses/null.py, docs/study.md)
 ARM_FILE = "study_arm.json"  # in each run directory: its train.py arguments, resolved config and training time
 SET_BY_STUDY = ("trainer.default_root_dir", "trainer.max_steps", "checkpoint.dirpath", "checkpoint.save_top_k",
                 "checkpoint.save_initial", "seed_everything", "ckpt_path")  # an arm may not set these: the study does
@@ -80,7 +80,7 @@ def read_study(path: str | Path) -> dict:
         raise UserError(f"study config {path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(study, dict):
         raise UserError(f"study config {path} must be a mapping with {', '.join(STUDY_KEYS)}")
-    unknown = sorted(set(study) - set(STUDY_KEYS))
+    unknown = sorted((str(key) for key in set(study) - set(STUDY_KEYS)), key=str)
     if unknown:
         raise UserError(f"study config {path}: unknown key {unknown[0]!r} (expected {', '.join(STUDY_KEYS)})")
     given = study.get("train_config")
@@ -117,7 +117,7 @@ def read_study(path: str | Path) -> dict:
     except UserError as error:
         raise UserError(f"study config {path}: seeds: {error}") from None
     return {"train_config": train_configs, "arms": {name: dict(settings or {}) for name, settings in arms.items()},
-            "seeds": seeds, "null": read_null(study.get("null"), path), "trajectory": dict(trajectory)}
+            "seeds": seeds, "verdict": read_verdict(study.get("verdict"), path), "trajectory": dict(trajectory)}
 
 
 def check_seeds(seeds: list) -> list[int]:
@@ -129,17 +129,19 @@ def check_seeds(seeds: list) -> list[int]:
     return list(seeds)
 
 
-def read_null(null, path: Path) -> dict:
-    """The study file's `null`: gaussian_samples (an integer >= 1) and margin (a number >= 0), defaults filled in."""
-    null = {} if null is None else null
-    if not isinstance(null, dict) or set(null) - set(NULL_DEFAULTS):
-        raise UserError(f"study config {path}: null must be a mapping with {', '.join(NULL_DEFAULTS)}")
-    null = {**NULL_DEFAULTS, **null}
-    samples, margin = null["gaussian_samples"], null["margin"]
+def read_verdict(verdict, path: Path) -> dict:
+    """The study file's `verdict`: the null's gaussian_samples (an integer >= 1) and the margin (a number >= 0),
+    defaults filled in."""
+    verdict = {} if verdict is None else verdict
+    if not isinstance(verdict, dict) or set(verdict) - set(VERDICT_DEFAULTS):
+        raise UserError(f"study config {path}: verdict must be a mapping with {', '.join(VERDICT_DEFAULTS)}")
+    verdict = {**VERDICT_DEFAULTS, **verdict}
+    samples, margin = verdict["gaussian_samples"], verdict["margin"]
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-        raise UserError(f"study config {path}: null.gaussian_samples must be an integer of at least 1, got {samples!r}")
+        raise UserError(f"study config {path}: verdict.gaussian_samples must be an integer of at least 1, got "
+                        f"{samples!r}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin < 0:
-        raise UserError(f"study config {path}: null.margin must be a number of at least 0, got {margin!r}")
+        raise UserError(f"study config {path}: verdict.margin must be a number of at least 0, got {margin!r}")
     return {"gaussian_samples": samples, "margin": float(margin)}
 
 
@@ -342,4 +344,4 @@ def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms
         train_arm(arm, rank)
     with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
         return compare_study(trajectory, [(arm.name, arm.seed, str(arm.run_dir)) for arm in planned], str(output_dir),
-                             study["null"], rank=rank, world=world)
+                             study["verdict"], rank=rank, world=world)

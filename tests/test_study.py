@@ -48,7 +48,7 @@ def write_study(folder: Path, corpus: Path, cache: Path, sentences: Path, **base
         base[group][name] = value
     (folder / "base.yaml").write_text(yaml.safe_dump(base), encoding="utf-8")
     config = {"train_config": "base.yaml", "arms": {"baseline": {}, "nope": {"model.position_embeddings": False}},
-              "null": {"gaussian_samples": 2}, "trajectory": {"data": str(sentences), **TRAJECTORY}}
+              "verdict": {"gaussian_samples": 2}, "trajectory": {"data": str(sentences), **TRAJECTORY}}
     (folder / "study.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return folder / "study.yaml"
 
@@ -228,9 +228,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
         assert study.main(["--config", str(config), "--output_dir", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"study.py: error: {message}") and "\n" not in err
-    config.write_text(yaml.safe_dump({**changed, "null": {"margin": -1}}), encoding="utf-8")
+    config.write_text(yaml.safe_dump({**changed, "verdict": {"margin": -1}}), encoding="utf-8")
     assert study.main(["--config", str(config), "--output_dir", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"study.py: error: study config {config}: null.margin must be a number " \
+    assert capsys.readouterr().err.strip() == f"study.py: error: study config {config}: verdict.margin must be a number " \
                                               "of at least 0, got -1"
     assert study.main(["--config", str(tmp_path / "missing.yaml"), "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"study.py: error: cannot read study config {tmp_path / 'missing.yaml'}: " \
@@ -245,3 +245,17 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
                                               "holds notes.txt, not a study run (seed<k>/): choose another " \
                                               "--output_dir or remove it"
     assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["baseline", "notes.txt"]
+
+
+def test_the_shipped_study_files_read_as_written():
+    from analyses.study import read_study
+
+    for name, configs in (("study.yaml", ["base.yaml"]), ("study-bb.yaml", ["base.yaml", "bb.yaml"]),
+                          ("roberta-base.yaml", ["../pretrain/roberta-base.yaml", "roberta-base-checkpoints.yaml"])):
+        path = Path("configs/study") / name
+        study_file = yaml.safe_load(path.read_text())
+        read = read_study(path)
+        assert read["seeds"] == [0, 1, 2] and list(read["arms"]) == ["baseline", "nope", "clipped_softmax", "gated"]
+        assert read["train_config"] == [str(path.parent / config) for config in configs]
+        assert read["verdict"] == {"gaussian_samples": 3, "margin": 0.5}  # written out or the defaults, not lost
+        assert set(study_file) <= {"train_config", "arms", "seeds", "verdict", "trajectory"}
