@@ -111,8 +111,8 @@ def main() -> None:
 
         ratios = []
         for index in range(rounds):
-            single = cpu_seconds(lambda: singles(index))
-            together = cpu_seconds(lambda: study(index))
+            single = cpu_seconds(lambda index=index: singles(index))
+            together = cpu_seconds(lambda index=index: study(index))
             ratios.append(together / single)
             print(f"round {index + 1}: {len(runs)} runs' trajectories {single:.1f} s CPU, the study's comparison "
                   f"{together:.1f} s CPU: {together / single:.3f}", flush=True)
