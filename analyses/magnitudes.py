@@ -76,11 +76,12 @@ class Magnitudes:
             self.sinks = AttentionSinks(encoder.num_layers, int(heads), epsilon, len(self.special_ids)).to(device)
 
     @classmethod
-    def of(cls, args, encoder: FrozenEncoder) -> Magnitudes:
-        """The metrics the options of `analyses.options.add_magnitude_arguments` ask for."""
+    def of(cls, args, encoder: FrozenEncoder, attention: bool = True) -> Magnitudes:
+        """The metrics the options of `analyses.options.add_magnitude_arguments` ask for (the sinks only with
+        `attention`: an encoder that has attention weights to read)."""
         return cls(encoder, MassiveRule(args.massive_rule, args.massive_ratio, args.massive_min),
                    MagnitudeRule(args.magnitude_rule, args.magnitude_threshold, args.magnitude_share),
-                   not args.no_attention_sinks, args.sink_epsilon, args.massive_top_k)
+                   attention and not args.no_attention_sinks, args.sink_epsilon, args.massive_top_k)
 
     def kinds(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] long: each token's index in special_ids (padding is not one), -1 for the others."""

@@ -1,21 +1,24 @@
-"""The outlier-causes study: arms trained one after another by train.py, then their trajectories compared.
+"""The outlier-causes study: every arm trained with every seed by train.py, one run after another, then their
+trajectories compared against a null.
 
-    python study.py --config configs/study/study.yaml --output_dir runs/study              # make study
-    python study.py --config configs/study/study.yaml --arms baseline nope --max_steps 200 \\
+    python study.py --config configs/study/study.yaml --output_dir runs/study                     # make study
+    python study.py --config configs/study/study.yaml --arms baseline nope --seeds 0 --max_steps 200 \\
         --output_dir runs/study-quick                                                             # a quick look
 
 The study file (configs/study/study.yaml) names train.py's config every arm starts from (`train_config`), the arms
-(`arms`: name -> train.py settings that arm changes, e.g. `model.position_embeddings: false`) and the options of
-`analyze.py trajectory` for the comparison (`trajectory`). Each arm trains in <output_dir>/<arm> with every periodic
-checkpoint kept (`--checkpoint.save_top_k -1`); then `compare_runs` (analyses/trajectory.py) analyses every
-checkpoint of every arm on the same sentences and writes <output_dir>/study.json (per arm, per checkpoint, per layer:
-outlier dims and shares, kurtosis, max |activation|, anisotropy, IsoScore*; per checkpoint the MLM validation loss it
-records) and study.png (the arms as lines against the step).
+(`arms`: name -> train.py settings that arm changes, e.g. `model.position_embeddings: false`), the seeds (`seeds`,
+default [0]; `--seeds` overrides them), the verdict (`verdict`: the null's `gaussian_samples`, the `margin`) and the options of `analyze.py
+trajectory` for the comparison (`trajectory`). Each run trains in <output_dir>/<arm>/seed<k> (train.py's
+`--seed_everything k`) with every periodic checkpoint kept (`--checkpoint.save_top_k -1`) and the model before its
+first update (`--checkpoint.save_initial true`: step 0, null (a)); then `run_trajectories` (analyses/trajectory.py)
+analyses every checkpoint of every run on the same sentences, analyses/null.py adds the Gaussian null (b), the
+statistics across seeds and the verdicts, and <output_dir>/study.json and study.png are written.
 
-Everything is checked before anything is written: the study file, every arm's train.py arguments (by train.py's own
+Everything is checked before anything is written: the study file, every run's train.py arguments (by train.py's own
 parser and checks, train.check_arguments: an unknown key or a bad value is one line naming the arm), the trajectory
-options, and each arm directory already there (it must hold this study's arm with the same resolved config). A re-run
-skips the arms finished (their export is there), resumes an arm stopped midway (`--ckpt_path last`), and redoes the
+options, and each run directory already there (it must hold this study's arm and seed with the same resolved config).
+A re-run skips the runs finished (their export is there), resumes a run stopped midway (`--ckpt_path last`), and
+redoes the
 comparison.
 """
 
@@ -25,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,19 +39,30 @@ import yaml
 from core.errors import UserError
 from core.output import atomic_file, check_writable, write_error
 
-STUDY_KEYS = ("train_config", "arms", "trajectory")
-ARM_FILE = "study_arm.json"  # in each arm's run directory: its train.py arguments, resolved config and training time
+STUDY_KEYS = ("train_config", "arms", "seeds", "verdict", "trajectory")
+VERDICT_DEFAULTS = {"gaussian_samples": 3, "margin": 0.5}  # the study file's `verdict` (analyses/null.py, docs/study.md)
+ARM_FILE = "study_arm.json"  # in each run directory: its train.py arguments, resolved config and training time
 SET_BY_STUDY = ("trainer.default_root_dir", "trainer.max_steps", "checkpoint.dirpath", "checkpoint.save_top_k",
-                "ckpt_path")  # an arm may not set these: the study does (one run directory per arm, every checkpoint)
+                "checkpoint.save_initial", "seed_everything", "ckpt_path")  # an arm may not set these: the study does
+# (one run directory per arm and seed, every checkpoint, step 0 too)
+LEGACY = {"model.token_type_embeddings": True, "checkpoint.save_initial": False}  # what a run made before these
+# settings existed had (a learned token-type row, no step-0 checkpoint): not this study's runs any more
 TRAJECTORY_FLAGS = ("exclude_special", "no_progress", "no_attention_sinks")  # store_true trajectory options
 
 
 @dataclass
 class Arm:
+    """One run of the study: an arm trained with one seed."""
+
     name: str
+    seed: int
     run_dir: Path
     args: list[str]  # train.py's arguments (after "fit")
     config: dict  # the config train.py resolves from them (its --print_config)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/seed{self.seed}"
 
     @property
     def finished(self) -> bool:
@@ -66,7 +81,7 @@ def read_study(path: str | Path) -> dict:
         raise UserError(f"study config {path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(study, dict):
         raise UserError(f"study config {path} must be a mapping with {', '.join(STUDY_KEYS)}")
-    unknown = sorted(set(study) - set(STUDY_KEYS))
+    unknown = sorted((str(key) for key in set(study) - set(STUDY_KEYS)), key=str)
     if unknown:
         raise UserError(f"study config {path}: unknown key {unknown[0]!r} (expected {', '.join(STUDY_KEYS)})")
     given = study.get("train_config")
@@ -97,8 +112,38 @@ def read_study(path: str | Path) -> dict:
     trajectory = study.get("trajectory") or {}
     if not isinstance(trajectory, dict):
         raise UserError(f"study config {path}: trajectory must be a mapping of analyze.py trajectory options")
+    seeds = study.get("seeds", [0])
+    try:
+        seeds = check_seeds(seeds if isinstance(seeds, list) else [seeds])
+    except UserError as error:
+        raise UserError(f"study config {path}: seeds: {error}") from None
     return {"train_config": train_configs, "arms": {name: dict(settings or {}) for name, settings in arms.items()},
-            "trajectory": dict(trajectory)}
+            "seeds": seeds, "verdict": read_verdict(study.get("verdict"), path), "trajectory": dict(trajectory)}
+
+
+def check_seeds(seeds: list) -> list[int]:
+    """Distinct non-negative integer seeds, at least one."""
+    if not seeds or not all(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):
+        raise UserError(f"seeds must be one or more non-negative integers, got {seeds}")
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"seed {next(seed for seed in seeds if seeds.count(seed) > 1)} given twice")
+    return list(seeds)
+
+
+def read_verdict(verdict, path: Path) -> dict:
+    """The study file's `verdict`: the null's gaussian_samples (an integer >= 1) and the margin (a number >= 0),
+    defaults filled in."""
+    verdict = {} if verdict is None else verdict
+    if not isinstance(verdict, dict) or set(verdict) - set(VERDICT_DEFAULTS):
+        raise UserError(f"study config {path}: verdict must be a mapping with {', '.join(VERDICT_DEFAULTS)}")
+    verdict = {**VERDICT_DEFAULTS, **verdict}
+    samples, margin = verdict["gaussian_samples"], verdict["margin"]
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise UserError(f"study config {path}: verdict.gaussian_samples must be an integer of at least 1, got "
+                        f"{samples!r}")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin < 0:
+        raise UserError(f"study config {path}: verdict.margin must be a number of at least 0, got {margin!r}")
+    return {"gaussian_samples": samples, "margin": float(margin)}
 
 
 def setting_text(value) -> str:
@@ -110,11 +155,16 @@ def setting_text(value) -> str:
     return "null" if value is None else str(value)
 
 
-def arm_arguments(study: dict, name: str, output_dir: Path, max_steps: int | None) -> list[str]:
+def run_directory(output_dir: Path, name: str, seed: int) -> Path:
+    return output_dir / name / f"seed{seed}"
+
+
+def arm_arguments(study: dict, name: str, seed: int, output_dir: Path, max_steps: int | None) -> list[str]:
     args = [argument for config in study["train_config"] for argument in ("--config", config)]
     for key, value in study["arms"][name].items():
         args += [f"--{key.lstrip('-')}", setting_text(value)]
-    args += ["--trainer.default_root_dir", str(output_dir / name), "--checkpoint.save_top_k", "-1"]
+    args += ["--seed_everything", str(seed), "--trainer.default_root_dir", str(run_directory(output_dir, name, seed)),
+             "--checkpoint.save_top_k", "-1", "--checkpoint.save_initial", "true"]
     if max_steps is not None:
         args += ["--trainer.max_steps", str(max_steps)]
     return args
@@ -166,29 +216,39 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def check_arm_directory(arm: Arm) -> None:
-    """An arm directory already there must hold this study's arm with the same resolved config (on the keys both
-    configs have)."""
+    """A run directory already there must hold this study's arm and seed with the same resolved config (on the keys
+    both configs have; a key the older one lacks counts as LEGACY says)."""
+    parent = arm.run_dir.parent
+    if (parent / ARM_FILE).is_file():
+        raise UserError(f"arm {arm.label}: {parent} holds a run of an older study.py (one seed, in the arm's "
+                        "directory itself): use another --output_dir or remove it")
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"arm {arm.label}: {parent} is not a directory")
+    foreign = sorted(p.name for p in parent.iterdir() if not (p.is_dir() and re.fullmatch(r"seed\d+", p.name))) \
+        if parent.is_dir() else []
+    if foreign:
+        raise UserError(f"arm {arm.label}: {parent} holds {foreign[0]}, not a study run (seed<k>/): choose another "
+                        "--output_dir or remove it")
     if not arm.run_dir.exists():
         return
     if not arm.run_dir.is_dir():
-        raise UserError(f"arm {arm.name}: {arm.run_dir} is not a directory")
+        raise UserError(f"arm {arm.label}: {arm.run_dir} is not a directory")
     record = arm.run_dir / ARM_FILE
     if not record.is_file():
         if any(arm.run_dir.iterdir()):
-            raise UserError(f"arm {arm.name}: {arm.run_dir} holds files but no {ARM_FILE} (not a study arm): choose "
+            raise UserError(f"arm {arm.label}: {arm.run_dir} holds files but no {ARM_FILE} (not a study run): choose "
                             "another --output_dir or remove it")
         return
     try:
         saved = json.loads(record.read_text(encoding="utf-8"))
-        old, new = flat(saved["config"]), flat(arm.config)
+        old, new = {**LEGACY, **flat(saved["config"])}, flat(arm.config)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(f"arm {arm.name}: {record} cannot be read: remove {arm.run_dir} to train the arm again") \
-            from None
+        raise UserError(f"arm {arm.label}: {record} cannot be read: remove {arm.run_dir} to train it again") from None
     # a key only one side has is one a newer train.py added (its default then): not a change of the arm's settings
     differ = sorted(key for key in set(old) & set(new) if old[key] != new[key])
     if differ:
         key = differ[0]
-        raise UserError(f"arm {arm.name}: {arm.run_dir} was trained with other settings ({key}: {old.get(key)!r} "
+        raise UserError(f"arm {arm.label}: {arm.run_dir} was trained with other settings ({key}: {old.get(key)!r} "
                         f"there, {new.get(key)!r} now{f', and {len(differ) - 1} more' if len(differ) > 1 else ''}): "
                         "use another --output_dir or remove it")
 
@@ -216,13 +276,16 @@ def trajectory_arguments(options: dict, output_dir: Path, parse_trajectory):
 
 
 def plan_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms: list[str] | None = None,
-               max_steps: int | None = None, write_check: bool = True) -> tuple[dict, list[Arm], object]:
-    """Everything checked, nothing written: the study, its arms (resolved by train.py's parser) and the trajectory
-    options (`parse_trajectory`: analyze.py's parser and checks, given by study.py)."""
+               max_steps: int | None = None, write_check: bool = True, seeds: list[int] | None = None
+               ) -> tuple[dict, list[Arm], object]:
+    """Everything checked, nothing written: the study, its runs (every arm with every seed, resolved by train.py's
+    parser) and the trajectory options (`parse_trajectory`: analyze.py's parser and checks, given by study.py)."""
     study = read_study(config)
     output_dir = Path(output_dir)
     if max_steps is not None and max_steps < 1:
         raise UserError(f"--max_steps must be at least 1, got {max_steps}")
+    if seeds is not None:
+        study["seeds"] = check_seeds(list(seeds))
     names = list(study["arms"]) if not arms else list(arms)
     unknown = [name for name in names if name not in study["arms"]]
     if unknown:
@@ -233,8 +296,9 @@ def plan_study(config: str | Path, output_dir: str | Path, parse_trajectory, arm
         raise UserError(f"output directory {output_dir} is a file")
     planned = []
     for name in names:
-        args = arm_arguments(study, name, output_dir, max_steps)
-        planned.append(Arm(name, output_dir / name, args, resolve(name, args)))
+        for seed in study["seeds"]:
+            args = arm_arguments(study, name, seed, output_dir, max_steps)
+            planned.append(Arm(name, seed, run_directory(output_dir, name, seed), args, resolve(name, args)))
     for arm in planned:
         check_arm_directory(arm)
     trajectory = trajectory_arguments(study["trajectory"], output_dir, parse_trajectory)
@@ -250,18 +314,18 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
 
     if arm.finished:
         if rank == 0:
-            print(f"study: arm {arm.name} is finished ({arm.run_dir / 'export'}): skipped")
+            print(f"study: run {arm.label} is finished ({arm.run_dir / 'export'}): skipped")
         return None
     record = arm.run_dir / ARM_FILE
     if rank == 0:
-        write_record(record, {"arm": arm.name, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
+        write_record(record, {"arm": arm.name, "seed": arm.seed, "train_args": ["fit", *arm.args, "--ckpt_path", "last"],
                               "config": arm.config})
-        print(f"study: training arm {arm.name} in {arm.run_dir}")
+        print(f"study: training {arm.label} in {arm.run_dir}")
     started = time.perf_counter()
     with quiet_cli():
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"])  # resumes an arm stopped midway
     if code != 0:
-        raise UserError(f"arm {arm.name}: train.py exited with status {code} (rerun the study to resume it)")
+        raise UserError(f"arm {arm.label}: train.py exited with status {code} (rerun the study to resume it)")
     seconds = time.perf_counter() - started
     if rank != 0:
         return seconds
@@ -281,39 +345,17 @@ def write_record(record: Path, payload: dict) -> None:
 
 
 def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms: list[str] | None = None,
-              max_steps: int | None = None) -> dict:
-    """Train the arms in sequence (skipping finished ones), then compare them: <output_dir>/study.json and study.png.
-    Returns study.json's content."""
+              max_steps: int | None = None, seeds: list[int] | None = None) -> dict:
+    """Train every arm with every seed in sequence (skipping finished runs), then compare them against the null:
+    <output_dir>/study.json and study.png. Returns study.json's content."""
     from analyses.session import distributed
-    from analyses.trajectory import compare_runs
+    from analyses.study_report import compare_study
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun: every rank runs the study (train.py forms its group)
-    study, planned, trajectory = plan_study(config, output_dir, parse_trajectory, arms, max_steps, write_check=rank == 0)
+    study, planned, trajectory = plan_study(config, output_dir, parse_trajectory, arms, max_steps, write_check=rank == 0,
+                                            seeds=seeds)
     for arm in planned:
         train_arm(arm, rank)
     with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
-        report = compare_runs(trajectory, [(arm.name, str(arm.run_dir)) for arm in planned], str(output_dir),
-                              stem="study", rank=rank, world=world)
-    if rank == 0:
-        print_study(report)
-    return report
-
-
-def print_study(report: dict) -> None:
-    """One line per arm and checkpoint: the top outlier share over layers 1..L with its dimension, kurtosis, max
-    |activation|, anisotropy and the validation loss."""
-    print(f"\n{'arm':<16} {'step':>6}  {'top share (layer, dim)':<24} {'kurtosis':>9} {'max|x|':>8} {'aniso':>6} "
-          f"{'val loss':>8}")
-    for run in report["runs"]:
-        for point in run["checkpoints"]:
-            rows = point["layers"][1:] or point["layers"]
-            best = max(rows, key=lambda row: max(row["argmax_share"], row["argmin_share"]))
-            share, dim = max((best["argmax_share"], best["argmax_dim"]), (best["argmin_share"], best["argmin_dim"]))
-            kurtosis = max(row["kurtosis_mean"] for row in rows)
-            max_abs = max(row["max_abs"] for row in rows)
-            anisotropy = [row["anisotropy"] for row in rows if row["anisotropy"] is not None]
-            loss = point.get("val_loss")
-            where = f"{share:.1%} ({best['layer']}, {dim})"
-            mean_anisotropy = sum(anisotropy) / len(anisotropy) if anisotropy else float("nan")
-            print(f"{run['label']:<16} {point['step']:>6}  {where:<24} {kurtosis:>9.2f} {max_abs:>8.3g} "
-                  f"{mean_anisotropy:>6.3f} {'-' if loss is None else f'{loss:.3f}':>8}")
+        return compare_study(trajectory, [(arm.name, arm.seed, str(arm.run_dir)) for arm in planned], str(output_dir),
+                             study["verdict"], rank=rank, world=world)

@@ -127,13 +127,15 @@ def check_architectures(points: list[Point]) -> None:
                                 f"{key}={first[key]} but {point.source} has {key}={other[key]}")
 
 
-def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> tuple[dict, int]:
+def analyse(args, point: Point, sentences: list[str], rank: int, world: int, encoder=None) -> tuple[dict, int]:
     """One checkpoint: outlier statistics, raw anisotropy and raw IsoScore* per layer, from one reference pass; and the
-    encoder's maximum length."""
-    args.encoder = point.source
-    encoder = collectively(lambda: open_encoder(args))
+    encoder's maximum length. `encoder`: one already open (the study's Gaussian null) instead of `point.source`."""
+    opened = encoder is None
+    if opened:
+        args.encoder = point.source
+        encoder = collectively(lambda: open_encoder(args))
     setting = setting_of(args, encoder, rank, world)
-    magnitudes = Magnitudes.of(args, encoder)
+    magnitudes = Magnitudes.of(args, encoder, attention=opened)  # a Gaussian twin has no attention to read
     reference = reference_pass(setting, sentences, rule=OutlierRule(args.min_share, args.sigma), statistics=True,
                                covariance=True, sample=2 * args.num_pairs, desc=f"step {point.step}",
                                magnitudes=magnitudes)
@@ -157,13 +159,15 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int) -> 
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
                           "outlier_dims": layer.outlier_dims, **statistics[layer.layer], **more[layer.layer],
+                          "scale": number(reference.statistics.layer_scale[layer.layer]),
                           "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
     max_length = args.max_length or encoder.max_length
     del encoder, setting, reference, magnitudes  # one encoder resident at a time
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if opened:  # (one handed in stays the caller's)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return result, max_length
 
 
@@ -258,6 +262,19 @@ def compare_runs(args, runs: list[tuple[str, str]], output_dir: str, stem: str =
     run directory)], labels distinct; `args`: the options of `analyze.py trajectory` (data, sampling, rule, IsoScore*,
     ...), e.g. `analyze.build_parser().parse_args(["trajectory", "--run", RUN_DIR, ...])`. Every run is checked
     (its checkpoints, one architecture within it) before anything is analysed or written."""
+    report, _ = run_trajectories(args, runs, output_dir, rank, world)
+    target = argparse.Namespace(output_dir=output_dir)
+    finish(target, rank, {f"{stem}.json": report}, {f"{stem}.png": lambda: runs_figure(report)})
+    if rank == 0:
+        for single in report["runs"]:
+            print_trajectory(single)
+    return report
+
+
+def run_trajectories(args, runs: list[tuple[str, str]], output_dir: str, rank: int = 0, world: int = 1
+                     ) -> tuple[dict, list[str]]:
+    """compare_runs' report, written nowhere, and the sentences it was analysed on (the study adds its null and seed
+    statistics before writing)."""
     labels = [label for label, _ in runs]
     if len(set(labels)) != len(labels):
         raise UserError(f"duplicate run label {next(x for x in labels if labels.count(x) > 1)!r} in --run (label each "
@@ -285,12 +302,7 @@ def compare_runs(args, runs: list[tuple[str, str]], output_dir: str, stem: str =
                           "kurtosis": "max over layers 1..L of the mean (over tokens) Pearson kurtosis",
                           "max_abs": "max over layers 1..L of max |activation|",
                           "anisotropy": "mean over layers 1..L", "isoscore_star": "mean over layers 1..L"}}
-    target = argparse.Namespace(output_dir=output_dir)
-    finish(target, rank, {f"{stem}.json": report}, {f"{stem}.png": lambda: runs_figure(report)})
-    if rank == 0:
-        for single in reports:
-            print_trajectory(single)
-    return report
+    return report, sentences
 
 
 def summary_of(point: dict, key: str) -> float:

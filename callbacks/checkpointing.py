@@ -55,6 +55,9 @@ class PretrainCheckpoint(ModelCheckpoint):
     Args:
         sigterm_every_n_steps: with several processes, optimizer steps between two SIGTERM agreements (default 10:
             well inside SLURM's usual 30 s to 2 min between SIGTERM and SIGKILL at roberta-base step times).
+        save_initial: also save the model before its first update, at step 0 (a periodic checkpoint's name, and
+            last.ckpt so that a run stopped before its first periodic save resumes), in a run that starts fresh:
+            a trajectory's first point and the study's null (ours; default false; study.py sets it for every arm).
         everything else: ModelCheckpoint's.
     """
 
@@ -62,9 +65,10 @@ class PretrainCheckpoint(ModelCheckpoint):
     _previous_handler = None
     _stop: Preempted | None = None
 
-    def __init__(self, *args, sigterm_every_n_steps: int = 10, **kwargs) -> None:
+    def __init__(self, *args, sigterm_every_n_steps: int = 10, save_initial: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sigterm_every_n_steps = sigterm_every_n_steps
+        self.save_initial = save_initial
 
     def check_settings(self) -> None:
         """train.py's before_fit (here, not in __init__: jsonargparse would bury the message in its own)."""
@@ -73,6 +77,11 @@ class PretrainCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        if self.save_initial and trainer.global_step == 0 and not trainer.fast_dev_run:  # a fresh run, not a resume
+            candidates = self._monitor_candidates(trainer)
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
+            if self.save_last:
+                self._save_last_checkpoint(trainer, candidates)
         self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
         self._stop = None
         self._step_seen = trainer.global_step

@@ -305,7 +305,10 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
 
     Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis) and
-    "empty" (why a panel without values is empty)."""
+    "empty" (why a panel without values is empty). A series given as (steps, values, low, high) also draws the band
+    from low to high (e.g. the range over seeds); a panel's "thresholds": {name: (steps, values)} draws a dashed line
+    in the colour of the series of that name (e.g. the level above which it is beyond its null), and
+    "threshold_label" names the dashed lines in the legend."""
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     width = 4.6 * columns
@@ -315,12 +318,19 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
         ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
-        if not any(finite(values) for _, values in series.values()):
+        if not any(finite(values) for _, values, *_ in series.values()):
             say_empty(ax, panel.get("empty", ""))
             continue
-        for name, (steps, values) in series.items():
+        for name, (steps, values, *band) in series.items():
             ax.plot(list(steps), [np.nan if v is None else v for v in values], marker="o", markersize=2.5,
                     linewidth=1, color=colors[name], label=name)
+            if band:
+                ax.fill_between(list(steps), np.asarray(band[0], dtype=float), np.asarray(band[1], dtype=float),
+                                color=colors[name], alpha=0.2, linewidth=0)
+            if name in panel.get("thresholds", {}):
+                threshold_steps, threshold_values = panel["thresholds"][name]
+                ax.plot(list(threshold_steps), [np.nan if v is None else v for v in threshold_values],
+                        linestyle="--", linewidth=0.8, color=colors[name])
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
         ax.tick_params(labelsize=7, which="both")
@@ -330,8 +340,13 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
             ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
     first = next((ax for ax in axes.flat if ax.get_lines()), None)
     if first is not None:  # one legend for every panel: the same name has the same colour in all of them
-        first.legend(handles=[Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
-                              for name in names], fontsize=6, ncol=2)
+        handles = [Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
+                   for name in names]
+        label = next((panel["threshold_label"] for panel in panels if panel.get("thresholds")
+                      and panel.get("threshold_label")), None)
+        if label:  # the dashed lines, in the colour of their series
+            handles.append(Line2D([], [], color="0.3", linestyle="--", linewidth=0.8, label=label))
+        first.legend(handles=handles, fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     lines = suptitle(fig, title, width)

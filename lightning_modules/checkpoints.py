@@ -17,7 +17,7 @@ from core.models import model_max_length
 from core.safe_load import load_weights_only
 from core.tokenizers import load_tokenizer, tokenizer_from_files
 from lightning_modules.arms import arm_of
-from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab
+from lightning_modules.mlm import ARCHITECTURE, attention_of, build_model, padded_vocab, token_type_of
 
 KINDS = {"mlm": ("MLM pretraining", "MLMModule", "position_embeddings"),  # what a checkpoint of each is, and the
          "finetune": ("fine-tuning", "FineTuneModule", "classes")}  # hyper-parameter only its module has
@@ -56,7 +56,8 @@ def load_checkpoint_model(path: str | Path):
         objective, positions = arm_of(hparams)  # RoBERTa's MLM for a checkpoint made before the arms
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
                             dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
-                            attention=attention, objective=objective, positions=positions)
+                            attention=attention, objective=objective, positions=positions,
+                            token_type_embeddings=token_type_of(hparams))
     except (TypeError, ValueError, RuntimeError, UserError) as error:  # sizes or an arm that describe no model
         raise UserError(f"{path}: its hyper-parameters describe no model ({first_line(error)})") from None
     state = {key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()

@@ -8,7 +8,10 @@
 `self.model` is a plain transformers `RobertaForMaskedLM` built from a config (random init). Without positional
 embeddings its position table is all zeros and frozen (no gradient, not in the optimizer), so the model carries no
 positional signal at all while keeping `position_embedding_type="absolute"`, i.e. transformers' fast SDPA attention;
-an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free. `--model.attention` trains
+an export loaded by plain `AutoModelForMaskedLM.from_pretrained` stays position-free. The token-type row is fairseq's
+(the paper's trainer has none; transformers' conversion zeroes it): all zeros and frozen in every arm, so no constant
+learned vector is added to every token; `--model.token_type_embeddings true` (ours) keeps transformers' learned row.
+`--model.attention` trains
 clipped softmax or gated attention instead of softmax (Bondarenko et al. 2023; lightning_modules/attention.py).
 `--model.objective causal` and `--model.positions learned|none|rope` train the other arms on the same stack sizes
 (RobertaForCausalLM, RoFormerForMaskedLM, RoFormerForCausalLM: lightning_modules/arms.py).
@@ -101,8 +104,9 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
                 intermediate_size: int, max_position_embeddings: int, dropout: float, position_embeddings: bool,
                 attn_implementation: str = "sdpa", pad_token_id: int = 1, bos_token_id: int = 0,
                 eos_token_id: int = 2, attention: dict | None = None, objective: str = "mlm",
-                positions: str | None = None):
-    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table. `objective` causal
+                positions: str | None = None, token_type_embeddings: bool = False):
+    """A randomly initialised RobertaForMaskedLM; without PE, an all-zero frozen position table; without
+    `token_type_embeddings` (the default, fairseq's RoBERTa), an all-zero frozen token-type row. `objective` causal
     and `positions` rope build the other arms (RobertaForCausalLM, RoFormerFor{MaskedLM,CausalLM}: lightning_modules/
     arms.py); positions None follows `position_embeddings`.
 
@@ -124,15 +128,22 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
     model = auto.from_config(config, attn_implementation=implementation or attn_implementation)
     if positions == "none":
         remove_position_embeddings(model)
+    if not token_type_embeddings:
+        zero_and_freeze(model.base_model.embeddings.token_type_embeddings)
     return install_attention(model, **(attention or {}))
+
+
+def zero_and_freeze(embedding: torch.nn.Embedding) -> None:
+    """An embedding table all zeros and frozen (no gradient, so not in the optimizer): it adds nothing, and an
+    export still holds it, so plain transformers loads the same model."""
+    with torch.no_grad():
+        embedding.weight.zero_()
+    embedding.weight.requires_grad_(False)
 
 
 def remove_position_embeddings(model) -> None:
     """Zero and freeze the absolute position table: no positional signal, SDPA path kept."""
-    table = model.base_model.embeddings.position_embeddings
-    with torch.no_grad():
-        table.weight.zero_()
-    table.weight.requires_grad_(False)
+    zero_and_freeze(model.base_model.embeddings.position_embeddings)
 
 
 class MLMModule(TrainingModule):
@@ -144,6 +155,9 @@ class MLMModule(TrainingModule):
             RoFormerForCausalLM; ours, lightning_modules/arms.py).
         positions: learned, none or rope (RoFormer's rotary positions; ours); default: learned, or none with
             position_embeddings false.
+        token_type_embeddings: transformers' learned token-type row (True; ours) or fairseq's none (False, the
+            default: a zero, frozen row, as the paper's RoBERTa has). Checkpoints made before this option had a
+            learned row and resume only with True.
         vocab_size: embedding rows (linked from the datamodule's tokenizer by train.py).
         hidden_size: the RoBERTa architecture's hidden size.
         num_hidden_layers: its transformer layers.
@@ -218,6 +232,7 @@ class MLMModule(TrainingModule):
         attention_gate_init: float | None = None,
         objective: str = "mlm",
         positions: str | None = None,
+        token_type_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -235,7 +250,8 @@ class MLMModule(TrainingModule):
         rows = padded_vocab(vocab_size, pad_vocab_to_multiple_of)
         self.model = build_model(rows, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
                                  max_position_embeddings, dropout, position_embeddings, attn_implementation,
-                                 pad_token_id, bos_token_id, eos_token_id, settings, objective, positions)
+                                 pad_token_id, bos_token_id, eos_token_id, settings, objective, positions,
+                                 token_type_embeddings)
         self.regularizer.bind(num_hidden_layers)
         self.val_loss = MeanMetric()
         self.last_val_loss: dict | None = None  # {"value", "step"} of the latest validation, saved in checkpoints
@@ -352,6 +368,13 @@ def check_architecture(saved: dict, current, what: str) -> None:
     if "objective" in current and arm_of(saved) != arm_of(current):
         raise UserError(f"{what} was trained as the {'-'.join(arm_of(saved))} arm but the config asks for "
                         f"{'-'.join(arm_of(current))}; resume with the matching --model.objective and --model.positions")
+    if "token_type_embeddings" in current and token_type_of(saved) != current["token_type_embeddings"]:
+        def row(flag):
+            return "a learned token-type row" if flag else "fairseq's zero, frozen token-type row"
+        hint = " (made before the zero row became the default)" if "token_type_embeddings" not in saved else ""
+        raise UserError(f"{what} was trained with {row(token_type_of(saved))}{hint} but the config asks for "
+                        f"{row(current['token_type_embeddings'])}; resume with --model.token_type_embeddings "
+                        f"{str(token_type_of(saved)).lower()}")
     if "attention" in current and attention_of(saved) != attention_of(current):
         raise UserError(f"{what} was trained with attention {describe(attention_of(saved))} but the config asks for "
                         f"{describe(attention_of(current))}; resume with the matching --model.attention")
@@ -359,6 +382,12 @@ def check_architecture(saved: dict, current, what: str) -> None:
         if key in saved and saved[key] != current[key]:
             noun = "tokenizer vocabulary" if key == "vocab_size" else key
             raise UserError(f"{what} has {key}={saved[key]} but the config gives {current[key]} ({noun} mismatch)")
+
+
+def token_type_of(hparams) -> bool:
+    """Whether an MLMModule's hyper-parameters train a learned token-type row: a checkpoint made before the option
+    did (transformers' row); since, the default is fairseq's zero, frozen row."""
+    return bool(hparams.get("token_type_embeddings", True))
 
 
 def attention_of(hparams) -> dict:

@@ -81,6 +81,12 @@ class NeuronStatisticsResult:
     def layer_max_abs(self) -> Tensor:  # [layers]: the infinity-norm of the layer's activations, over every token
         return self.max_abs.amax(-1)
 
+    @property
+    def layer_scale(self) -> Tensor:
+        """[layers]: the median over dimensions of each dimension's root mean square over tokens, sqrt(mean x_i^2):
+        the activations' typical scale, which a few outlier dimensions do not move (1 for standard Gaussian ones)."""
+        return (self.var + self.mean.pow(2)).sqrt().quantile(0.5, dim=-1)  # the middle two averaged for even counts
+
     def magnitudes(self) -> list[dict[str, float]]:
         """Per layer, the report keys of the outlier magnitudes: kurtosis_mean, kurtosis_max (Pearson, not excess, of
         each token vector: ours), max_abs (the layer's infinity-norm), top1_share (mean over tokens), and Bondarenko et

@@ -390,3 +390,75 @@ def test_gradient_clip_val_clips_the_update_by_global_norm(monkeypatch, tmp_path
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
     moved = max(float((weights[name] - unclipped[name]).abs().max()) for name in unclipped)
     assert moved > 1e-3  # the unclipped update is clearly another one (lr 1e-2)
+
+
+# ---- the token-type row: fairseq's (zero, frozen) by default, transformers' learned row as an option ----
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+@pytest.mark.parametrize("token_type_embeddings", [False, True])
+def test_token_type_row_stays_zero_through_training_steps_unless_asked_for(token_type_embeddings, monkeypatch,
+                                                                           tmp_path):
+    import pytorch_lightning as pl
+
+    import lightning_modules.mlm as mlm_module
+
+    monkeypatch.setattr(mlm_module, "export", lambda *args: None)  # no tokenizer here: skip the export at fit end
+    torch.manual_seed(0)
+    module = MLMModule(**TINY, lr=1e-2, warmup_steps=0, decay_steps=10, token_type_embeddings=token_type_embeddings)
+    row = module.model.roberta.embeddings.token_type_embeddings.weight
+    before = row.detach().clone()
+    assert (before.abs().sum() == 0) is not token_type_embeddings  # transformers' init draws a non-zero row
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([random_batch(seed=s) for s in range(3)],
+                                                                      batch_size=None))
+    optimizer = trainer.optimizers[0]
+    in_optimizer = any(p is row for group in optimizer.param_groups for p in group["params"])
+    assert row.requires_grad is in_optimizer is (row in optimizer.state) is token_type_embeddings
+    if token_type_embeddings:
+        assert not torch.equal(before, row.detach())  # learned: three Adam steps moved it
+    else:
+        assert row.grad is None and row.abs().sum() == 0
+
+
+def test_export_with_the_zero_row_gives_plain_transformers_the_same_hidden_states(bpe, tmp_path):
+    from transformers import RobertaForMaskedLM, RobertaModel
+
+    from lightning_modules.mlm import export
+
+    torch.manual_seed(0)
+    module = MLMModule(**TINY).eval()
+    with torch.no_grad():  # a trained-looking model: every other weight moved off its initialisation
+        for parameter in module.model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.02 * torch.randn_like(parameter))
+    export(module, bpe, tmp_path / "export")
+    ids = random_batch()["input_ids"]
+    with torch.no_grad():
+        ours = module.model.roberta(input_ids=ids, output_hidden_states=True).hidden_states
+        for cls in (RobertaModel, RobertaForMaskedLM):
+            plain = cls.from_pretrained(tmp_path / "export").eval()
+            body = plain if cls is RobertaModel else plain.roberta
+            assert body.embeddings.token_type_embeddings.weight.abs().sum() == 0
+            theirs = body(input_ids=ids, output_hidden_states=True).hidden_states
+            for layer, (a, b) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{cls.__name__} layer {layer}")
+        # the row counts: the same weights with a non-zero row give other hidden states (a random one: a constant
+        # row would be taken out again by the embedding LayerNorm)
+        body.embeddings.token_type_embeddings.weight.copy_(torch.randn(1, TINY["hidden_size"]))
+        assert not torch.allclose(body(input_ids=ids).last_hidden_state, ours[-1], atol=1e-3)
+
+
+def test_resuming_a_checkpoint_of_another_token_type_row_is_one_line():
+    from lightning_modules.mlm import check_architecture
+
+    current = {"position_embeddings": True, "token_type_embeddings": False}
+    check_architecture({"token_type_embeddings": False}, current, "the checkpoint")
+    check_architecture({}, {**current, "token_type_embeddings": True}, "x")  # before the option: a learned row
+    with pytest.raises(UserError, match=r"^the checkpoint was trained with a learned token-type row \(made before the "
+                                        r"zero row became the default\) but the config asks for fairseq's zero, frozen "
+                                        r"token-type row; resume with --model.token_type_embeddings true$"):
+        check_architecture({}, current, "the checkpoint")
+    with pytest.raises(UserError, match=r"trained with fairseq's zero, frozen token-type row but the config asks for "
+                                        r"a learned token-type row; resume with --model.token_type_embeddings false$"):
+        check_architecture({"token_type_embeddings": False}, {**current, "token_type_embeddings": True}, "x")

@@ -1,5 +1,6 @@
-"""study.py: a tiny two-arm study (PE and no PE, 4 steps each) end to end, against each arm's own analyses; re-runs
-skip finished arms; bad input is one line, exit 2, nothing written.
+"""study.py: a tiny two-arm, two-seed study (PE and no PE, seeds 0 and 1, 4 steps each) end to end, against each run's
+own analyses and the seed statistics by hand; re-runs skip finished runs; bad input is one line, exit 2, nothing
+written.
 
     .venv/bin/pytest tests/test_study.py -q
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -46,20 +48,22 @@ def write_study(folder: Path, corpus: Path, cache: Path, sentences: Path, **base
         base[group][name] = value
     (folder / "base.yaml").write_text(yaml.safe_dump(base), encoding="utf-8")
     config = {"train_config": "base.yaml", "arms": {"baseline": {}, "nope": {"model.position_embeddings": False}},
-              "trajectory": {"data": str(sentences), **TRAJECTORY}}
+              "verdict": {"gaussian_samples": 2}, "trajectory": {"data": str(sentences), **TRAJECTORY}}
     (folder / "study.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return folder / "study.yaml"
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, corpus, cache) -> tuple[Path, Path, Path, dict]:
-    """The tiny study run once (--max_steps 4 over the config's 6): (study file, output dir, sentences, study.json)."""
+    """The tiny study run once (--max_steps 4 over the config's 6, --seeds 0 1): (study file, output dir, sentences,
+    study.json)."""
     root = tmp_path_factory.mktemp("study")
     sentences = root / "sentences.txt"
     sentences.write_text("\n".join(corpus_sentences(40, start=300)) + "\n", encoding="utf-8")
     config = write_study(root / "config", corpus, cache, sentences)
     output = root / "out"
-    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4"]) == 0
+    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
+                       "1"]) == 0
     return config, output, sentences, json.loads((output / "study.json").read_text())
 
 
@@ -68,29 +72,35 @@ def steps_on_disk(run_dir: Path) -> list[int]:
                    for path in (run_dir / "checkpoints").glob("*.ckpt")})
 
 
-def logged_val_losses(logs: Path, position_embeddings: bool) -> list[float]:
-    """The val/loss values train.py's own validation logged (CSV) for the arm with these positional embeddings."""
-    for version in sorted((logs / "lightning_logs").glob("version_*")):
-        hparams = yaml.safe_load((version / "hparams.yaml").read_text())
-        if hparams["position_embeddings"] == position_embeddings:
-            with (version / "metrics.csv").open() as handle:
-                return [float(row["val/loss"]) for row in csv.DictReader(handle) if row.get("val/loss")]
-    raise AssertionError(f"no CSV log with position_embeddings={position_embeddings}")
+def logged_val_losses(logs: Path, position_embeddings: bool, seed: int) -> list[float]:
+    """The val/loss values train.py's own validation logged (CSV) for the run with these positional embeddings and
+    this seed (the runs log in the order the study trains them: baseline seeds 0, 1, then nope seeds 0, 1)."""
+    versions = sorted((logs / "lightning_logs").glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
+    mine = [v for v in versions if yaml.safe_load((v / "hparams.yaml").read_text())["position_embeddings"] ==
+            position_embeddings]
+    with (mine[seed] / "metrics.csv").open() as handle:
+        return [float(row["val/loss"]) for row in csv.DictReader(handle) if row.get("val/loss")]
 
 
 @pytest.mark.slow
-def test_a_two_arm_study_writes_both_files_each_arm_equal_to_its_own_analyses(finished, tmp_path):
+def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(finished, tmp_path):
     config, output, sentences, report = finished
     assert (output / "study.png").read_bytes()[:4] == b"\x89PNG"
-    assert report["labels"] == ["baseline", "nope"]
-    for run, position_embeddings in zip(report["runs"], (True, False)):
-        arm = output / run["label"]
-        # every checkpoint the arm kept, once per step, --max_steps 4 over the config's 6
-        assert [p["step"] for p in run["checkpoints"]] == steps_on_disk(arm) == [2, 4]
-        # the arm's part of study.json is the single-run trajectory of its run directory, key for key
-        assert analyze.main(["trajectory", "--run", f"{run['label']}={arm}", "--data", str(sentences), *COMMON,
+    assert report["labels"] == ["baseline/seed0", "baseline/seed1", "nope/seed0", "nope/seed1"]
+    assert report["seeds"] == [0, 1] and [arm["arm"] for arm in report["arms"]] == ["baseline", "nope"]
+    for run in report["runs"]:
+        arm_name, seed = run["label"].split("/seed")
+        position_embeddings, seed = arm_name == "baseline", int(seed)
+        directory = output / arm_name / f"seed{seed}"
+        # every checkpoint the run kept, once per step, the model before its first update included (step 0)
+        assert [p["step"] for p in run["checkpoints"]] == steps_on_disk(directory) == [0, 2, 4]
+        if seed == 0:
+            continue  # the analyses below, once per arm (seed 1: the seed reached the run)
+        # the run's part of study.json is the single-run trajectory of its run directory, key for key
+        assert analyze.main(["trajectory", "--run", str(directory), "--data", str(sentences), *COMMON,
                              "--output_dir", str(tmp_path / run["label"])]) == 0
-        assert run == json.loads((tmp_path / run["label"] / "trajectory.json").read_text())
+        assert {**run, "label": "seed1"} == json.loads(
+            (tmp_path / run["label"] / "trajectory.json").read_text())  # (labelled by its directory's name there)
         # the last checkpoint's layers equal `analyze.py outliers` of that checkpoint alone
         last = run["checkpoints"][-1]
         assert analyze.main(["outliers", "--encoder", last["path"], "--data", str(sentences), *COMMON[:3], "--seed", "2",
@@ -102,37 +112,94 @@ def test_a_two_arm_study_writes_both_files_each_arm_equal_to_its_own_analyses(fi
             for key in ("kurtosis_mean", "max_abs"):
                 assert row[key] == pytest.approx(separate[key], rel=1e-9), key
         # the validation loss the step-4 checkpoint records is the one train.py logged at the validation before it
-        assert last["val_loss_step"] == 2
-        assert last["val_loss"] == pytest.approx(logged_val_losses(config.parent / "logs", position_embeddings)[0],
+        assert last["val_loss_step"] == 2 and run["checkpoints"][0]["val_loss"] is None
+        assert last["val_loss"] == pytest.approx(logged_val_losses(config.parent / "logs", position_embeddings, seed)[0],
                                                  rel=1e-6)
-        # the arm trained what its settings say: no PE means an all-zero, untrained position table
-        weights = torch.load(last["path"], map_location="cpu", weights_only=True)
-        table = weights["state_dict"]["model.roberta.embeddings.position_embeddings.weight"]
+        # the run trained what its settings say: no PE means an all-zero, untrained position table; the token-type
+        # row is fairseq's (zero) in every run
+        weights = torch.load(last["path"], map_location="cpu", weights_only=True)["state_dict"]
+        table = weights["model.roberta.embeddings.position_embeddings.weight"]
         assert bool(table.abs().sum() > 0) == position_embeddings
-    # the two arms differ in their own setting (and their directories) only
-    configs = [json.loads((output / arm / ARM_FILE).read_text())["config"] for arm in ("baseline", "nope")]
-    flats = [flat(c) for c in configs]
-    differ = {key for key in flats[0].keys() | flats[1].keys() if flats[0].get(key) != flats[1].get(key)}
-    assert differ == {"model.position_embeddings", "trainer.default_root_dir"}
-    assert flats[1]["trainer.default_root_dir"] == str(output / "nope") and flats[1]["trainer.max_steps"] == 4
+        assert weights["model.roberta.embeddings.token_type_embeddings.weight"].abs().sum() == 0
+    # the seed is the run's initialisation: one seed gives both arms the same step-0 weights (the position table
+    # aside), another seed other ones
+    initial = {label: torch.load(output / label / "checkpoints" / "epoch=0-step=0.ckpt", map_location="cpu",
+                                 weights_only=True)["state_dict"] for label in report["labels"]}
+    for name, value in initial["baseline/seed0"].items():
+        if "position_embeddings" not in name:
+            assert torch.equal(value, initial["nope/seed0"][name]), name
+    word = "model.roberta.embeddings.word_embeddings.weight"
+    assert not torch.equal(initial["baseline/seed0"][word], initial["baseline/seed1"][word])
+    # the seed statistics: each seed's own value, their mean and sample sd, by hand from the runs' trajectories
+    runs = {run["label"]: run for run in report["runs"]}
+    for arm in report["arms"]:
+        for index, point in enumerate(arm["checkpoints"]):
+            own = [runs[f"{arm['arm']}/seed{seed}"]["checkpoints"][index] for seed in (0, 1)]
+            assert point["step"] == own[0]["step"] == own[1]["step"]
+            kurtosis = [max(row["kurtosis_mean"] for row in p["layers"][1:]) for p in own]
+            assert point["summary"]["kurtosis_mean"]["seeds"] == {"0": kurtosis[0], "1": kurtosis[1]}
+            assert point["summary"]["kurtosis_mean"]["mean"] == pytest.approx(statistics.mean(kurtosis))
+            assert point["summary"]["kurtosis_mean"]["sd"] == pytest.approx(statistics.stdev(kurtosis))
+            shares = [p["layers"][2]["argmin_share"] for p in own]
+            assert point["layers"][2]["argmin_share"]["sd"] == pytest.approx(statistics.stdev(shares))
+            # null (a) is the run's own step 0: at step 0 a statistic is its own null, never beyond it
+            for entry in point["null"].values():
+                for seed in ("0", "1"):
+                    assert entry["seeds"][seed]["null"] >= entry["seeds"][seed]["null_step0"]
+                    if point["step"] == 0:
+                        assert entry["seeds"][seed]["null_step0"] == pytest.approx(entry["seeds"][seed]["value"])
+                        assert not entry["seeds"][seed]["beyond"]
+        assert arm["verdict"]["step"] == 4
+    # the Gaussian null: samples of the runs' token count, the same for every run (one tokenizer)
+    null, = report["null"]["gaussian"]
+    assert null["runs"] == report["labels"] and len(null["samples"]) == report["null"]["gaussian_samples"] == 2
+    assert report["null"]["margin"] == 0.5  # the default
+    assert {sample["num_tokens"] for sample in null["samples"]} == {report["runs"][0]["checkpoints"][0]["num_tokens"]}
+    # the runs differ in their own settings (their arm, seed and directories) only
+    configs = {label: flat(json.loads((output / label / ARM_FILE).read_text())["config"]) for label in report["labels"]}
+    for first, second, expected in (("baseline/seed0", "nope/seed0", {"model.position_embeddings"}),
+                                    ("baseline/seed0", "baseline/seed1", {"seed_everything"})):
+        a, b = configs[first], configs[second]
+        assert {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)} == {*expected, "trainer.default_root_dir"}
+    assert configs["nope/seed1"]["trainer.default_root_dir"] == str(output / "nope" / "seed1")
+    assert configs["nope/seed1"]["trainer.max_steps"] == 4 and configs["nope/seed1"]["seed_everything"] == 1
 
 
 @pytest.mark.slow
-def test_a_rerun_skips_finished_arms_and_refuses_changed_settings(finished, capsys):
+def test_a_rerun_skips_finished_runs_and_refuses_changed_settings(finished, capsys, tmp_path):
     config, output, _, report = finished
     stamps = {path: path.stat().st_mtime_ns for path in output.rglob("*.ckpt")}
-    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4"]) == 0
+    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
+                       "1"]) == 0
     out = capsys.readouterr().out
-    assert "arm baseline is finished" in out and "arm nope is finished" in out
+    assert all(f"run {label} is finished" in out for label in report["labels"])
     assert {path: path.stat().st_mtime_ns for path in output.rglob("*.ckpt")} == stamps  # nothing retrained
     assert json.loads((output / "study.json").read_text()) == report  # the same comparison again
     # the same output directory with another step count: refused before anything runs
     before = sorted(str(p) for p in output.rglob("*"))
-    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "6"]) == 2
+    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "6", "--seeds", "0",
+                       "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"study.py: error: arm baseline: {output / 'baseline'} was trained with other settings " \
-                  "(trainer.max_steps: 4 there, 6 now): use another --output_dir or remove it"
+    assert err == f"study.py: error: arm baseline/seed0: {output / 'baseline' / 'seed0'} was trained with other " \
+                  "settings (trainer.max_steps: 4 there, 6 now): use another --output_dir or remove it"
     assert sorted(str(p) for p in output.rglob("*")) == before
+    # a run made before the zero token-type row and the step-0 checkpoint (its record lacks both keys): refused
+    legacy = tmp_path / "legacy" / "baseline" / "seed0"
+    legacy.mkdir(parents=True)
+    record = json.loads((output / "baseline" / "seed0" / ARM_FILE).read_text())
+    del record["config"]["model"]["token_type_embeddings"], record["config"]["checkpoint"]["save_initial"]
+    record["config"]["trainer"]["default_root_dir"] = str(legacy)
+    (legacy / ARM_FILE).write_text(json.dumps(record))
+    assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "legacy"), "--max_steps", "4",
+                       "--arms", "baseline", "--seeds", "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"study.py: error: arm baseline/seed0: {legacy} was trained with other " \
+        "settings (checkpoint.save_initial: False there, True now, and 1 more): use another --output_dir or remove it"
+    # an arm directory of the one-seed layout: refused
+    (tmp_path / "old" / "nope").mkdir(parents=True)
+    (tmp_path / "old" / "nope" / ARM_FILE).write_text(json.dumps(record))
+    assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "old"), "--seeds", "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"study.py: error: arm nope/seed0: {tmp_path / 'old' / 'nope'} holds a " \
+        "run of an older study.py (one seed, in the arm's directory itself): use another --output_dir or remove it"
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache, capsys):
@@ -143,6 +210,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
     cases = [
         (["--arms", "baseline", "gated"], "unknown arm 'gated' (the study's arms: baseline, nope)"),
         (["--max_steps", "0"], "--max_steps must be at least 1, got 0"),
+        (["--seeds", "0", "0"], "seed 0 given twice"),
+        (["--seeds", "-1"], "seeds must be one or more non-negative integers, got [-1]"),
     ]
     for extra, message in cases:
         assert study.main(["--config", str(config), "--output_dir", str(out), *extra]) == 2
@@ -157,11 +226,17 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
                                                            "training batches"),
             ({"a": {"trainer.default_root_dir": "x"}}, {},
              f"study config {config}: arm a may not set trainer.default_root_dir (the study sets it for every arm)"),
-            ({"a": {}}, {"no_such_option": 1}, "study trajectory options: unknown option --no_such_option")):
+            ({"a": {}}, {"no_such_option": 1}, "study trajectory options: unknown option --no_such_option"),
+            ({"a": {"seed_everything": 3}}, {},
+             f"study config {config}: arm a may not set seed_everything (the study sets it for every arm)")):
         config.write_text(yaml.safe_dump({**changed, "arms": arms, "trajectory": trajectory}), encoding="utf-8")
         assert study.main(["--config", str(config), "--output_dir", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"study.py: error: {message}") and "\n" not in err
+    config.write_text(yaml.safe_dump({**changed, "verdict": {"margin": -1}}), encoding="utf-8")
+    assert study.main(["--config", str(config), "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"study.py: error: study config {config}: verdict.margin must be a number " \
+                                              "of at least 0, got -1"
     assert study.main(["--config", str(tmp_path / "missing.yaml"), "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"study.py: error: cannot read study config {tmp_path / 'missing.yaml'}: " \
                                               "No such file or directory"
@@ -171,7 +246,22 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
     (tmp_path / "other" / "baseline").mkdir(parents=True)
     (tmp_path / "other" / "baseline" / "notes.txt").write_text("mine\n")
     assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "other")]) == 2
-    assert capsys.readouterr().err.strip() == f"study.py: error: arm baseline: {tmp_path / 'other' / 'baseline'} holds " \
-                                              "files but no study_arm.json (not a study arm): choose another " \
+    assert capsys.readouterr().err.strip() == f"study.py: error: arm baseline/seed0: {tmp_path / 'other' / 'baseline'} " \
+                                              "holds notes.txt, not a study run (seed<k>/): choose another " \
                                               "--output_dir or remove it"
     assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["baseline", "notes.txt"]
+
+
+def test_the_shipped_study_files_read_as_written():
+    from analyses.study import read_study
+
+    for name, configs in (("study.yaml", ["base.yaml"]), ("study-bb.yaml", ["base.yaml", "bb.yaml"]),
+                          ("roberta-base.yaml", ["../pretrain/roberta-base.yaml", "roberta-base-checkpoints.yaml"])):
+        path = Path("configs/study") / name
+        study_file = yaml.safe_load(path.read_text())
+        read = read_study(path)
+        assert read["seeds"] == [0, 1, 2] and list(read["arms"]) == list(study_file["arms"])
+        assert {"baseline", "nope", "clipped_softmax", "gated"} <= set(read["arms"])  # the four of docs/study.md
+        assert read["train_config"] == [str(path.parent / config) for config in configs]
+        assert read["verdict"] == {"gaussian_samples": 3, "margin": 0.5}  # written out or the defaults, not lost
+        assert set(study_file) <= {"train_config", "arms", "seeds", "verdict", "trajectory"}

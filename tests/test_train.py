@@ -357,6 +357,8 @@ def other_tokenizer(tmp_path, corpus):
     (True, ("--model.position_embeddings", "false"), "trained with positional embeddings but the config asks"),
     (False, ("--model.position_embeddings", "true"), "trained without positional embeddings (no-PE) but"),
     (True, ("--data.vocab_size", "500"), "vocab_size=600 but the config gives 500"),
+    (True, ("--model.token_type_embeddings", "true"), "trained with fairseq's zero, frozen token-type row but the config "
+     "asks for a learned token-type row; resume with --model.token_type_embeddings false"),
     (True, ("--data.tokenizer", "OTHER"), "tokenizer does not match"),
     (True, ("--data.global_batch_size", "16"),  # the runs' global batch is 8 (batch_size 8, one device)
      "cannot resume: checkpoint CKPT was trained with global batch 8 but the config gives 16; keep the run's global "
@@ -378,6 +380,31 @@ def test_resume_with_a_mismatching_config_is_refused(runs, corpus, cache, tmp_pa
     assert err[-1].startswith("train.py: error: ") and message.replace("CKPT", str(ckpt)) in err[-1]
     assert ckpt.read_bytes() == before
     assert sorted((root / "lightning_logs").iterdir()) == versions and sorted(root.rglob("*")) == files
+
+
+@pytest.mark.slow
+def test_a_checkpoint_made_before_the_zero_token_type_row_resumes_with_the_learned_row_only(corpus, cache, tmp_path,
+                                                                                             capsys):
+    """Such a checkpoint trained transformers' row (its optimizer state holds it) and its hyper-parameters lack the
+    option: resumed as the default (a frozen row) it is refused in one line; with the opt-in it resumes and trains on."""
+    root = tmp_path / "old"
+    assert fit(root, corpus, cache, "--model.token_type_embeddings", "true", "--trainer.max_steps", "4") == 0
+    saved = checkpoint(root)
+    del saved["hyper_parameters"]["token_type_embeddings"]  # as written before the option existed
+    torch.save(saved, root / "checkpoints" / "last.ckpt")
+    row = "model.roberta.embeddings.token_type_embeddings.weight"
+    assert saved["state_dict"][row].abs().sum() > 0
+    before = sorted(root.rglob("*"))
+    assert fit(root, corpus, cache, "--ckpt_path", "last", "--trainer.max_steps", "6") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"train.py: error: checkpoint {root / 'checkpoints' / 'last.ckpt'} was trained with a learned token-type row "
+        "(made before the zero row became the default) but the config asks for fairseq's zero, frozen token-type row; "
+        "resume with --model.token_type_embeddings true")
+    assert sorted(root.rglob("*")) == before
+    assert fit(root, corpus, cache, "--ckpt_path", "last", "--trainer.max_steps", "6",
+               "--model.token_type_embeddings", "true") == 0
+    resumed = checkpoint(root)
+    assert resumed["global_step"] == 6 and not torch.equal(resumed["state_dict"][row], saved["state_dict"][row])
 
 
 class PoisonAt(pl.Callback):
