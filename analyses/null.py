@@ -26,10 +26,9 @@ from analyses.trajectory import Point, analyse, architecture, summary_of
 from lightning_modules.null import gaussian_encoder
 from metrics.null import across_seeds, beyond, rescaled, verdict_text
 
-# The verdict's statistics -> whether they scale with the activations (then compared at the checkpoint's own scale).
-# With issue 26's per-sequence measures (Bondarenko et al.), the one line to change is:
-#   STATISTICS = {"top_share": False, "kurtosis_sequence": False, "inf_norm_sequence": True}
-STATISTICS = {"top_share": False, "kurtosis_mean": False, "max_abs": True}
+# The verdict's statistics -> whether they scale with the activations (then compared at the checkpoint's own scale):
+# the paper's share, and Bondarenko et al.'s kurtosis and infinity-norm, per sequence (metrics/neuron_stats.py)
+STATISTICS = {"top_share": False, "kurtosis_sequence": False, "inf_norm_sequence": True}
 SUMMARIES = (*STATISTICS, "anisotropy", "isoscore_star")  # per checkpoint, as study.png draws them
 POINT_KEYS = ("val_loss", "num_tokens")  # per checkpoint, besides the layers
 

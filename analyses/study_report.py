@@ -22,10 +22,10 @@ NULL_DEFINITION = ("a statistic's null at a checkpoint is the larger of (a) the 
                    "summarised like the statistic (max over layers 1..L), scale-dependent statistics at the "
                    "checkpoint's scale per layer (median over dimensions of their RMS); beyond the null: value > (1 + margin) x null")
 TITLES = {"top_share": "top outlier share (max over layers)",
-          "kurtosis_mean": "kurtosis, mean over tokens (max over layers)",
-          "max_abs": "max |activation| (max over layers)", "anisotropy": "anisotropy (mean over layers)",
+          "kurtosis_sequence": "kurtosis per sequence (max over layers)",
+          "inf_norm_sequence": "max |activation| per sequence (max over layers)", "anisotropy": "anisotropy (mean over layers)",
           "isoscore_star": "IsoScore* (mean over layers)"}
-LABELS = {"top_share": "share of tokens", "kurtosis_mean": "Pearson kurtosis", "max_abs": "|activation|",
+LABELS = {"top_share": "share of tokens", "kurtosis_sequence": "kurtosis", "inf_norm_sequence": "max |activation|",
           "anisotropy": "mean cosine", "isoscore_star": "IsoScore*"}
 
 

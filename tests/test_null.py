@@ -91,7 +91,7 @@ def synthetic_point(step: int, rows: list[dict], val_loss: float | None = None) 
     for layer, row in enumerate(rows):
         layers.append({"layer": layer, "argmax_dim": row.get("dim", 0), "argmax_share": row["share"],
                        "argmin_dim": 1, "argmin_share": row.get("min_share", 0.01), "outlier_dims": [],
-                       "kurtosis_mean": row["kurtosis"], "kurtosis_max": row["kurtosis"] + 1, "max_abs": row["max_abs"],
+                       "kurtosis_sequence": row["kurtosis"], "kurtosis_max": row["kurtosis"] + 1, "inf_norm_sequence": row["max_abs"],
                        "top1_share": 0.1, "scale": row.get("scale", 1.0), "anisotropy": row.get("anisotropy", 0.2),
                        "isoscore_star": 0.3})
     return {"step": step, "layers": layers, "val_loss": val_loss, "num_tokens": 100, "persistent_dims": []}
@@ -116,7 +116,7 @@ def test_seed_statistics_equal_the_hand_computed_means_sds_and_nulls():
     final = arm["checkpoints"][1]
     assert final["step"] == 10 and final["seeds"] == [0, 1]
     # the summaries: the largest over layers 1..2 of each seed, then mean and sample sd (statistics.stdev)
-    by_hand = {"top_share": [0.3, 0.4], "kurtosis_mean": [5.0, 4.0], "max_abs": [8.0, 6.0]}
+    by_hand = {"top_share": [0.3, 0.4], "kurtosis_sequence": [5.0, 4.0], "inf_norm_sequence": [8.0, 6.0]}
     for key, seeds in by_hand.items():
         entry = final["summary"][key]
         assert entry["seeds"] == {"0": seeds[0], "1": seeds[1]}
@@ -125,10 +125,10 @@ def test_seed_statistics_equal_the_hand_computed_means_sds_and_nulls():
     anisotropy = [statistics.mean([0.1, 0.2]), statistics.mean([0.2, 0.3])]  # mean over layers 1..2
     assert final["summary"]["anisotropy"]["mean"] == pytest.approx(statistics.mean(anisotropy))
     assert final["val_loss"]["mean"] == 5.5 and final["val_loss"]["sd"] == pytest.approx(statistics.stdev([5, 6]))
-    assert final["layers"][2]["kurtosis_mean"]["sd"] == pytest.approx(statistics.stdev([5.0, 3.5]))
+    assert final["layers"][2]["kurtosis_sequence"]["sd"] == pytest.approx(statistics.stdev([5.0, 3.5]))
     assert final["layers"][1]["argmax_dim"] == {"seeds": {"0": 0, "1": 0}}
     # the nulls: step 0 (scaled by the checkpoint's scale for max |x|) and the Gaussian sample (scale 0.5 -> x2, x4)
-    max_abs = final["null"]["max_abs"]["seeds"]
+    max_abs = final["null"]["inf_norm_sequence"]["seeds"]
     assert max_abs["0"]["null_step0"] == pytest.approx(max(4.0 * 1, 4.0 * 2))  # layer 2 at scale 2
     assert max_abs["0"]["null_gaussian"] == pytest.approx(max(4.5 * 1 / 0.5, 4.5 * 2 / 0.5))  # 18
     assert max_abs["1"]["null"] == pytest.approx(9.0) and max_abs["1"]["excess"] == pytest.approx(6.0 - 9.0)
@@ -136,10 +136,10 @@ def test_seed_statistics_equal_the_hand_computed_means_sds_and_nulls():
     assert share["0"]["null"] == 0.1 and share["0"]["ratio"] == pytest.approx(3.0) and share["0"]["beyond"]
     assert share["1"]["excess"] == pytest.approx(0.3)
     assert final["null"]["top_share"]["excess"]["mean"] == pytest.approx(statistics.mean([0.2, 0.3]))
-    kurtosis = final["null"]["kurtosis_mean"]
+    kurtosis = final["null"]["kurtosis_sequence"]
     assert [kurtosis["seeds"][s]["beyond"] for s in "01"] == [5.0 > 1.5 * 3.0, 4.0 > 1.5 * 3.0] == [True, False]
     assert arm["verdict"] == {"step": 10, **{key: {"beyond": b, "of": 2, "verdict": f"beyond the null in {b} of 2 seeds"}
-                                            for key, b in (("top_share", 2), ("kurtosis_mean", 1), ("max_abs", 0))}}
+                                            for key, b in (("top_share", 2), ("kurtosis_sequence", 1), ("inf_norm_sequence", 0))}}
 
 
 def test_across_seeds_and_beyond_by_hand():

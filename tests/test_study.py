@@ -109,7 +109,7 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
         for row, separate in zip(last["layers"], alone["layers"], strict=True):
             for key in ("argmax_dim", "argmax_share", "argmin_dim", "argmin_share", "outlier_dims"):
                 assert row[key] == separate[key], key
-            for key in ("kurtosis_mean", "max_abs"):
+            for key in ("kurtosis_mean", "max_abs", "kurtosis_sequence", "inf_norm_sequence"):
                 assert row[key] == pytest.approx(separate[key], rel=1e-9), key
         # the validation loss the step-4 checkpoint records is the one train.py logged at the validation before it
         assert last["val_loss_step"] == 2 and run["checkpoints"][0]["val_loss"] is None
@@ -136,10 +136,10 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
         for index, point in enumerate(arm["checkpoints"]):
             own = [runs[f"{arm['arm']}/seed{seed}"]["checkpoints"][index] for seed in (0, 1)]
             assert point["step"] == own[0]["step"] == own[1]["step"]
-            kurtosis = [max(row["kurtosis_mean"] for row in p["layers"][1:]) for p in own]
-            assert point["summary"]["kurtosis_mean"]["seeds"] == {"0": kurtosis[0], "1": kurtosis[1]}
-            assert point["summary"]["kurtosis_mean"]["mean"] == pytest.approx(statistics.mean(kurtosis))
-            assert point["summary"]["kurtosis_mean"]["sd"] == pytest.approx(statistics.stdev(kurtosis))
+            kurtosis = [max(row["kurtosis_sequence"] for row in p["layers"][1:]) for p in own]
+            assert point["summary"]["kurtosis_sequence"]["seeds"] == {"0": kurtosis[0], "1": kurtosis[1]}
+            assert point["summary"]["kurtosis_sequence"]["mean"] == pytest.approx(statistics.mean(kurtosis))
+            assert point["summary"]["kurtosis_sequence"]["sd"] == pytest.approx(statistics.stdev(kurtosis))
             shares = [p["layers"][2]["argmin_share"] for p in own]
             assert point["layers"][2]["argmin_share"]["sd"] == pytest.approx(statistics.stdev(shares))
             # null (a) is the run's own step 0: at step 0 a statistic is its own null, never beyond it
