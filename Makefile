@@ -46,7 +46,7 @@ demo-pretrain: venv
 study: venv
 	$(OFFLINE) $(PY) study.py --config configs/study/study.yaml --output_dir runs/study
 
-# The same four arms on the Bigram-Backcopy recipe (configs/study/bb.yaml), where the baseline's outliers pass the null
+# The same seven arms on the Bigram-Backcopy recipe (configs/study/bb.yaml), where the baseline's outliers pass the null
 # on 2 CPU cores (docs/study.md): the toy corpus first (seeded), then the study.
 study-bb: venv
 	test -f runs/bb/corpus.txt || $(PY) scripts/bigram_backcopy.py --output runs/bb/corpus.txt
