@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import time  # noqa: E402
 
+import gpu_arms  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from bench_callbacks import QUICK  # noqa: E402
@@ -114,6 +115,12 @@ def main() -> None:
                   "predictions a block as the MLM's, ours)")
         else:
             print(f"RATIO {name} {statistics.median(ratios):.3f} target <=1.10")
+    if torch.cuda.is_available():  # the same arms at RoBERTa-base size on the GPU (benchmarks/gpu_arms.py)
+        gpu_arms.run(gpu_arms.options(["--layers", "2", "--hidden", "128", "--length", "128", "--batch", "4",
+                                       "--steps", "2", "--rounds", "1"] if args.smoke else []))
+    else:
+        print("note: no CUDA device: the arms' GPU steps at RoBERTa-base size (bf16, tokens/s, MFU) are "
+              "benchmarks/gpu_arms.py's")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def model_flops_per_token(module: MLMModule, seq: int, k: int) -> float:
     """Training FLOPs per input token: 6 N (the encoder's weight matrices, forward 2 + backward 4 per weight)
     + 12 L d T (attention scores and values) + 6 (d^2 + d V) k / T (the LM head on the k masked positions)."""
     h = module.hparams
-    body = sum(p.numel() for p in module.model.roberta.encoder.parameters() if p.ndim >= 2)
+    body = sum(layer.weight.numel() for layer in module.model.base_model.encoder.modules()  # RoBERTa, RoFormer (not
+               if isinstance(layer, torch.nn.Linear))  # its sinusoid table, a 2-d buffer-like Embedding: no matmul)
     attention = 12 * h.num_hidden_layers * h.hidden_size * seq
     lm_head = 6 * (h.hidden_size ** 2 + h.hidden_size * h.vocab_size) * k / seq
     return 6 * body + attention + lm_head

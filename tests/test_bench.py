@@ -95,6 +95,44 @@ def test_mfu_flops_per_token_equal_torch_count_of_a_training_step(position_embed
     assert bench.model_flops_per_token(module, seq, k) * batch * seq == counter.get_total_flops()
 
 
+def _gpu_arms():
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("gpu_arms", ROOT / "benchmarks" / "gpu_arms.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arm", ["causal-learned", "causal-none", "mlm-rope", "causal-learned-matched"])
+def test_the_gpu_arms_batches_and_flops_are_each_arms_own(arm):
+    """benchmarks/gpu_arms.py (run on a GPU only): its batches are the collators' form for the arm, and the counted
+    FLOPs of a step of the arm's model equal torch's count of the same step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_modules.mlm import MLMModule, mlm_loss
+
+    bench = _gpu_arms()
+    objective, positions, share = bench.ARMS[arm]
+    batch, seq, vocab = 3, 24, 300
+    inputs = bench.batch_of(objective, share, batch, seq, vocab, torch.Generator().manual_seed(0))
+    k = bench.predicted(objective, share, seq)
+    assert inputs["positions"].shape == inputs["targets"].shape == (batch, k)
+    if objective == "causal":  # the next token of each predicted position, the blocks unmasked
+        assert torch.equal(inputs["targets"], inputs["input_ids"].gather(1, inputs["positions"] + 1))
+        assert k == (seq - 1 if share == 1 else round(share * (seq - 1)))
+    else:  # 15% of the maskable tokens, each replaced by <mask> (4) in the input
+        assert k == round(0.15 * (seq - 2)) and bool((inputs["input_ids"].gather(1, inputs["positions"]) == 4).all())
+    assert bool((inputs["positions"].diff(dim=1) > 0).all())  # sorted, distinct
+    torch.manual_seed(0)
+    module = MLMModule(position_embeddings=positions != "none", vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=48, max_position_embeddings=seq + 2, dropout=0.0,
+                       attn_implementation="eager", objective=objective, positions=positions)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = mlm_loss(module.model, inputs)
+        loss.backward()
+    assert _bench_train().model_flops_per_token(module, seq, k) * batch * seq == counter.get_total_flops()
+
+
 def test_peak_lookup_prefers_the_exact_variant_and_the_override():
     bench = _bench_train()
     assert bench.peak_tflops("NVIDIA H100 80GB HBM3", None) == bench.PEAK_BF16_TFLOPS["H100"]
