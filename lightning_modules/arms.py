@@ -21,8 +21,8 @@ absolute table, the same post-LN layers (LayerNorm eps 1e-5 as given, GELU, the 
 queries and keys are rotated by position in every layer (RoFormer's sinusoids, base 10000, on pairs of adjacent
 dimensions of each head; Llama rotates the two halves instead: the same rotation up to a permutation of a head's
 dimensions), positions are numbered from 0 (RoBERTa's from pad id + 1, so RoFormer takes --model.max_position_embeddings
-positions, 2 more), and attention is transformers' eager RoFormer attention (no SDPA kernel: on a CPU it costs the
-same, on a GPU more; benchmarks/bench_arms.py). The attention variants (clipped softmax, gated) are RoBERTa's only.
+positions, 2 more), and RoFormer's attention runs through SDPA (lightning_modules/rotary.py: transformers' RoFormer
+attends eagerly only, which doubles a GPU step; an export loads with that eager attention, the same hidden states). The attention variants (clipped softmax, gated) are RoBERTa's only.
 
 The causal objective is the next token's cross-entropy at every position of the same packed blocks (no masking):
 the data module serves the blocks as they are, with `positions` 0..T-2 and `targets` the tokens 1..T-1

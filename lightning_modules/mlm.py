@@ -46,6 +46,7 @@ from core.models import model_max_length, quiet_transformers
 from core.output import staged_output
 from lightning_modules.arms import arm_of, lm_head, model_classes, resolve_arm
 from lightning_modules.attention import attention_settings, install_attention
+from lightning_modules.rotary import install_sdpa
 from lightning_modules.training import (  # noqa: F401 (check_warmup, schedule_end, PolynomialSchedule: train.py, tests)
     PolynomialSchedule,
     TrainingModule,
@@ -126,6 +127,8 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
         **({"is_decoder": True, "use_cache": False} if objective == "causal" else {}),  # no key-value cache in training
     )
     model = auto.from_config(config, attn_implementation=implementation or attn_implementation)
+    if positions == "rope" and attn_implementation == "sdpa":  # transformers' RoFormer attends eagerly only
+        install_sdpa(model)
     if positions == "none":
         remove_position_embeddings(model)
     if not token_type_embeddings:

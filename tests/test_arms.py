@@ -258,3 +258,42 @@ def test_bad_arm_options_are_one_line_exit_2_and_write_nothing(extra, message, c
     assert train.cli_main(tiny_args(root, corpus, cache, *extra, logger="csv")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"train.py: error: {message}"
     assert not root.exists()
+
+
+@pytest.mark.parametrize("objective", ["mlm", "causal"])
+def test_the_rotary_arms_sdpa_attention_equals_rope_by_hand_and_roformers_eager_attention(objective):
+    """lightning_modules/rotary.py: the arm's SDPA self-attention gives RoPE attention by hand (padding masked), and
+    the whole model the hidden states of the same weights under transformers' eager RoFormer attention."""
+    from transformers.models.roformer.modeling_roformer import RoFormerSelfAttention
+
+    from lightning_modules.rotary import SdpaRoFormerSelfAttention
+
+    module = arm(objective, "rope")
+    inner = module.model.base_model.encoder.layer[0].attention.self
+    assert type(inner) is SdpaRoFormerSelfAttention
+    ids, mask = torch.randint(5, 600, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0  # the second sentence padded after 8 tokens
+    ours = states(module, ids, attention_mask=mask)
+    hidden = ours.hidden_states[0]
+    q, k, v = (projection(hidden).unflatten(-1, (4, 8)).detach() for projection in (inner.query, inner.key,
+                                                                                     inner.value))
+    scores = torch.einsum("bqhd,bkhd->bhqk", hand_rope(q), hand_rope(k)) / math.sqrt(8)
+    scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    if objective == "causal":
+        scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    by_hand = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.double()).flatten(-2)
+    blocked = ~mask.bool()[:, None, None, :] | (torch.ones(12, 12, dtype=torch.bool).triu(1) if objective == "causal"
+                                                else torch.zeros(12, 12, dtype=torch.bool))
+    additive = torch.zeros(blocked.shape).masked_fill(blocked, torch.finfo(torch.float32).min)  # RoFormerModel's form
+    with torch.no_grad():
+        positions = module.model.base_model.encoder.embed_positions(ids.shape)[None, None]
+        context, weights = inner(hidden, attention_mask=additive, sinusoidal_pos=positions)
+    assert weights is None  # SDPA: no weights materialised
+    torch.testing.assert_close(context[:, :8].double(), by_hand[:, :8], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(context[0].double(), by_hand[0], rtol=1e-4, atol=1e-5)
+    # the same weights under RoFormer's eager attention: the same hidden states, padding aside
+    for layer in module.model.base_model.encoder.layer:
+        layer.attention.self.__class__ = RoFormerSelfAttention
+    eager = states(module, ids, attention_mask=mask)
+    for a, b in zip(ours.hidden_states, eager.hidden_states, strict=True):
+        torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,54 @@
+"""RoFormer's self-attention through PyTorch's scaled_dot_product_attention (ours): transformers' RoFormer has only its
+eager attention (two matrix products, softmax and dropout on [batch, heads, T, T]), which doubles the rotary arms'
+step on a GPU (docs/benchmarks.md, benchmarks/gpu_arms.py).
+
+    install_sdpa(model)     # every RoFormerSelfAttention of `model` now attends through SDPA (same weights, same math)
+
+The queries and keys are rotated by RoFormer's own `apply_rotary_position_embeddings` (the values too with
+`rotary_value`), then attend through SDPA with the additive mask RoFormerModel made (None without padding in a
+bidirectional model: the flash kernel), and dropout on the attention probabilities in training, as eager does. Asked
+for the attention weights (`output_attentions`: the attention sinks, the analyses) or given a cache or cross-attention
+inputs, a layer runs transformers' eager forward. The model's state dict, config and export are unchanged: plain
+transformers loads the export with its eager attention and gives the same hidden states (tested).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.roformer.modeling_roformer import RoFormerSelfAttention
+
+
+class SdpaRoFormerSelfAttention(RoFormerSelfAttention):
+    """RoFormerSelfAttention whose plain self-attention runs through scaled_dot_product_attention."""
+
+    def forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None, cache=None,
+                output_attentions=False, **kwargs):
+        if output_attentions or encoder_hidden_states is not None or cache is not None:
+            return super().forward(hidden_states, attention_mask=attention_mask, sinusoidal_pos=sinusoidal_pos,
+                                   encoder_hidden_states=encoder_hidden_states, cache=cache,
+                                   output_attentions=output_attentions, **kwargs)
+        shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        query, key, value = (projection(hidden_states).view(shape).transpose(1, 2)
+                             for projection in (self.query, self.key, self.value))
+        if sinusoidal_pos is not None:
+            if self.rotary_value:
+                query, key, value = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key, value)
+            else:
+                query, key = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key)
+        mask = attention_mask.to(query.dtype) if attention_mask is not None and attention_mask.is_floating_point() \
+            else attention_mask
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                 dropout_p=self.dropout.p if self.training else 0.0)
+        return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], self.all_head_size), None
+
+
+def install_sdpa(model: nn.Module) -> int:
+    """Route every RoFormerSelfAttention of `model` through SDPA (in place: the modules keep their weights); returns
+    how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is RoFormerSelfAttention:
+            module.__class__ = SdpaRoFormerSelfAttention
+            count += 1
+    return count
