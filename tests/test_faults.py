@@ -1103,8 +1103,13 @@ ERROR_ROW_TESTS = {
     ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "a trajectory option analyze.py does not know"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "`--max_steps 0`"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
-    ("study.py", "an output directory whose arm was trained otherwise"): [
-        "test_study.py::test_a_rerun_skips_finished_arms_and_refuses_changed_settings",
+    ("study.py", "`--seeds` given twice or negative"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "a bad `verdict` in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
+    ("study.py", "an output directory whose run was trained otherwise"): [
+        "test_study.py::test_a_rerun_skips_finished_runs_and_refuses_changed_settings",
+    ],
+    ("study.py", "an output directory of the one-seed study layout"): [
+        "test_study.py::test_a_rerun_skips_finished_runs_and_refuses_changed_settings",
     ],
     ("study.py", "an arm directory that is not a study arm"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],

@@ -41,7 +41,8 @@ def files_under(path: Path) -> list[str]:
 
 def foreign_checkpoint(path: Path, drop: str | None = None, state: dict | None = None) -> Path:
     """A checkpoint of plain data shaped like this project's, without hyper-parameter `drop`, or with `state`."""
-    hparams = {key: value for key, value in ARCHITECTURE.items() if key != drop}
+    current = {**ARCHITECTURE, "token_type_embeddings": False}  # a checkpoint of today's default (fairseq's zero row)
+    hparams = {key: value for key, value in current.items() if key != drop}
     torch.save({"state_dict": state or {}, "hyper_parameters": hparams, "global_step": 3}, path)
     return path
 
