@@ -88,7 +88,7 @@ def study_figure(report: dict):
             panel["threshold_label"] = f"(1 + {margin:g}) x null"
         panels.append(panel)
     if any(band(arm, lambda point: point["val_loss"])[0] for arm in report["arms"]):
-        panels.append({"title": "MLM validation loss (latest at each checkpoint)", "ylabel": "cross-entropy",
+        panels.append({"title": "validation loss: masked or next token, by the arm (latest at each checkpoint)", "ylabel": "cross-entropy",
                        "series": {arm["arm"]: band(arm, lambda point: point["val_loss"]) for arm in report["arms"]}})
     seeds = report["seeds"]
     return over_steps_figure(panels, columns=3, title=f"outlier study: mean over {len(seeds)} seed"

@@ -331,7 +331,7 @@ def runs_figure(report: dict):
                              [p["val_loss"] for p in run["checkpoints"] if p["val_loss"] is not None])
               for run in report["runs"]}
     if any(steps for steps, _ in losses.values()):
-        panels.append({"title": "MLM validation loss (latest validation at each checkpoint)", "ylabel": "",
+        panels.append({"title": "validation loss: masked or next token, by the run (latest at each checkpoint)", "ylabel": "",
                        "series": {label: values for label, values in losses.items() if values[0]}})
     return over_steps_figure(panels, title=f"outliers and anisotropy over training: {', '.join(report['labels'])}",
                              columns=3)
