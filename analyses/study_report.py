@@ -15,7 +15,7 @@ import argparse
 from analyses.null import STATISTICS, SUMMARIES, gaussian_nulls, seed_statistics
 from analyses.session import finish
 from analyses.trajectory import run_trajectories
-from core.figures import over_steps_figure
+from core.step_figures import over_steps_figure
 
 NULL_DEFINITION = ("a statistic's null at a checkpoint is the larger of (a) the same run at step 0 and (b) the largest "
                    "over the Gaussian samples (N(0, 1) hidden states of the same size on the same tokens), each "

@@ -38,10 +38,10 @@ from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
 from core.errors import UserError, warn_once
-from core.figures import over_steps_figure
 from core.models import model_family
 from core.output import check_writable
 from core.sources import local_path
+from core.step_figures import over_steps_figure
 from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir

@@ -58,8 +58,8 @@ from callbacks.media import FIGURES
 from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.families import is_causal, rotary_queries_keys
-from core.figures import over_steps_figure
 from core.models import attention_projections, find_encoder
+from core.step_figures import over_steps_figure
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
 from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
 from metrics.summary import over_layers

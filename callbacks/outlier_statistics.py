@@ -70,7 +70,8 @@ from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
 from callbacks.media import FIGURES
 from core.errors import UserError
-from core.figures import layer_step_figure, mean_vectors_figure
+from core.figures import mean_vectors_figure
+from core.step_figures import layer_step_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations

@@ -5,8 +5,8 @@
     save_figure(fig, "runs/x/mean_vectors.png")                                 # or figure_array(fig): RGB for loggers
     layer_panels_figure([{"title": "anisotropy", "layers": [0, 1], "series": {"raw": [.9, .8]}}])  # Figure 6
     layer_bands_figure([{..., "bands": {"raw": ([.8, .7], [1., .9], "controls")}}])   # the same, shaded bands
-    over_steps_figure([{"title": "entropy", "series": {"layer 1": ([0, 100], [.9, .7])}}])       # live, over time
-    layer_step_figure([{"title": "top share", "colorbar": "share", "values": [[.1, .6]]}], [0, 100], [1])
+
+Figures against the training step (trajectories, the study, the live callbacks): core/step_figures.py.
 
 Figures a researcher can put in a talk: every mark in a legend, every colour bar labelled, titles wrapped at word
 boundaries (never inside a bracketed list) to the figure's width, plain numbers on log axes, line colours that read
@@ -25,7 +25,6 @@ matplotlib.use("Agg")
 import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
@@ -298,97 +297,6 @@ def layer_bands_figure(panels: Sequence[Mapping], title: str = "", columns: int 
     fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=3, fontsize=8, frameon=False)
     height = fig.get_size_inches()[1]
     fig.tight_layout(rect=(0, min(0.4, (0.25 * rows + 0.1) / height), 1, 1))
-    return fig
-
-
-def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int = 3):
-    """Statistics against the training step in side-by-side panels, one line per series (e.g. per layer).
-
-    Each panel: {"title", "ylabel", "series": {name: (steps, values)}}, optionally "log": True (a log y axis) and
-    "empty" (why a panel without values is empty). A series given as (steps, values, low, high) also draws the band
-    from low to high (e.g. the range over seeds); a panel's "thresholds": {name: (steps, values)} draws a dashed line
-    in the colour of the series of that name (e.g. the level above which it is beyond its null), and
-    "threshold_label" names the dashed lines in the legend."""
-    columns = max(1, min(columns, len(panels)))
-    rows = (len(panels) + columns - 1) // columns
-    width = 4.6 * columns
-    fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
-    names = list(dict.fromkeys(name for panel in panels for name in panel["series"]))  # one colour per name
-    colors = dict(zip(names, line_colors(len(names))))
-    for ax, panel in zip(axes.flat, panels):
-        series = panel["series"]
-        ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
-        if not any(finite(values) for _, values, *_ in series.values()):
-            say_empty(ax, panel.get("empty", ""))
-            continue
-        for name, (steps, values, *band) in series.items():
-            ax.plot(list(steps), [np.nan if v is None else v for v in values], marker="o", markersize=2.5,
-                    linewidth=1, color=colors[name], label=name)
-            if band:
-                ax.fill_between(list(steps), np.asarray(band[0], dtype=float), np.asarray(band[1], dtype=float),
-                                color=colors[name], alpha=0.2, linewidth=0)
-            if name in panel.get("thresholds", {}):
-                threshold_steps, threshold_values = panel["thresholds"][name]
-                ax.plot(list(threshold_steps), [np.nan if v is None else v for v in threshold_values],
-                        linestyle="--", linewidth=0.8, color=colors[name])
-        ax.set_xlabel("step", fontsize=8)
-        ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
-        ax.tick_params(labelsize=7, which="both")
-        if panel.get("log"):
-            plain_log_axis(ax)
-        else:
-            ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
-    first = next((ax for ax in axes.flat if ax.get_lines()), None)
-    if first is not None:  # one legend for every panel: the same name has the same colour in all of them
-        handles = [Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
-                   for name in names]
-        label = next((panel["threshold_label"] for panel in panels if panel.get("thresholds")
-                      and panel.get("threshold_label")), None)
-        if label:  # the dashed lines, in the colour of their series
-            handles.append(Line2D([], [], color="0.3", linestyle="--", linewidth=0.8, label=label))
-        first.legend(handles=handles, fontsize=6, ncol=2)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    lines = suptitle(fig, title, width)
-    # fixed margins: tight_layout's measuring costs a third of the figure, made live during training
-    margins(fig, 0.6, 0.15, 0.5, 0.35 + 0.2 * lines, wspace=0.3, hspace=0.55)
-    return fig
-
-
-def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: Sequence[int], title: str = ""):
-    """Layer x step images side by side, one per statistic: rows are `layers`, columns the captured `steps`.
-
-    Each panel: {"title", "colorbar" (the colour bar's label), "values": [layers, steps] (nan: not captured),
-    "log": True for a log colour scale (optional)}."""
-    width = 4.4 * len(panels) + 0.4
-    fig, axes = subplots(1, len(panels), figsize=(width, max(2.6, 0.28 * len(layers) + 1.9)), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        values = np.asarray(panel["values"], dtype=float)
-        ax.set_title(fit_title(panel["title"], 4.2, 9), fontsize=9)
-        if not np.isfinite(values).any():
-            say_empty(ax, panel.get("empty", "no capture yet"))
-            continue
-        positive = values[np.isfinite(values) & (values > 0)]
-        norm = LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01)) if panel.get("log") and \
-            positive.size else None
-        image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
-        bar = fig.colorbar(image, ax=ax, fraction=0.06, pad=0.03)
-        bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
-        bar.ax.tick_params(labelsize=6, which="both")
-        if norm is not None:
-            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
-            few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
-            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
-                                             else mticker.NullFormatter())
-        ticks = np.arange(len(steps)) if len(steps) <= 8 else \
-            np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))
-        ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
-        ax.set_yticks(range(len(layers)), labels=[str(layer) for layer in layers])
-        ax.set_xlabel("step", fontsize=8)
-        ax.set_ylabel("layer", fontsize=8)
-        ax.tick_params(labelsize=7)
-    lines = suptitle(fig, title, width)
-    margins(fig, 0.55, 0.75, 0.5, 0.35 + 0.2 * lines, wspace=0.55)
     return fig
 
 

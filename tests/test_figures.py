@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 
 from analyses.reports import figure_of
 from callbacks.outlier_statistics import OutlierStatistics
-from core import figures
+from core import figures, step_figures
 from lightning_modules.probes import PositionProbe
 
 LONG = "outlier neurons vs the mean contribution: all-MiniLM-L6-v2 (outlier dims [12, 45, 223, 300, 301, 302, 303])"
@@ -111,10 +111,10 @@ def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_tit
                                                   [0.5, 0.4, 0.3, 0.3]}, {"majority": 0.1, "chance": 0.05}, LONG),
         figures.layer_panels_figure([{"title": LONG, "ylabel": "cosine", "layers": layers, "baselines": {"static": 0.2},
                                       "series": {f"dim {d}": list(rng.random(4)) for d in range(9)}}], LONG, columns=1),
-        figures.over_steps_figure([{"title": "kurtosis", "log": True, "series": {f"layer {k}": ([0, 100, 200],
+        step_figures.over_steps_figure([{"title": "kurtosis", "log": True, "series": {f"layer {k}": ([0, 100, 200],
                                    [3.4 + k, 3.6 + k, 3.9 + k]) for k in layers}},
                                    {"title": "share", "series": {"layer 1": ([0, 100], [0.1, 0.5])}}], LONG),
-        figures.layer_step_figure([{"title": "top share", "colorbar": "share of tokens", "values": rng.random((4, 5))},
+        step_figures.layer_step_figure([{"title": "top share", "colorbar": "share of tokens", "values": rng.random((4, 5))},
                                    {"title": "kurtosis", "colorbar": "kurtosis", "log": True,
                                     "values": 3 + 40 * rng.random((4, 5))}], [0, 100, 200, 300, 400], layers, LONG),
         figures.spectrum_figure({"raw": [list(np.sort(rng.random(30))[::-1]) for _ in layers],
