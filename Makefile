@@ -53,7 +53,7 @@ study-bb: venv
 	$(OFFLINE) $(PY) study.py --config configs/study/study-bb.yaml --output_dir runs/study-bb
 
 # Two pytest workers (pytest-xdist), a file each at a time, one intra-op thread each (tests/conftest.py): on 2 cores
-# the suite takes ~15 min instead of ~23. TEST_WORKERS=0 runs it in this process; make test TEST_ARGS='-k probe' etc.
+# the suite takes ~7 min on idle cores (measured from a fresh clone). TEST_WORKERS=0 runs it in this process; make test TEST_ARGS='-k probe' etc.
 TEST_WORKERS ?= 2
 test: venv
 	$(OFFLINE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS)
