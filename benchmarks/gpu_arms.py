@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.gpu_train import model_flops_per_token, peak_tflops  # noqa: E402
-from lightning_modules.mlm import MLMModule, mlm_step  # noqa: E402
+from lightning_modules.mlm import MLMModule, compile_step, mlm_step  # noqa: E402
 
 ARMS = {"mlm-learned": ("mlm", "learned", 1.0), "causal-learned": ("causal", "learned", 1.0),
         "causal-none": ("causal", "none", 1.0), "mlm-rope": ("mlm", "rope", 1.0),
@@ -77,9 +77,11 @@ def time_arm(arm: str, args, device, profile: bool = False) -> tuple[float, floa
     batches = [{key: value.to(device) for key, value in batch_of(objective, share, args.batch, args.length,
                                                                      args.vocab, generator).items()}
                for _ in range(2)]
+    forward = compile_step(model) if args.compile else mlm_step  # --model.compile true's graph
+
     def step(batch: dict) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = mlm_step(model, batch, vocab_size=args.vocab).loss
+            loss = forward(model, batch, vocab_size=args.vocab).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
@@ -113,6 +115,10 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the arms to time "
+                        "(mlm-learned, the reference, always)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step as --model.compile true does "
+                        "(the first --warmup steps compile)")
     parser.add_argument("--pad_vocab_to_multiple_of", type=int, default=1, help="the LM head's rows padded to a "
                         "multiple (the fast recipe's 64; 1: RoBERTa's 50265, the paper's recipe)")
     parser.add_argument("--profile", nargs="*", default=None, choices=list(ARMS), help="print where one step of "
@@ -130,8 +136,8 @@ def run(args: argparse.Namespace) -> None:
     peak = peak_tflops(name, args.peak_tflops)
     print(f"METRIC gpu_arms device {name}; torch {torch.__version__}; {args.layers} x {args.hidden}, vocab "
           f"{args.vocab} (padded to a multiple of {args.pad_vocab_to_multiple_of}), batch {args.batch} x {args.length}, bf16 "
-          f"autocast; bf16 peak {peak} TFLOP/s", flush=True)
-    arms = list(ARMS)
+          f"autocast{', compiled' if args.compile else ''}; bf16 peak {peak} TFLOP/s", flush=True)
+    arms = ["mlm-learned", *(arm for arm in args.arms if arm != "mlm-learned")]
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}
     flops: dict[str, float] = {}
     for round_index in range(args.rounds):
