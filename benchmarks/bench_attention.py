@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_callbacks import QUICK  # noqa: E402
-from bench_regularizer import fit, mlm_args, step_timing_options  # noqa: E402
+from bench_regularizer import rotated_rounds, step_timing_options  # noqa: E402
 
 ARMS = ("softmax", "clipped_softmax", "gated")
 NAMES = {"clipped_softmax": "clipped_softmax_step", "gated": "gated_attention_step"}
@@ -34,24 +32,7 @@ NAMES = {"clipped_softmax": "clipped_softmax_step", "gated": "gated_attention_st
 def main() -> None:
     args = step_timing_options(__doc__.split("\n\n")[0], rounds=5, quick_rounds=3,
                                steps_help="timed optimizer steps per run")
-    walls: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    cpus: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        corpus, small = None, None
-        if args.smoke:
-            corpus = tmp / "corpus.txt"
-            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
-            small = {"model": QUICK["model"], "data": QUICK["data"]}
-        for round_ in range(args.rounds):
-            shift = round_ % len(ARMS)
-            for arm in ARMS[shift:] + ARMS[:shift]:
-                timer, _ = fit(mlm_args(tmp / f"{arm}-{round_}", tmp / "cache", small, corpus)
-                               + ["--model.attention", arm], args.steps)
-                walls[arm].append(timer.wall_s)
-                cpus[arm].append(timer.cpu_s)
-                print(f"round {round_}: {arm:>15}  {timer.wall_s:8.2f} s wall  {timer.cpu_s:8.2f} s CPU  "
-                      f"({timer.wall_s / args.steps * 1000:.1f} ms a step)", flush=True)
+    walls, cpus, _ = rotated_rounds(ARMS, lambda arm: ["--model.attention", arm], args)
     for arm, name in NAMES.items():
         ratios = [variant / plain for variant, plain in zip(walls[arm], walls["softmax"], strict=True)]
         print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")

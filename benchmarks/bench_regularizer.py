@@ -160,6 +160,31 @@ def compare(name: str, make_args, steps: int, rounds: int) -> tuple[float, dict]
     return statistics.median(ratios), {"step_s": step, "c0_s": first.seconds[0], "c0_tokens": first.tokens}
 
 
+def rotated_rounds(arms: tuple[str, ...], extra_args, args) -> tuple[dict, dict, dict | None]:
+    """Every arm (train.py's tiny MLM config plus `extra_args(arm)`) trained `args.steps` timed steps in each of
+    `args.rounds` rounds, the arms' order rotating with the round (bench_attention's and bench_arms' comparisons):
+    wall and CPU seconds per arm and round, and the small sizes used with --smoke (None otherwise)."""
+    walls: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpus: dict[str, list[float]] = {arm: [] for arm in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus, small = None, None
+        if args.smoke:
+            corpus = tmp / "corpus.txt"
+            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
+            small = {"model": QUICK["model"], "data": QUICK["data"]}
+        for round_ in range(args.rounds):
+            shift = round_ % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                timer, _ = fit(mlm_args(tmp / f"{arm}-{round_}", tmp / "cache", small, corpus) + extra_args(arm),
+                               args.steps)
+                walls[arm].append(timer.wall_s)
+                cpus[arm].append(timer.cpu_s)
+                print(f"round {round_}: {arm:>15}  {timer.wall_s:8.2f} s wall  {timer.cpu_s:8.2f} s CPU  "
+                      f"({timer.wall_s / args.steps * 1000:.1f} ms a step)", flush=True)
+    return walls, cpus, small
+
+
 def step_timing_options(description: str, rounds: int, steps_help: str, quick_rounds: int):
     """The paired step-time benchmarks' options (this script's and bench_attention's), parsed and applied: quieter
     Lightning, --quick / --smoke sizes, the thread count."""
