@@ -88,20 +88,27 @@ def test_embedding_interventions_equal_the_table_edited_by_hand(kind, name):
 def test_activation_at_layer_l_equals_layers_after_it_run_on_the_edited_state(name, layer):
     model = tiny_model("bert")
     ids, _ = inputs("bert", padded=False)
-    base, dims = hidden(model, ids), [3, 17]
-    means = torch.randn(LAYERS + 1, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    before = snapshot(model)
-    with intervene(model, Intervention(name, tuple(dims), (layer,), means=means)):
-        got = hidden(model, ids)
-    assert unchanged(model, before)
-    state = base[layer].clone()
-    state[..., dims] = 0.0 if name == "activation_zero" else means[layer, dims].float()
+    base, got, state = edited_activation(model, ids, name, layer)
     expected = [*base[:layer], state]
     with torch.no_grad():
         for block in model.encoder.layer[layer:]:  # hidden state l + 1 is the output of encoder.layer[l]
             state = block(state)
             expected.append(state)
     torch.testing.assert_close(got, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+def edited_activation(model, ids, name: str, layer: int, dims: tuple[int, ...] = (3, 17)):
+    """The unmodified hidden states, those under `name` (activation_zero / activation_mean with seeded means) at
+    `layer`, and layer `layer`'s state edited by hand; the model's weights checked unchanged afterwards."""
+    base = hidden(model, ids)
+    means = torch.randn(LAYERS + 1, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    before = snapshot(model)
+    with intervene(model, Intervention(name, dims, (layer,), means=means)):
+        got = hidden(model, ids)
+    assert unchanged(model, before)
+    state = base[layer].clone()
+    state[..., list(dims)] = 0.0 if name == "activation_zero" else means[layer, list(dims)].float()
+    return base, got, state
 
 
 @pytest.mark.parametrize("layers", [None, (2,)])

@@ -19,8 +19,8 @@ from core.capture import layer_output
 from core.families import decoder_stack
 from core.models import mlm_head
 from lightning_modules.interventions import Intervention, intervene
-from tests.test_intervene import data_file, hidden, snapshot, unchanged
-from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences
+from tests.test_intervene import data_file, edited_activation, hidden, snapshot, unchanged
+from tests.tiny import LAYERS, MAX_POSITIONS, corpus_sentences
 from tests.tiny_families import decoder_tokenizer, family_config, save_tiny_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,16 +84,9 @@ def test_activation_at_layer_l_of_a_decoder_equals_its_later_blocks_run_by_hand(
     output (nothing after it)."""
     model = tiny(kind)
     ids = torch.randint(3, 600, (2, 10), generator=torch.Generator().manual_seed(4))
-    base, dims = hidden(model, ids), [3, 17]
+    base, got, state = edited_activation(model, ids, name, layer)
     torch.testing.assert_close(torch.stack(later_states(model, base[layer], layer)) if layer < LAYERS else base[:0],
                                base[layer + 1:], atol=1e-5, rtol=1e-5)  # the hand loop reads the model as it runs
-    means = torch.randn(LAYERS + 1, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    before = snapshot(model)
-    with intervene(model, Intervention(name, tuple(dims), (layer,), means=means)):
-        got = hidden(model, ids)
-    assert unchanged(model, before)
-    state = base[layer].clone()
-    state[..., dims] = 0.0 if name == "activation_zero" else means[layer, dims].float()
     expected = torch.stack([*base[:layer], state, *later_states(model, state, layer)[:LAYERS - layer]])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -99,7 +99,12 @@ def save_tiny_encoder(directory: Path, kind: str, tokenizer, plant: Callable | N
 
     torch.manual_seed(seed)
     config = tiny_config(kind, len(tokenizer), **overrides)
-    model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
+    return save_planted((AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config), tokenizer, directory,
+                        plant)
+
+
+def save_planted(model, tokenizer, directory: Path, plant: Callable | None = None) -> Path:
+    """`model` saved with `tokenizer` in `directory`, after `plant(model)` edited its weights (when given)."""
     if plant is not None:
         with torch.no_grad():
             plant(model)

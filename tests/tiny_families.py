@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences
+from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences, save_planted
 
 DECODERS = ("gpt2", "llama", "gpt_neox", "opt")
 ROTARY_ENCODERS = ("modernbert", "roformer")
@@ -65,10 +65,5 @@ def save_tiny_family(directory: Path, kind: str, tokenizer, plant: Callable | No
     from transformers import AutoModel
 
     torch.manual_seed(seed)
-    model = AutoModel.from_config(family_config(kind, len(tokenizer), **overrides))
-    if plant is not None:
-        with torch.no_grad():
-            plant(model)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_planted(AutoModel.from_config(family_config(kind, len(tokenizer), **overrides)), tokenizer, directory,
+                        plant)
