@@ -49,6 +49,7 @@ def distributed() -> Iterator[tuple[int, int]]:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         yield dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # every rank done before any tears its connections down (gloo can abort a rank whose peer left)
     finally:
         dist.destroy_process_group()
 
