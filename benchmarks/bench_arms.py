@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from bench_regularizer import rotated_rounds, step_timing_options  # noqa: E402
 
+from benchmarks.gpu_train import model_flops_per_token  # noqa: E402
 from lightning_modules.mlm import MLMModule  # noqa: E402
 
 ARMS = ("mlm-learned", "causal-learned", "causal-none", "mlm-rope", "causal-rope", "causal-learned-matched")
@@ -47,9 +48,10 @@ def arm_args(arm: str) -> list[str]:
     return ["--model.objective", objective, "--model.positions", positions, *matched]
 
 
-def stack_times(small: dict | None, rounds: int, repeats: int = 5) -> dict[str, list[float]]:
+def stack_times(small: dict | None, rounds: int, repeats: int = 5) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Process CPU time of `repeats` forward + backward passes of each arm's stack (no LM head) on the same random
-    blocks, the arms interleaved, once per round."""
+    blocks, the arms interleaved, once per round; and each arm's counted training FLOPs a token, its LM head on the
+    positions it predicts (benchmarks/gpu_train.py's `model_flops_per_token`)."""
     config = yaml.safe_load((ROOT / "configs" / "pretrain" / "tiny.yaml").read_text())
     model = {**config["model"], **((small or {}).get("model") or {})}
     data = {**config["data"], **((small or {}).get("data") or {})}
@@ -57,12 +59,16 @@ def stack_times(small: dict | None, rounds: int, repeats: int = 5) -> dict[str, 
                                          "intermediate_size", "max_position_embeddings", "dropout")}
     blocks = torch.randint(5, data["vocab_size"], (data["batch_size"], data["block_length"]),
                            generator=torch.Generator().manual_seed(0))
-    stacks = {}
-    for arm in ARMS[:-1]:
-        objective, positions = arm.split("-")
+    stacks, flops = {}, {}
+    for arm in ARMS:
+        objective, positions = arm.split("-")[:2]
         torch.manual_seed(0)
-        stacks[arm] = MLMModule(objective=objective, positions=positions, vocab_size=data["vocab_size"],
-                                **sizes).model.base_model.train()
+        module = MLMModule(objective=objective, positions=positions, vocab_size=data["vocab_size"], **sizes)
+        share = 0.15 if arm.endswith("-matched") else 1.0
+        flops[arm] = model_flops_per_token(module, data["block_length"],
+                                           gpu_arms.predicted(objective, share, data["block_length"]))
+        if not arm.endswith("-matched"):
+            stacks[arm] = module.model.base_model.train()
     times: dict[str, list[float]] = {arm: [] for arm in stacks}
     names = list(stacks)
     for round_ in range(rounds):
@@ -72,14 +78,14 @@ def stack_times(small: dict | None, rounds: int, repeats: int = 5) -> dict[str, 
             for _ in range(repeats):
                 stacks[arm](input_ids=blocks).last_hidden_state.square().mean().backward()
             times[arm].append(time.process_time() - start)
-    return times
+    return times, flops
 
 
 def main() -> None:
     args = step_timing_options(__doc__.split("\n\n")[0], rounds=5, quick_rounds=3,
                                steps_help="timed optimizer steps per run")
     walls, cpus, small = rotated_rounds(ARMS, arm_args, args)
-    stacks = stack_times(small, args.rounds)
+    stacks, flops = stack_times(small, args.rounds)
     for arm in ARMS[1:]:
         name = f"{arm.replace('-', '_')}_step"
         if arm in stacks:
@@ -88,6 +94,11 @@ def main() -> None:
                   "and layers only, forward and backward, no LM head: the arm's attention against RoBERTa's)")
         ratios = [variant / plain for variant, plain in zip(walls[arm], walls["mlm-learned"], strict=True)]
         print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
+        counted = flops[arm] / flops["mlm-learned"]
+        print(f"METRIC {name}_counted_flop_ratio {counted:.3f}  (training FLOPs a step, counted: the stack, attention "
+              "and the LM head on the positions the arm predicts)")
+        print(f"METRIC {name}_time_per_flop_ratio {statistics.median(ratios) / counted:.3f}  (the step's time ratio "
+              "over its FLOP ratio: what the arm's implementation costs beyond its arithmetic)")
         cpu = [variant / plain for variant, plain in zip(cpus[arm], cpus["mlm-learned"], strict=True)]
         print(f"METRIC {name}_cpu_time_ratio {statistics.median(cpu):.3f}  (process CPU time, median of the rounds: "
               "less sensitive to a busy machine than wall time)")

@@ -5,8 +5,10 @@ step on a GPU (docs/benchmarks.md, benchmarks/gpu_arms.py).
     install_sdpa(model)     # every RoFormerSelfAttention of `model` now attends through SDPA (same weights, same math)
 
 The queries and keys are rotated by RoFormer's own `apply_rotary_position_embeddings` (the values too with
-`rotary_value`), then attend through SDPA with the additive mask RoFormerModel made (None without padding in a
-bidirectional model: the flash kernel), and dropout on the attention probabilities in training, as eager does. Asked
+`rotary_value`), then attend through SDPA with the mask RoFormerModel made, and dropout on the attention
+probabilities in training, as eager does. Eagerly a bidirectional batch without padding has no mask (the flash
+kernel); traced by torch.compile, transformers' mask helpers cannot look at the mask's values and materialise it (an
+all-True mask: the memory-efficient kernel instead). Asked
 for the attention weights (`output_attentions`: the attention sinks, the analyses) or given a cache or cross-attention
 inputs, a layer runs transformers' eager forward. The model's state dict, config and export are unchanged: plain
 transformers loads the export with its eager attention and gives the same hidden states (tested).
