@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 # The main job on the embedded defaults: the outlier analysis of the packaged MiniLM on the bundled corpus; the
 # LayerNorm weights of its persistent outlier dims zeroed inside the forward pass, against the same on 10 random sets
 # of non-outlier dims (Kovaleva et al. 2021; p-values, docs/interventions.md); then the tiny PE / no-PE pretraining
-# comparison below (about 8 minutes on 2 CPU cores in all, set-up included).
+# comparison below (about 4 minutes on 2 idle CPU cores in all, set-up included).
 demo: venv
 	$(OFFLINE) $(PY) analyze.py outliers --output_dir $(RUNS)/minilm-outliers
 	$(OFFLINE) $(PY) analyze.py intervene --interventions layernorm_zero --controls 10 --max_sentences 500 --output_dir $(RUNS)/minilm-intervene --no_progress
@@ -28,8 +28,8 @@ demo: venv
 
 # Train configs/pretrain/tiny.yaml with and without positional embeddings (CPU, bundled corpus), then the outlier
 # analysis of both exports, side by side, then the position probe of both (special tokens excluded: <s> and </s> give
-# their positions away by identity), where the no-PE model stays near chance. --ckpt_path last makes a re-run resume
-# (or just re-export) a finished run.
+# their positions away by identity): one run each, a demonstration, not a verdict (make study-bb). --ckpt_path last
+# makes a re-run resume (or just re-export) a finished run.
 demo-pretrain: venv
 	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --trainer.default_root_dir $(RUNS)/tiny-pe --ckpt_path last
 	$(OFFLINE) $(PY) train.py fit --config configs/pretrain/tiny.yaml --model.position_embeddings false --trainer.default_root_dir $(RUNS)/tiny-nope --ckpt_path last

@@ -16,7 +16,9 @@ the objective's own cost (docs/benchmarks.md). So the script also times the stac
 forward and backward of the same blocks, no LM head, in this process, interleaved over --rounds x 5 repeats):
 `METRIC <arm>_stack_cpu_time_ratio`, what the causal mask and the rotary attention cost by themselves; and
 `METRIC causal_learned_matched_step...`: the causal-learned step predicting as many tokens as the MLM
-(`--data.next_token_share 0.15`, ours, not the default).
+(`--data.next_token_share 0.15`, ours, not the default). Beside each ratio: the arm's counted training FLOPs a step over
+the MLM's (`METRIC <arm>_step_counted_flop_ratio`, gpu_train.py's `model_flops_per_token`) and the time ratio over
+that FLOP ratio (`METRIC <arm>_step_time_per_flop_ratio`): what the arm's implementation costs beyond its arithmetic.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What a pretraining run ends with: where its export, checkpoints and W&B run are, its last validation loss, and the
-outlier verdict of its last capture (persistent dims, top share, kurtosis), printed by train.py after the fit.
+outlier statistics of its last capture (persistent dims, top share, kurtosis: a reading of one run, not a verdict),
+printed by train.py after the fit.
 
     python train.py fit --config configs/pretrain/tiny.yaml
     ...
@@ -11,7 +12,7 @@ outlier verdict of its last capture (persistent dims, top share, kurtosis), prin
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 
 RunSummary (a callback train.py adds) keeps the last validation loss with its step, in the checkpoints too, so that a
-re-run of a finished run reports the same; the verdict is OutlierStatistics' `last` (kept in its checkpoint state).
+re-run of a finished run reports the same; the reading is OutlierStatistics' `last` (kept in its checkpoint state).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class RunSummary(Callback):
 
 
 def run_summary(trainer) -> dict:
-    """What the run ended with, JSON-ready: step, run directory, export, last checkpoint, W&B, validation, verdict."""
+    """What the run ended with, JSON-ready: step, run directory, export, last checkpoint, W&B, validation, outliers."""
     root = Path(trainer.default_root_dir)
     callback = trainer.checkpoint_callback
     last = Path(callback.last_model_path) if callback is not None and callback.last_model_path else None
@@ -87,13 +88,13 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append("  W&B          off: it could not start or failed (see the warning above)")
     val = summary["validation"]
     lines.append("  validation   " + (f"loss {val['loss']:.4g} at step {val['step']}" if val else "none run"))
-    verdict = summary["outliers"]
-    if verdict is None:
+    reading = summary["outliers"]
+    if reading is None:
         lines.append("  outliers     no live outlier statistics in this run (callbacks.outlier_statistics)")
     else:
-        stage = "the validation at step" if verdict["stage"] == "val" else "training step"
-        lines.append(f"  outliers     {stage} {verdict['step']}: persistent dims "
-                     f"{verdict['persistent_dims'] or 'none'}; top share {verdict['top_share']:.1%} (layer "
-                     f"{verdict['top_share_layer']}, dim {verdict['top_share_dim']}); kurtosis "
-                     f"{verdict['kurtosis']:.3g} (layer {verdict['kurtosis_layer']}; dims 0-indexed)")
+        stage = "the validation at step" if reading["stage"] == "val" else "training step"
+        lines.append(f"  outliers     {stage} {reading['step']}: persistent dims "
+                     f"{reading['persistent_dims'] or 'none'}; top share {reading['top_share']:.1%} (layer "
+                     f"{reading['top_share_layer']}, dim {reading['top_share_dim']}); kurtosis "
+                     f"{reading['kurtosis']:.3g} (layer {reading['kurtosis_layer']}; dims 0-indexed)")
     return lines
