@@ -5,6 +5,7 @@ processes equal to 1."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -81,11 +82,16 @@ def test_bondarenko_kurtosis_and_inf_norm_equal_scipy_and_their_code_on_flattene
     np.testing.assert_allclose(result.inf_norm_sequence.numpy(), inf, rtol=1e-6)
     rows = result.magnitudes()
     assert rows[1]["kurtosis_sequence"] == pytest.approx(by_scipy[1], rel=1e-5)
-    # [layers, tokens, hidden] input has no sequences: the keys are None, the per-token ones still there
+    # [layers, tokens, hidden] input has no sequences: the keys are None, the per-token ones still there, each token
+    # vector's Pearson kurtosis around its own mean (scipy, fisher=False, bias=True), averaged over the tokens
     flat = NeuronStatistics(LAYERS, HIDDEN)
-    flat.update(batches[0][0].flatten(1, 2))
-    assert flat.compute().magnitudes()[0]["kurtosis_sequence"] is None
-    assert flat.compute().magnitudes()[0]["kurtosis_mean"] is not None
+    tokens = batches[0][0].flatten(1, 2)
+    flat.update(tokens)
+    per_token = scipy.stats.kurtosis(tokens.double().numpy(), axis=2, fisher=False, bias=True)  # [layers, tokens]
+    for layer, row in enumerate(flat.compute().magnitudes()):
+        assert row["kurtosis_sequence"] is None and row["inf_norm_sequence"] is None
+        assert row["kurtosis_mean"] == pytest.approx(per_token[layer].mean(), rel=1e-5, abs=1e-6)
+        assert row["kurtosis_max"] == pytest.approx(per_token[layer].max(), rel=1e-5, abs=1e-6)
 
 
 def test_massive_activation_planted_is_found_with_its_dimension_position_token_and_ratio():
@@ -290,5 +296,17 @@ def test_attention_weights_run_eager_and_restore_the_implementation(tmp_path, be
     clipped = FrozenEncoder(model, bert_tok)
     with clipped.attention_weights():
         assert model.config._attn_implementation == CLIPPED
-        assert next(clipped.batches(texts, batch_size=6, progress=False)).attention_mass is not None
+        read = next(clipped.batches(texts, batch_size=6, progress=False))
     assert model.config._attn_implementation == CLIPPED
+    # by hand: layer 1 reads the embeddings whatever the attention, so its weights are clip(1.025 p - 0.025, 0, 1) of
+    # the plain softmax p of the same weights (an eager twin), each key's averaged over the counted queries
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    with torch.no_grad():
+        p = twin(input_ids=read.input_ids, attention_mask=read.attention_mask, output_attentions=True).attentions[0]
+    weights = ((1.0 + 0.025) * p.double() - 0.025).clamp(0, 1)
+    queries = read.mask.double()
+    by_hand = torch.einsum("bhqk,bq->bhk", weights, queries) / queries.sum(1)[:, None, None]
+    torch.testing.assert_close(read.attention_mass[0].double(), by_hand, atol=1e-6, rtol=1e-5)
+    plain_mass = torch.einsum("bhqk,bq->bhk", p.double(), queries) / queries.sum(1)[:, None, None]
+    assert not torch.allclose(read.attention_mass[0].double(), plain_mass, atol=1e-4)  # the clipped weights are read
