@@ -48,7 +48,9 @@ def test_gaussian_states_give_the_closed_forms_and_the_direct_statistics(hidden)
     assert expected_kurtosis(10 ** 6) == pytest.approx(3, abs=1e-5)
     # closed form: every dimension holds the max (and the min) of a token with probability 1 / d
     shares = torch.cat([result.argmax_share[0], result.argmin_share[0]])
-    spread = top_share_sd(hidden, tokens)
+    spread = top_share_sd(hidden, tokens)  # the tolerance below: Binomial(n, 1 / d) / n's sd, checked by hand first
+    assert expected_top_share(hidden) == 1 / hidden
+    assert spread == pytest.approx(math.sqrt((1 / hidden) * (1 - 1 / hidden) / tokens), rel=1e-12)
     assert torch.all((shares - expected_top_share(hidden)).abs() < 5 * spread)
     assert expected_top_share(hidden) < float(shares.max()) < expected_top_share(hidden) + 5 * spread
     # a direct computation on the same draws (numpy, float64)
