@@ -135,6 +135,9 @@ def test_hooks_are_removed_on_error():
     ids, mask = inputs("bert")
     base = hidden(model, ids, mask)
     with pytest.raises(RuntimeError), intervene(model, Intervention("activation_zero", (1, 2))):
+        inside = hidden(model, ids, mask)  # the hooks act: dims 1 and 2 zero in every hidden state, the rest moved
+        assert not inside[..., [1, 2]].any() and base[..., [1, 2]].abs().min() > 0
+        assert not torch.allclose(inside[1:, ..., 3:], base[1:, ..., 3:], atol=1e-3)
         raise RuntimeError("inside")
     torch.testing.assert_close(hidden(model, ids, mask), base)
 
@@ -341,9 +344,23 @@ def test_minilm_end_to_end_baseline_equals_the_other_analyses(minilm_path, tmp_p
     assert baseline["stats"]["kurtosis"] == pytest.approx([row["kurtosis_mean"] for row in outliers["layers"]],
                                                           rel=1e-5)
     assert baseline["stats"]["max_abs"] == pytest.approx([row["max_abs"] for row in outliers["layers"]], rel=1e-5)
-    for row in outliers["layers"]:  # the dominant dims' shares: max + min share of the same dim
-        share = baseline["stats"]["share"].get(str(row["argmax_dim"]))
-        assert share is None or share[row["layer"]] >= row["argmax_share"] - 1e-6
+    # the tracked dims: --dims and every layer's outliers as `analyze.py outliers` finds them
+    assert report["dims"] and set(report["tracked_dims"]) == {*report["dims"], *(d for row in outliers["layers"]
+                                                                              for d in row["outlier_dims"])}
+    checked = 0
+    for row in outliers["layers"]:  # a tracked dim's share: its share as max + its share as min (<= the top min share)
+        for own, other in (("argmax", "argmin"), ("argmin", "argmax")):
+            share = baseline["stats"]["share"].get(str(row[f"{own}_dim"]))
+            if row[f"{own}_dim"] in row["outlier_dims"]:
+                assert share is not None, (row["layer"], own)
+            if share is None:
+                continue
+            value, checked = share[row["layer"]], checked + 1
+            if row["argmax_dim"] == row["argmin_dim"]:
+                assert value == pytest.approx(row["argmax_share"] + row["argmin_share"], abs=1e-6)
+            else:
+                assert row[f"{own}_share"] - 1e-6 <= value <= row[f"{own}_share"] + row[f"{other}_share"] + 1e-6
+    assert checked > 0
     assert baseline["stats"]["anisotropy"] == pytest.approx([row["raw"] for row in anisotropy["layers"]], abs=1e-5)
     assert baseline["tasks"]["sts"] == pytest.approx([row["raw"] for row in sts_report["layers"]], abs=1e-4)
     assert report["mlm"]["head"] is False and baseline["tasks"]["mlm_loss"] is None
