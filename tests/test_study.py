@@ -142,14 +142,33 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
             assert point["summary"]["kurtosis_sequence"]["sd"] == pytest.approx(statistics.stdev(kurtosis))
             shares = [p["layers"][2]["argmin_share"] for p in own]
             assert point["layers"][2]["argmin_share"]["sd"] == pytest.approx(statistics.stdev(shares))
-            # null (a) is the run's own step 0: at step 0 a statistic is its own null, never beyond it
+            # the kurtosis' nulls by hand (scale-free: no rescaling): (a) the run's own step 0, (b) the largest of the
+            # Gaussian samples, each the largest over layers 1..L; beyond: above (1 + margin 0.5) x the larger of them
+            samples = report["null"]["gaussian"][0]["samples"]
+            noise = max(max(row["kurtosis_sequence"] for row in sample["layers"][1:]) for sample in samples)
+            for seed, value in zip(("0", "1"), kurtosis):
+                entry = point["null"]["kurtosis_sequence"]["seeds"][seed]
+                step0 = runs[f"{arm['arm']}/seed{seed}"]["checkpoints"][0]
+                assert step0["step"] == 0 and entry["value"] == pytest.approx(value)
+                assert entry["null_step0"] == pytest.approx(max(row["kurtosis_sequence"] for row in step0["layers"][1:]))
+                assert entry["null_gaussian"] == pytest.approx(noise)
+                assert entry["null"] == pytest.approx(max(entry["null_step0"], noise))
+                assert entry["beyond"] == (value > 1.5 * entry["null"])
+            # every statistic: the null is the larger of its two, beyond and excess follow from it; at step 0 a
+            # statistic is its own null (a), never beyond it
             for entry in point["null"].values():
                 for seed in ("0", "1"):
-                    assert entry["seeds"][seed]["null"] >= entry["seeds"][seed]["null_step0"]
+                    own_entry = entry["seeds"][seed]
+                    assert own_entry["null"] == max(own_entry["null_step0"], own_entry["null_gaussian"])
+                    assert own_entry["excess"] == pytest.approx(own_entry["value"] - own_entry["null"])
+                    assert own_entry["beyond"] == (own_entry["value"] > 1.5 * own_entry["null"])
                     if point["step"] == 0:
-                        assert entry["seeds"][seed]["null_step0"] == pytest.approx(entry["seeds"][seed]["value"])
-                        assert not entry["seeds"][seed]["beyond"]
-        assert arm["verdict"]["step"] == 4
+                        assert own_entry["null_step0"] == pytest.approx(own_entry["value"])
+                        assert not own_entry["beyond"]
+                assert entry["beyond"] == sum(entry["seeds"][seed]["beyond"] for seed in ("0", "1"))
+        assert arm["verdict"]["step"] == 4 == arm["checkpoints"][-1]["step"]
+        assert {key: arm["verdict"][key]["beyond"] for key in arm["checkpoints"][-1]["null"]} == \
+            {key: entry["beyond"] for key, entry in arm["checkpoints"][-1]["null"].items()}
     # the Gaussian null: samples of the runs' token count, the same for every run (one tokenizer)
     null, = report["null"]["gaussian"]
     assert null["runs"] == report["labels"] and len(null["samples"]) == report["null"]["gaussian_samples"] == 2
