@@ -140,7 +140,8 @@ def _file_records(path: Path) -> Iterator[dict]:
     suffix = path.suffix.lower()
     count = 0
     try:
-        with path.open(encoding="utf-8", newline="") as handle:
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
+        with path.open(encoding="utf-8-sig", newline="") as handle:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL

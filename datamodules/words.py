@@ -129,7 +129,7 @@ def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False)
                                        desc=f"reading {file.name}", leave=False) as bar:
         for number, binary in enumerate(raw, 1):
             bar.update(len(binary))
-            line = binary.decode("utf-8", errors="replace")
+            line = binary.decode("utf-8-sig" if number == 1 else "utf-8", errors="replace")
             fields = line.rstrip().split(" ")
             if number == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
                 continue

@@ -331,6 +331,31 @@ def test_senteval_sts_files_and_static_vectors(tmp_path):
         read_sts("stsb")  # the preset is a `datasets` name (offline here)
 
 
+def test_pair_and_vector_files_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Each release format written by an editor that adds a UTF-8 BOM (Notepad, Excel) reads exactly as without it: the
+    BOM is not glued to the first sentence, WiC word, SICK header column or vector word."""
+    def both(name: str, text: str) -> tuple[Path, Path]:
+        (tmp_path / "bom").mkdir(exist_ok=True)
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        (tmp_path / "bom" / name).write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        (tmp_path / "plain" / name).write_text(text, encoding="utf-8")
+        return tmp_path / "bom" / name, tmp_path / "plain" / name
+
+    both("STS.gs.news.txt", "4.2\r\n1\r\n3\r\n")
+    bom, plain = both("STS.input.news.txt", "A b.\tC d.\r\nE f.\tG h.\r\nI j.\tK l.\r\n")
+    assert read_sts(str(bom)) == read_sts(str(plain)) and read_sts(str(bom))[0][0].sentence1 == "A b."
+    bom, plain = both("SICK_trial.txt", "pair_ID\tsentence_A\tsentence_B\trelatedness_score\r\n"
+                      + "".join(f"{i}\tA {i}.\tB {i}.\t{1 + i}\r\n" for i in range(3)))
+    assert read_sts(str(bom), score_range=(1, 5)) == read_sts(str(plain), score_range=(1, 5))
+    both("dev.gold.txt", "T\r\nF\r\n")
+    bom, plain = both("dev.data.txt", "bank\tN\t4-1\tHe sat by the bank.\tThe bank shut.\r\n"
+                      "run\tV\t1-0\tThey ran home.\tRun fast!\r\n")
+    items, skipped = read_wic(str(bom))
+    assert skipped.count == 0 and items == read_wic(str(plain))[0] and items[0].word == "bank"
+    bom, _ = both("vectors.txt", "the 1 0\r\ncat 0.5 0.25\r\n")
+    assert read_static_vectors(str(bom), {"the", "cat"})[0]["the"].tolist() == [1.0, 0.0]
+
+
 def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
     wic = write_wic(tmp_path / "wic.jsonl")
     rows = [json.loads(line) for line in wic.read_text().splitlines()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 
 import datasets
@@ -13,11 +14,30 @@ from core.output import staged_output
 from datamodules.text import iter_records, iter_texts, sample_texts
 
 TEXTS = ["The first sentence.", "A second, longer sentence here.", "Third."]
+TABULAR = {".csv": ",", ".tsv": "\t"}
 
 
 def test_plain_text_skips_blank_lines(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text(f"{TEXTS[0]}\n\n  \n{TEXTS[1]}\r\n{TEXTS[2]}", encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".csv", ".tsv", ".jsonl"])
+def test_a_byte_order_mark_is_not_text(tmp_path, suffix):
+    """Excel's "CSV UTF-8" and Notepad write a UTF-8 BOM: it must not become part of the first header (then no text
+    column is found) or of the first sentence (then a token the model never saw), nor break the first JSON line."""
+    if suffix == ".jsonl":
+        body = "".join(json.dumps({"text": t}) + "\r\n" for t in TEXTS)
+    elif suffix == ".txt":
+        body = "\r\n".join(TEXTS) + "\r\n"
+    else:
+        buffer = io.StringIO()
+        csv.writer(buffer, delimiter=TABULAR[suffix], lineterminator="\r\n").writerows([["text", "label"],
+                                                                                      *([t, 1] for t in TEXTS)])
+        body = buffer.getvalue()
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
     assert list(iter_texts(path)) == TEXTS
 
 
