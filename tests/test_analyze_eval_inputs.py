@@ -165,13 +165,22 @@ def test_wic_reads_the_training_split_by_default(tmp_path):
     assert wic_source(str(tmp_path / "wic.jsonl"))["split"] is None
 
 
-def test_word_list_too_small_names_the_count_found():
+def test_word_list_too_small_names_the_count_found(tmp_path):
     sentences = corpus_sentences(50, start=100)
     found = sum(1 for word in {m.group().lower() for s in sentences for m in WORD.finditer(s)}
                 if sum(word in {m.group().lower() for m in WORD.finditer(s)} for s in sentences) >= 10)
     with pytest.raises(UserError, match=f"only {found} words occur in at least 10 of the 50 sentences; "
-                                        "self-similarity needs 1000"):
+                                        "self-similarity needs 1000") as error:
         word_contexts(sentences, 1000, 10)
+    # the ways out are the options that change the count: the sampling option only when it sampled fewer sentences
+    # than the source holds (a 5-line file read whole is not helped by a larger --max_sentences)
+    assert "--min_sentences" in str(error.value) and "--pool_sentences" not in str(error.value)
+    path = tmp_path / "fifty.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="of the 20 sentences;.* or --max_sentences 0 to search all of it"):
+        source_contexts(str(path), None, 20, 1000, 10, 0, "--max_sentences")
+    with pytest.raises(UserError, match=r"of the 50 sentences;.*more sentences: a larger source\)$"):
+        source_contexts(str(path), None, 2000, 1000, 10, 0, "--max_sentences")
 
 
 def test_target_offsets_checks():
