@@ -172,8 +172,9 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
                   cache_dir=str(stage))
     reports = {}
     if args.sst2 not in (None, "none"):
-        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
-                                                PositionDataModule(source=args.sst2, batch_size=128, **common),
+        data = PositionDataModule(source=args.sst2, batch_size=128, **common)
+        data.max_positions_option = None  # analyze.py has no option for it
+        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed), data,
                                                 stage / "position_probe")
     for name, batch_size in CLASSIFIERS.items():
         source = getattr(args, name)
