@@ -117,17 +117,28 @@ def check_datasets_directory(path: Path) -> None:
 
 
 def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column") -> str | None:
+    """The text of `record` (None for a missing value: a blank row); a value that is not a string (a number, a list of
+    tokens) is refused, naming the column, since it cannot be encoded as a sentence."""
     if text_column is not None:
         if text_column not in record:
             raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
-        return record[text_column]
+        return _text_value(record, text_column, source, option)
     for name in TEXT_COLUMNS:
         if name in record:
-            return record[name]
+            return _text_value(record, name, source, option)
     strings = [key for key, value in record.items() if isinstance(value, str)]
     if len(strings) == 1:
         return record[strings[0]]
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
+
+
+def _text_value(record: dict, column: str, source, option: str) -> str | None:
+    value = record[column]
+    if value is None or isinstance(value, str):
+        return value
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise UserError(f"text column {column!r} of {source} holds a {type(value).__name__} ({shown}), not text; "
+                    f"pass {option} to name the column holding the sentences")
 
 
 def _file_records(path: Path) -> Iterator[dict]:

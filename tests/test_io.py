@@ -71,6 +71,20 @@ def test_jsonl_and_missing_text_column(tmp_path):
         list(iter_texts(ambiguous))
 
 
+@pytest.mark.parametrize("value", [123, 4.5, ["a", "tokenised", "sentence"], {"nested": "text"}, True])
+def test_a_text_that_is_not_a_string_is_refused_in_one_line(tmp_path, value):
+    """A jsonl / datasets text column holding numbers or token lists is refused, naming the column and the type (it
+    raised AttributeError: 'int' object has no attribute 'strip' in analyze.py); a null is a blank row."""
+    path = tmp_path / "odd.jsonl"
+    rows = [{"text": TEXTS[0]}, {"text": None}, {"text": value}, {"text": TEXTS[1]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with pytest.raises(UserError, match=f"text column 'text' of .*odd.jsonl holds a {type(value).__name__} "
+                                        r"\(.*\), not text; pass --text_column"):
+        list(iter_texts(path))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows[:2] + rows[3:]), encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS[:2]
+
+
 def test_datasets_directory_and_saved_dataset(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
