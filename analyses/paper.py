@@ -129,7 +129,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         args.data = args.sst2 if name == "sst2" else args.qqp
         reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
         header = run_header(args, encoder, reference)
-        reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
+        reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}
         baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json", args.num_pairs)
         reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(
             setting, inputs.contexts[name], reference.variants, baseline)}

@@ -33,7 +33,7 @@ def run_anisotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
-    report = {**run_header(args, encoder, reference), **geometry.anisotropy(setting, reference)}
+    report = {**run_header(args, encoder, reference), **geometry.anisotropy(setting, reference, args.num_pairs)}
     return publish(args, rank, "anisotropy", report, encoder)
 
 
@@ -103,7 +103,7 @@ def run_all(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
-    anisotropy = {**header, **geometry.anisotropy(setting, reference)}  # also self-similarity's baseline
+    anisotropy = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}  # also self-similarity's baseline
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated, reference.num_special_in_text),
                "anisotropy": anisotropy,
