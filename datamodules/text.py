@@ -146,6 +146,9 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file is empty: {path}")
     with path.open("rb") as handle:
         head = handle.read(8192)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows PowerShell's `>` and Notepad's "Unicode"
+        raise UserError(f"data file is UTF-16 text (its byte-order mark says so), expected UTF-8: {path}; save it as "
+                        "UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
     if b"\x00" in head:
         raise UserError(f"data file looks binary (NUL bytes), expected UTF-8 text: {path}")
     suffix = path.suffix.lower()

@@ -101,6 +101,8 @@ def test_datasets_directory_and_saved_dataset(tmp_path):
     (b"\n\n  \n", "no non-blank rows"),
     (b"abc\x00\x01\x02", "looks binary"),
     (b"caf\xe9 au lait\n", "not UTF-8 text"),
+    ("\ufeffone\r\ntwo\r\n".encode("utf-16-le"), "data file is UTF-16 text .*expected UTF-8"),  # PowerShell's `>`
+    ("\ufeffone\ntwo\n".encode("utf-16-be"), "data file is UTF-16 text"),
     (b"{not json}\n", "not a JSON object per line"),
 ])
 def test_bad_files(tmp_path, content, message):
