@@ -166,6 +166,10 @@ def _file_records(path: Path) -> Iterator[dict]:
                 for row in rows:
                     count += 1
                     yield row
+            elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
+                    count += 1
+                    yield row
             elif suffix in JSON_SUFFIXES:
                 for number, line in enumerate(handle, 1):
                     if line.strip():
@@ -188,6 +192,18 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _json_array(handle, path: Path) -> list[dict]:
+    """The objects of a .json file holding one JSON array (read whole, as `datasets` reads one)."""
+    try:
+        rows = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}:{error.lineno}: not a JSON array of objects ({error.msg})") from None
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: item {number} of the JSON array is a {type(row).__name__}, expected an object")
+    return rows
 
 
 def _parse_hub_name(source: str) -> tuple[str, str | None, str | None]:

@@ -85,6 +85,21 @@ def test_a_text_that_is_not_a_string_is_refused_in_one_line(tmp_path, value):
     assert list(iter_texts(path)) == TEXTS[:2]
 
 
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_reads_as_its_objects(tmp_path, indent):
+    """A .json holding one array of objects (pandas' to_json(orient="records") on one line, json.dump(indent=2) over
+    many) reads as the same rows as JSON lines; an array item that is not an object is refused in one line."""
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([{"text": t, "n": i} for i, t in enumerate(TEXTS)], indent=indent), encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS and [r["n"] for r in iter_records(path)] == [0, 1, 2]
+    path.write_text(json.dumps([{"text": TEXTS[0]}, TEXTS[1]], indent=indent), encoding="utf-8")
+    with pytest.raises(UserError, match=r"a.json: item 2 of the JSON array is a str, expected an object"):
+        list(iter_texts(path))
+    path.write_text('[{"text": "unclosed"}', encoding="utf-8")
+    with pytest.raises(UserError, match=r"a.json:1: not a JSON array of objects"):
+        list(iter_texts(path))
+
+
 def test_datasets_directory_and_saved_dataset(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
