@@ -10,8 +10,11 @@ Every problem with the input raises `UserError` naming the file (and row), the o
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import json
+import lzma
 import os
 import random
 import re
@@ -29,6 +32,8 @@ JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
 MAX_FIELD = 16 * 2**20  # characters in one csv/tsv field: a long document, not csv's default 128 KiB
 TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
+COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic bytes -> opener
+COMPRESSED_SUFFIXES = {".gz", ".gzip", ".bz2", ".xz"}
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
@@ -141,21 +146,39 @@ def _text_value(record: dict, column: str, source, option: str) -> str | None:
                     f"pass {option} to name the column holding the sentences")
 
 
+def _opener(path: Path):
+    """(open function, the format's suffix) of a data file: gzip, bzip2 or xz (by their magic bytes: C4's .json.gz,
+    OSCAR's .jsonl.gz, a .txt.xz) are read through their decompressor, the format named by the inner suffix."""
+    with path.open("rb") as handle:
+        magic = handle.read(6)
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    for start, opener in COMPRESSED.items():
+        if magic.startswith(start):
+            return opener, suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_SUFFIXES else ""
+    return open, path.suffix.lower()
+
+
 def _file_records(path: Path) -> Iterator[dict]:
     if path.stat().st_size == 0:
         raise UserError(f"data file is empty: {path}")
-    with path.open("rb") as handle:
-        head = handle.read(8192)
+    opener, suffix = _opener(path)
+    try:
+        with opener(path, "rb") as handle:
+            head = handle.read(8192)
+    except (OSError, EOFError, lzma.LZMAError) as error:  # a torn or corrupt archive
+        if opener is open:
+            raise
+        reason = first_line(error) or type(error).__name__
+        raise UserError(f"data file cannot be decompressed ({reason}): {path}") from None
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows PowerShell's `>` and Notepad's "Unicode"
         raise UserError(f"data file is UTF-16 text (its byte-order mark says so), expected UTF-8: {path}; save it as "
                         "UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
     if b"\x00" in head:
         raise UserError(f"data file looks binary (NUL bytes), expected UTF-8 text: {path}")
-    suffix = path.suffix.lower()
     count = 0
     try:
         # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
-        with path.open(encoding="utf-8-sig", newline="") as handle:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
@@ -190,6 +213,11 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
     except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
+    except (EOFError, lzma.LZMAError, OSError) as error:  # an archive cut short or corrupt after its first block
+        if opener is open:
+            raise
+        reason = first_line(error) or type(error).__name__
+        raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
 

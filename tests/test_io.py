@@ -100,6 +100,27 @@ def test_a_json_array_file_reads_as_its_objects(tmp_path, indent):
         list(iter_texts(path))
 
 
+@pytest.mark.parametrize("compress", ["gzip", "bz2", "lzma"])
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv"])
+def test_compressed_files_read_as_the_file_inside(tmp_path, compress, suffix):
+    """C4's .json.gz, OSCAR's .jsonl.gz, a .txt.xz: read through their decompressor as the inner suffix's format (they
+    were refused as 'binary (NUL bytes)'); an archive cut short is one line."""
+    import bz2
+    import gzip
+    import lzma
+
+    module = {"gzip": gzip, "bz2": bz2, "lzma": lzma}[compress]
+    body = {".txt": "\r\n".join(TEXTS) + "\r\n", ".jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS),
+            ".csv": "id,text\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(TEXTS))}[suffix]
+    path = tmp_path / f"corpus{suffix}.{ {'gzip': 'gz', 'bz2': 'bz2', 'lzma': 'xz'}[compress]}"
+    packed = module.compress(("\ufeff" + body).encode("utf-8"))
+    path.write_bytes(packed)
+    assert list(iter_texts(path)) == TEXTS
+    path.write_bytes(packed[:len(packed) // 2])
+    with pytest.raises(UserError, match=f"data file cannot be decompressed.*{path.name}"):
+        list(iter_texts(path))
+
+
 def test_datasets_directory_and_saved_dataset(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
