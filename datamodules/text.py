@@ -182,12 +182,17 @@ def _file_records(path: Path) -> Iterator[dict]:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
+                delimiter = TABULAR_SUFFIXES[suffix] if suffix == ".tsv" else _csv_delimiter(head)
                 csv.field_size_limit(MAX_FIELD)
-                rows = csv.DictReader(handle, delimiter=TABULAR_SUFFIXES[suffix], quoting=quoting)
+                rows = csv.DictReader(handle, delimiter=delimiter, quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
                 for row in rows:
                     count += 1
+                    if None in row and suffix == ".csv":  # DictReader's restkey: more fields than the header
+                        raise UserError(f"{path}: data row {count} has {len(rows.fieldnames) + len(row[None])} fields "
+                                        f"but the header {len(rows.fieldnames)}: quote the fields that hold a "
+                                        f"{delimiter!r}")
                     yield row
             elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
                 for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
@@ -220,6 +225,15 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _csv_delimiter(head: bytes) -> str:
+    """The delimiter of a .csv: the one of , ; and tab that its header line holds most often (Excel writes ; where
+    the comma is the decimal mark), a comma when it holds none (a single column) or on ties."""
+    header = head.decode("utf-8", "replace").lstrip("\ufeff").splitlines()[0] if head.strip() else ""
+    counts = {delimiter: header.count(delimiter) for delimiter in ",;\t"}
+    best = max(counts, key=lambda delimiter: (counts[delimiter], delimiter == ","))
+    return best if counts[best] else ","
 
 
 def _json_array(handle, path: Path) -> list[dict]:

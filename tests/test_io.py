@@ -54,6 +54,26 @@ def test_tabular_detects_or_takes_the_text_column(tmp_path, suffix, delimiter):
         list(iter_texts(path, text_column="body"))
 
 
+@pytest.mark.parametrize("delimiter", [";", "\t", ","])
+def test_a_csv_is_read_with_the_delimiter_of_its_header(tmp_path, delimiter):
+    """Excel writes ; where the comma is the decimal mark: such a .csv was read as one column, each text carrying its
+    label (';1') and cut at its first comma, silently. The header's delimiter is used."""
+    path = tmp_path / "excel.csv"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle, delimiter=delimiter, lineterminator="\r\n").writerows(
+            [["text", "label"], *([text, i % 2] for i, text in enumerate(TEXTS))])
+    assert list(iter_texts(path)) == TEXTS and [r["label"] for r in iter_records(path)] == ["0", "1", "0"]
+
+
+def test_a_csv_row_with_more_fields_than_its_header_is_refused(tmp_path):
+    """An unquoted comma in a text splits it: the rest went under DictReader's None key, silently lost."""
+    path = tmp_path / "hand.csv"
+    path.write_text("text,label\nFine.,1\nHello, world.,0\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"hand.csv: data row 2 has 3 fields but the header 2: quote the fields that "
+                                        r"hold a ','"):
+        list(iter_texts(path))
+
+
 def test_tsv_quotes_are_text_as_in_glue_files(tmp_path):
     raw = ['"Quoted," he said.', 'an "inner" quote', "a lone \" mark"]
     path = tmp_path / "glue.tsv"
