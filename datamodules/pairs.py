@@ -327,7 +327,9 @@ def _column_sts(source: str, where: dict | None = None, records: Iterator[dict] 
 
 def _lines(path: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
+        # split at \n (and \r\n) only: str.splitlines also splits at U+2028, U+0085, \x0b, \x0c ... inside a sentence
+        # of web text, which shifted every later pair against its gold score
+        lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8-sig").split("\n")]
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text") from None
     while lines and not lines[-1].strip():

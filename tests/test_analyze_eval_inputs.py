@@ -365,6 +365,17 @@ def test_pair_and_vector_files_with_a_byte_order_mark_read_as_without(tmp_path):
     assert read_static_vectors(str(bom), {"the", "cat"})[0]["the"].tolist() == [1.0, 0.0]
 
 
+def test_senteval_lines_split_at_newlines_only(tmp_path):
+    """A sentence holding a Unicode line separator (U+2028, U+0085, a form feed: web forum text) stays one pair, its
+    gold score beside it; str.splitlines split it in two and refused the file (or shifted every later pair)."""
+    odd = ["A b\u2028c.", "E\x85f.", "I\x0cj."]
+    (tmp_path / "STS.input.forum.txt").write_text("".join(f"{s}\tX {i}.\r\n" for i, s in enumerate(odd)),
+                                                  encoding="utf-8")
+    (tmp_path / "STS.gs.forum.txt").write_text("1\n2\n3\n", encoding="utf-8")
+    pairs, _ = read_sts(str(tmp_path / "STS.input.forum.txt"))
+    assert [(p.sentence1, p.sentence2, p.score) for p in pairs] == [(s, f"X {i}.", i + 1.0) for i, s in enumerate(odd)]
+
+
 def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
     wic = write_wic(tmp_path / "wic.jsonl")
     rows = [json.loads(line) for line in wic.read_text().splitlines()]
