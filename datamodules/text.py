@@ -161,6 +161,9 @@ def _opener(path: Path):
 def _file_records(path: Path) -> Iterator[dict]:
     if path.stat().st_size == 0:
         raise UserError(f"data file is empty: {path}")
+    if path.suffix.lower() == ".parquet":
+        yield from _parquet_records(path)
+        return
     opener, suffix = _opener(path)
     try:
         with opener(path, "rb") as handle:
@@ -225,6 +228,20 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _parquet_records(path: Path) -> Iterator[dict]:
+    """The rows of one parquet file (a hub dataset's shard), streamed in record batches."""
+    import pyarrow.parquet as parquet
+
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError ... on a torn or foreign file
+        raise UserError(f"data file is not a readable parquet file ({first_line(error)}): {path}") from None
+    if table.metadata.num_rows == 0:
+        raise UserError(f"data file has no non-blank rows: {path}")
+    for batch in table.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
 
 
 def _csv_delimiter(head: bytes) -> str:

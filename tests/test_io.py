@@ -141,6 +141,20 @@ def test_compressed_files_read_as_the_file_inside(tmp_path, compress, suffix):
         list(iter_texts(path))
 
 
+def test_a_single_parquet_file_reads_as_its_rows(tmp_path):
+    """One parquet shard of a hub dataset, given as a file (a directory of them already read): its rows, nulls blank;
+    it was refused as binary text. A torn one is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    path = tmp_path / "train-00000-of-00001.parquet"
+    parquet.write_table(pa.table({"sentence": [TEXTS[0], None, *TEXTS[1:]], "label": [1, 0, 1, 0]}), path)
+    assert list(iter_texts(path)) == TEXTS and [r["label"] for r in iter_records(path)] == [1, 0, 1, 0]
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(UserError, match="data file is not a readable parquet file"):
+        list(iter_texts(path))
+
+
 def test_datasets_directory_and_saved_dataset(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
