@@ -43,16 +43,22 @@ def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed
     return result, int(first.numel())
 
 
-def anisotropy(setting: Setting, reference: Reference) -> dict:
+def anisotropy(setting: Setting, reference: Reference, num_pairs: int | None = None) -> dict:
     """Luo et al. (2021) §4.1: the mean cosine of 1000 pairs of random tokens drawn from 2000 random sentences
-    (the reference pass's token sample, paired by a seeded permutation)."""
+    (the reference pass's token sample, paired by a seeded permutation); `anisotropy_warning` when fewer than the
+    `num_pairs` asked for could be drawn (a source with fewer than 2 x num_pairs sentences)."""
     values, pairs = pair_anisotropy(reference.sample, reference.variants, setting.seed, reference.samples)
+    got, total = int(reference.sample[1].sum()), reference.num_sentences
     if pairs == 0:
-        got, total = int(reference.sample[1].sum()), reference.num_sentences
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {got}"
                         + (f" of {total} sentences" if got != total else ""))
+    shortfall = None
+    if num_pairs is not None and pairs < num_pairs:
+        shortfall = (f"anisotropy from {pairs} random token pairs, not --num_pairs {num_pairs}: one random token from "
+                     f"each of {2 * num_pairs} sentences needs {2 * num_pairs} sentences with a token, got {got}")
     return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
-            "num_special_in_text": reference.num_special_in_text, "layers": per_layer(values, setting.encoder.num_hidden_states)}
+            "num_special_in_text": reference.num_special_in_text, "layers": per_layer(values, setting.encoder.num_hidden_states),
+            **({"anisotropy_warning": shortfall} if shortfall else {})}
 
 
 def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta: float = 0.2, minibatch: int = 250,

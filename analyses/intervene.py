@@ -146,6 +146,7 @@ class Run:
     masks: list[dict] | None = None  # the masked copy of every batch (MLM loss), None without an MLM head
     causal: bool = False  # a causal model with its LM head: the next-token loss of the reference pass's batches
     passes: list[str] = field(default_factory=list)
+    probe_splits: dict | None = None  # --probe: max_positions and each split's sentences, tokens, dropped positions
 
 
 def mlm_pass(run: Run, desc: str) -> tuple[float, int]:
@@ -191,15 +192,22 @@ def quiet_lightning():
 
 
 def probe_pass(run: Run) -> Tensor:
-    """The all-layer position probe's test accuracy [layers] on the encoder as it is now (under the intervention)."""
+    """The all-layer position probe's test accuracy [layers] on the encoder as it is now (under the intervention).
+    The first pass keeps its splits' counts in `run.probe_splits` (the same sentences and tokens in every pass: their
+    warnings, such as tokens beyond the probe's positions, are given once)."""
     args = run.args
-    with tempfile.TemporaryDirectory() as root, quiet_lightning():
+    with tempfile.TemporaryDirectory() as root, quiet_lightning(), warnings.catch_warnings():
+        if run.probe_splits is not None:
+            warnings.filterwarnings("ignore", message=".* are left out of the probe")
         data = PositionDataModule(source=args.data, encoder=run.encoder, text_column=args.text_column,
                                   max_length=args.max_length, max_sentences=args.probe_sentences,
                                   batch_size=PROBE["batch_size"], random_baseline=False,
                                   exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root)
+        data.max_positions_option = None  # analyze.py has no option for it
         model = PositionProbe(lr=PROBE["lr"], seed=args.seed)
         fit_probe(model, data, args.probe_epochs, False, root)
+        if run.probe_splits is None:
+            run.probe_splits = {"max_positions": data.max_positions, "splits": data.spec.counts}
         data.close()
     return torch.tensor(model.accuracy_of("encoder"), dtype=torch.float64)
 

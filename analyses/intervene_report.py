@@ -102,7 +102,9 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
                "loss": LM_LOSS, "tokens": baseline.lm_tokens},
         "sts": {"data": args.sts, "num_pairs": len(run.sts_pairs), "score_range": list(args.score_range)}
         if run.sts_pairs is not None else None,
-        "probe": {**PROBE, "epochs": args.probe_epochs, "sentences": args.probe_sentences,
+        "probe": {**PROBE, "epochs": args.probe_epochs, "probe_sentences": args.probe_sentences,
+                  "sentences": sum(split["sentences"] for split in run.probe_splits["splits"].values()),
+                  **run.probe_splits,
                   "settings": f"ours, quick (the paper: 10 epochs at lr 1e-3 on SST-2): --probe_sentences of --data "
                               f"split 80/10/10, Adam at lr {PROBE['lr']}, batches of {PROBE['batch_size']} token "
                               "vectors, bias-free linear probes of every layer, each tested with its best-validation "

@@ -129,7 +129,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         args.data = args.sst2 if name == "sst2" else args.qqp
         reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
         header = run_header(args, encoder, reference)
-        reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference)}
+        reports[f"anisotropy_{name}"] = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}
         baseline = geometry.Baseline(reports[f"anisotropy_{name}"], f"anisotropy_{name}.json", args.num_pairs)
         reports[f"self_similarity_{name}"] = {**header, **geometry.self_similarity(
             setting, inputs.contexts[name], reference.variants, baseline)}
@@ -172,8 +172,9 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
                   cache_dir=str(stage))
     reports = {}
     if args.sst2 not in (None, "none"):
-        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed),
-                                                PositionDataModule(source=args.sst2, batch_size=128, **common),
+        data = PositionDataModule(source=args.sst2, batch_size=128, **common)
+        data.max_positions_option = None  # analyze.py has no option for it
+        reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed), data,
                                                 stage / "position_probe")
     for name, batch_size in CLASSIFIERS.items():
         source = getattr(args, name)

@@ -33,7 +33,7 @@ def run_anisotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs)
-    report = {**run_header(args, encoder, reference), **geometry.anisotropy(setting, reference)}
+    report = {**run_header(args, encoder, reference), **geometry.anisotropy(setting, reference, args.num_pairs)}
     return publish(args, rank, "anisotropy", report, encoder)
 
 
@@ -46,16 +46,18 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "isotropy", report, encoder)
 
 
-def read_contexts(args, limit: int):
-    """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample."""
-    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed)
+def read_contexts(args, limit: int, option: str = "--pool_sentences"):
+    """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
+    `limit` (the value of `option`)."""
+    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option)
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
     """Self-similarity of the words of --data, adjusted by the paper's anisotropy protocol on the same source: 2 x
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
     def read():
-        return read_contexts(args, args.max_sentences), read_sentences(args, limit=2 * args.num_pairs)
+        contexts = read_contexts(args, args.max_sentences, "--max_sentences")
+        return contexts, read_sentences(args, limit=2 * args.num_pairs)
 
     (contexts, sentences), encoder = prepare(args, rank, read)
     setting = setting_of(args, encoder, rank, world)
@@ -101,7 +103,7 @@ def run_all(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
-    anisotropy = {**header, **geometry.anisotropy(setting, reference)}  # also self-similarity's baseline
+    anisotropy = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}  # also self-similarity's baseline
     reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
                                            reference.num_truncated, reference.num_special_in_text),
                "anisotropy": anisotropy,

@@ -296,13 +296,13 @@ def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str 
 def _is_sick(path: Path) -> bool:
     """SICK's own release format (SemEval-2014 Task 1, as SentEval's SICK_*.txt): a tab-separated header row with
     sentence_A, sentence_B and relatedness_score."""
-    with path.open(encoding="utf-8", errors="replace") as handle:
+    with path.open(encoding="utf-8-sig", errors="replace") as handle:
         header = handle.readline().rstrip("\r\n").split("\t")
     return {"sentence_A", "sentence_B", "relatedness_score"} <= set(header)
 
 
 def _sick_records(path: Path) -> Iterator[dict]:
-    with path.open(encoding="utf-8", newline="") as handle:
+    with path.open(encoding="utf-8-sig", newline="") as handle:
         yield from csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
 
 
@@ -327,7 +327,9 @@ def _column_sts(source: str, where: dict | None = None, records: Iterator[dict] 
 
 def _lines(path: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # split at \n (and \r\n) only: str.splitlines also splits at U+2028, U+0085, \x0b, \x0c ... inside a sentence
+        # of web text, which shifted every later pair against its gold score
+        lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8-sig").split("\n")]
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text") from None
     while lines and not lines[-1].strip():

@@ -288,6 +288,7 @@ class PositionDataModule(ProbeDataModule):
 
     item_name = "tokens"
     type_name = "token ids"
+    max_positions_option: str | None = "--data.max_positions"  # None where no option sets it (analyze.py's probes)
 
     def __init__(self, max_positions: int = 300, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -330,7 +331,8 @@ class PositionDataModule(ProbeDataModule):
     def check_counts(self, counts: dict) -> None:
         dropped = sum(split["dropped_positions"] for split in counts.values())
         if dropped:
-            warnings.warn(f"{dropped} tokens at positions >= --data.max_positions {self.max_positions} are left out "
+            name = self.max_positions_option or "the position probe's max_positions"
+            warnings.warn(f"{dropped} tokens at positions >= {name} {self.max_positions} are left out "
                           "of the probe (counted in the report as dropped_positions)", stacklevel=2)
 
 

@@ -10,8 +10,11 @@ Every problem with the input raises `UserError` naming the file (and row), the o
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import json
+import lzma
 import os
 import random
 import re
@@ -29,6 +32,8 @@ JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
 MAX_FIELD = 16 * 2**20  # characters in one csv/tsv field: a long document, not csv's default 128 KiB
 TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
+COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic bytes -> opener
+COMPRESSED_SUFFIXES = {".gz", ".gzip", ".bz2", ".xz"}
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
@@ -117,38 +122,83 @@ def check_datasets_directory(path: Path) -> None:
 
 
 def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column") -> str | None:
+    """The text of `record` (None for a missing value: a blank row); a value that is not a string (a number, a list of
+    tokens) is refused, naming the column, since it cannot be encoded as a sentence."""
     if text_column is not None:
         if text_column not in record:
             raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
-        return record[text_column]
+        return _text_value(record, text_column, source, option)
     for name in TEXT_COLUMNS:
         if name in record:
-            return record[name]
+            return _text_value(record, name, source, option)
     strings = [key for key, value in record.items() if isinstance(value, str)]
     if len(strings) == 1:
         return record[strings[0]]
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
 
 
+def _text_value(record: dict, column: str, source, option: str) -> str | None:
+    value = record[column]
+    if value is None or isinstance(value, str):
+        return value
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise UserError(f"text column {column!r} of {source} holds a {type(value).__name__} ({shown}), not text; "
+                    f"pass {option} to name the column holding the sentences")
+
+
+def _opener(path: Path):
+    """(open function, the format's suffix) of a data file: gzip, bzip2 or xz (by their magic bytes: C4's .json.gz,
+    OSCAR's .jsonl.gz, a .txt.xz) are read through their decompressor, the format named by the inner suffix."""
+    with path.open("rb") as handle:
+        magic = handle.read(6)
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    for start, opener in COMPRESSED.items():
+        if magic.startswith(start):
+            return opener, suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_SUFFIXES else ""
+    return open, path.suffix.lower()
+
+
 def _file_records(path: Path) -> Iterator[dict]:
     if path.stat().st_size == 0:
         raise UserError(f"data file is empty: {path}")
-    with path.open("rb") as handle:
-        head = handle.read(8192)
+    if path.suffix.lower() == ".parquet":
+        yield from _parquet_records(path)
+        return
+    opener, suffix = _opener(path)
+    try:
+        with opener(path, "rb") as handle:
+            head = handle.read(8192)
+    except (OSError, EOFError, lzma.LZMAError) as error:  # a torn or corrupt archive
+        if opener is open:
+            raise
+        reason = first_line(error) or type(error).__name__
+        raise UserError(f"data file cannot be decompressed ({reason}): {path}") from None
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows PowerShell's `>` and Notepad's "Unicode"
+        raise UserError(f"data file is UTF-16 text (its byte-order mark says so), expected UTF-8: {path}; save it as "
+                        "UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
     if b"\x00" in head:
         raise UserError(f"data file looks binary (NUL bytes), expected UTF-8 text: {path}")
-    suffix = path.suffix.lower()
     count = 0
     try:
-        with path.open(encoding="utf-8", newline="") as handle:
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
+                delimiter = TABULAR_SUFFIXES[suffix] if suffix == ".tsv" else _csv_delimiter(head)
                 csv.field_size_limit(MAX_FIELD)
-                rows = csv.DictReader(handle, delimiter=TABULAR_SUFFIXES[suffix], quoting=quoting)
+                rows = csv.DictReader(handle, delimiter=delimiter, quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
                 for row in rows:
+                    count += 1
+                    if None in row and suffix == ".csv":  # DictReader's restkey: more fields than the header
+                        raise UserError(f"{path}: data row {count} has {len(rows.fieldnames) + len(row[None])} fields "
+                                        f"but the header {len(rows.fieldnames)}: quote the fields that hold a "
+                                        f"{delimiter!r}")
+                    yield row
+            elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
                     count += 1
                     yield row
             elif suffix in JSON_SUFFIXES:
@@ -171,8 +221,48 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
     except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
+    except (EOFError, lzma.LZMAError, OSError) as error:  # an archive cut short or corrupt after its first block
+        if opener is open:
+            raise
+        reason = first_line(error) or type(error).__name__
+        raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _parquet_records(path: Path) -> Iterator[dict]:
+    """The rows of one parquet file (a hub dataset's shard), streamed in record batches."""
+    import pyarrow.parquet as parquet
+
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError ... on a torn or foreign file
+        raise UserError(f"data file is not a readable parquet file ({first_line(error)}): {path}") from None
+    if table.metadata.num_rows == 0:
+        raise UserError(f"data file has no non-blank rows: {path}")
+    for batch in table.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def _csv_delimiter(head: bytes) -> str:
+    """The delimiter of a .csv: the one of , ; and tab that its header line holds most often (Excel writes ; where
+    the comma is the decimal mark), a comma when it holds none (a single column) or on ties."""
+    header = head.decode("utf-8", "replace").lstrip("\ufeff").splitlines()[0] if head.strip() else ""
+    counts = {delimiter: header.count(delimiter) for delimiter in ",;\t"}
+    best = max(counts, key=lambda delimiter: (counts[delimiter], delimiter == ","))
+    return best if counts[best] else ","
+
+
+def _json_array(handle, path: Path) -> list[dict]:
+    """The objects of a .json file holding one JSON array (read whole, as `datasets` reads one)."""
+    try:
+        rows = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}:{error.lineno}: not a JSON array of objects ({error.msg})") from None
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: item {number} of the JSON array is a {type(row).__name__}, expected an object")
+    return rows
 
 
 def _parse_hub_name(source: str) -> tuple[str, str | None, str | None]:

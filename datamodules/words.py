@@ -39,7 +39,7 @@ RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (
 
 
 def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
-                  seed: int = 0) -> WordContexts:
+                  seed: int = 0, pool_option: str | None = None) -> WordContexts:
     """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
 
     `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
@@ -50,7 +50,8 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     Words are letter sequences, lowercased; a word's context in a sentence is its first occurrence. Every word gets
     exactly `min_sentences` contexts (the same count for frequent and rare words). Contexts are drawn rarest word
     first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
-    1000 words in the bundled corpus, instead of 10000).
+    1000 words in the bundled corpus, instead of 10000). `pool_option` is the entry point's option that sampled
+    `sentences` from a larger source (named when too few words qualify; None: the whole source was searched).
     """
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
     counts: Counter[str] = Counter()
@@ -60,9 +61,10 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
         counts.update({match.group().lower() for match in WORD.finditer(sentence)})
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
+        more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
         raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {total} "
-                        f"sentences; self-similarity needs {num_words} (more sentences: --max_sentences or "
-                        "--pool_sentences, or fewer words: --num_words)")
+                        f"sentences; self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
+                        f"word: --min_sentences, or more sentences: {more})")
     rng = random.Random(seed)
     words = rng.sample(candidates, num_words)
     num_candidates = len(candidates)
@@ -103,13 +105,14 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
                         min_sentences)
 
 
-def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int
-                    ) -> WordContexts:
+def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
+                    pool_option: str = "--pool_sentences") -> WordContexts:
     """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
-    `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them."""
+    `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them
+    (`pool_option`: the entry point's option for `pool`, named when the sample is too small)."""
     if pool:
         sentences = sample_texts(iter_texts(source, column), pool, seed)
-        return word_contexts(sentences, num_words, min_sentences, seed)
+        return word_contexts(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None)
     return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed)
 
 
@@ -129,7 +132,7 @@ def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False)
                                        desc=f"reading {file.name}", leave=False) as bar:
         for number, binary in enumerate(raw, 1):
             bar.update(len(binary))
-            line = binary.decode("utf-8", errors="replace")
+            line = binary.decode("utf-8-sig" if number == 1 else "utf-8", errors="replace")
             fields = line.rstrip().split(" ")
             if number == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
                 continue

@@ -165,13 +165,22 @@ def test_wic_reads_the_training_split_by_default(tmp_path):
     assert wic_source(str(tmp_path / "wic.jsonl"))["split"] is None
 
 
-def test_word_list_too_small_names_the_count_found():
+def test_word_list_too_small_names_the_count_found(tmp_path):
     sentences = corpus_sentences(50, start=100)
     found = sum(1 for word in {m.group().lower() for s in sentences for m in WORD.finditer(s)}
                 if sum(word in {m.group().lower() for m in WORD.finditer(s)} for s in sentences) >= 10)
     with pytest.raises(UserError, match=f"only {found} words occur in at least 10 of the 50 sentences; "
-                                        "self-similarity needs 1000"):
+                                        "self-similarity needs 1000") as error:
         word_contexts(sentences, 1000, 10)
+    # the ways out are the options that change the count: the sampling option only when it sampled fewer sentences
+    # than the source holds (a 5-line file read whole is not helped by a larger --max_sentences)
+    assert "--min_sentences" in str(error.value) and "--pool_sentences" not in str(error.value)
+    path = tmp_path / "fifty.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="of the 20 sentences;.* or --max_sentences 0 to search all of it"):
+        source_contexts(str(path), None, 20, 1000, 10, 0, "--max_sentences")
+    with pytest.raises(UserError, match=r"of the 50 sentences;.*more sentences: a larger source\)$"):
+        source_contexts(str(path), None, 2000, 1000, 10, 0, "--max_sentences")
 
 
 def test_target_offsets_checks():
@@ -329,6 +338,42 @@ def test_senteval_sts_files_and_static_vectors(tmp_path):
     assert vectors["at home"].tolist() == [2.0, 3.0]
     with pytest.raises(UserError, match="cannot load dataset 'mteb/stsbenchmark-sts'"):
         read_sts("stsb")  # the preset is a `datasets` name (offline here)
+
+
+def test_pair_and_vector_files_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Each release format written by an editor that adds a UTF-8 BOM (Notepad, Excel) reads exactly as without it: the
+    BOM is not glued to the first sentence, WiC word, SICK header column or vector word."""
+    def both(name: str, text: str) -> tuple[Path, Path]:
+        (tmp_path / "bom").mkdir(exist_ok=True)
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        (tmp_path / "bom" / name).write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        (tmp_path / "plain" / name).write_text(text, encoding="utf-8")
+        return tmp_path / "bom" / name, tmp_path / "plain" / name
+
+    both("STS.gs.news.txt", "4.2\r\n1\r\n3\r\n")
+    bom, plain = both("STS.input.news.txt", "A b.\tC d.\r\nE f.\tG h.\r\nI j.\tK l.\r\n")
+    assert read_sts(str(bom)) == read_sts(str(plain)) and read_sts(str(bom))[0][0].sentence1 == "A b."
+    bom, plain = both("SICK_trial.txt", "pair_ID\tsentence_A\tsentence_B\trelatedness_score\r\n"
+                      + "".join(f"{i}\tA {i}.\tB {i}.\t{1 + i}\r\n" for i in range(3)))
+    assert read_sts(str(bom), score_range=(1, 5)) == read_sts(str(plain), score_range=(1, 5))
+    both("dev.gold.txt", "T\r\nF\r\n")
+    bom, plain = both("dev.data.txt", "bank\tN\t4-1\tHe sat by the bank.\tThe bank shut.\r\n"
+                      "run\tV\t1-0\tThey ran home.\tRun fast!\r\n")
+    items, skipped = read_wic(str(bom))
+    assert skipped.count == 0 and items == read_wic(str(plain))[0] and items[0].word == "bank"
+    bom, _ = both("vectors.txt", "the 1 0\r\ncat 0.5 0.25\r\n")
+    assert read_static_vectors(str(bom), {"the", "cat"})[0]["the"].tolist() == [1.0, 0.0]
+
+
+def test_senteval_lines_split_at_newlines_only(tmp_path):
+    """A sentence holding a Unicode line separator (U+2028, U+0085, a form feed: web forum text) stays one pair, its
+    gold score beside it; str.splitlines split it in two and refused the file (or shifted every later pair)."""
+    odd = ["A b\u2028c.", "E\x85f.", "I\x0cj."]
+    (tmp_path / "STS.input.forum.txt").write_text("".join(f"{s}\tX {i}.\r\n" for i, s in enumerate(odd)),
+                                                  encoding="utf-8")
+    (tmp_path / "STS.gs.forum.txt").write_text("1\n2\n3\n", encoding="utf-8")
+    pairs, _ = read_sts(str(tmp_path / "STS.input.forum.txt"))
+    assert [(p.sentence1, p.sentence2, p.score) for p in pairs] == [(s, f"X {i}.", i + 1.0) for i, s in enumerate(odd)]
 
 
 def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:

@@ -1,5 +1,6 @@
 """A statistic that cannot be computed on the data given says so, once, in one warning line with what it needs:
-IsoScore* with fewer sentences than its mini-batches need (one random token per sentence)."""
+IsoScore* with fewer sentences than its mini-batches need (one random token per sentence), anisotropy with fewer
+sentences than its random token pairs need."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def test_isoscore_star_over_fewer_mini_batches_than_asked_says_so(tiny, tmp_path
     assert all(row["raw"]["isoscore_star"] is not None for row in report["layers"])
     report, warnings = isotropy(tiny, tmp_path / "enough", capsys, "--minibatch", "7")  # 4 x 7 = 28 <= 30: all
     assert report["num_minibatches"] == 4 and "isoscore_star_warning" not in report and warnings == []
+
+
+def test_anisotropy_from_fewer_pairs_than_asked_says_so_once(tiny, tmp_path, capsys):
+    """A text shorter than the protocol's 2 x --num_pairs sentences gives floor(n / 2) pairs, each sentence's random
+    token used once; the report and one warning line say so (it was silent: 15 pairs reported as the paper's 1000)."""
+    encoder, data, sentences = tiny
+    common = ["anisotropy", "--encoder", str(encoder), "--data", str(data), "--max_sentences", "0", "--max_length",
+              "32", "--no_progress", "--clip", "none"]
+    assert analyze.main([*common, "--output_dir", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "anisotropy.json").read_text())
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: anisotropy")]
+    expected = (f"anisotropy from {sentences // 2} random token pairs, not --num_pairs 1000: one random token from "
+                f"each of 2000 sentences needs 2000 sentences with a token, got {sentences}")
+    assert report["num_pairs"] == sentences // 2 and report["anisotropy_warning"] == expected
+    assert warnings == [f"warning: {expected}"]
+    assert analyze.main([*common, "--num_pairs", str(sentences // 2), "--output_dir", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "anisotropy.json").read_text())
+    assert report["num_pairs"] == sentences // 2 and "anisotropy_warning" not in report
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: anisotropy")]

@@ -189,6 +189,30 @@ def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok):
     assert (out / "intervene.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_probe_reports_the_sentences_it_used_and_warns_once_about_dropped_positions(tmp_path, bert_tok, recwarn):
+    """A text with fewer sentences than --probe_sentences (500) and two paragraphs longer than the probe's 300
+    positions: the report counts the sentences and tokens the probe used (not the 500 asked for), the dropped tokens
+    match the tokenizer's count, and the warning is given once (not once per probe pass) without naming probe.py's
+    --data.max_positions, which analyze.py does not have."""
+    length = 320
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, max_position_embeddings=length)
+    texts = corpus_sentences(18, start=40) + [" ".join(corpus_sentences(40, start=s)) for s in (100, 200)]
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert run("--encoder", encoder, "--data", data, "--max_length", length, "--controls", 1, "--num_pairs", 5,
+               "--probe", "--probe_epochs", 1, "--output_dir", out) == 0
+    probe = json.loads((out / "intervene.json").read_text())["probe"]
+    lengths = [min(len(ids), length) for ids in bert_tok(texts)["input_ids"]]
+    dropped = sum(max(0, n - 300) for n in lengths)
+    assert dropped > 0 and probe["probe_sentences"] == 500 and probe["max_positions"] == 300
+    assert probe["sentences"] == len(texts) == sum(split["sentences"] for split in probe["splits"].values())
+    assert sum(split["tokens"] + split["dropped_positions"] for split in probe["splits"].values()) == sum(lengths)
+    assert sum(split["dropped_positions"] for split in probe["splits"].values()) == dropped
+    warned = [str(w.message) for w in recwarn if "left out of the probe" in str(w.message)]
+    assert len(warned) == 1 and f"{dropped} tokens" in warned[0] and "--data." not in warned[0]
+
+
 def hand_mlm_loss(model, tokenizer, texts: list[str]) -> tuple[float, int]:
     """Each sentence alone (no padding, cut to 40 tokens), masked by MaskCollator as its own block keyed by its index,
     full logits."""

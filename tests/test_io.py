@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 
 import datasets
@@ -13,11 +14,30 @@ from core.output import staged_output
 from datamodules.text import iter_records, iter_texts, sample_texts
 
 TEXTS = ["The first sentence.", "A second, longer sentence here.", "Third."]
+TABULAR = {".csv": ",", ".tsv": "\t"}
 
 
 def test_plain_text_skips_blank_lines(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text(f"{TEXTS[0]}\n\n  \n{TEXTS[1]}\r\n{TEXTS[2]}", encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".csv", ".tsv", ".jsonl"])
+def test_a_byte_order_mark_is_not_text(tmp_path, suffix):
+    """Excel's "CSV UTF-8" and Notepad write a UTF-8 BOM: it must not become part of the first header (then no text
+    column is found) or of the first sentence (then a token the model never saw), nor break the first JSON line."""
+    if suffix == ".jsonl":
+        body = "".join(json.dumps({"text": t}) + "\r\n" for t in TEXTS)
+    elif suffix == ".txt":
+        body = "\r\n".join(TEXTS) + "\r\n"
+    else:
+        buffer = io.StringIO()
+        csv.writer(buffer, delimiter=TABULAR[suffix], lineterminator="\r\n").writerows([["text", "label"],
+                                                                                      *([t, 1] for t in TEXTS)])
+        body = buffer.getvalue()
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
     assert list(iter_texts(path)) == TEXTS
 
 
@@ -32,6 +52,26 @@ def test_tabular_detects_or_takes_the_text_column(tmp_path, suffix, delimiter):
     assert list(iter_texts(path, text_column="label")) == ["0", "1", "0"]
     with pytest.raises(UserError, match="text column 'body' not in"):
         list(iter_texts(path, text_column="body"))
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t", ","])
+def test_a_csv_is_read_with_the_delimiter_of_its_header(tmp_path, delimiter):
+    """Excel writes ; where the comma is the decimal mark: such a .csv was read as one column, each text carrying its
+    label (';1') and cut at its first comma, silently. The header's delimiter is used."""
+    path = tmp_path / "excel.csv"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle, delimiter=delimiter, lineterminator="\r\n").writerows(
+            [["text", "label"], *([text, i % 2] for i, text in enumerate(TEXTS))])
+    assert list(iter_texts(path)) == TEXTS and [r["label"] for r in iter_records(path)] == ["0", "1", "0"]
+
+
+def test_a_csv_row_with_more_fields_than_its_header_is_refused(tmp_path):
+    """An unquoted comma in a text splits it: the rest went under DictReader's None key, silently lost."""
+    path = tmp_path / "hand.csv"
+    path.write_text("text,label\nFine.,1\nHello, world.,0\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"hand.csv: data row 2 has 3 fields but the header 2: quote the fields that "
+                                        r"hold a ','"):
+        list(iter_texts(path))
 
 
 def test_tsv_quotes_are_text_as_in_glue_files(tmp_path):
@@ -51,6 +91,70 @@ def test_jsonl_and_missing_text_column(tmp_path):
         list(iter_texts(ambiguous))
 
 
+@pytest.mark.parametrize("value", [123, 4.5, ["a", "tokenised", "sentence"], {"nested": "text"}, True])
+def test_a_text_that_is_not_a_string_is_refused_in_one_line(tmp_path, value):
+    """A jsonl / datasets text column holding numbers or token lists is refused, naming the column and the type (it
+    raised AttributeError: 'int' object has no attribute 'strip' in analyze.py); a null is a blank row."""
+    path = tmp_path / "odd.jsonl"
+    rows = [{"text": TEXTS[0]}, {"text": None}, {"text": value}, {"text": TEXTS[1]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with pytest.raises(UserError, match=f"text column 'text' of .*odd.jsonl holds a {type(value).__name__} "
+                                        r"\(.*\), not text; pass --text_column"):
+        list(iter_texts(path))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows[:2] + rows[3:]), encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS[:2]
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_reads_as_its_objects(tmp_path, indent):
+    """A .json holding one array of objects (pandas' to_json(orient="records") on one line, json.dump(indent=2) over
+    many) reads as the same rows as JSON lines; an array item that is not an object is refused in one line."""
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([{"text": t, "n": i} for i, t in enumerate(TEXTS)], indent=indent), encoding="utf-8")
+    assert list(iter_texts(path)) == TEXTS and [r["n"] for r in iter_records(path)] == [0, 1, 2]
+    path.write_text(json.dumps([{"text": TEXTS[0]}, TEXTS[1]], indent=indent), encoding="utf-8")
+    with pytest.raises(UserError, match=r"a.json: item 2 of the JSON array is a str, expected an object"):
+        list(iter_texts(path))
+    path.write_text('[{"text": "unclosed"}', encoding="utf-8")
+    with pytest.raises(UserError, match=r"a.json:1: not a JSON array of objects"):
+        list(iter_texts(path))
+
+
+@pytest.mark.parametrize("compress", ["gzip", "bz2", "lzma"])
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv"])
+def test_compressed_files_read_as_the_file_inside(tmp_path, compress, suffix):
+    """C4's .json.gz, OSCAR's .jsonl.gz, a .txt.xz: read through their decompressor as the inner suffix's format (they
+    were refused as 'binary (NUL bytes)'); an archive cut short is one line."""
+    import bz2
+    import gzip
+    import lzma
+
+    module = {"gzip": gzip, "bz2": bz2, "lzma": lzma}[compress]
+    body = {".txt": "\r\n".join(TEXTS) + "\r\n", ".jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS),
+            ".csv": "id,text\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(TEXTS))}[suffix]
+    path = tmp_path / f"corpus{suffix}.{ {'gzip': 'gz', 'bz2': 'bz2', 'lzma': 'xz'}[compress]}"
+    packed = module.compress(("\ufeff" + body).encode("utf-8"))
+    path.write_bytes(packed)
+    assert list(iter_texts(path)) == TEXTS
+    path.write_bytes(packed[:len(packed) // 2])
+    with pytest.raises(UserError, match=f"data file cannot be decompressed.*{path.name}"):
+        list(iter_texts(path))
+
+
+def test_a_single_parquet_file_reads_as_its_rows(tmp_path):
+    """One parquet shard of a hub dataset, given as a file (a directory of them already read): its rows, nulls blank;
+    it was refused as binary text. A torn one is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    path = tmp_path / "train-00000-of-00001.parquet"
+    parquet.write_table(pa.table({"sentence": [TEXTS[0], None, *TEXTS[1:]], "label": [1, 0, 1, 0]}), path)
+    assert list(iter_texts(path)) == TEXTS and [r["label"] for r in iter_records(path)] == [1, 0, 1, 0]
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(UserError, match="data file is not a readable parquet file"):
+        list(iter_texts(path))
+
+
 def test_datasets_directory_and_saved_dataset(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -67,6 +171,8 @@ def test_datasets_directory_and_saved_dataset(tmp_path):
     (b"\n\n  \n", "no non-blank rows"),
     (b"abc\x00\x01\x02", "looks binary"),
     (b"caf\xe9 au lait\n", "not UTF-8 text"),
+    ("\ufeffone\r\ntwo\r\n".encode("utf-16-le"), "data file is UTF-16 text .*expected UTF-8"),  # PowerShell's `>`
+    ("\ufeffone\ntwo\n".encode("utf-16-be"), "data file is UTF-16 text"),
     (b"{not json}\n", "not a JSON object per line"),
 ])
 def test_bad_files(tmp_path, content, message):
