@@ -218,6 +218,7 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
     tokens = torch.cat([direct(text)[0] for text in data["sentence_list"]], dim=1)  # [layers, N, hidden]
     assert report["num_tokens"] == tokens.shape[1] and report["variants"] == ["raw", "clipped", "whitened"]
     dims = report["clipped_dims"]
+    assert dims  # else "clipped" would equal "raw" and check nothing of the clipping
     sample = random_token_vectors(direct, data["sentence_list"], 0).transpose(0, 1)  # [layers, 40, hidden]
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
     for layer, row in enumerate(report["layers"]):
@@ -312,7 +313,7 @@ def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, dire
     assert "not one whole word" in report["skipped"]["examples"][0]["reason"]
     assert report["thresholds"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the 0.1...0.9
     sentences = [s for _, s1, _, s2, _, _ in WIC for s in (s1, s2)]
-    assert report["normalize_fit"] == "tokens"
+    assert report["normalize_fit"] == "tokens" and report["clipped_dims"]  # some dims clipped: "clipped" differs
     cosines, labels = direct_wic(direct, {"raw": identity, "clipped": clipping(report["clipped_dims"]),
                                           "standardized": fitted(token_matrix(direct, list(dict.fromkeys(sentences))),
                                                                  "standardize")})
@@ -355,7 +356,7 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
     report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3, "--normalize",
                  "standardize", "--output_dir", tmp_path / "t")
     assert report["normalize_fit"] == "sentences" and report["normalize_fit_count"] == 16
-    assert report["variants"] == ["raw", "clipped", "standardized"]
+    assert report["variants"] == ["raw", "clipped", "standardized"] and report["clipped_dims"]
     expected = direct_sts(direct, {"raw": identity, "clipped": clipping(report["clipped_dims"]),
                                    "standardized": sentence_fit(direct, "standardize")})
     for key in ("raw", "clipped", "standardized"):

@@ -83,6 +83,7 @@ def test_position_items_carry_their_token_id_as_type_and_one_control_label_per_t
     for split, store in dm.stores.items():
         ids = [bert_tok(text, truncation=True, max_length=10)["input_ids"] for text in dm.texts[split]]
         assert store.types[:store.items].tolist() == [i for row in ids for i in row]
+        assert len(store.control) == store.items
         for t, label in zip(store.types[:store.items].tolist(), store.control.tolist()):
             assert label_of.setdefault(t, label) == label
     assert set(label_of.values()) <= set(dm.stores["train"].labels.tolist())  # positions seen in training
@@ -105,21 +106,24 @@ def test_sentence_items_carry_their_text_as_type(tmp_path, bert_tok):
     label_of = {}
     for split, store in dm.stores.items():
         assert store.types[:store.items].tolist() == [text_key(text) for text in dm.texts[split]]
+        assert len(store.control) == store.items == len(dm.texts[split])
         for text, label in zip(dm.texts[split], store.control.tolist()):
             assert label_of.setdefault(text, label) == label
             assert 0 <= label < 3
     assert dm.spec.control["types"] == "sentence texts"
 
 
-def control_accuracy_by_hand(model, store, layers: list[int]) -> list[float]:
-    """Each control probe's test accuracy from its weights: its layer's encoder features against the control labels."""
+def control_accuracy_by_hand(model, store, layers: list[int], kind: str = "control") -> list[float]:
+    """Each control probe's test accuracy from its weights: its layer's encoder features against the control labels
+    (`kind` "encoder": the task probe's, against the task labels)."""
     features, slots = store.features(), model.probe_slots
+    targets = store.control if kind == "control" else store.labels
     accuracies = []
     for layer in layers:
-        weight = model.weight.detach()[slots.index(("control", layer))]
-        bias = 0 if model.bias is None else model.bias.detach()[slots.index(("control", layer))]
+        weight = model.weight.detach()[slots.index((kind, layer))]
+        bias = 0 if model.bias is None else model.bias.detach()[slots.index((kind, layer))]
         logits = features[slots.index(("encoder", layer))] @ weight + bias
-        accuracies.append(float((logits.argmax(-1) == store.control).double().mean()))
+        accuracies.append(float((logits.argmax(-1) == targets).double().mean()))
     return accuracies
 
 
@@ -142,7 +146,9 @@ def test_selectivity_is_the_task_accuracy_minus_the_control_accuracy_on_planted_
     control = control_accuracy_by_hand(model, dm.stores["test"], layers)
     rows = report["layers"]
     assert [row["control_accuracy"] for row in rows] == pytest.approx(control, abs=1e-9)
-    for row, entry in zip(rows, report["baselines"]["control_task"]["layers"]):
+    task = control_accuracy_by_hand(model, dm.stores["test"], layers, kind="encoder")
+    assert [row["accuracy"] for row in rows] == pytest.approx(task, abs=1e-9)
+    for row, entry in zip(rows, report["baselines"]["control_task"]["layers"], strict=True):
         assert row["selectivity"] == pytest.approx(row["accuracy"] - row["control_accuracy"], abs=1e-12)
         assert (entry["accuracy"], entry["selectivity"]) == (row["control_accuracy"], row["selectivity"])
     if signal == "position":  # positions are read; the control labels no better than their commonest one
@@ -168,6 +174,8 @@ def test_classifier_reports_its_control_task_and_selectivity(tmp_path, bert_tok)
     report = model.report()
     control = control_accuracy_by_hand(model, dm.stores["test"], list(range(len(PLANTED))))
     assert [row["control_accuracy"] for row in report["layers"]] == pytest.approx(control, abs=1e-9)
+    task = control_accuracy_by_hand(model, dm.stores["test"], list(range(len(PLANTED))), kind="encoder")
+    assert [row["accuracy"] for row in report["layers"]] == pytest.approx(task, abs=1e-9)
     for row in report["layers"]:
         assert row["selectivity"] == pytest.approx(row["accuracy"] - row["control_accuracy"], abs=1e-12)
     assert report["baselines"]["control_task"]["types"] == "sentence texts"

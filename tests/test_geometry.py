@@ -128,6 +128,17 @@ def isoscore_reference(points: np.ndarray) -> float:
     return (n * phi - 1) / (n - 1)
 
 
+def isoscore_of_covariance_reference(cov: np.ndarray) -> float:
+    """IsoScore of a covariance as in Rudman et al. (2022): the variances in the PCA basis are its eigenvalues (numpy),
+    zeros included when it is rank-deficient; then normalise, defect, rescale, step by step."""
+    variances = np.linalg.eigvalsh(cov).clip(min=0)
+    n = len(variances)
+    normalised = variances * np.sqrt(n) / np.linalg.norm(variances)
+    defect = np.linalg.norm(normalised - 1) / np.sqrt(2 * (n - np.sqrt(n)))
+    phi = (n - defect ** 2 * (n - np.sqrt(n))) ** 2 / n ** 2
+    return (n * phi - 1) / (n - 1)
+
+
 def test_isoscore_near_one_for_isotropic_near_zero_for_rank_one_and_equal_to_the_algorithm():
     generator = torch.Generator().manual_seed(4)
     gaussian = torch.randn(20000, 8, generator=generator, dtype=torch.float64)
@@ -157,8 +168,13 @@ def test_isoscore_star_shrinkage_limits_stability_and_gradient():
     small = population[:40]
     assert isoscore_star(small, 0.0).item() == pytest.approx(isoscore_reference(small.numpy()), abs=1e-9)
     batch = population[:10]  # fewer points than dimensions: the sample covariance is rank-deficient
-    assert isoscore_star(batch, 0.0).item() == pytest.approx(isoscore(torch.cov(batch.T)).item(), abs=1e-9)  # Gram
+    sample = np.cov(batch.numpy().T)  # unbiased, rank 9 of 16
+    assert isoscore_star(batch, 0.0).item() == pytest.approx(isoscore_of_covariance_reference(sample), abs=1e-9)
+    for zeta, given, target in ((0.2, full, full.numpy()), (0.5, None, np.eye(16))):  # C0 default: the identity
+        shrunk = isoscore_of_covariance_reference((1 - zeta) * sample + zeta * target)  # C_zeta = (1 - zeta) C + zeta C0
+        assert isoscore_star(batch, zeta, given).item() == pytest.approx(shrunk, abs=1e-9), zeta
     truth = isoscore(full).item()
+    assert truth == pytest.approx(isoscore_of_covariance_reference(full.numpy()), abs=1e-9)
     assert isoscore_star(batch, 1.0, full).item() == pytest.approx(truth, abs=1e-12)
     # Mini-batches of 10 points underestimate the population's IsoScore; shrinking towards the covariance of many
     # points removes more of that bias the larger zeta.

@@ -87,7 +87,9 @@ def test_exclude_special_counts_fewer_tokens(planted, sentences_file, tmp_path):
     _, path = planted
     with_special = run(path, sentences_file, tmp_path / "a")
     without = run(path, sentences_file, tmp_path / "b", "--exclude_special")
-    assert with_special["num_tokens"] - without["num_tokens"] == 2 * with_special["num_sentences"]
+    lines = [line for line in sentences_file.read_text().splitlines() if line.strip()]
+    assert with_special["num_sentences"] == without["num_sentences"] == len(lines)
+    assert with_special["num_tokens"] - without["num_tokens"] == 2 * len(lines)  # [CLS]/[SEP] or <s>/</s> each
     assert without["special_tokens"] == "excluded"
 
 

@@ -170,7 +170,7 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
         assert row["selectivity"] == pytest.approx(row["raw"] - row["control"])
     # the control task beside the random-init encoder: per layer, selectivity = accuracy - control accuracy
     section = summary["section3_position_probe"]
-    for entry, row in zip(section["layers"], probe["layers"]):
+    for entry, row in zip(section["layers"], probe["layers"], strict=True):
         assert (entry["control_accuracy"], entry["selectivity"]) == (row["control_accuracy"], row["selectivity"])
         assert entry["selectivity"] == pytest.approx(entry["accuracy"] - entry["control_accuracy"])
     markdown = (out / "paper.md").read_text()
@@ -188,7 +188,8 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
 def paper_keys(rows: list[dict], paper_rows: list[dict]) -> list[dict]:
     """`analyze.py outliers`' layer rows cut to the keys of the paper's (outliers alone adds massive activations,
     attention sinks and magnitude outliers, beyond the paper)."""
-    return [{key: row[key] for key in paper_row} for row, paper_row in zip(rows, paper_rows)]
+    assert len(paper_rows) == LAYERS + 1  # every hidden-state layer: an empty report compares equal to nothing
+    return [{key: row[key] for key in paper_row} for row, paper_row in zip(rows, paper_rows, strict=True)]
 
 
 def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):

@@ -22,8 +22,6 @@ from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from lightning_modules.stacked import StackedLinearCrossEntropy, StackedProbe, slot_seed
-from metrics.neuron_stats import NeuronStatistics
-from metrics.outliers import all_outlier_dims, detect_outliers, persistent_dims
 from tests.tiny import HIDDEN as TINY_HIDDEN
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -185,15 +183,36 @@ def test_probe_recovers_planted_position_and_contributions_single_out_its_dimens
         assert top2.indices[0] == dim and top2.values[0] > 3 * top2.values[1]
 
     report = model.write_outputs(tmp_path / "out")
+    by_hand = hand_outlier_dims(dm.stores["train"].features())  # detected on the training split
+    assert {int(layer): dims for layer, dims in report["outlier_layers"].items()} == dict(enumerate(by_hand))
     for layer, dim in enumerate(PLANTED):  # detected: each layer's planted dim holds most tokens' maximum there
         assert dim in report["outlier_layers"][str(layer)]
-    assert report["outlier_dims"] == persistent_dims(dm.spec.outlier_layers)  # the persistent ones are reported
+    # persistent: an outlier in at least half of layers 1..2 (here: in either), most frequent first, then by dim
+    counts = Counter(dim for dims in by_hand[1:] for dim in dims)
+    assert report["outlier_dims"] == sorted(counts, key=lambda d: (-counts[d], d))
     assert PLANTED[1] in report["outlier_dims"] and PLANTED[0] not in report["outlier_dims"]  # layer 0 never counts
-    for entry, dim in zip(report["layers"], PLANTED):
+    for layer, (entry, dim) in enumerate(zip(report["layers"], PLANTED, strict=True)):
         assert entry["top_contribution_dims"][0] == dim
-        if str(dim) in entry["outlier_dims"]:
+        assert sorted(map(int, entry["outlier_dims"])) == sorted(report["outlier_dims"])  # the persistent ones
+        assert (str(dim) in entry["outlier_dims"]) == (layer >= 1)  # layers 1, 2's planted dims are persistent
+        if layer >= 1:
+            contribution = float(model.results["contributions"][layer, dim])
             assert entry["outlier_dims"][str(dim)]["rank"] == 1
+            assert entry["outlier_dims"][str(dim)]["contribution"] == pytest.approx(contribution, rel=1e-6)
             assert entry["outlier_dims"][str(dim)]["contribution"] > 3 * entry["mean_contribution"]
+
+
+def hand_outlier_dims(features: torch.Tensor, min_share: float = 0.2) -> list[list[int]]:
+    """Per layer of features [layers, tokens, hidden], by hand: the dims holding the largest or the smallest value of
+    at least `min_share` of the tokens, largest |mean| first."""
+    out = []
+    for layer in features.double():
+        count, size = layer.shape
+        max_share = torch.bincount(layer.argmax(1), minlength=size) / count
+        min_share_ = torch.bincount(layer.argmin(1), minlength=size) / count
+        dims = torch.nonzero((max_share >= min_share) | (min_share_ >= min_share)).flatten().tolist()
+        out.append(sorted(dims, key=lambda d: -abs(float(layer[:, d].mean()))))
+    return out
 
 
 def test_classifier_learns_separable_task_and_clipping_its_dimension_leaves_the_majority(tmp_path, bert_tok):
@@ -266,7 +285,9 @@ def test_no_position_embeddings_leave_position_near_chance(tmp_path, roberta_tok
         model = PositionProbe(lr=0.01)
         fit(model, dm, 10)
         accuracy[name] = model.accuracy_of("encoder") + model.accuracy_of("random")
-        majority = dm.spec.majority["majority"]
+        labels, test = dm.stores["train"].labels, dm.stores["test"].labels  # the majority baseline, by hand:
+        majority = float((test == torch.bincount(labels).argmax()).double().mean())  # the top training label's share
+        assert dm.spec.majority["majority"] == pytest.approx(majority)
     assert min(accuracy["pe"]) > 0.9  # the trained and the random-init PE model alike
     # word identity alone says little about position; the no-PE model's random twin has a zero table too
     assert max(accuracy["nope"]) < majority + 0.1
@@ -400,20 +421,23 @@ def test_outliers_are_detected_by_neuron_statistics_on_the_cached_training_featu
     dm = PositionDataModule(source=str(data), encoder=str(encoder), max_length=16, random_baseline=False,
                             progress=False)
     dm.prepare_data()
-    stats = NeuronStatistics(LAYERS + 1, TINY_HIDDEN)
-    stats.update(dm.stores["train"].features())  # [layers, tokens, hidden]
-    result = stats.compute()
-    expected = detect_outliers(result)
-    assert 11 in dm.spec.outlier_dims and 11 in all_outlier_dims(expected)
+    features = dm.stores["train"].features().double()  # [layers, tokens, hidden]
+    count = features.shape[1]
+    max_share = torch.stack([torch.bincount(f.argmax(1), minlength=TINY_HIDDEN) for f in features]) / count
+    min_share = torch.stack([torch.bincount(f.argmin(1), minlength=TINY_HIDDEN) for f in features]) / count
+    expected = hand_outlier_dims(features)  # the 20% rule, by hand
+    assert 11 in dm.spec.outlier_dims and 11 in {d for dims in expected for d in dims}
     # The cache may hold the features in float16 (the memory budget decides), which can move a near-tie's argmax: the
     # two detections agree on every dimension whose share is not within a few tokens of the 20% threshold.
-    share = torch.maximum(result.argmax_share, result.argmin_share)  # [layers, hidden]
+    share = torch.maximum(max_share, min_share)  # [layers, hidden]
     near = (share - 0.2).abs() < 0.01
-    for spec_layer, layer in zip(dm.spec.outlier_layers, expected, strict=True):
-        differ = set(spec_layer.outlier_dims) ^ set(layer.outlier_dims)
-        assert all(near[layer.layer, d] for d in differ), (layer.layer, differ)
-        assert spec_layer.argmax_share == pytest.approx(layer.argmax_share, abs=0.01)
-        assert spec_layer.argmin_share == pytest.approx(layer.argmin_share, abs=0.01)
+    assert len(dm.spec.outlier_layers) == LAYERS + 1
+    for layer, (spec_layer, dims) in enumerate(zip(dm.spec.outlier_layers, expected, strict=True)):
+        assert spec_layer.layer == layer
+        differ = set(spec_layer.outlier_dims) ^ set(dims)
+        assert all(near[layer, d] for d in differ), (layer, differ)
+        assert spec_layer.argmax_share == pytest.approx(float(max_share[layer].max()), abs=0.01)
+        assert spec_layer.argmin_share == pytest.approx(float(min_share[layer].max()), abs=0.01)
 
 
 def test_split_and_label_errors(tmp_path, bert_tok):

@@ -10,6 +10,7 @@ import csv
 import itertools
 import json
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -21,6 +22,7 @@ from lightning_modules.finetune import FineTuneModule
 from lightning_modules.monitor import StepMonitor
 from lightning_modules.regularizers import Regularizer
 from metrics.isotropy import IsoScoreStar, isoscore, isoscore_of_covariance, isoscore_star
+from tests.test_geometry import isoscore_of_covariance_reference
 from tests.tiny import corpus_sentences, save_tiny_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -42,12 +44,15 @@ def planted_states(seed: int = 0, layers: int = 3, batch: int = 4, seq: int = 9,
 
 
 def test_isoscore_of_the_covariance_equals_the_eigenvalue_route():
-    """IsoScore from tr(C)^2 / ||C||_F^2 (no eigensolver) equals IsoScore from C's eigenvalues."""
+    """IsoScore from tr(C)^2 / ||C||_F^2 (no eigensolver) equals IsoScore from C's eigenvalues (numpy's, step by
+    step as Rudman et al. give it) and the eigenvalue route of metrics.isotropy."""
     generator = torch.Generator().manual_seed(1)
     for rows in (3, 40):  # rank-deficient and full rank
         points = torch.randn(rows, 10, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, 10)
         cov = torch.cov(points.T)
-        assert isoscore_of_covariance(cov).item() == pytest.approx(isoscore(cov).item(), abs=1e-12)
+        reference = isoscore_of_covariance_reference(cov.numpy())
+        assert isoscore_of_covariance(cov).item() == pytest.approx(reference, abs=1e-12)
+        assert isoscore(cov).item() == pytest.approx(reference, abs=1e-12)
 
 
 def test_istar_through_autograd_equals_the_metric_and_its_gradient_matches_finite_differences():
@@ -62,6 +67,8 @@ def test_istar_through_autograd_equals_the_metric_and_its_gradient_matches_finit
     reg.shrinkage = c0
     points = torch.cat([state[mask] for state in states])  # [tokens x layers, hidden]
     term, value = reg(states, mask)
+    shrunk = 0.7 * np.cov(points.numpy().T) + 0.3 * c0.numpy()  # C_zeta = (1 - zeta) C + zeta C0, by hand
+    assert value.item() == pytest.approx(isoscore_of_covariance_reference(shrunk), abs=1e-12)
     assert value.item() == pytest.approx(isoscore_star(points, 0.3, c0).item(), abs=1e-12)
     metric = IsoScoreStar(1, 12, zeta=0.3, shrinkage=c0)
     metric.update(points.unsqueeze(0))
@@ -185,15 +192,18 @@ def test_a_few_steps_of_istar_move_a_tiny_models_isotropy_the_way_its_weight_say
         mask = batch["attention_mask"].bool()
         return isoscore_star(torch.cat([hidden[layer][mask] for layer in (1, 2, 3)]), 0.0).item()
 
-    before = statistic()
+    seen = []  # IsoScore* of the weights each step starts from
     for _ in range(5):
+        seen.append(statistic())
         optimizer.zero_grad()
         module.training_step(batch, 0).backward()
         optimizer.step()
-    after = statistic()
+    before, after = seen[0], statistic()
     assert (after - before) * weight > 0 and abs(after - before) > 0.02, (before, after)
-    sums = module.monitor.value_sums  # the step's statistic, summed on the device for logging
+    sums = module.monitor.value_sums  # each step's statistic and term, summed on the device for logging
     assert set(sums) == {"reg_loss", "isoscore_star"}
+    assert sums["isoscore_star"].item() == pytest.approx(sum(seen), rel=1e-5)
+    assert sums["reg_loss"].item() == pytest.approx(weight * sum(1 - value for value in seen), rel=1e-5)
 
 
 @pytest.mark.parametrize("options, message", [

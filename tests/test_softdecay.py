@@ -218,6 +218,21 @@ def test_the_fine_tuning_layer_equals_the_post_hoc_transformation_and_a_direct_s
         (out[mask] @ weights).pow(2).sum().backward()  # a loss on the transformed tokens
         (parameter,) = parameters
         assert parameter.grad is not None and torch.isfinite(parameter.grad) and parameter.grad != 0
+        parameter.grad = None  # the gradient equals a central finite difference of the same loss (float64 states)
+
+        def loss(shift: float = 0.0) -> torch.Tensor:
+            with torch.no_grad():
+                parameter.add_(shift)
+            try:
+                return (layer(hidden.double(), mask)[mask] @ weights.double()).pow(2).sum()
+            finally:
+                with torch.no_grad():
+                    parameter.sub_(shift)
+
+        loss().backward()
+        with torch.no_grad():
+            numeric = (loss(1e-4) - loss(-1e-4)).item() / 2e-4
+        assert parameter.grad.item() == pytest.approx(numeric, rel=2e-3)
         if mode == "learned":  # tokenUni's: alpha is the parameter itself, nothing keeps it in (-1, 0)
             assert layer.alpha is layer.alpha_parameter
 

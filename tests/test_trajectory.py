@@ -68,8 +68,9 @@ def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run,
                                           for name in ("outliers", "anisotropy", "isotropy"))
         assert point["persistent_dims"] == outliers["persistent_dims"]
         assert point["num_tokens"] == outliers["num_tokens"] and point["num_pairs"] == anisotropy["num_pairs"] == 12
+        assert len(point["layers"]) == 3  # the embedding output and 2 layers
         for row, separate, cosines, iso in zip(point["layers"], outliers["layers"], anisotropy["layers"],
-                                               isotropy["layers"]):
+                                               isotropy["layers"], strict=True):
             assert {key: row[key] for key in ("layer", "argmax_dim", "argmin_dim", "outlier_dims")} == \
                 {key: separate[key] for key in ("layer", "argmax_dim", "argmin_dim", "outlier_dims")}
             assert row["argmax_share"] == pytest.approx(separate["argmax_share"], abs=1e-9)
@@ -81,7 +82,7 @@ def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run,
                          *COMMON[-2:], "--output_dir", str(tmp_path / "o")]) == 0
     outliers = json.loads((tmp_path / "o" / "outliers.json").read_text())
     assert report["massive_rule"] == outliers["massive_rule"] and report["magnitude_rule"] == outliers["magnitude_rule"]
-    for row, separate in zip(points[0]["layers"], outliers["layers"]):
+    for row, separate in zip(points[0]["layers"], outliers["layers"], strict=True):
         for key in ("kurtosis_sequence", "inf_norm_sequence", "massive_activations", "attention_sinks",
                     "magnitude_outliers"):
             assert row[key] == separate[key], key
@@ -175,7 +176,7 @@ def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_
     both = json.loads((tmp_path / "both" / "trajectory.json").read_text())
     assert (tmp_path / "both" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
     assert both["labels"] == ["pe", "nope"] and [r["label"] for r in both["runs"]] == ["pe", "nope"]
-    for label, directory, report in zip(("pe", "nope"), (root, nope_run), both["runs"]):
+    for label, directory, report in zip(("pe", "nope"), (root, nope_run), both["runs"], strict=True):
         assert analyze.main(["trajectory", "--run", f"{label}={directory}", *common,
                              "--output_dir", str(tmp_path / label)]) == 0
         alone = json.loads((tmp_path / label / "trajectory.json").read_text())
@@ -187,7 +188,7 @@ def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_
     assert analyze.main(["outliers", "--encoder", point["path"], *common[:2], "--no_progress", "--max_sentences", "0",
                          "--seed", "2", "--output_dir", str(tmp_path / "o")]) == 0
     outliers = json.loads((tmp_path / "o" / "outliers.json").read_text())
-    for row, separate in zip(point["layers"], outliers["layers"]):
+    for row, separate in zip(point["layers"], outliers["layers"], strict=True):
         for key in ("kurtosis_mean", "kurtosis_max", "max_abs", "top1_share"):
             assert row[key] == pytest.approx(separate[key], rel=1e-9), key
     # the validation loss each checkpoint records: the validation of the step before, equal to validating the
@@ -256,10 +257,10 @@ def test_the_trajectory_of_a_causal_and_a_rotary_arms_run_reads_each_checkpoint_
                 first[layer].append(weights[0, :, :, 0].double().mean(-1))  # every query sees the first token
             for layer, states in enumerate(out.hidden_states):
                 tokens[layer].append(states[0])
-        for row, heads in zip(point["layers"][1:], first):
+        for row, heads in zip(point["layers"][1:], first, strict=True):
             assert row["attention_sinks"]["first_token_mass"] == pytest.approx(float(torch.cat(heads).mean()),
                                                                               abs=2e-6)
-        for row, states in zip(point["layers"], tokens):
+        for row, states in zip(point["layers"], tokens, strict=True):
             top = torch.cat(states).argmax(-1)
             assert row["argmax_share"] == pytest.approx(float((top == row["argmax_dim"]).double().mean()), abs=1e-6)
             assert row["argmax_dim"] == int(torch.bincount(top).argmax())
