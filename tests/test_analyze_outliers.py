@@ -193,7 +193,11 @@ def test_long_sentences_are_truncated_counted_and_warned(tmp_path, bert_tok, cap
                          "--clip", "none"]) == 0
     assert json.loads((tmp_path / "aniso" / "anisotropy.json").read_text())["num_truncated"] == short
     err = capsys.readouterr().err
-    assert [line for line in err.splitlines() if "warning" in line] == [_truncation_warning(short, len(texts), 16)]
+    pairs = len(texts) // 2  # one random token from each sentence, two a pair: 10 sentences give 5 of the 1000 pairs
+    shortfall = (f"warning: anisotropy from {pairs} random token pairs, not --num_pairs 1000: one random token from "
+                 f"each of 2000 sentences needs 2000 sentences with a token, got {len(texts)}")
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        shortfall, _truncation_warning(short, len(texts), 16)]
 
 
 def test_max_sentences_and_seed_choose_the_sample(tmp_path, bert_tok):

@@ -957,6 +957,10 @@ ERROR_ROW_TESTS = {
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
     ("analyze.py", "binary data file"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
+    ("analyze.py", 'UTF-16 data file (Windows PowerShell\'s `>`, Notepad\'s "Unicode")'): ["test_io.py::test_bad_files"],
+    ("analyze.py", "a csv row with more fields than its header (an unquoted comma)"): [
+        "test_io.py::test_a_csv_row_with_more_fields_than_its_header_is_refused",
+    ],
     ("analyze.py", "data not UTF-8"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
     ("analyze.py", "no text column"): ["test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing"],
     ("analyze.py", "`--max_length` above the model's positions"): [
