@@ -268,7 +268,8 @@ class FrozenEncoder(nn.Module):
                  ) -> tuple[dict, int]:
         """Tokenise and pad `texts` ([batch, seq] tensors); sentences over `max_length` tokens are truncated and
         counted. With `offsets`, the dict also holds "offsets": each token's (start, end) characters ((0, 0) for
-        special tokens; needs a fast tokenizer)."""
+        special tokens, those the tokenizer adds and those written in the text: no word's span covers them; needs a
+        fast tokenizer)."""
         max_length = self.check_max_length(max_length)
         tokenizer = self.tokenizer
         options = dict(return_special_tokens_mask=True, verbose=False)
@@ -284,8 +285,11 @@ class FrozenEncoder(nn.Module):
                 for row, value in zip(long_rows, cut[key]):
                     encoded[key][row] = value
         inputs = pad(encoded, self.pad_id)
-        if offsets:
-            inputs["offsets"] = [[tuple(pair) for pair in row] for row in encoded["offset_mapping"]]
+        if offsets:  # a special token written in the text ("[SEP]", "</s>") is no word's token either
+            special = set(self.special_ids.tolist())
+            inputs["offsets"] = [[(0, 0) if token in special else tuple(pair)
+                                  for token, pair in zip(ids, row, strict=True)]
+                                 for ids, row in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
         return inputs, len(long_rows)
 
     def check_max_length(self, max_length: int | None) -> int:

@@ -87,3 +87,26 @@ def test_the_probes_features_exclude_special_tokens_written_in_the_text(bert_tok
     assert module.spec.data["num_special_in_text"] == sum(n for _, n in lines)
     assert sum(split["tokens"] for split in module.spec.counts.values()) == counted_by_hand(bert_tok, lines)
     module.close()
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_a_word_written_as_a_special_token_has_no_vector(kind, bert_tok, roberta_tok, tmp_path):
+    """Self-similarity and WiC find a word's tokens by character offsets: the "sep" of a literal "[SEP]" (or the "s"
+    of "</s>") is not a word, and the special token's vector is never taken for it; the words around it are found
+    with the tokens the tokenizer gives them, looked up here in its own offsets."""
+    from lightning_modules.pooling import span_tokens
+
+    tokenizer, lines = (bert_tok, BERT_LINES) if kind == "bert" else (roberta_tok, ROBERTA_LINES)
+    encoder = load_encoder(save_tiny_encoder(tmp_path / kind, kind, tokenizer), device="cpu")
+    texts = [text for text, _ in lines]
+    inputs, _ = encoder.tokenize(texts, offsets=True)
+    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+    plain = tokenizer(texts, return_offsets_mapping=True)
+    for row, (text, ids, offsets) in enumerate(zip(texts, plain["input_ids"], plain["offset_mapping"], strict=True)):
+        for match in re.finditer(r"\w+", text):
+            expected = [j for j, ((a, b), token) in enumerate(zip(offsets, ids, strict=True))
+                        if b > a and a < match.end() and b > match.start() and token not in special]
+            assert span_tokens(inputs["offsets"][row], match.span()) == expected
+            inside_special = any(text[a:b] in SPECIALS and a <= match.start() and match.end() <= b
+                                 for (a, b), token in zip(offsets, ids, strict=True) if token in special)
+            assert (expected == []) == inside_special, (text, match.group())
