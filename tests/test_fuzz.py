@@ -175,6 +175,14 @@ def test_analyze_pairs(kind, case, folder, tmp_path, capfd):
     code = analyze.main([kind, "--encoder", str(folder / "bert"), "--data", str(data), "--output_dir", str(out),
                          "--clip", "none", "--no_progress"])
     check(code, capfd.readouterr().err, out, f"analyze.py {kind}", refused, case)
+    try:  # read directly: every line a JSON object whose fields are all given (WiC's word may be blank)
+        rows = [json.loads(line) for line in data.read_bytes().decode("utf-8").splitlines() if line.strip()]
+        whole = bool(rows) and all(value != "" for row in rows for key, value in row.items() if key != "word")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        rows, whole = [], False
+    assert code == (0 if whole else 2), case
+    if whole:  # every pair in the report
+        assert json.loads((out / f"{kind}.json").read_text())["num_pairs"] == len(rows), case
 
 
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
