@@ -58,8 +58,10 @@ def contrast_on_white(color) -> float:
     return 1.05 / (luminance + 0.05)
 
 
-def check_talk_ready(fig) -> None:
+def check_talk_ready(fig) -> int:
+    """The checks below on a drawn figure; returns how many data marks it checked against the legend."""
     renderer = drawn(fig)
+    checked = 0
     box = fig.bbox
     colorbars = [ax for ax in fig.axes if hasattr(ax, "_colorbar")]
     known, log_labels = legend_signatures(fig), []
@@ -80,8 +82,10 @@ def check_talk_ready(fig) -> None:
         for mark in marks(ax):
             assert signature(mark) in known, f"a mark not in the legend: {signature(mark)} in {ax.get_title()!r}"
             assert contrast_on_white(signature(mark)[0]) >= 2.0, f"reads badly on white: {signature(mark)[0]}"
+            checked += 1
     assert all(re.fullmatch(r"[0-9.e+-]*", label) for label in log_labels), log_labels
     assert any(log_labels) or not any("log" in (ax.get_yscale(), ax.get_xscale()) for ax in fig.axes)
+    return checked
 
 
 def test_yellow_is_gone_and_the_checks_catch_what_they_should():
@@ -124,8 +128,11 @@ def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_tit
         figures.heatmap_grid_figure([rng.random((6, 40)) for _ in layers], [f"layer {k}" for k in layers], "dimension",
                                     "position", LONG, colorbar="contribution"),
     ]
-    for fig in made:
-        check_talk_ready(fig)
+    checked = [check_talk_ready(fig) for fig in made]
+    # the legend check saw every data mark, counted by hand from the inputs (heatmaps and images have none): 2 outlier
+    # dot sets; 2 outlier dims marked on the heatmap + their 2 lines + the mean |value|; 2 series + 2 baselines; 9 dims
+    # + 1 baseline; 4 + 1 layers; 2 spectra x 4 layers
+    assert checked == [2, 5, 0, 4, 10, 5, 0, 8, 0], checked
     lines = made[0].legends[0].get_texts()  # the outlier dot is explained
     assert any("outlier" in text.get_text() for text in lines)
 
