@@ -347,13 +347,22 @@ def test_a_variant_run_records_its_attention_and_its_export_reproduces_its_last_
     assert checkpoint["hyper_parameters"]["attention"] == attention
     assert any(".gate_" in key for key in checkpoint["state_dict"]) == (attention == "gated")
     ids, mask = padded_batch(20)
-    states = []
+    # the trained model rebuilt directly: the module from the checkpoint's hyper-parameters, its weights loaded strictly
+    module = MLMModule(**{key: value for key, value in checkpoint["hyper_parameters"].items()
+                          if not key.startswith("_")}).eval()  # (jsonargparse's _instantiator is no argument)
+    module.load_state_dict(checkpoint["state_dict"], strict=True)
+    with torch.no_grad():
+        want = torch.stack(module.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states)
+        plain = AutoModelForMaskedLM.from_pretrained(root / "export").eval()  # softmax attention on the same weights
+        softmax = plain(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    assert (real(softmax, mask) - real(want[-1], mask)).abs().max() > 1e-3  # the variant changes the states
     for source in (root / "export", root / "checkpoints" / "last.ckpt"):
         encoder = load_encoder(source, device="cpu")
         with torch.no_grad():
-            states.append(torch.stack(encoder.model(input_ids=ids, attention_mask=mask,
-                                                    output_hidden_states=True).hidden_states))
-    torch.testing.assert_close(states[0], states[1], rtol=1e-5, atol=1e-5)
+            got = torch.stack(encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states)
+        assert got.shape == want.shape == (LAYERS + 1, *ids.shape, HIDDEN)
+        torch.testing.assert_close(real(got.permute(1, 2, 0, 3), mask), real(want.permute(1, 2, 0, 3), mask),
+                                   rtol=1e-5, atol=1e-5, msg=str(source))  # [tokens, layers, hidden], padding out
 
 
 @pytest.mark.slow

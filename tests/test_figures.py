@@ -58,8 +58,10 @@ def contrast_on_white(color) -> float:
     return 1.05 / (luminance + 0.05)
 
 
-def check_talk_ready(fig) -> None:
+def check_talk_ready(fig) -> int:
+    """The checks below on a drawn figure; returns how many data marks it checked against the legend."""
     renderer = drawn(fig)
+    checked = 0
     box = fig.bbox
     colorbars = [ax for ax in fig.axes if hasattr(ax, "_colorbar")]
     known, log_labels = legend_signatures(fig), []
@@ -80,8 +82,10 @@ def check_talk_ready(fig) -> None:
         for mark in marks(ax):
             assert signature(mark) in known, f"a mark not in the legend: {signature(mark)} in {ax.get_title()!r}"
             assert contrast_on_white(signature(mark)[0]) >= 2.0, f"reads badly on white: {signature(mark)[0]}"
+            checked += 1
     assert all(re.fullmatch(r"[0-9.e+-]*", label) for label in log_labels), log_labels
     assert any(log_labels) or not any("log" in (ax.get_yscale(), ax.get_xscale()) for ax in fig.axes)
+    return checked
 
 
 def test_yellow_is_gone_and_the_checks_catch_what_they_should():
@@ -124,8 +128,11 @@ def test_every_figure_explains_its_marks_labels_its_colour_bars_and_fits_its_tit
         figures.heatmap_grid_figure([rng.random((6, 40)) for _ in layers], [f"layer {k}" for k in layers], "dimension",
                                     "position", LONG, colorbar="contribution"),
     ]
-    for fig in made:
-        check_talk_ready(fig)
+    checked = [check_talk_ready(fig) for fig in made]
+    # the legend check saw every data mark, counted by hand from the inputs (heatmaps and images have none): 2 outlier
+    # dot sets; 2 outlier dims marked on the heatmap + their 2 lines + the mean |value|; 2 series + 2 baselines; 9 dims
+    # + 1 baseline; 4 + 1 layers; 2 spectra x 4 layers
+    assert checked == [2, 5, 0, 4, 10, 5, 0, 8, 0], checked
     lines = made[0].legends[0].get_texts()  # the outlier dot is explained
     assert any("outlier" in text.get_text() for text in lines)
 
@@ -167,3 +174,34 @@ def test_the_live_layer_by_step_image_holds_the_history_it_is_given():
     for column, ax in enumerate(panels):  # rows: layers 0, 1, 2; columns: steps 0, 20, 40
         expected = [[row[3 + column] for row in rows if row[2] == layer] for layer in (0, 1, 2)]
         np.testing.assert_allclose(np.asarray(ax.get_images()[0].get_array()), expected, rtol=1e-6)
+
+
+def test_the_figures_draw_the_values_they_are_given():
+    """The drawn data read back from the artists against the inputs: each layer's bars and outlier dots
+    (mean_vectors_figure), each series' and baseline's line (accuracy_by_layer_figure), the heatmap's cells."""
+    from matplotlib.patches import StepPatch
+
+    rng = np.random.default_rng(1)
+    mean, outliers = rng.normal(size=(3, 12)), {1: [3, 7], 2: [11]}
+    fig = figures.mean_vectors_figure(mean, outliers)
+    assert len(fig.axes) == 3
+    for layer, ax in enumerate(fig.axes):
+        (bars,) = [patch for patch in ax.patches if isinstance(patch, StepPatch)]
+        values, edges, _ = bars.get_data()
+        np.testing.assert_array_equal(values, mean[layer])
+        np.testing.assert_array_equal(edges, np.arange(13) - 0.5)  # dimension d's bar centred on d
+        dots = [c.get_offsets() for c in ax.collections if isinstance(c, PathCollection)]
+        expected = [[(d, mean[layer, d]) for d in outliers[layer]]] if layer in outliers else []
+        assert [np.asarray(d).tolist() for d in dots] == [[list(p) for p in e] for e in expected]
+
+    series = {"encoder": [0.9, 0.8, 0.7, 0.6], "random-init encoder": [0.5, 0.4, 0.3, 0.3]}
+    fig = figures.accuracy_by_layer_figure([0, 1, 2, 3], series, {"majority": 0.1, "chance": 0.05})
+    drawn_lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].get_lines()}
+    assert drawn_lines == {"encoder": ([0, 1, 2, 3], series["encoder"]),
+                           "random-init encoder": ([0, 1, 2, 3], series["random-init encoder"]),
+                           "majority (0.100)": ([0, 1], [0.1, 0.1]), "chance (0.050)": ([0, 1], [0.05, 0.05])}
+
+    matrix = rng.random((5, 9))
+    fig = figures.heatmap_figure(matrix, "dimension", "layer", colorbar="contribution")
+    (image,) = fig.axes[0].get_images()
+    np.testing.assert_array_equal(np.asarray(image.get_array()), matrix)

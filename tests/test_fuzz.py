@@ -103,8 +103,34 @@ def check(code: int, err: str, out: Path, program: str, refused: bool, case: str
     assert not out.exists(), case
 
 
+def direct_texts(path: Path) -> list[str] | None:
+    """The texts of a data file read directly with the standard library (strict UTF-8; .txt: its non-blank lines;
+    .csv / .tsv: the `text` column; .jsonl: each line's "text"), blank ones left out; None where the file is no valid
+    file of its format (undecodable, a torn JSON line, no `text` column)."""
+    import csv
+    import io
+
+    try:
+        content = path.read_bytes().decode("utf-8")
+        if path.suffix == ".txt":
+            texts = content.splitlines()
+        elif path.suffix in (".csv", ".tsv"):
+            texts = [row["text"] for row in csv.DictReader(io.StringIO(content), delimiter="," if path.suffix == ".csv"
+                                                           else "\t")]
+        elif path.suffix == ".jsonl":
+            texts = [json.loads(line)["text"] for line in content.splitlines() if line.strip()]
+        else:
+            return None
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, csv.Error):
+        return None
+    return [text for text in texts if isinstance(text, str) and text.strip()]
+
+
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_analyze_data(case, folder, tmp_path, capfd):
+def test_analyze_data(case, folder, tmp_path, capfd, bert_tok):
+    """Also against a direct reading: a file the standard library reads into at least one text gives a report of
+    min(10, that many) sentences (and, when all are taken, their tokens as the tokenizer counts them, cut to the
+    encoder's 64 positions); any other is refused."""
     _, name, make, refused = next(c for c in CASES if c[0] == case)
     data = tmp_path / name
     data.write_bytes(make(folder))
@@ -112,6 +138,13 @@ def test_analyze_data(case, folder, tmp_path, capfd):
     code = analyze.main(["outliers", "--encoder", str(folder / "bert"), "--data", str(data), "--output_dir", str(out),
                          "--max_sentences", "10", "--no_progress"])
     check(code, capfd.readouterr().err, out, "analyze.py outliers", refused, case)
+    texts = direct_texts(data)
+    assert code == (0 if texts else 2), (case, texts)
+    if texts:
+        report = json.loads((out / "outliers.json").read_text())
+        assert report["num_sentences"] == min(10, len(texts)), case
+        if len(texts) <= 10:  # every text taken (more: a seeded sample of 10)
+            assert report["num_tokens"] == sum(min(len(ids), 64) for ids in bert_tok(texts)["input_ids"]), case
 
 
 def pair_cases(rng: random.Random, kind: str) -> list[tuple[str, Callable[[Path], bytes], bool]]:
@@ -142,6 +175,14 @@ def test_analyze_pairs(kind, case, folder, tmp_path, capfd):
     code = analyze.main([kind, "--encoder", str(folder / "bert"), "--data", str(data), "--output_dir", str(out),
                          "--clip", "none", "--no_progress"])
     check(code, capfd.readouterr().err, out, f"analyze.py {kind}", refused, case)
+    try:  # read directly: every line a JSON object whose fields are all given (WiC's word may be blank)
+        rows = [json.loads(line) for line in data.read_bytes().decode("utf-8").splitlines() if line.strip()]
+        whole = bool(rows) and all(value != "" for row in rows for key, value in row.items() if key != "word")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        rows, whole = [], False
+    assert code == (0 if whole else 2), case
+    if whole:  # every pair in the report
+        assert json.loads((out / f"{kind}.json").read_text())["num_pairs"] == len(rows), case
 
 
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")

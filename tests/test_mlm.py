@@ -176,7 +176,7 @@ def test_streaming_resume_tokenises_one_chunk_not_the_consumed_texts(bpe, tmp_pa
     for a, b in zip(resumed, straight[70:], strict=True):
         assert np.array_equal(a["blocks"], b["blocks"]) and np.array_equal(a["keys"], b["keys"])
     collate = MaskCollator(bpe, 32, seed=0)
-    for a, b in zip(resumed, straight[70:]):
+    for a, b in zip(resumed, straight[70:], strict=True):
         masked_a, masked_b = collate(a), collate(b)
         assert masked_a["stream_state"] == masked_b["stream_state"]  # passed through for the datamodule
         assert all(torch.equal(masked_a[k], masked_b[k]) for k in ("input_ids", "positions", "targets"))
@@ -262,7 +262,8 @@ def test_permuting_tokens_permutes_hidden_states_only_without_pe(position_embedd
     with torch.no_grad():
         hidden = module.model.roberta(input_ids=ids, output_hidden_states=True).hidden_states
         permuted = module.model.roberta(input_ids=ids[:, perm], output_hidden_states=True).hidden_states
-    equal = [torch.allclose(h[:, perm], p, atol=1e-5) for h, p in zip(hidden, permuted)]
+    equal = [torch.allclose(h[:, perm], p, atol=1e-5) for h, p in zip(hidden, permuted, strict=True)]
+    assert len(equal) == TINY["num_hidden_layers"] + 1  # the embeddings' output and each layer's
     if position_embeddings:
         assert not any(equal)
     else:
@@ -441,7 +442,8 @@ def test_export_with_the_zero_row_gives_plain_transformers_the_same_hidden_state
             body = plain if cls is RobertaModel else plain.roberta
             assert body.embeddings.token_type_embeddings.weight.abs().sum() == 0
             theirs = body(input_ids=ids, output_hidden_states=True).hidden_states
-            for layer, (a, b) in enumerate(zip(ours, theirs)):
+            assert len(ours) == TINY["num_hidden_layers"] + 1  # every layer compared, none left out of the zip
+            for layer, (a, b) in enumerate(zip(ours, theirs, strict=True)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{cls.__name__} layer {layer}")
         # the row counts: the same weights with a non-zero row give other hidden states (a random one: a constant
         # row would be taken out again by the embedding LayerNorm)

@@ -115,7 +115,8 @@ def test_export_gives_the_module_hidden_states_and_stays_position_free(runs, pe)
         ours = module.model.roberta(input_ids=ids, output_hidden_states=True).hidden_states
         theirs = exported.roberta(input_ids=ids, output_hidden_states=True).hidden_states
         shuffled = exported.roberta(input_ids=ids[:, perm], output_hidden_states=True).hidden_states[-1]
-    for a, b in zip(ours, theirs):
+    assert len(ours) == 3  # the embeddings' output and 2 layers: every one compared, none left out of the zip
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert torch.allclose(theirs[-1][:, perm], shuffled, atol=1e-5) is (not pe)
     from_ckpt = load_encoder(root / "checkpoints" / "last.ckpt", device="cpu")  # .ckpt: weights + embedded tokenizer
