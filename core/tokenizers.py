@@ -71,8 +71,15 @@ def vocab_limit(tokenizer) -> int:
 
 
 def fingerprint(tokenizer) -> str:
-    """sha256 of the tokenizer's full definition (vocabulary, merges, special tokens, normalisation)."""
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+    """sha256 of the tokenizer's full definition (vocabulary, merges, special tokens, normalisation), without its
+    truncation and padding: settings of a call, which transformers rewrites on every call (a sentence-transformers
+    tokenizer.json saves max_length 128 and fixed padding; the first call clears them), not the tokenizer's identity."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
 
 def tokenizer_files(tokenizer) -> dict[str, str]:

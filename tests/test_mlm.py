@@ -462,3 +462,21 @@ def test_resuming_a_checkpoint_of_another_token_type_row_is_one_line():
     with pytest.raises(UserError, match=r"trained with fairseq's zero, frozen token-type row but the config asks for "
                                         r"a learned token-type row; resume with --model.token_type_embeddings false$"):
         check_architecture({"token_type_embeddings": False}, {**current, "token_type_embeddings": True}, "x")
+
+
+def test_the_fingerprint_ignores_the_truncation_and_padding_a_call_rewrites(minilm_path, bpe):
+    """A sentence-transformers tokenizer.json saves truncation (max_length 128) and fixed padding; transformers clears
+    them on the first call, so the block cache's key (and the resume check) must not depend on them: the fingerprint
+    before and after a call are equal, and equal to the one of the backend with both cleared by hand."""
+    import hashlib
+
+    tokenizer = load_tokenizer(minilm_path)
+    backend = tokenizer.backend_tokenizer
+    assert backend.truncation is not None and backend.padding is not None  # as saved
+    before = fingerprint(tokenizer)
+    tokenize_texts(corpus_sentences(3), tokenizer)
+    assert backend.truncation is None and backend.padding is None  # the call rewrote them
+    assert fingerprint(tokenizer) == before
+    assert before == hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
+    # a tokenizer saved without them keeps the digest of its whole definition (existing caches and checkpoints match)
+    assert fingerprint(bpe) == hashlib.sha256(bpe.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
