@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+import warnings
 from pathlib import Path
 
 from core.errors import UserError, first_line
@@ -19,8 +20,10 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERT
 
 
 def load_tokenizer(source: str | Path):
-    """An existing tokenizer by hub id or local directory; it must be fast and have <mask> and <pad> tokens."""
-    from transformers import AutoTokenizer
+    """An existing tokenizer by hub id, local directory or a `tokenizers` file (`Tokenizer.save("tok.json")`); it
+    must be fast and have <mask> and <pad> tokens. A bare `tokenizers` file names no token's role: roles are taken
+    from its special tokens' conventional names (`name_special_tokens`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = local_path(source, "tokenizer")
     if path is not None:
@@ -28,15 +31,45 @@ def load_tokenizer(source: str | Path):
     else:
         check_hub(source, "tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
+        if path is not None and path.is_file():
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
         raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
+    name_special_tokens(tokenizer, source)
     for name in ("mask_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is None:
-            raise UserError(f"tokenizer {source} has no {name.removesuffix('_token_id')} token, needed for MLM")
+            token = name.removesuffix("_token_id")
+            raise UserError(f"tokenizer {source} has no {token} token, needed for MLM; name it: "
+                            f"PreTrainedTokenizerFast(tokenizer_file=..., {token}_token=...).save_pretrained(DIR)")
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
     return tokenizer
+
+
+# the names the `tokenizers` library's own trainers give their special tokens (RoBERTa's and BERT's conventions)
+ROLE_NAMES = {"bos_token": ("<s>",), "eos_token": ("</s>",), "cls_token": ("<s>", "[CLS]"), "sep_token": ("</s>", "[SEP]"),
+              "unk_token": ("<unk>", "[UNK]"), "pad_token": ("<pad>", "[PAD]"), "mask_token": ("<mask>", "[MASK]")}
+
+
+def name_special_tokens(tokenizer, source) -> None:
+    """A tokenizer that names no special-token role at all (a bare `tokenizers` file: no tokenizer_config.json) gets
+    the roles its special tokens' names say (<s> </s> <unk> <pad> <mask>, or [CLS] [SEP] [UNK] [PAD] [MASK]), with one
+    warning saying which; a tokenizer that names any role is left as it is."""
+    if any(getattr(tokenizer, role, None) is not None for role in ROLE_NAMES):
+        return
+    special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    named = {}
+    for role, names in ROLE_NAMES.items():
+        found = next((name for name in names if name in special), None)
+        if found is not None:
+            setattr(tokenizer, role, found)
+            named[role.removesuffix("_token")] = found
+    if named:
+        roles = ", ".join(f"{role} {token}" for role, token in named.items())
+        warnings.warn(f"tokenizer {source} names no special-token roles (a bare tokenizers file); taken from the "
+                      f"tokens' names: {roles}", stacklevel=3)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -49,6 +82,15 @@ def check_tokenizer_files(directory: Path, what: str) -> None:
     if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"cannot load {what}: {directory} holds no tokenizer files (tokenizer.json, vocab.json + "
                         "merges.txt, vocab.txt, or a SentencePiece model)")
+    if directory.is_dir() and not any((directory / name).is_file()
+                                      for name in ("tokenizer.json", "tokenizer_config.json", "config.json")):
+        held = " + ".join(name for name in TOKENIZER_FILES[1:] + ("merges.txt",) if (directory / name).is_file())
+        raise UserError(f"cannot load {what}: {directory} holds {held} alone, which does not say what tokenizer it "
+                        "is (no tokenizer.json, tokenizer_config.json or config.json); save it whole: "
+                        "tokenizer.save(\"DIR/tokenizer.json\") (tokenizers) or save_pretrained(DIR) (transformers)")
+    if directory.is_file() and directory.suffix.lower() != ".json":
+        raise UserError(f"cannot load {what}: {directory} is a file; give the directory holding the tokenizer, or a "
+                        "tokenizers file (.json)")
 
 
 def check_special_ids(tokenizer, name: str) -> None:

@@ -70,7 +70,70 @@ def test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing(c
         f"cannot load tokenizer '{hub_id}': ")
     save_tokenizer_without_mask(no_mask)
     assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(no_mask)) == \
-        f"tokenizer {no_mask} has no mask token, needed for MLM"
+        f"tokenizer {no_mask} has no mask token, needed for MLM; name it: " \
+        "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)"
+    assert not root.exists()
+
+
+def train_bare_tokenizer(style: str):
+    """A tokenizer trained with the `tokenizers` library alone, as its documentation shows: byte-level BPE with
+    RoBERTa's special-token names, or BERT's WordPiece with its [CLS] [SEP] [PAD] [UNK] [MASK]."""
+    from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+
+    texts = corpus_sentences(200)
+    if style == "bpe":
+        trainer = ByteLevelBPETokenizer()
+        trainer.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                                    show_progress=False)
+    else:
+        trainer = BertWordPieceTokenizer(lowercase=True)
+        trainer.train_from_iterator(texts, vocab_size=300, show_progress=False)
+    return trainer
+
+
+@pytest.mark.parametrize("style, form", [("bpe", "directory"), ("bpe", "file"), ("wordpiece", "directory")])
+def test_a_tokenizer_saved_by_the_tokenizers_library_takes_its_special_tokens_roles_from_their_names(tmp_path, style,
+                                                                                                     form):
+    """`Tokenizer.save("DIR/tokenizer.json")` (or a .json file itself) names no token's role; load_tokenizer takes
+    them from the tokens' conventional names, with one warning, so MLM finds its mask and pad and the blocks their
+    bos / eos (or [CLS] / [SEP]); the ids are the ones the trained vocabulary gives those names."""
+    from core.tokenizers import boundary_ids, load_tokenizer
+
+    trainer = train_bare_tokenizer(style)
+    target = tmp_path / "tok" / "tokenizer.json" if form == "directory" else tmp_path / "tok.json"
+    target.parent.mkdir(exist_ok=True)
+    trainer.save(str(target))
+    given = target.parent if form == "directory" else target
+    with pytest.warns(UserWarning, match="names no special-token roles") as caught:
+        tokenizer = load_tokenizer(given)
+    vocab = trainer.get_vocab()
+    names = ("<mask>", "<pad>", "<s>", "</s>") if style == "bpe" else ("[MASK]", "[PAD]", "[CLS]", "[SEP]")
+    assert (tokenizer.mask_token_id, tokenizer.pad_token_id, *boundary_ids(tokenizer)) == tuple(vocab[n] for n in names)
+    said = [str(w.message) for w in caught if "special-token roles" in str(w.message)]
+    assert len(said) == 1 and all(name in said[0] for name in names)
+
+
+@pytest.mark.parametrize("files, message", [
+    (("vocab.json", "merges.txt"), "holds vocab.json + merges.txt alone, which does not say what tokenizer it is"),
+    (("vocab.txt",), "holds vocab.txt alone, which does not say what tokenizer it is"),
+    (("tok.model.bin",), "is a file; give the directory holding the tokenizer, or a tokenizers file (.json)"),
+])
+def test_tokenizer_files_that_do_not_say_what_tokenizer_they_are_are_one_line_exit_2(corpus, cache, tmp_path, capsys,
+                                                                                     files, message):
+    """`save_model` of the `tokenizers` library writes vocab.json + merges.txt (BPE) or vocab.txt (WordPiece) without
+    saying which tokenizer they make (transformers' own error ends in "from one of: (1) ..."); a file that is not a
+    tokenizers .json is not a tokenizer either: one line naming the remedy, nothing written."""
+    root, folder = tmp_path / "run", tmp_path / "saved"
+    folder.mkdir()
+    if files[0].endswith(".bin"):
+        (tmp_path / files[0]).write_bytes(b"\0\1")
+        given = tmp_path / files[0]
+    else:
+        train_bare_tokenizer("bpe" if "merges.txt" in files else "wordpiece").save_model(str(folder))
+        assert sorted(path.name for path in folder.iterdir()) == sorted(files)
+        given = folder
+    line = rejected(root, corpus, cache, capsys, "--data.tokenizer", str(given))
+    assert line.startswith(f"cannot load tokenizer '{given}': {given} ") and message in line
     assert not root.exists()
 
 
