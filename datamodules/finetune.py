@@ -144,7 +144,8 @@ class FineTuneDataModule(pl.LightningDataModule):
             pair = record[h.text_pair_column] if h.text_pair_column is not None else None
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")
-            if not isinstance(text, str) or not text.strip() or (pair is not None and not str(pair).strip()):
+            if not isinstance(text, str) or not text.strip() or (h.text_pair_column is not None and
+                                                                 (pair is None or not str(pair).strip())):
                 blank += 1
                 continue
             texts.append((text.strip(), str(pair).strip() if pair is not None else None))

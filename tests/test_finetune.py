@@ -481,3 +481,21 @@ def test_truncated_examples_are_counted_per_split_and_said(inputs, tmp_path, pai
     said = ", ".join(f"{direct[s]} of {len(module.splits.texts[s])} {s}" for s in ("train", "val", "test"))
     assert [str(w.message) for w in caught if "truncated" in str(w.message)] == [
         f"examples longer than --data.max_length 24 tokens were truncated: {said} (counted in finetune.json's splits)"]
+
+
+def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, tmp_path):
+    """A JSON null (or an empty cell) in --data.text_pair_column is a row without its second sentence: skipped and
+    counted in one warning, as a row without text is, never encoded as a single sentence (or a TypeError in setup)."""
+    from transformers import AutoTokenizer
+
+    lines = corpus_sentences(40, start=500)
+    data = tmp_path / "pairs.jsonl"
+    missing = {3: None, 17: "", 29: None}
+    data.write_text("".join(json.dumps({"premise": line, "hypothesis": missing.get(i, lines[i - 1]), "label": i % 2})
+                            + "\n" for i, line in enumerate(lines)), encoding="utf-8")
+    module = FineTuneDataModule(source=str(data), text_column="premise", text_pair_column="hypothesis",
+                                val_fraction=0.2, test_fraction=0.2)
+    with pytest.warns(UserWarning, match=f"^{len(missing)} rows of {data} have no text and were skipped$"):
+        module.attach(AutoTokenizer.from_pretrained(inputs["encoder"]))
+    kept = [(text, pair) for split in ("train", "val", "test") for text, pair in module.splits.texts[split]]
+    assert sorted(kept) == sorted((line, lines[i - 1]) for i, line in enumerate(lines) if i not in missing)
