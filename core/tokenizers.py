@@ -66,10 +66,33 @@ def name_special_tokens(tokenizer, source) -> None:
         if found is not None:
             setattr(tokenizer, role, found)
             named[role.removesuffix("_token")] = found
-    if named:
-        roles = ", ".join(f"{role} {token}" for role, token in named.items())
-        warnings.warn(f"tokenizer {source} names no special-token roles (a bare tokenizers file); taken from the "
-                      f"tokens' names: {roles}", stacklevel=3)
+    if not named:
+        return
+    roles = ", ".join(f"{role} {token}" for role, token in named.items())
+    framed = frame_texts(tokenizer)
+    warnings.warn(f"tokenizer {source} names no special-token roles (a bare tokenizers file); taken from the tokens' "
+                  f"names: {roles}{framed}", stacklevel=3)
+
+
+def frame_texts(tokenizer) -> str:
+    """A bare `tokenizers` file adds nothing around a text (no post-processor template), yet the model is trained on
+    <s> piece </s> blocks (datamodules/blocks.py): its texts are framed the same way, <s> text </s> (pairs as
+    RoBERTa's: <s> a </s></s> b </s>) or [CLS] text [SEP] (pairs as BERT's, the second segment type 1), so the export
+    reads sentences as it was trained. What was done, for the warning ("" when the tokenizer frames texts already)."""
+    from tokenizers import processors
+
+    first, last = (tokenizer.bos_token, tokenizer.eos_token) if tokenizer.bos_token is not None \
+        else (tokenizer.cls_token, tokenizer.sep_token)
+    if first is None or last is None or tokenizer.convert_tokens_to_ids(first) in tokenizer("a")["input_ids"]:
+        return ""
+    pair = f"{first} $A {last} {last} $B {last}" if tokenizer.bos_token is not None else \
+        f"{first} $A {last} $B:1 {last}:1"
+    ids = [(token, tokenizer.convert_tokens_to_ids(token)) for token in dict.fromkeys((first, last))]
+    template = processors.TemplateProcessing(single=f"{first} $A {last}", pair=pair, special_tokens=ids)
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = template if backend.post_processor is None else \
+        processors.Sequence([backend.post_processor, template])
+    return f"; each text framed {first} ... {last}, as the model's blocks are"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",

@@ -97,7 +97,9 @@ def test_a_tokenizer_saved_by_the_tokenizers_library_takes_its_special_tokens_ro
     """`Tokenizer.save("DIR/tokenizer.json")` (or a .json file itself) names no token's role; load_tokenizer takes
     them from the tokens' conventional names, with one warning, so MLM finds its mask and pad and the blocks their
     bos / eos (or [CLS] / [SEP]); the ids are the ones the trained vocabulary gives those names."""
-    from core.tokenizers import boundary_ids, load_tokenizer
+    import warnings
+
+    from core.tokenizers import boundary_ids, fingerprint, load_tokenizer
 
     trainer = train_bare_tokenizer(style)
     target = tmp_path / "tok" / "tokenizer.json" if form == "directory" else tmp_path / "tok.json"
@@ -111,6 +113,17 @@ def test_a_tokenizer_saved_by_the_tokenizers_library_takes_its_special_tokens_ro
     assert (tokenizer.mask_token_id, tokenizer.pad_token_id, *boundary_ids(tokenizer)) == tuple(vocab[n] for n in names)
     said = [str(w.message) for w in caught if "special-token roles" in str(w.message)]
     assert len(said) == 1 and all(name in said[0] for name in names)
+    # the bare file adds nothing around a text; the model's blocks are <s> piece </s>: texts are framed the same way
+    text = corpus_sentences(1, start=700)[0]
+    assert trainer.encode(text).ids[0] != vocab[names[2]]
+    assert tokenizer(text)["input_ids"] == [vocab[names[2]], *trainer.encode(text).ids, vocab[names[3]]]
+    assert said[0].endswith(f"; each text framed {names[2]} ... {names[3]}, as the model's blocks are")
+    again = tmp_path / "again"
+    tokenizer.save_pretrained(again)  # as a checkpoint embeds it: roles and frame kept, nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reloaded = load_tokenizer(again)
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"] and fingerprint(reloaded) == fingerprint(tokenizer)
 
 
 @pytest.mark.parametrize("files, message", [
