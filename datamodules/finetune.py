@@ -140,7 +140,8 @@ class FineTuneDataModule(pl.LightningDataModule):
             if h.text_pair_column is not None and h.text_pair_column not in record:
                 raise UserError(f"text pair column {h.text_pair_column!r} not in {source} (columns: "
                                 f"{sorted(record)})")
-            text, label = pick_text(record, h.text_column, source, DATA_OPTION), normalise_label(record[h.label_column])
+            text = pick_text(record, h.text_column, source, DATA_OPTION, (h.label_column, h.text_pair_column))
+            label = normalise_label(record[h.label_column])
             pair = record[h.text_pair_column] if h.text_pair_column is not None else None
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")

@@ -367,7 +367,8 @@ class ClassificationDataModule(ProbeDataModule):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
                                 "pass --data.label_column")
-            text, label = pick_text(record, self.hparams.text_column, source, DATA_OPTION), normalise_label(record[self.label_column])
+            text = pick_text(record, self.hparams.text_column, source, DATA_OPTION, (self.label_column,))
+            label = normalise_label(record[self.label_column])
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {self.label_column!r})")
             if not isinstance(text, str) or not text.strip():
