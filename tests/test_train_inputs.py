@@ -207,3 +207,26 @@ def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corp
     assert rejected(root, corpus, cache, capsys) == f"the tokenizer has ids up to {top} but the model only 600 " \
                                                     "embedding rows"
     assert written(root) == [] and not root.exists()
+
+
+def test_a_sentence_transformers_tokenizer_pretrains_on_its_first_run(corpus, tmp_path, minilm_path):
+    """MiniLM's tokenizer.json saves truncation and fixed padding, which its first call clears: the block cache is
+    found under the key it was built with (before, the first run stopped with "block cache missing" after its logger
+    started), and the blocks are the corpus's texts tokenised without special tokens, each followed by [SEP], framed
+    [CLS] ... [SEP] (datamodules/blocks.py), computed directly with the tokenizer."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    root, cache = tmp_path / "run", tmp_path / "cache"
+    assert train.cli_main(tiny_args(root, corpus, cache, "--data.tokenizer", minilm_path, "--trainer.max_steps", "2",
+                                    "--model.decay_steps", "2", "--model.warmup_steps", "1")) == 0
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    stream = [i for text in corpus.read_text(encoding="utf-8").splitlines() if text.strip()
+              for i in (*tokenizer(text.strip(), add_special_tokens=False)["input_ids"], sep)]
+    (built,) = (cache / "blocks").iterdir()
+    blocks = datasets.load_from_disk(str(built))
+    rows = [*blocks["train"]["input_ids"], *blocks["validation"]["input_ids"]]
+    pieces = [stream[i * 30:(i + 1) * 30] for i in range(len(stream) // 30)]
+    assert sorted(rows) == sorted([cls, *piece, sep] for piece in pieces)
+    assert (root / "export" / "model.safetensors").is_file()
