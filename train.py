@@ -142,7 +142,7 @@ class TrainCLI(ProjectCLI):
             # a resume writes into default_root_dir: never over another run (a path of another run, a link to one)
             check_resume_directory(path, ckpt_path, trainer.default_root_dir, folder)
             path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
-            check_resume(path, model, data, trainer.world_size, self.kind)
+            check_resume(path, model, data, trainer.world_size, self.kind, trainer.max_steps)
             arguments["ckpt_path"] = str(path)
         elif ckpt_path in (None, "last"):
             check_fresh_start(trainer.default_root_dir)

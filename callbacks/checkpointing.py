@@ -26,6 +26,7 @@ from core.safe_load import WeightsOnlyCheckpointIO
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.mlm import check_architecture
+from lightning_modules.training import check_resumed_schedule
 
 LAST, PREVIOUS = "last.ckpt", "previous.ckpt"  # the newest checkpoint and the one before it (AtomicCheckpointIO)
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a job ended by SIGTERM: resubmit with --ckpt_path last
@@ -261,11 +262,13 @@ def hpc_checkpoint(root: str | Path) -> Path:
     return found[-1]
 
 
-def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm") -> None:
+def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm", max_steps: int | None = None) -> None:
     """Before anything is written: a whole checkpoint of this project, read weights-only, whose architecture (PE or
-    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule or FineTuneModule), and whose data
-    position continues on `world_size` devices (`data`, its data module)."""
+    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule or FineTuneModule), whose data
+    position continues on `world_size` devices (`data`, its data module), and whose learning-rate schedule, which a
+    resume keeps, does not end before --trainer.max_steps at a rate of 0."""
     checkpoint = read_checkpoint(path, kind)
+    check_resumed_schedule(checkpoint.get("lr_schedulers"), model.hparams, max_steps, path)
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
     if hasattr(model, "check_checkpoint"):  # what else the module needs to match (a fine-tuned model's classes)
         model.check_checkpoint(checkpoint.get("hyper_parameters", {}), f"checkpoint {path}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+import warnings
 from pathlib import Path
 
 from core.errors import UserError, first_line
@@ -19,8 +20,10 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERT
 
 
 def load_tokenizer(source: str | Path):
-    """An existing tokenizer by hub id or local directory; it must be fast and have <mask> and <pad> tokens."""
-    from transformers import AutoTokenizer
+    """An existing tokenizer by hub id, local directory or a `tokenizers` file (`Tokenizer.save("tok.json")`); it
+    must be fast and have <mask> and <pad> tokens. A bare `tokenizers` file names no token's role: roles are taken
+    from its special tokens' conventional names (`name_special_tokens`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = local_path(source, "tokenizer")
     if path is not None:
@@ -28,15 +31,68 @@ def load_tokenizer(source: str | Path):
     else:
         check_hub(source, "tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
+        if path is not None and path.is_file():
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
         raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
+    name_special_tokens(tokenizer, source)
     for name in ("mask_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is None:
-            raise UserError(f"tokenizer {source} has no {name.removesuffix('_token_id')} token, needed for MLM")
+            token = name.removesuffix("_token_id")
+            raise UserError(f"tokenizer {source} has no {token} token, needed for MLM; name it: "
+                            f"PreTrainedTokenizerFast(tokenizer_file=..., {token}_token=...).save_pretrained(DIR)")
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
     return tokenizer
+
+
+# the names the `tokenizers` library's own trainers give their special tokens (RoBERTa's and BERT's conventions)
+ROLE_NAMES = {"bos_token": ("<s>",), "eos_token": ("</s>",), "cls_token": ("<s>", "[CLS]"), "sep_token": ("</s>", "[SEP]"),
+              "unk_token": ("<unk>", "[UNK]"), "pad_token": ("<pad>", "[PAD]"), "mask_token": ("<mask>", "[MASK]")}
+
+
+def name_special_tokens(tokenizer, source) -> None:
+    """A tokenizer that names no special-token role at all (a bare `tokenizers` file: no tokenizer_config.json) gets
+    the roles its special tokens' names say (<s> </s> <unk> <pad> <mask>, or [CLS] [SEP] [UNK] [PAD] [MASK]), with one
+    warning saying which; a tokenizer that names any role is left as it is."""
+    if any(getattr(tokenizer, role, None) is not None for role in ROLE_NAMES):
+        return
+    special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    named = {}
+    for role, names in ROLE_NAMES.items():
+        found = next((name for name in names if name in special), None)
+        if found is not None:
+            setattr(tokenizer, role, found)
+            named[role.removesuffix("_token")] = found
+    if not named:
+        return
+    roles = ", ".join(f"{role} {token}" for role, token in named.items())
+    framed = frame_texts(tokenizer)
+    warnings.warn(f"tokenizer {source} names no special-token roles (a bare tokenizers file); taken from the tokens' "
+                  f"names: {roles}{framed}", stacklevel=3)
+
+
+def frame_texts(tokenizer) -> str:
+    """A bare `tokenizers` file adds nothing around a text (no post-processor template), yet the model is trained on
+    <s> piece </s> blocks (datamodules/blocks.py): its texts are framed the same way, <s> text </s> (pairs as
+    RoBERTa's: <s> a </s></s> b </s>) or [CLS] text [SEP] (pairs as BERT's, the second segment type 1), so the export
+    reads sentences as it was trained. What was done, for the warning ("" when the tokenizer frames texts already)."""
+    from tokenizers import processors
+
+    first, last = (tokenizer.bos_token, tokenizer.eos_token) if tokenizer.bos_token is not None \
+        else (tokenizer.cls_token, tokenizer.sep_token)
+    if first is None or last is None or tokenizer.convert_tokens_to_ids(first) in tokenizer("a")["input_ids"]:
+        return ""
+    pair = f"{first} $A {last} {last} $B {last}" if tokenizer.bos_token is not None else \
+        f"{first} $A {last} $B:1 {last}:1"
+    ids = [(token, tokenizer.convert_tokens_to_ids(token)) for token in dict.fromkeys((first, last))]
+    template = processors.TemplateProcessing(single=f"{first} $A {last}", pair=pair, special_tokens=ids)
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = template if backend.post_processor is None else \
+        processors.Sequence([backend.post_processor, template])
+    return f"; each text framed {first} ... {last}, as the model's blocks are"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -49,6 +105,15 @@ def check_tokenizer_files(directory: Path, what: str) -> None:
     if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"cannot load {what}: {directory} holds no tokenizer files (tokenizer.json, vocab.json + "
                         "merges.txt, vocab.txt, or a SentencePiece model)")
+    if directory.is_dir() and not any((directory / name).is_file()
+                                      for name in ("tokenizer.json", "tokenizer_config.json", "config.json")):
+        held = " + ".join(name for name in TOKENIZER_FILES[1:] + ("merges.txt",) if (directory / name).is_file())
+        raise UserError(f"cannot load {what}: {directory} holds {held} alone, which does not say what tokenizer it "
+                        "is (no tokenizer.json, tokenizer_config.json or config.json); save it whole: "
+                        "tokenizer.save(\"DIR/tokenizer.json\") (tokenizers) or save_pretrained(DIR) (transformers)")
+    if directory.is_file() and directory.suffix.lower() != ".json":
+        raise UserError(f"cannot load {what}: {directory} is a file; give the directory holding the tokenizer, or a "
+                        "tokenizers file (.json)")
 
 
 def check_special_ids(tokenizer, name: str) -> None:
@@ -71,8 +136,15 @@ def vocab_limit(tokenizer) -> int:
 
 
 def fingerprint(tokenizer) -> str:
-    """sha256 of the tokenizer's full definition (vocabulary, merges, special tokens, normalisation)."""
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+    """sha256 of the tokenizer's full definition (vocabulary, merges, special tokens, normalisation), without its
+    truncation and padding: settings of a call, which transformers rewrites on every call (a sentence-transformers
+    tokenizer.json saves max_length 128 and fixed padding; the first call clears them), not the tokenizer's identity."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
 
 def tokenizer_files(tokenizer) -> dict[str, str]:

@@ -56,6 +56,18 @@ class Examples(torch.utils.data.Dataset):
         return batch
 
 
+def count_truncated(tokenizer, texts: list[tuple[str, str | None]], ids: list[list[int]], max_length: int) -> int:
+    """How many of `texts` (sentence, pair or None) were cut to `max_length`: only an example `max_length` long can
+    have been, and those few are tokenised again whole."""
+    full = [row for row, example in enumerate(ids) if len(example) >= max_length]
+    if not full:
+        return 0
+    firsts = [texts[row][0] for row in full]
+    seconds = [texts[row][1] for row in full] if texts[full[0]][1] is not None else None
+    whole = tokenizer(firsts, seconds, truncation=False, verbose=False)["input_ids"]
+    return sum(len(example) > max_length for example in whole)
+
+
 class FineTuneDataModule(pl.LightningDataModule):
     """Labelled sentences (or pairs) for FineTuneModule (see the module docstring).
 
@@ -113,6 +125,7 @@ class FineTuneDataModule(pl.LightningDataModule):
         self.labels: dict[str, Tensor] = {}
         self.sets: dict[str, Examples] = {}
         self.tokenizer = None
+        self.truncated: dict[str, int] = {}  # per split, the examples cut to max_length (set by attach)
         self.position = DataPosition(batch_size, global_batch_size, streaming=False)
 
     # -- reading, once (the model's head needs the classes: train.py links them, so bad data is found first) --
@@ -127,11 +140,13 @@ class FineTuneDataModule(pl.LightningDataModule):
             if h.text_pair_column is not None and h.text_pair_column not in record:
                 raise UserError(f"text pair column {h.text_pair_column!r} not in {source} (columns: "
                                 f"{sorted(record)})")
-            text, label = pick_text(record, h.text_column, source, DATA_OPTION), normalise_label(record[h.label_column])
+            text = pick_text(record, h.text_column, source, DATA_OPTION, (h.label_column, h.text_pair_column))
+            label = normalise_label(record[h.label_column])
             pair = record[h.text_pair_column] if h.text_pair_column is not None else None
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")
-            if not isinstance(text, str) or not text.strip() or (pair is not None and not str(pair).strip()):
+            if not isinstance(text, str) or not text.strip() or (h.text_pair_column is not None and
+                                                                 (pair is None or not str(pair).strip())):
                 blank += 1
                 continue
             texts.append((text.strip(), str(pair).strip() if pair is not None else None))
@@ -180,7 +195,8 @@ class FineTuneDataModule(pl.LightningDataModule):
         return {"class": self.label_names[top], "test_accuracy": float((self.labels["test"] == top).double().mean())}
 
     def described(self) -> dict:
-        return {split: {"from": self.splits.described[split], "examples": len(self.splits.texts[split])}
+        return {split: {"from": self.splits.described[split], "examples": len(self.splits.texts[split]),
+                        **({"truncated": self.truncated[split]} if split in self.truncated else {})}
                 for split in SPLITS}
 
     # -- Lightning hooks --
@@ -208,12 +224,18 @@ class FineTuneDataModule(pl.LightningDataModule):
         self.check_max_length(model_max_length)
         self.tokenizer = tokenizer
         index = {label: i for i, label in enumerate(self.label_names)}
+        self.truncated = {}
         for split in SPLITS:
             texts = self.splits.texts[split]
             pairs = [pair for _, pair in texts] if h.text_pair_column is not None else None
             encoded = tokenizer([text for text, _ in texts], pairs, truncation=True, max_length=h.max_length)
+            self.truncated[split] = count_truncated(tokenizer, texts, encoded["input_ids"], h.max_length)
             self.labels[split] = torch.tensor([index[label] for label in self.splits.labels[split]], dtype=torch.long)
             self.sets[split] = Examples(dict(encoded), self.labels[split], tokenizer.pad_token_id or 0)
+        if any(self.truncated.values()):
+            counts = ", ".join(f"{self.truncated[split]} of {len(self.sets[split])} {split}" for split in SPLITS)
+            warnings.warn(f"examples longer than --data.max_length {h.max_length} tokens were truncated: {counts} "
+                          "(counted in finetune.json's splits)", stacklevel=2)
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -189,6 +189,10 @@ class ProbeDataModule(pl.LightningDataModule):
         extracted = self.extractor.extract(encoders, splits.texts, labels, self, self.variants())
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
+        max_length = h.max_length or primary.max_length
+        if extracted.num_truncated:  # said as analyze.py says it (the report's num_truncated counts them too)
+            warnings.warn(f"{extracted.num_truncated} sentences were longer than {max_length} tokens and were "
+                          "truncated (counted in the report as num_truncated)", stacklevel=2)
         control = self._control_task(len(classes))
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
@@ -210,7 +214,7 @@ class ProbeDataModule(pl.LightningDataModule):
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             control=control,
             data={"source": str(h.source), "splits_from": splits.described,
-                  "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
+                  "max_length": max_length, "num_truncated": extracted.num_truncated,
                   "num_special_in_text": extracted.num_special_in_text,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
@@ -363,7 +367,8 @@ class ClassificationDataModule(ProbeDataModule):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
                                 "pass --data.label_column")
-            text, label = pick_text(record, self.hparams.text_column, source, DATA_OPTION), normalise_label(record[self.label_column])
+            text = pick_text(record, self.hparams.text_column, source, DATA_OPTION, (self.label_column,))
+            label = normalise_label(record[self.label_column])
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {self.label_column!r})")
             if not isinstance(text, str) or not text.strip():

@@ -121,17 +121,19 @@ def check_datasets_directory(path: Path) -> None:
                     "csv, tsv or jsonl data files); give a text, csv, tsv or jsonl file instead")
 
 
-def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column") -> str | None:
+def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column",
+              exclude: tuple[str | None, ...] = ()) -> str | None:
     """The text of `record` (None for a missing value: a blank row); a value that is not a string (a number, a list of
-    tokens) is refused, naming the column, since it cannot be encoded as a sentence."""
+    tokens) is refused, naming the column, since it cannot be encoded as a sentence. Detection passes over the
+    columns in `exclude` (the labels, a pair's second sentence: a csv's labels are strings too)."""
     if text_column is not None:
         if text_column not in record:
             raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
         return _text_value(record, text_column, source, option)
     for name in TEXT_COLUMNS:
-        if name in record:
+        if name in record and name not in exclude:
             return _text_value(record, name, source, option)
-    strings = [key for key, value in record.items() if isinstance(value, str)]
+    strings = [key for key, value in record.items() if isinstance(value, str) and key not in exclude]
     if len(strings) == 1:
         return record[strings[0]]
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")

@@ -693,6 +693,16 @@ ERROR_ROW_TESTS = {
     ("train.py", "a tokenizer without a mask (or pad) token"): [
         "test_train_inputs.py::test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing",
     ],
+    ("train.py", "a tokenizer directory holding only vocab.json + merges.txt or vocab.txt (the `tokenizers` library's `save_model`)"): [
+        "test_train_inputs.py::test_tokenizer_files_that_do_not_say_what_tokenizer_they_are_are_one_line_exit_2",
+    ],
+    ("train.py", "a tokenizer path that is a file but not a `tokenizers` .json"): [
+        "test_train_inputs.py::test_tokenizer_files_that_do_not_say_what_tokenizer_they_are_are_one_line_exit_2",
+    ],
+    ("train.py", "resume past the end of the checkpoint's learning-rate schedule (a resume keeps the saved schedule; its end rate 0)"): [
+        "test_train.py::test_resume_with_a_mismatching_config_is_refused",
+        "test_mlm.py::test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_refused",
+    ],
     ("train.py", "no end for the learning-rate schedule"): [
         "test_train_inputs.py::test_no_end_for_the_learning_rate_schedule_is_one_line_exit_2",
     ],

@@ -215,13 +215,14 @@ def test_a_glue_config_reads_sentence_pairs_and_its_own_splits(inputs, tmp_path)
                            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)]) == 0
     report = json.loads((root / "finetune.json").read_text())
     assert report["classes"] == [0, 1] and report["steps"] == 2
-    assert report["splits"]["test"] == {"from": f"{source} split 'validation' (its 'test' split is unlabelled)",
-                                        "examples": 20}
-    assert report["splits"]["train"]["examples"] == 54 and report["splits"]["val"]["examples"] == 6
     data = FineTuneDataModule(source=str(source), text_column="sentence1", text_pair_column="sentence2",
                               max_length=32)
     tokenizer = AutoTokenizer.from_pretrained(root / "export")
     data.attach(tokenizer)
+    longer = sum(len(tokenizer(text, pair)["input_ids"]) > 32 for text, pair in data.splits.texts["test"])
+    assert report["splits"]["test"] == {"from": f"{source} split 'validation' (its 'test' split is unlabelled)",
+                                        "examples": 20, "truncated": longer}
+    assert report["splits"]["train"]["examples"] == 54 and report["splits"]["val"]["examples"] == 6
     first = data.splits.texts["test"][0]
     expected = tokenizer(first[0], first[1], truncation=True, max_length=32)["input_ids"]
     row = data.sets["test"][[0]]
@@ -457,3 +458,49 @@ def test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_p
     assert train.cli_main(ft_args(root, inputs, *extra)) == 2
     assert stderr_lines(capfd) == ["train.py: error: " + message]
     assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_truncated_examples_are_counted_per_split_and_said(inputs, tmp_path, pairs):
+    """Examples over --data.max_length are cut: finetune.json's splits count them, and one warning says so; the
+    count is the examples whose whole tokenisation (pair and special tokens included) is longer, computed directly."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(inputs["encoder"])
+    data = tmp_path / "long.csv"
+    with open(data, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "other", "label"])
+        for i, line in enumerate(corpus_sentences(60, start=100)):
+            writer.writerow([line * (1 + i % 3), line[:20], i % 2])
+    module = FineTuneDataModule(source=str(data), max_length=24, text_pair_column="other" if pairs else None)
+    with pytest.warns(UserWarning, match="were truncated") as caught:
+        module.attach(tokenizer)
+    direct = {}
+    for split in ("train", "val", "test"):
+        texts = module.splits.texts[split]
+        direct[split] = sum(len(tokenizer(text, pair)["input_ids"]) > 24 for text, pair in texts)
+        assert module.described()[split]["truncated"] == direct[split]
+        assert max(len(ids) for ids in module.sets[split].encoded["input_ids"]) == 24
+    assert 0 < direct["train"] < len(module.splits.texts["train"])
+    said = ", ".join(f"{direct[s]} of {len(module.splits.texts[s])} {s}" for s in ("train", "val", "test"))
+    assert [str(w.message) for w in caught if "truncated" in str(w.message)] == [
+        f"examples longer than --data.max_length 24 tokens were truncated: {said} (counted in finetune.json's splits)"]
+
+
+def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, tmp_path):
+    """A JSON null (or an empty cell) in --data.text_pair_column is a row without its second sentence: skipped and
+    counted in one warning, as a row without text is, never encoded as a single sentence (or a TypeError in setup)."""
+    from transformers import AutoTokenizer
+
+    lines = corpus_sentences(40, start=500)
+    data = tmp_path / "pairs.jsonl"
+    missing = {3: None, 17: "", 29: None}
+    data.write_text("".join(json.dumps({"premise": line, "hypothesis": missing.get(i, lines[i - 1]), "label": i % 2})
+                            + "\n" for i, line in enumerate(lines)), encoding="utf-8")
+    module = FineTuneDataModule(source=str(data), text_column="premise", text_pair_column="hypothesis",
+                                val_fraction=0.2, test_fraction=0.2)
+    with pytest.warns(UserWarning, match=f"^{len(missing)} rows of {data} have no text and were skipped$"):
+        module.attach(AutoTokenizer.from_pretrained(inputs["encoder"]))
+    kept = [(text, pair) for split in ("train", "val", "test") for text, pair in module.splits.texts[split]]
+    assert sorted(kept) == sorted((line, lines[i - 1]) for i, line in enumerate(lines) if i not in missing)

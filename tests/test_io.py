@@ -227,3 +227,24 @@ def test_staged_output_is_all_or_nothing(tmp_path):
     blocker.write_text("x")
     with pytest.raises(UserError, match="cannot write to output directory"), staged_output(blocker / "sub"):
         pass
+
+
+@pytest.mark.parametrize("module", ["classify", "finetune"])
+def test_the_label_column_is_not_taken_for_the_text_column(tmp_path, module):
+    """A csv's labels are strings too: with --data.label_column stars, a csv of body and stars has one text column
+    left, body, which the labelled readers (probe.py's classifiers, fine-tuning) detect; the labels stay labels."""
+    from datamodules.finetune import FineTuneDataModule
+    from datamodules.probing import ClassificationDataModule
+
+    path = tmp_path / "reviews.csv"
+    stars = ["good", "bad", "good"]
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("body", "stars"), *zip(TEXTS, stars)])
+    if module == "classify":
+        texts, labels = ClassificationDataModule(source=str(path), label_column="stars").read_split(str(path), None)
+    else:
+        pairs, labels = FineTuneDataModule(source=str(path), label_column="stars").read(str(path), None)
+        texts = [text for text, _ in pairs]
+    assert (texts, labels) == (TEXTS, stars)
+    with pytest.raises(UserError, match=r"no text column .*\['body', 'stars'\].*--text_column"):
+        list(iter_texts(path))  # without a label column named, the two string columns stay ambiguous

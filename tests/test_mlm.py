@@ -229,6 +229,44 @@ def test_polynomial_schedule_by_hand():
     assert schedule(500) == 0.0
 
 
+def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_refused():
+    """LambdaLR saves PolynomialSchedule's fields: a resumed scheduler follows the checkpoint's end whatever the new
+    settings say (the rate at step 7 is the saved schedule's, by hand). check_resumed_schedule: silent when the
+    settings give the saved schedule, one line when steps past a rate-0 end would follow, else one warning."""
+    from types import SimpleNamespace
+
+    from lightning_modules.training import check_resumed_schedule
+
+    def scheduler(decay_steps, end_ratio=0.0):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, PolynomialSchedule(2, decay_steps, end_ratio))
+
+    saved = scheduler(10)
+    for _ in range(5):
+        saved.optimizer.step()
+        saved.step()
+    state = saved.state_dict()
+    resumed = scheduler(20)  # the settings now say 20: the state restores 10
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.optimizer.step()
+        resumed.step()
+    assert resumed.get_last_lr()[0] == pytest.approx(1 - (7 - 2) / (10 - 2))  # not 1 - 5 / 18
+    settings = dict(lr=1e-3, end_lr=0.0)
+    check_resumed_schedule([state], SimpleNamespace(decay_steps=None, **settings), 10, "C")  # the same: silent
+    check_resumed_schedule([state], SimpleNamespace(decay_steps=10, **settings), 12, "C")  # asked for: steps at end_lr
+    with pytest.raises(UserError, match=r"^checkpoint C ends its learning-rate schedule at step 10, and a resume keeps "
+                                        r"it: steps 11\.\.20 \(--trainer.max_steps 20\) would train at a rate of 0"):
+        check_resumed_schedule([state], SimpleNamespace(decay_steps=None, **settings), 20, "C")
+    with pytest.warns(UserWarning, match=r"schedule \(to 0 x --model.lr at step 10\) is resumed as it was, not the one "
+                                         r"the settings give \(0 x at step 30\)"):
+        check_resumed_schedule([state], SimpleNamespace(decay_steps=30, **settings), 8, "C")  # stops before the end
+    floor = scheduler(10, end_ratio=0.1).state_dict()  # a rate above 0 after the end: training there is real
+    with pytest.warns(UserWarning, match=r"\(to 0.1 x --model.lr at step 10\) is resumed as it was"):
+        check_resumed_schedule([floor], SimpleNamespace(decay_steps=None, lr=1e-3, end_lr=1e-4), 20, "C")
+    check_resumed_schedule(None, SimpleNamespace(decay_steps=None, **settings), 20, "C")  # no schedule saved
+
+
 def random_batch(vocab=600, batch=3, seq=20, k=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (batch, seq), generator=generator)
@@ -464,3 +502,21 @@ def test_resuming_a_checkpoint_of_another_token_type_row_is_one_line():
     with pytest.raises(UserError, match=r"trained with fairseq's zero, frozen token-type row but the config asks for "
                                         r"a learned token-type row; resume with --model.token_type_embeddings false$"):
         check_architecture({"token_type_embeddings": False}, {**current, "token_type_embeddings": True}, "x")
+
+
+def test_the_fingerprint_ignores_the_truncation_and_padding_a_call_rewrites(minilm_path, bpe):
+    """A sentence-transformers tokenizer.json saves truncation (max_length 128) and fixed padding; transformers clears
+    them on the first call, so the block cache's key (and the resume check) must not depend on them: the fingerprint
+    before and after a call are equal, and equal to the one of the backend with both cleared by hand."""
+    import hashlib
+
+    tokenizer = load_tokenizer(minilm_path)
+    backend = tokenizer.backend_tokenizer
+    assert backend.truncation is not None and backend.padding is not None  # as saved
+    before = fingerprint(tokenizer)
+    tokenize_texts(corpus_sentences(3), tokenizer)
+    assert backend.truncation is None and backend.padding is None  # the call rewrote them
+    assert fingerprint(tokenizer) == before
+    assert before == hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
+    # a tokenizer saved without them keeps the digest of its whole definition (existing caches and checkpoints match)
+    assert fingerprint(bpe) == hashlib.sha256(bpe.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]

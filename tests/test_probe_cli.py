@@ -265,3 +265,26 @@ def test_console_script_exit_status(tmp_path):
                               capture_output=True, text=True, cwd=ROOT)
     assert finished.returncode == 2
     assert finished.stderr.strip().splitlines()[-1].startswith("probe.py: error: data path not found")
+
+
+def test_truncated_sentences_are_said_on_the_console_and_counted_in_the_report(tmp_path, bert_tok):
+    """Sentences over --data.max_length tokens are truncated: one warning and the report's num_truncated, both the
+    number of sentences whose tokenisation (special tokens included) is longer, counted with the tokenizer directly."""
+    import warnings
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = [text * (1 + i % 3) for i, text in enumerate(corpus_sentences(40))]  # some long, some short
+    data = tmp_path / "labelled.csv"
+    with data.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("text", "label"), *((text, i % 2) for i, text in enumerate(texts))])
+    longer = sum(len(bert_tok(text)["input_ids"]) > 32 for text in texts)
+    assert 0 < longer < len(texts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_cli("classify", "--model.encoder", encoder, "--data.source", data, "--data.max_length", 32,
+                "--data.random_baseline", "false", "--data.control_task", "false", "--trainer.max_epochs", 1,
+                "--trainer.default_root_dir", tmp_path / "out")
+    said = [str(w.message) for w in caught if "were truncated" in str(w.message)]
+    assert said == [f"{longer} sentences were longer than 32 tokens and were truncated (counted in the report as "
+                    "num_truncated)"]
+    assert json.loads((tmp_path / "out" / "classifier.json").read_text())["num_truncated"] == longer

@@ -366,6 +366,12 @@ def other_tokenizer(tmp_path, corpus):
      "batch (--data.global_batch_size 8)"),
     (True, ("--data.streaming", "true", "--data.val_texts", "4"),
      "checkpoint CKPT is of a run with --data.streaming false; resume with the same setting (the config gives true)"),
+    # the runs' schedule ends at step 10 (--model.decay_steps); without it, it would end at max_steps 12: the resume
+    # keeps the saved one, so steps 11 and 12 would train at a rate of 0
+    (True, ("--model.decay_steps", "null"),
+     "checkpoint CKPT ends its learning-rate schedule at step 10, and a resume keeps it: steps 11..12 "
+     "(--trainer.max_steps 12) would train at a rate of 0; to train longer, start the run with --model.decay_steps at "
+     "its final length (or resume with --trainer.max_steps 10)"),
 ])
 def test_resume_with_a_mismatching_config_is_refused(runs, corpus, cache, tmp_path, capsys, other_tokenizer, pe, extra,
                                                      message):

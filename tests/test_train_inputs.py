@@ -70,7 +70,83 @@ def test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing(c
         f"cannot load tokenizer '{hub_id}': ")
     save_tokenizer_without_mask(no_mask)
     assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(no_mask)) == \
-        f"tokenizer {no_mask} has no mask token, needed for MLM"
+        f"tokenizer {no_mask} has no mask token, needed for MLM; name it: " \
+        "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)"
+    assert not root.exists()
+
+
+def train_bare_tokenizer(style: str):
+    """A tokenizer trained with the `tokenizers` library alone, as its documentation shows: byte-level BPE with
+    RoBERTa's special-token names, or BERT's WordPiece with its [CLS] [SEP] [PAD] [UNK] [MASK]."""
+    from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+
+    texts = corpus_sentences(200)
+    if style == "bpe":
+        trainer = ByteLevelBPETokenizer()
+        trainer.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                                    show_progress=False)
+    else:
+        trainer = BertWordPieceTokenizer(lowercase=True)
+        trainer.train_from_iterator(texts, vocab_size=300, show_progress=False)
+    return trainer
+
+
+@pytest.mark.parametrize("style, form", [("bpe", "directory"), ("bpe", "file"), ("wordpiece", "directory")])
+def test_a_tokenizer_saved_by_the_tokenizers_library_takes_its_special_tokens_roles_from_their_names(tmp_path, style,
+                                                                                                     form):
+    """`Tokenizer.save("DIR/tokenizer.json")` (or a .json file itself) names no token's role; load_tokenizer takes
+    them from the tokens' conventional names, with one warning, so MLM finds its mask and pad and the blocks their
+    bos / eos (or [CLS] / [SEP]); the ids are the ones the trained vocabulary gives those names."""
+    import warnings
+
+    from core.tokenizers import boundary_ids, fingerprint, load_tokenizer
+
+    trainer = train_bare_tokenizer(style)
+    target = tmp_path / "tok" / "tokenizer.json" if form == "directory" else tmp_path / "tok.json"
+    target.parent.mkdir(exist_ok=True)
+    trainer.save(str(target))
+    given = target.parent if form == "directory" else target
+    with pytest.warns(UserWarning, match="names no special-token roles") as caught:
+        tokenizer = load_tokenizer(given)
+    vocab = trainer.get_vocab()
+    names = ("<mask>", "<pad>", "<s>", "</s>") if style == "bpe" else ("[MASK]", "[PAD]", "[CLS]", "[SEP]")
+    assert (tokenizer.mask_token_id, tokenizer.pad_token_id, *boundary_ids(tokenizer)) == tuple(vocab[n] for n in names)
+    said = [str(w.message) for w in caught if "special-token roles" in str(w.message)]
+    assert len(said) == 1 and all(name in said[0] for name in names)
+    # the bare file adds nothing around a text; the model's blocks are <s> piece </s>: texts are framed the same way
+    text = corpus_sentences(1, start=700)[0]
+    assert trainer.encode(text).ids[0] != vocab[names[2]]
+    assert tokenizer(text)["input_ids"] == [vocab[names[2]], *trainer.encode(text).ids, vocab[names[3]]]
+    assert said[0].endswith(f"; each text framed {names[2]} ... {names[3]}, as the model's blocks are")
+    again = tmp_path / "again"
+    tokenizer.save_pretrained(again)  # as a checkpoint embeds it: roles and frame kept, nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reloaded = load_tokenizer(again)
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"] and fingerprint(reloaded) == fingerprint(tokenizer)
+
+
+@pytest.mark.parametrize("files, message", [
+    (("vocab.json", "merges.txt"), "holds vocab.json + merges.txt alone, which does not say what tokenizer it is"),
+    (("vocab.txt",), "holds vocab.txt alone, which does not say what tokenizer it is"),
+    (("tok.model.bin",), "is a file; give the directory holding the tokenizer, or a tokenizers file (.json)"),
+])
+def test_tokenizer_files_that_do_not_say_what_tokenizer_they_are_are_one_line_exit_2(corpus, cache, tmp_path, capsys,
+                                                                                     files, message):
+    """`save_model` of the `tokenizers` library writes vocab.json + merges.txt (BPE) or vocab.txt (WordPiece) without
+    saying which tokenizer they make (transformers' own error ends in "from one of: (1) ..."); a file that is not a
+    tokenizers .json is not a tokenizer either: one line naming the remedy, nothing written."""
+    root, folder = tmp_path / "run", tmp_path / "saved"
+    folder.mkdir()
+    if files[0].endswith(".bin"):
+        (tmp_path / files[0]).write_bytes(b"\0\1")
+        given = tmp_path / files[0]
+    else:
+        train_bare_tokenizer("bpe" if "merges.txt" in files else "wordpiece").save_model(str(folder))
+        assert sorted(path.name for path in folder.iterdir()) == sorted(files)
+        given = folder
+    line = rejected(root, corpus, cache, capsys, "--data.tokenizer", str(given))
+    assert line.startswith(f"cannot load tokenizer '{given}': {given} ") and message in line
     assert not root.exists()
 
 
@@ -131,3 +207,26 @@ def test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2(corp
     assert rejected(root, corpus, cache, capsys) == f"the tokenizer has ids up to {top} but the model only 600 " \
                                                     "embedding rows"
     assert written(root) == [] and not root.exists()
+
+
+def test_a_sentence_transformers_tokenizer_pretrains_on_its_first_run(corpus, tmp_path, minilm_path):
+    """MiniLM's tokenizer.json saves truncation and fixed padding, which its first call clears: the block cache is
+    found under the key it was built with (before, the first run stopped with "block cache missing" after its logger
+    started), and the blocks are the corpus's texts tokenised without special tokens, each followed by [SEP], framed
+    [CLS] ... [SEP] (datamodules/blocks.py), computed directly with the tokenizer."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    root, cache = tmp_path / "run", tmp_path / "cache"
+    assert train.cli_main(tiny_args(root, corpus, cache, "--data.tokenizer", minilm_path, "--trainer.max_steps", "2",
+                                    "--model.decay_steps", "2", "--model.warmup_steps", "1")) == 0
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    stream = [i for text in corpus.read_text(encoding="utf-8").splitlines() if text.strip()
+              for i in (*tokenizer(text.strip(), add_special_tokens=False)["input_ids"], sep)]
+    (built,) = (cache / "blocks").iterdir()
+    blocks = datasets.load_from_disk(str(built))
+    rows = [*blocks["train"]["input_ids"], *blocks["validation"]["input_ids"]]
+    pieces = [stream[i * 30:(i + 1) * 30] for i in range(len(stream) // 30)]
+    assert sorted(rows) == sorted([cls, *piece, sep] for piece in pieces)
+    assert (root / "export" / "model.safetensors").is_file()
