@@ -6,7 +6,7 @@ printed by train.py after the fit.
     ...
     pretraining finished at step 200: runs/pretrain/tiny
       export       runs/pretrain/tiny/export (analyze.py outliers --encoder runs/pretrain/tiny)
-      checkpoints  runs/pretrain/tiny/checkpoints/last.ckpt (resume or extend: --ckpt_path last)
+      checkpoints  runs/pretrain/tiny/checkpoints/last.ckpt (resume: --ckpt_path last)
       W&B          offline run 5mfme1xx in runs/pretrain/tiny/wandb; upload: wandb sync runs/.../offline-run-*-5mfme1xx*
       validation   loss 6.338 at step 200
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
@@ -74,7 +74,7 @@ def summary_lines(summary: dict) -> list[str]:
     lines = [f"pretraining finished at step {summary['step']}: {root}"]
     lines.append("  export       " + (f"{summary['export']} (analyze.py outliers --encoder {root})"
                                       if summary["export"] else "none"))
-    lines.append("  checkpoints  " + (f"{summary['checkpoint']} (resume or extend: --ckpt_path last)"
+    lines.append("  checkpoints  " + (f"{summary['checkpoint']} (resume: --ckpt_path last)"
                                       if summary["checkpoint"] else "none saved (--checkpoint.save_last false)"))
     wandb = summary["wandb"]
     if wandb is None:
