@@ -13,6 +13,7 @@ from __future__ import annotations
 import bz2
 import csv
 import gzip
+import io
 import json
 import lzma
 import os
@@ -32,8 +33,11 @@ JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
 MAX_FIELD = 16 * 2**20  # characters in one csv/tsv field: a long document, not csv's default 128 KiB
 TABLE_SUFFIXES = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
-COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic bytes -> opener
+# magic bytes -> opener (bzip2's: BZh, the level, then a block's or the stream end's magic: not a text's "BZh")
+COMPRESSED = {rb"\x1f\x8b": gzip.open, rb"BZh[1-9](1AY&SY|\x17rE8P\x90)": bz2.open, rb"\xfd7zXZ\x00": lzma.open}
 COMPRESSED_SUFFIXES = {".gz", ".gzip", ".bz2", ".xz"}
+JSON_CHUNK = 2**20  # characters of a .json array read at a time
+JSON_SPACE = re.compile(r"[ \t\r\n]*")
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
@@ -150,13 +154,16 @@ def _text_value(record: dict, column: str, source, option: str) -> str | None:
 
 def _opener(path: Path):
     """(open function, the format's suffix) of a data file: gzip, bzip2 or xz (by their magic bytes: C4's .json.gz,
-    OSCAR's .jsonl.gz, a .txt.xz) are read through their decompressor, the format named by the inner suffix."""
+    OSCAR's .jsonl.gz, a .txt.xz) are read through their decompressor, the format named by the inner suffix (or by the
+    only suffix when the name has no compression suffix: a gzip file named corpus.jsonl)."""
     with path.open("rb") as handle:
-        magic = handle.read(6)
+        magic = handle.read(10)
     suffixes = [suffix.lower() for suffix in path.suffixes]
-    for start, opener in COMPRESSED.items():
-        if magic.startswith(start):
-            return opener, suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_SUFFIXES else ""
+    for magic_bytes, opener in COMPRESSED.items():
+        if re.match(magic_bytes, magic):
+            if suffixes and suffixes[-1] not in COMPRESSED_SUFFIXES:
+                return opener, suffixes[-1]
+            return opener, suffixes[-2] if len(suffixes) > 1 else ""
     return open, path.suffix.lower()
 
 
@@ -247,24 +254,70 @@ def _parquet_records(path: Path) -> Iterator[dict]:
 
 
 def _csv_delimiter(head: bytes) -> str:
-    """The delimiter of a .csv: the one of , ; and tab that its header line holds most often (Excel writes ; where
-    the comma is the decimal mark), a comma when it holds none (a single column) or on ties."""
-    header = head.decode("utf-8", "replace").lstrip("\ufeff").splitlines()[0] if head.strip() else ""
-    counts = {delimiter: header.count(delimiter) for delimiter in ",;\t"}
-    best = max(counts, key=lambda delimiter: (counts[delimiter], delimiter == ","))
-    return best if counts[best] else ","
+    """The delimiter of a .csv: the one of , ; and tab that splits its header row into the most fields (Excel writes ;
+    where the comma is the decimal mark), a comma on ties (a single column). The header is parsed as csv, so a quoted
+    name holding a ';' or ',' ("review (good; bad)") is one field."""
+    text = head.decode("utf-8", "replace").lstrip("\ufeff")
+    fields = {}
+    for delimiter in ",;\t":
+        try:
+            fields[delimiter] = len(next(csv.reader(io.StringIO(text), delimiter=delimiter), []))
+        except csv.Error:  # a header cut by the head's end inside a quoted field: that delimiter is not ruled out
+            fields[delimiter] = 0
+    return max(fields, key=lambda delimiter: (fields[delimiter], delimiter == ","))
 
 
-def _json_array(handle, path: Path) -> list[dict]:
-    """The objects of a .json file holding one JSON array (read whole, as `datasets` reads one)."""
-    try:
-        rows = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path}:{error.lineno}: not a JSON array of objects ({error.msg})") from None
-    for number, row in enumerate(rows, 1):
+def _json_array(handle, path: Path) -> Iterator[dict]:
+    """The objects of a .json file holding one JSON array, parsed one item at a time: a file of any size is read in
+    the memory of a chunk and an item (json.load would hold the whole file and every row). The caller has seen '['."""
+    decoder = json.JSONDecoder()
+    text, at, line = "", 0, 1  # the text read and not yet parsed from `at`; the line of text[0]
+
+    def more() -> bool:  # read on (at least as much again as is held: an item longer than a chunk costs O(its size))
+        nonlocal text, at, line
+        chunk = handle.read(max(JSON_CHUNK, len(text) - at))
+        if not chunk:
+            return False
+        line += text.count("\n", 0, at)
+        text, at = text[at:] + chunk, 0
+        return True
+
+    def next_char() -> str:  # the next character that is not JSON whitespace ("" at the end of the file)
+        nonlocal at
+        while (at := JSON_SPACE.match(text, at).end()) == len(text):
+            if not more():
+                return ""
+        return text[at]
+
+    def fail(message: str, position: int):
+        raise UserError(f"{path}:{line + text.count(chr(10), 0, position)}: not a JSON array of objects ({message})")
+
+    next_char()
+    at += 1  # the '['
+    closed = next_char() == "]"
+    at += closed
+    number = 0
+    while not closed:
+        number += 1
+        next_char()
+        while True:
+            try:
+                row, end = decoder.raw_decode(text, at)
+                break
+            except json.JSONDecodeError as error:  # an item cut by the chunk's end, or a malformed one
+                if not more():
+                    fail(error.msg, error.pos)
         if not isinstance(row, dict):
             raise UserError(f"{path}: item {number} of the JSON array is a {type(row).__name__}, expected an object")
-    return rows
+        at = end
+        yield row
+        after = next_char()
+        if after not in (",", "]"):
+            fail("expected ',' or ']' after an item" if after else "the array is not closed", at)
+        at += 1
+        closed = after == "]"
+    if next_char():
+        fail("extra data after the array", at)
 
 
 def _parse_hub_name(source: str) -> tuple[str, str | None, str | None]:

@@ -65,6 +65,22 @@ def test_a_csv_is_read_with_the_delimiter_of_its_header(tmp_path, delimiter):
     assert list(iter_texts(path)) == TEXTS and [r["label"] for r in iter_records(path)] == ["0", "1", "0"]
 
 
+@pytest.mark.parametrize("header,delimiter,names", [
+    ('"review (good; bad; ugly)",stars', ",", ["review (good; bad; ugly)", "stars"]),
+    ('"a, b";"c, d";label', ";", ["a, b", "c, d", "label"]),
+    ('"text\twith tab, ok";label', ";", ["text\twith tab, ok", "label"])])
+def test_the_delimiter_is_read_from_the_header_as_csv_not_counted_in_quoted_names(tmp_path, header, delimiter, names):
+    """A quoted header name holding ';' or ',' counted as delimiters: '"review (good; bad; ugly)",stars' was split on
+    ';' into one column, each text carrying its ',5', silently. The delimiter is the one that parses the header (as
+    csv) into the most fields: the names written by hand here."""
+    rows = [["Fine, really; mostly.", *["x"] * (len(names) - 2), "5"], ["Bad; awful, yes", *["y"] * (len(names) - 2), "1"]]
+    path = tmp_path / "quoted.csv"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        handle.write(header + "\n")
+        csv.writer(handle, delimiter=delimiter).writerows(rows)
+    assert [record for record in iter_records(path)] == [dict(zip(names, row, strict=True)) for row in rows]
+
+
 def test_a_csv_row_with_more_fields_than_its_header_is_refused(tmp_path):
     """An unquoted comma in a text splits it: the rest went under DictReader's None key, silently lost."""
     path = tmp_path / "hand.csv"
@@ -139,6 +155,45 @@ def test_compressed_files_read_as_the_file_inside(tmp_path, compress, suffix):
     path.write_bytes(packed[:len(packed) // 2])
     with pytest.raises(UserError, match=f"data file cannot be decompressed.*{path.name}"):
         list(iter_texts(path))
+
+
+def test_a_compressed_file_without_a_compression_suffix_reads_as_its_own_suffix(tmp_path):
+    """A gzip file named corpus.jsonl (no .gz) was read as plain text, each JSON line a sentence, silently: its format
+    is its own suffix. A plain text that begins with 'BZh' (bzip2's first bytes) is text, not a torn archive."""
+    import gzip
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS)).encode()))
+    assert list(iter_texts(path)) == TEXTS
+    plain = tmp_path / "names.txt"
+    plain.write_text("BZh9 is a line.\nAnother.\n", encoding="utf-8")
+    assert list(iter_texts(plain)) == ["BZh9 is a line.", "Another."]
+
+
+def test_a_json_array_is_parsed_item_by_item(tmp_path, monkeypatch):
+    """A .json array was read whole (json.load: the file and every row in memory); it is parsed one item at a time.
+    With 5-character chunks every item is cut somewhere, and the rows are json.load's (strings holding ] , { and
+    newlines); rows before a malformed item are given before its one-line error (json.load gave none), which names
+    the item's line."""
+    import datamodules.text as text
+
+    monkeypatch.setattr(text, "JSON_CHUNK", 5, raising=False)
+    rows = [{"text": 'a "quoted" ], {bracket}', "n": [1, {"x": None}]}, {"text": "line\nbreak, é ☃"}, {}]
+    path = tmp_path / "big.json"
+    for indent in (None, 2):
+        path.write_text(json.dumps(rows, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+        assert list(iter_records(path)) == json.loads(path.read_text(encoding="utf-8"))
+    path.write_text('[\n {"text": "one"},\n {"text": "two"},\n {"text": "three"\n]', encoding="utf-8")
+    records = iter_records(path)
+    assert next(records) == {"text": "one"} and next(records) == {"text": "two"}
+    with pytest.raises(UserError, match=r"big.json:5: not a JSON array of objects \(Expecting ',' delimiter\)"):
+        next(records)
+    for bad, message in [('[{"text": "a"} {"text": "b"}]', "expected ',' or ']' after an item"),
+                         ('[{"text": "a"}, ', "Expecting value"), ('[{"text": "a"}] x', "extra data after the array"),
+                         ('[{"text": "a"}', "the array is not closed")]:
+        path.write_text(bad, encoding="utf-8")
+        with pytest.raises(UserError, match=f"big.json:1: not a JSON array of objects \\({message}"):
+            list(iter_records(path))
 
 
 def test_a_single_parquet_file_reads_as_its_rows(tmp_path):
