@@ -56,34 +56,45 @@ ROLE_NAMES = {"bos_token": ("<s>",), "eos_token": ("</s>",), "cls_token": ("<s>"
 def name_special_tokens(tokenizer, source) -> None:
     """A tokenizer that names no special-token role at all (a bare `tokenizers` file: no tokenizer_config.json) gets
     the roles its special tokens' names say (<s> </s> <unk> <pad> <mask>, or [CLS] [SEP] [UNK] [PAD] [MASK]), with one
-    warning saying which; a tokenizer that names any role is left as it is."""
+    warning saying which; a tokenizer that names any role is left as it is. A file that frames its texts already (a
+    [CLS] $A [SEP] template) takes the names of its frame's convention only, so that the model's blocks are framed as
+    its texts are (a file holding both <s> and [CLS] would otherwise frame blocks <s> ... </s>)."""
     if any(getattr(tokenizer, role, None) is not None for role in ROLE_NAMES):
         return
     special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    frame = framing(tokenizer)
+    style = frame[0][:1] if frame and any(frame[0] in names for names in ROLE_NAMES.values()) else None
     named = {}
     for role, names in ROLE_NAMES.items():
-        found = next((name for name in names if name in special), None)
+        found = next((name for name in names if name in special and style in (None, name[:1])), None)
         if found is not None:
             setattr(tokenizer, role, found)
             named[role.removesuffix("_token")] = found
     if not named:
         return
     roles = ", ".join(f"{role} {token}" for role, token in named.items())
-    framed = frame_texts(tokenizer)
+    framed = frame_texts(tokenizer) if not frame else ""
     warnings.warn(f"tokenizer {source} names no special-token roles (a bare tokenizers file); taken from the tokens' "
                   f"names: {roles}{framed}", stacklevel=3)
+
+
+def framing(tokenizer) -> tuple[str, ...]:
+    """The tokens the tokenizer adds around a text (its post-processor's template: ("[CLS]", "[SEP]")), () if none."""
+    added = tokenizer("a", return_special_tokens_mask=True)
+    return tuple(tokenizer.convert_ids_to_tokens([token for token, mask in zip(added["input_ids"],
+                                                                               added["special_tokens_mask"]) if mask]))
 
 
 def frame_texts(tokenizer) -> str:
     """A bare `tokenizers` file adds nothing around a text (no post-processor template), yet the model is trained on
     <s> piece </s> blocks (datamodules/blocks.py): its texts are framed the same way, <s> text </s> (pairs as
     RoBERTa's: <s> a </s></s> b </s>) or [CLS] text [SEP] (pairs as BERT's, the second segment type 1), so the export
-    reads sentences as it was trained. What was done, for the warning ("" when the tokenizer frames texts already)."""
+    reads sentences as it was trained. What was done, for the warning (called only when nothing frames texts yet)."""
     from tokenizers import processors
 
     first, last = (tokenizer.bos_token, tokenizer.eos_token) if tokenizer.bos_token is not None \
         else (tokenizer.cls_token, tokenizer.sep_token)
-    if first is None or last is None or tokenizer.convert_tokens_to_ids(first) in tokenizer("a")["input_ids"]:
+    if first is None or last is None:
         return ""
     pair = f"{first} $A {last} {last} $B {last}" if tokenizer.bos_token is not None else \
         f"{first} $A {last} $B:1 {last}:1"

@@ -126,6 +126,35 @@ def test_a_tokenizer_saved_by_the_tokenizers_library_takes_its_special_tokens_ro
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"] and fingerprint(reloaded) == fingerprint(tokenizer)
 
 
+def test_a_tokenizers_file_that_frames_its_texts_keeps_its_frame_and_takes_the_frames_names(tmp_path):
+    """A WordPiece file with a [CLS] $A [SEP] template that also holds <s> and </s> (other special tokens): roles were
+    taken as <s> / </s> (blocks framed <s> ... </s>, texts [CLS] ... [SEP]) and a second template was chained after
+    the file's own, which the tokenizers library panics on at the first text (not even a Python exception). Now: the
+    file's frame, once, and the roles of its convention, [CLS] [SEP] [PAD] [UNK] [MASK] (ids from the trained vocab)."""
+    from tokenizers import processors
+
+    from core.tokenizers import boundary_ids, load_tokenizer
+
+    trainer = train_bare_tokenizer("wordpiece")
+    trainer.add_special_tokens(["<s>", "</s>"])
+    vocab = trainer.get_vocab()
+    trainer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    target = tmp_path / "framed.json"
+    trainer.save(str(target))
+    with pytest.warns(UserWarning, match="names no special-token roles") as caught:
+        tokenizer = load_tokenizer(target)
+    text = corpus_sentences(1, start=700)[0]
+    plain = trainer.encode(text, add_special_tokens=False).ids
+    assert tokenizer(text)["input_ids"] == [vocab["[CLS]"], *plain, vocab["[SEP]"]]
+    assert boundary_ids(tokenizer) == (vocab["[CLS]"], vocab["[SEP]"]) and tokenizer.bos_token is None
+    assert (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id) == (
+        vocab["[MASK]"], vocab["[PAD]"], vocab["[UNK]"])
+    said = [str(w.message) for w in caught if "special-token roles" in str(w.message)]
+    assert len(said) == 1 and "each text framed" not in said[0]
+
+
 @pytest.mark.parametrize("files, message", [
     (("vocab.json", "merges.txt"), "holds vocab.json + merges.txt alone, which does not say what tokenizer it is"),
     (("vocab.txt",), "holds vocab.txt alone, which does not say what tokenizer it is"),
