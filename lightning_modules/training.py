@@ -202,25 +202,33 @@ def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:
 
 
 def check_resumed_schedule(schedulers, h, max_steps: int | None, path) -> None:
-    """A resume restores the checkpoint's learning-rate schedule whole (LambdaLR saves PolynomialSchedule's fields): its
-    end step and end rate, whatever --trainer.max_steps, --model.decay_steps and --model.end_lr say now. One line when
-    the resumed run would go on past that end at a rate of 0 (each step after it changing nothing: a run extended past
-    the schedule it was started with); one warning when the settings give another schedule that is not followed."""
+    """A resume restores the checkpoint's learning-rate schedule whole (LambdaLR saves PolynomialSchedule's fields and
+    its base rates): its end step and end rate, warm-up, power and peak rate, whatever --trainer.max_steps and --model.*
+    say now. One line when the resumed run would go on past that end at a rate of 0 (each step after it changing
+    nothing: a run extended past the schedule it was started with); one warning when the settings give another
+    schedule that is not followed."""
     try:
         saved = schedulers[0]["lr_lambdas"][0]
         saved_end, saved_ratio = int(saved["decay_steps"]), float(saved["end_ratio"])
     except (TypeError, KeyError, IndexError, ValueError):
         return  # no schedule of ours saved: nothing to compare
     end, ratio = schedule_end(h.decay_steps, None if h.decay_steps else max_steps), h.end_lr / h.lr
-    if (end, ratio) == (saved_end, saved_ratio):
+    given = {"--model.warmup_steps": h.warmup_steps, "--model.power": h.power, "--model.lr": h.lr}
+    kept = {"--model.warmup_steps": saved.get("warmup_steps"), "--model.power": saved.get("power"),
+            "--model.lr": (schedulers[0].get("base_lrs") or [None])[0]}
+    others = [name for name, value in kept.items() if value is not None and value != given[name]]
+    if (end, ratio) == (saved_end, saved_ratio) and not others:
         return
     if saved_ratio == 0 and max_steps is not None and max_steps > saved_end:
         raise UserError(f"checkpoint {path} ends its learning-rate schedule at step {saved_end}, and a resume keeps "
                         f"it: steps {saved_end + 1}..{max_steps} (--trainer.max_steps {max_steps}) would train at a rate "
                         f"of 0; to train longer, start the run with --model.decay_steps at its final length (or resume "
                         f"with --trainer.max_steps {saved_end})")
-    warnings.warn(f"checkpoint {path}'s learning-rate schedule (to {saved_ratio:g} x --model.lr at step {saved_end}) "
-                  f"is resumed as it was, not the one the settings give ({ratio:g} x at step {end})", stacklevel=2)
+    was = "".join(f", {name} {kept[name]:g}" for name in others)
+    now = "".join(f", {name} {given[name]:g}" for name in others)
+    warnings.warn(f"checkpoint {path}'s learning-rate schedule (to {saved_ratio:g} x --model.lr at step {saved_end}"
+                  f"{was}) is resumed as it was, not the one the settings give ({ratio:g} x at step {end}{now})",
+                  stacklevel=2)
 
 
 def check_optimisation(h) -> None:

@@ -252,7 +252,7 @@ def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_re
         resumed.optimizer.step()
         resumed.step()
     assert resumed.get_last_lr()[0] == pytest.approx(1 - (7 - 2) / (10 - 2))  # not 1 - 5 / 18
-    settings = dict(lr=1e-3, end_lr=0.0)
+    settings = dict(lr=1.0, end_lr=0.0, warmup_steps=2, power=1.0)  # the saved scheduler's
     check_resumed_schedule([state], SimpleNamespace(decay_steps=None, **settings), 10, "C")  # the same: silent
     check_resumed_schedule([state], SimpleNamespace(decay_steps=10, **settings), 12, "C")  # asked for: steps at end_lr
     with pytest.raises(UserError, match=r"^checkpoint C ends its learning-rate schedule at step 10, and a resume keeps "
@@ -263,8 +263,20 @@ def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_re
         check_resumed_schedule([state], SimpleNamespace(decay_steps=30, **settings), 8, "C")  # stops before the end
     floor = scheduler(10, end_ratio=0.1).state_dict()  # a rate above 0 after the end: training there is real
     with pytest.warns(UserWarning, match=r"\(to 0.1 x --model.lr at step 10\) is resumed as it was"):
-        check_resumed_schedule([floor], SimpleNamespace(decay_steps=None, lr=1e-3, end_lr=1e-4), 20, "C")
+        check_resumed_schedule([floor], SimpleNamespace(decay_steps=None, **{**settings, "end_lr": 0.1}), 20, "C")
     check_resumed_schedule(None, SimpleNamespace(decay_steps=None, **settings), 20, "C")  # no schedule saved
+    # warm-up, power and the peak rate are restored too (the fields and base_lrs above): a change is not followed
+    for name, value in [("warmup_steps", 5), ("power", 2.0), ("lr", 3e-4)]:
+        changed = SimpleNamespace(decay_steps=None, **{**settings, name: value, "end_lr": 0.0})
+        with pytest.warns(UserWarning, match=rf"\(to 0 x --model.lr at step 10, --model.{name} {state_value(state, name):g}\) "
+                                             rf"is resumed as it was, not the one the settings give \(0 x at step 10, "
+                                             rf"--model.{name} {value:g}\)"):
+            check_resumed_schedule([state], changed, 10, "C")
+
+
+def state_value(state: dict, name: str) -> float:
+    """A field of a saved LambdaLR's state: the schedule's, or its first base rate for `lr`."""
+    return state["base_lrs"][0] if name == "lr" else state["lr_lambdas"][0][name]
 
 
 def random_batch(vocab=600, batch=3, seq=20, k=4, seed=0):
