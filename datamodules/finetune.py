@@ -232,7 +232,7 @@ class FineTuneDataModule(pl.LightningDataModule):
             self.truncated[split] = count_truncated(tokenizer, texts, encoded["input_ids"], h.max_length)
             self.labels[split] = torch.tensor([index[label] for label in self.splits.labels[split]], dtype=torch.long)
             self.sets[split] = Examples(dict(encoded), self.labels[split], tokenizer.pad_token_id or 0)
-        if any(self.truncated.values()):
+        if any(self.truncated.values()) and self._rank_world()[0] == 0:  # every rank tokenises the whole splits
             counts = ", ".join(f"{self.truncated[split]} of {len(self.sets[split])} {split}" for split in SPLITS)
             warnings.warn(f"examples longer than --data.max_length {h.max_length} tokens were truncated: {counts} "
                           "(counted in finetune.json's splits)", stacklevel=2)

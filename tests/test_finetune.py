@@ -13,7 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -486,6 +488,13 @@ def test_truncated_examples_are_counted_per_split_and_said(inputs, tmp_path, pai
     said = ", ".join(f"{direct[s]} of {len(module.splits.texts[s])} {s}" for s in ("train", "val", "test"))
     assert [str(w.message) for w in caught if "truncated" in str(w.message)] == [
         f"examples longer than --data.max_length 24 tokens were truncated: {said} (counted in finetune.json's splits)"]
+    # under DDP every rank tokenises the whole splits: the same counts, said once (rank 0), not once per rank
+    other = FineTuneDataModule(source=str(data), max_length=24, text_pair_column="other" if pairs else None)
+    other.trainer = SimpleNamespace(global_rank=1, world_size=2)
+    with warnings.catch_warnings(record=True) as rank_1:
+        warnings.simplefilter("always")
+        other.attach(tokenizer)
+    assert other.truncated == direct and not [w for w in rank_1 if "truncated" in str(w.message)]
 
 
 def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, tmp_path):
