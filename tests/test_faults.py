@@ -709,6 +709,9 @@ ERROR_ROW_TESTS = {
     ("train.py", "a corpus too small for one global batch"): [
         "test_train_inputs.py::test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2",
     ],
+    ("train.py", "fewer validation blocks than DDP processes (a small corpus, `--data.max_val_blocks`)"): [
+        "test_train_inputs.py::test_too_few_validation_blocks_for_the_ddp_processes_are_one_line_exit_2_and_write_nothing",
+    ],
     ("train.py", "a cached tokenizer with more ids than `--data.vocab_size` (a cache edited by hand)"): [
         "test_train_inputs.py::test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2",
     ],
