@@ -325,6 +325,9 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     with quiet_cli():
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"])  # resumes an arm stopped midway
     if code != 0:
+        if rank == 0 and forget_untrained(arm.run_dir, record):
+            raise UserError(f"arm {arm.label}: train.py refused it before training (its error above, exit status "
+                            f"{code}); nothing of it was kept: change the arm and rerun the study")
         raise UserError(f"arm {arm.label}: train.py exited with status {code} (rerun the study to resume it)")
     seconds = time.perf_counter() - started
     if rank != 0:
@@ -333,6 +336,19 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     saved["train_seconds"] = round(seconds + saved.get("train_seconds", 0.0), 1)  # a resumed arm adds up
     write_record(record, saved)
     return seconds
+
+
+def forget_untrained(run_dir: Path, record: Path) -> bool:
+    """A run that train.py refused before it wrote anything (its bad input is found only with the data: the study
+    checked what it could): its record removed, and the directories it leaves empty, so a rerun with the arm changed
+    is not taken for a changed run. True when it was so."""
+    if not run_dir.is_dir() or [path.name for path in run_dir.iterdir()] != [record.name]:
+        return False
+    record.unlink()
+    for directory in (run_dir, run_dir.parent):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    return True
 
 
 def write_record(record: Path, payload: dict) -> None:
@@ -354,8 +370,14 @@ def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms
     rank = int(os.environ.get("RANK", "0"))  # torchrun: every rank runs the study (train.py forms its group)
     study, planned, trajectory = plan_study(config, output_dir, parse_trajectory, arms, max_steps, write_check=rank == 0,
                                             seeds=seeds)
-    for arm in planned:
-        train_arm(arm, rank)
+    fresh = not Path(output_dir).exists()
+    try:
+        for arm in planned:
+            train_arm(arm, rank)
+    except UserError:
+        if fresh and rank == 0 and Path(output_dir).is_dir() and not any(Path(output_dir).iterdir()):
+            Path(output_dir).rmdir()  # the first arm refused before training: no directory left behind
+        raise
     with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
         return compare_study(trajectory, [(arm.name, arm.seed, str(arm.run_dir)) for arm in planned], str(output_dir),
                              study["verdict"], rank=rank, world=world)

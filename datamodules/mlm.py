@@ -29,6 +29,7 @@ from datamodules.masking import MaskCollator, NextTokenCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
+from datamodules.tokenizer import check_vocab_size
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -113,6 +114,8 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:
             raise UserError(f"--data.val_fraction must lie in (0, 1), got {h.val_fraction}")
+        if h.tokenizer == "train":  # before any data work (study.py checks its arms with it before any trains)
+            check_vocab_size(h.vocab_size)
         if looks_local(h.corpus):
             path = Path(h.corpus).expanduser()
             if not path.exists():

@@ -1115,6 +1115,8 @@ ERROR_ROW_TESTS = {
         'test_refusals.py::test_a_partly_random_model_is_analysed_only_when_asked_for',
         'test_encoder.py::test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_named',
     ],
+    ("study.py", "an arm whose bad input only its data shows (a corpus too small for its global batch)"): [
+        "test_study.py::test_an_arm_refused_with_its_data_leaves_nothing_and_a_rerun_with_it_changed_proceeds"],
     ("study.py", "an arm not in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm's setting train.py does not know (or a bad value)"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],

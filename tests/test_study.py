@@ -246,6 +246,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
             ({"a": {"trainer.default_root_dir": "x"}}, {},
              f"study config {config}: arm a may not set trainer.default_root_dir (the study sets it for every arm)"),
             ({"a": {}}, {"no_such_option": 1}, "study trajectory options: unknown option --no_such_option"),
+            # a value the datamodule checks as it is built, before any data work (not only when its tokenizer trains)
+            ({"baseline": {}, "a": {"data.vocab_size": 10}}, {},
+             "arm a: --data.vocab_size must be at least 261 for a byte-level BPE, got 10"),
             ({"a": {"seed_everything": 3}}, {},
              f"study config {config}: arm a may not set seed_everything (the study sets it for every arm)")):
         config.write_text(yaml.safe_dump({**changed, "arms": arms, "trajectory": trajectory}), encoding="utf-8")
@@ -269,6 +272,33 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
                                               "holds notes.txt, not a study run (seed<k>/): choose another " \
                                               "--output_dir or remove it"
     assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["baseline", "notes.txt"]
+
+
+def test_an_arm_refused_with_its_data_leaves_nothing_and_a_rerun_with_it_changed_proceeds(tmp_path, corpus, cache,
+                                                                                         capsys):
+    """A bad input only the data shows (here a corpus too small for the arm's global batch: found when its blocks are
+    made) stops the study at that arm with train.py's line; the study's record of the arm is not left behind, so the
+    rerun with the arm changed is not refused as a run "trained with other settings"."""
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("one sentence.\n", encoding="utf-8")
+    config = write_study(tmp_path / "config", corpus, cache, sentences)
+    changed = yaml.safe_load(config.read_text())
+    out = tmp_path / "out"
+    blocks = tmp_path / "blocks"  # a cache of its own: the blocks are made (and counted) in this run
+    config.write_text(yaml.safe_dump({**changed, "arms": {"big": {"data.global_batch_size": 4096,
+                                                                  "data.cache_dir": str(blocks)}}}), encoding="utf-8")
+    assert study.main(["--config", str(config), "--output_dir", str(out), "--max_steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    made = json.loads(next(blocks.rglob("blocks.json")).read_text())["train"]  # the blocks, counted another way
+    assert made < 4096 and err[-2] == f"train.py: error: {made} training blocks make no full global batch of 4096"
+    assert err[-1] == ("study.py: error: arm big/seed0: train.py refused it before training (its error above, exit "
+                       "status 2); nothing of it was kept: change the arm and rerun the study")
+    assert not out.exists()
+    config.write_text(yaml.safe_dump({**changed, "arms": {"big": {"data.global_batch_size": 16}}}), encoding="utf-8")
+    from analyses.study import plan_study
+
+    _, planned, _ = plan_study(config, out, study.parse_trajectory, max_steps=3)  # checked, not refused
+    assert [arm.label for arm in planned] == ["big/seed0"] and not out.exists()
 
 
 def test_the_shipped_study_files_read_as_written():
