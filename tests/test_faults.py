@@ -1062,6 +1062,12 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "trajectory: a run directory that does not exist"): [
         "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("analyze.py", "trajectory: `--encoders` mixing encoders without a step (an export directory, a name without `step_N`) with checkpoints"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "trajectory: two `--encoders` at one step (`checkpoints/*.ckpt`: last.ckpt beside its periodic twin)"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("analyze.py", "trajectory: checkpoints of different architectures"): [
         "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
     ],
