@@ -47,7 +47,7 @@ from core.defaults import (
     STS_PRESETS,
     STS_SETS,
 )
-from core.errors import UserError, plain_warnings
+from core.errors import UserError, exit_with, plain_warnings
 
 # Nothing above imports torch: `--help` answers at once. A subcommand's runner is named "package.module:function" and
 # imported after the arguments are parsed (load_runner), as is everything `validate` needs.
@@ -277,4 +277,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -1154,6 +1154,9 @@ FAULT_ROW_TESTS = {
     ],
     "SLURM": ["test_faults.py::test_slurm_script_requeues_only_a_run_stopped_by_sigterm"],
     "an error on one DDP rank (train.py)": ["test_faults.py::test_an_error_on_one_ddp_rank_of_train_stops_every_rank"],
+    "a reader that stops early (`analyze.py compare a b \\| head`, `study.py ... \\| head`)": [
+        "test_compare.py::test_a_reader_that_stops_early_ends_the_table_quietly",
+    ],
     "an error on one rank (analyze.py under torchrun)": [
         "test_faults.py::test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank",
         "test_analyze_outliers.py::test_an_error_on_one_rank_stops_every_rank",
