@@ -869,6 +869,9 @@ ERROR_ROW_TESTS = {
     ('train.py', "a stateful callback twice (the config's OutlierStatistics added again with `--trainer.callbacks+`)"): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
     ],
+    ('train.py', 'under `torchrun`, `--trainer.devices` × `--trainer.num_nodes` not the processes it started (a config\'s `devices: 1` under `--nproc_per_node 2`; probe.py and study.py\'s arms too)'): [
+        'test_lightning_refusals.py::test_torchrun_processes_that_the_trainer_does_not_count_are_one_line_and_write_nothing',
+    ],
     ('train.py', 'another trainer setting Lightning refuses (`--trainer.devices 0`, ...)'): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
     ],
