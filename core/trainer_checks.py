@@ -46,12 +46,16 @@ def check_trainer_settings(settings: Mapping | None) -> None:
 TORCHRUN = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what torchrun sets (Lightning's own test of it)
 
 
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN)
+
+
 def check_launcher(devices, num_nodes) -> None:
     """Under torchrun, the processes it started are one run: --trainer.devices × --trainer.num_nodes must count them.
     Fewer (a config's `devices: 1`) and each process takes itself for a run of its own, in the same directory: one is
     refused as "in use by another run" and the other trains alone until torchrun kills it, leaving a run without its
     export. Devices Lightning counts itself (auto, -1) are left to it."""
-    if not all(name in os.environ for name in TORCHRUN):
+    if not under_torchrun():
         return
     wanted = requested_indices(devices)
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -1126,6 +1126,8 @@ ERROR_ROW_TESTS = {
     ],
     ("study.py", "an arm whose bad input only its data shows (a corpus too small for its global batch)"): [
         "test_study.py::test_an_arm_refused_with_its_data_leaves_nothing_and_a_rerun_with_it_changed_proceeds"],
+    ("study.py", "an arm of several processes (`trainer.devices: 2`) started without torchrun"): [
+        "test_study.py::test_a_two_arm_study_under_torchrun_trains_both_arms_and_compares_as_one_process"],
     ("study.py", "an arm not in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm's setting train.py does not know (or a bad value)"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
