@@ -47,7 +47,7 @@ from core.defaults import (
     STS_PRESETS,
     STS_SETS,
 )
-from core.errors import UserError, plain_warnings
+from core.errors import UserError, exit_with, plain_warnings
 
 # Nothing above imports torch: `--help` answers at once. A subcommand's runner is named "package.module:function" and
 # imported after the arguments are parsed (load_runner), as is everything `validate` needs.
@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "IsoScore* of every checkpoint of a run, in step order, on the same sentences", "trajectory",
                          variants=False, encoder=False)
     sources = trajectory.add_mutually_exclusive_group(required=True)
-    sources.add_argument("--run", dest="run_dir", metavar="[LABEL=]RUN_DIR", action="append", default=None,
+    sources.add_argument("--run", "--run_dir", dest="run_dir", metavar="[LABEL=]RUN_DIR", action="append", default=None,
                          help="a train.py run directory: every checkpoint in its checkpoints/; given several times, "
-                              "the runs are drawn together (each labelled LABEL= or by its directory's name)")
+                              "the runs are drawn together (each labelled LABEL= or by its directory's name); under "
+                              "torchrun write --run_dir (torchrun's own parser takes --run for its --run-path)")
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
     add_magnitude_arguments(trajectory)
@@ -276,4 +277,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

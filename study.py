@@ -16,7 +16,7 @@ import sys
 
 import analyze
 from core.arguments import HelpFormatter, OneLineArgumentParser
-from core.errors import UserError, plain_warnings
+from core.errors import UserError, exit_with, plain_warnings
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -57,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

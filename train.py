@@ -267,7 +267,20 @@ def check_static_graph(trainer, accumulation: int) -> None:
                         "nodes), or --trainer.strategy.init_args.static_graph false")
 
 
-def cli_main(args: list[str] | None = None) -> int:
+def cli_main(args: list[str] | None = None, keep_process_group: bool = False) -> int:
+    """train.py; `keep_process_group`: a run that ends well leaves its DDP process group for the next one (study.py's
+    arms under torchrun: a group destroyed and made again on torchrun's store can read the last group's stale
+    addresses, and the second arm's ranks fail to connect). A failed run always leaves it, so the other ranks stop."""
+    code = 1
+    try:
+        code = _cli_main(args)
+    finally:
+        if dist.is_available() and dist.is_initialized() and not (keep_process_group and code == 0):
+            dist.destroy_process_group()
+    return code
+
+
+def _cli_main(args: list[str] | None = None) -> int:
     plain_warnings()
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
@@ -302,9 +315,6 @@ def cli_main(args: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         return 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

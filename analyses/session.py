@@ -47,10 +47,20 @@ def distributed() -> Iterator[tuple[int, int]]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    done = False
     try:
         yield dist.get_rank(), dist.get_world_size()
-        dist.barrier()  # every rank done before any tears its connections down (gloo can abort a rank whose peer left)
+        done = True
     finally:
+        leave_process_group(barrier=done)
+
+
+def leave_process_group(barrier: bool) -> None:
+    """Destroy the process group (one `distributed` made, or the one study.py's arms kept under torchrun): after a
+    barrier when every rank is done (gloo can abort a rank whose peer left: exit status 134), at once after an error."""
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -215,6 +215,21 @@ def flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
+def check_processes(arm: Arm) -> None:
+    """An arm of several processes runs under torchrun, which starts every rank of the study: Lightning's own launcher
+    would start each arm's second process as a whole study.py of its own (it runs the command again), training along
+    but then comparing, writing the records and study.json a second time."""
+    from core.trainer_checks import requested_indices, under_torchrun
+
+    trainer = arm.config.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    count = len(requested_indices(devices) or [0]) * nodes
+    if count > 1 and not under_torchrun():
+        raise UserError(f"arm {arm.label}: --trainer.devices {devices} x --trainer.num_nodes {nodes} is {count} "
+                        f"processes: start the study under torchrun (torchrun --nproc_per_node {count // nodes} "
+                        "study.py ...; docs/study.md), whose processes every arm's run joins")
+
+
 def check_arm_directory(arm: Arm) -> None:
     """A run directory already there must hold this study's arm and seed with the same resolved config (on the keys
     both configs have; a key the older one lacks counts as LEGACY says)."""
@@ -300,6 +315,7 @@ def plan_study(config: str | Path, output_dir: str | Path, parse_trajectory, arm
             args = arm_arguments(study, name, seed, output_dir, max_steps)
             planned.append(Arm(name, seed, run_directory(output_dir, name, seed), args, resolve(name, args)))
     for arm in planned:
+        check_processes(arm)
         check_arm_directory(arm)
     trajectory = trajectory_arguments(study["trajectory"], output_dir, parse_trajectory)
     if write_check:
@@ -323,8 +339,12 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
         print(f"study: training {arm.label} in {arm.run_dir}")
     started = time.perf_counter()
     with quiet_cli():
-        code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"])  # resumes an arm stopped midway
+        # resumes an arm stopped midway; under torchrun the next arm (and the comparison) joins its process group
+        code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"], keep_process_group=True)
     if code != 0:
+        if rank == 0 and forget_untrained(arm.run_dir, record):
+            raise UserError(f"arm {arm.label}: train.py refused it before training (its error above, exit status "
+                            f"{code}); nothing of it was kept: change the arm and rerun the study")
         raise UserError(f"arm {arm.label}: train.py exited with status {code} (rerun the study to resume it)")
     seconds = time.perf_counter() - started
     if rank != 0:
@@ -333,6 +353,19 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     saved["train_seconds"] = round(seconds + saved.get("train_seconds", 0.0), 1)  # a resumed arm adds up
     write_record(record, saved)
     return seconds
+
+
+def forget_untrained(run_dir: Path, record: Path) -> bool:
+    """A run that train.py refused before it wrote anything (its bad input is found only with the data: the study
+    checked what it could): its record removed, and the directories it leaves empty, so a rerun with the arm changed
+    is not taken for a changed run. True when it was so."""
+    if not run_dir.is_dir() or [path.name for path in run_dir.iterdir()] != [record.name]:
+        return False
+    record.unlink()
+    for directory in (run_dir, run_dir.parent):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    return True
 
 
 def write_record(record: Path, payload: dict) -> None:
@@ -348,14 +381,25 @@ def run_study(config: str | Path, output_dir: str | Path, parse_trajectory, arms
               max_steps: int | None = None, seeds: list[int] | None = None) -> dict:
     """Train every arm with every seed in sequence (skipping finished runs), then compare them against the null:
     <output_dir>/study.json and study.png. Returns study.json's content."""
-    from analyses.session import distributed
+    from analyses.session import distributed, leave_process_group
     from analyses.study_report import compare_study
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun: every rank runs the study (train.py forms its group)
     study, planned, trajectory = plan_study(config, output_dir, parse_trajectory, arms, max_steps, write_check=rank == 0,
                                             seeds=seeds)
-    for arm in planned:
-        train_arm(arm, rank)
-    with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
-        return compare_study(trajectory, [(arm.name, arm.seed, str(arm.run_dir)) for arm in planned], str(output_dir),
-                             study["verdict"], rank=rank, world=world)
+    fresh, done = not Path(output_dir).exists(), False
+    try:  # under torchrun the arms keep their process group: the next arm and the comparison join it
+        try:
+            for arm in planned:
+                train_arm(arm, rank)
+        except UserError:
+            if fresh and rank == 0 and Path(output_dir).is_dir() and not any(Path(output_dir).iterdir()):
+                Path(output_dir).rmdir()  # the first arm refused before training: no directory left behind
+            raise
+        with distributed() as (rank, world):  # the comparison sharded over the ranks, rank 0 writes
+            report = compare_study(trajectory, [(arm.name, arm.seed, str(arm.run_dir)) for arm in planned],
+                                   str(output_dir), study["verdict"], rank=rank, world=world)
+        done = True
+    finally:
+        leave_process_group(barrier=done)
+    return report

@@ -36,6 +36,7 @@ import torch
 from analyses.geometry import minibatch_isoscores, minibatch_shortfall, pair_anisotropy
 from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
+from analyses.reports import fmt
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
 from core.errors import UserError, warn_once
 from core.models import model_family
@@ -93,7 +94,26 @@ def encoder_points(sources: list[str]) -> list[Point]:
         found = re.search(r"step[_=-]?(\d+)(k?)", Path(str(source)).name, re.IGNORECASE)
         points.append(Point(source, int(found.group(1)) * (1000 if found.group(2) else 1), "name") if found
                       else Point(source, index, "order"))
+    check_steps(points)
     return points
+
+
+def check_steps(points: list[Point]) -> None:
+    """Steps of one kind: a position in the list is no step to plot beside a checkpoint's (an export after step-2 and
+    step-6 checkpoints would stand at step 1), and one point per step (`checkpoints/*.ckpt` lists last.ckpt and
+    previous.ckpt again beside their periodic twins)."""
+    unstepped = next((point for point in points if point.step_from == "order"), None)
+    stepped = next((point for point in points if point.step_from != "order"), None)
+    if unstepped is not None and stepped is not None:
+        raise UserError(f"--encoders: {unstepped.source} has no step (not a checkpoint, no step in its name such as "
+                        f"step_20k) but {stepped.source} is at step {stepped.step}: give its checkpoint, or a name "
+                        "with its step, or list only encoders without steps (kept in the order given)")
+    seen: dict[int, Point] = {}
+    for point in points:
+        if point.step_from != "order" and point.step in seen:
+            raise UserError(f"--encoders: {seen[point.step].source} and {point.source} are both at step {point.step}: "
+                            "give one encoder per step (--run RUN_DIR keeps one checkpoint per step)")
+        seen.setdefault(point.step, point)
 
 
 def architecture(source: str) -> dict:
@@ -368,5 +388,5 @@ def print_trajectory(report: dict) -> None:
     for point in report["checkpoints"]:
         last = point["layers"][-1]
         print(f"{point['step']:>8}  {str(point['persistent_dims'] or '-'):<20} {last['argmax_dim']} "
-              f"({last['argmax_share']:.1%}), {last['kurtosis_mean']:.2f}, {last['max_abs']:.3g}, {last['anisotropy']}, "
-              f"{last['isoscore_star']}")
+              f"({last['argmax_share']:.1%}), {last['kurtosis_mean']:.2f}, {last['max_abs']:.3g}, "
+              f"{fmt(last['anisotropy'], 4)}, {fmt(last['isoscore_star'], 4)}")  # '-': not computed (null)

@@ -4,12 +4,15 @@
     first_line(error)                                      # a library's message, cut to one (whole) line
     plain_warnings()                                       # warnings print as "warning: <message>"
     warn_once("IsoScore* not computed: ...")               # a warning this process has not given yet (else nothing)
+    exit_with(main)                                        # analyze.py / study.py: `| head` stops it without a traceback
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import warnings
 
 
@@ -70,3 +73,16 @@ class _Unactionable(logging.Filter):
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
+
+
+def exit_with(main) -> None:
+    """sys.exit(main()), where a reader that stopped early (`analyze.py compare a b | head`) ends the output quietly
+    (exit status 141, as a process killed by SIGPIPE): the tables are printed after the reports are written, so only
+    the rest of a table is lost. Python's own recipe: the rest of stdout goes to /dev/null, not to a traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    sys.exit(code)

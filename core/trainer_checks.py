@@ -18,6 +18,7 @@ report of probes that never trained).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -39,6 +40,30 @@ def check_trainer_settings(settings: Mapping | None) -> None:
         check_train_batches(get("limit_train_batches"))
     check_val_check_interval(get("val_check_interval"))
     check_accelerator(get("accelerator"), get("devices"))
+    check_launcher(get("devices"), get("num_nodes"))
+
+
+TORCHRUN = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what torchrun sets (Lightning's own test of it)
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN)
+
+
+def check_launcher(devices, num_nodes) -> None:
+    """Under torchrun, the processes it started are one run: --trainer.devices × --trainer.num_nodes must count them.
+    Fewer (a config's `devices: 1`) and each process takes itself for a run of its own, in the same directory: one is
+    refused as "in use by another run" and the other trains alone until torchrun kills it, leaving a run without its
+    export. Devices Lightning counts itself (auto, -1) are left to it."""
+    if not under_torchrun():
+        return
+    wanted = requested_indices(devices)
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = num_nodes if isinstance(num_nodes, int) and num_nodes > 0 else 1
+    if wanted is not None and len(wanted) * nodes != world:
+        raise UserError(f"torchrun started {world} processes but --trainer.devices {devices} x --trainer.num_nodes "
+                        f"{nodes} make {len(wanted) * nodes}: set --trainer.devices {local} --trainer.num_nodes "
+                        f"{max(1, world // local)} (scripts/torchrun_pretrain.sh sets both)")
 
 
 def check_limit(name: str, value, unit: str) -> None:

@@ -29,6 +29,7 @@ from datamodules.masking import MaskCollator, NextTokenCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
+from datamodules.tokenizer import check_vocab_size
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -113,6 +114,8 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"--data.mlm_probability must lie in (0, 1), got {h.mlm_probability}")
         if not 0 < h.val_fraction < 1:
             raise UserError(f"--data.val_fraction must lie in (0, 1), got {h.val_fraction}")
+        if h.tokenizer == "train":  # before any data work (study.py checks its arms with it before any trains)
+            check_vocab_size(h.vocab_size)
         if looks_local(h.corpus):
             path = Path(h.corpus).expanduser()
             if not path.exists():
@@ -170,8 +173,8 @@ class MLMDataModule(pl.LightningDataModule):
         else:
             info = build_blocks(target, h.corpus, h.text_column, h.max_texts, tokenizer, h.block_length,
                                 h.val_fraction, h.max_val_blocks, h.num_proc)
-        if "train" in info and self.trainer is not None:
-            self.check_blocks(info["train"], self.trainer.world_size)
+        if self.trainer is not None:
+            self.check_blocks(info, self.trainer.world_size)
 
     def setup(self, stage: str | None = None) -> None:
         import datasets
@@ -209,7 +212,7 @@ class MLMDataModule(pl.LightningDataModule):
                                       world, skip_texts=h.val_texts, start=self.position.stream,
                                       workers=self.position.workers)
             return self._loader(dataset, None, self.collator)
-        self.check_blocks(len(self.train_blocks), world)
+        self.check_blocks({"train": len(self.train_blocks)}, world)
         sampler = BlockSampler(len(self.train_blocks), h.batch_size, rank, world, h.seed, shuffle=True,
                                group=self.position.global_batch(world))
         sampler.resume(*self.position.begin_epochs(resume, len(sampler) * self.position.step))
@@ -266,8 +269,8 @@ class MLMDataModule(pl.LightningDataModule):
             return
         self.check_vocab(tokenizer, vocab_rows)
         info = self.blocks_dir(tokenizer) / "blocks.json"
-        if info.exists() and not self.hparams.streaming:
-            self.check_blocks(json.loads(info.read_text())["train"], world_size)
+        if info.exists():
+            self.check_blocks(json.loads(info.read_text()), world_size)
 
     def accumulation(self, world_size: int) -> int:
         """Gradient-accumulation steps that keep the global batch: global / (batch_size × world size)."""
@@ -290,11 +293,20 @@ class MLMDataModule(pl.LightningDataModule):
             raise UserError(f"the tokenizer has ids up to {vocab_limit(tokenizer) - 1} but the model only "
                             f"{vocab_rows} embedding rows")
 
-    def check_blocks(self, num_blocks: int, world_size: int) -> None:
-        """One line when the training blocks make no full global batch (the sampler drops partial ones)."""
-        if num_blocks < self.position.global_batch(world_size):
+    def check_blocks(self, info: dict, world_size: int) -> None:
+        """One line when the training blocks make no full global batch (the sampler drops partial ones), or when the
+        validation blocks leave a rank without one (Lightning stops a DDP run whose rank has no validation batch).
+        `info`: the block counts, {"train", "validation"} (either may be missing: a streamed corpus has no "train")."""
+        num_blocks = info.get("train")
+        if num_blocks is not None and num_blocks < self.position.global_batch(world_size):
             raise UserError(f"{num_blocks} training blocks make no full global batch of "
                             f"{self.position.global_batch(world_size)}")
+        val = info.get("validation")
+        validates = getattr(self.trainer, "limit_val_batches", 1) != 0 if self.trainer is not None else True
+        if val is not None and val < world_size and validates:
+            raise UserError(f"{val} validation block{'s' if val != 1 else ''} cannot give each of the {world_size} "
+                            "processes one: raise --data.val_fraction (or --data.max_val_blocks), or train on fewer "
+                            "devices")
 
     # -- checkpointed state: the tokenizer's identity and the data position --
 

@@ -19,14 +19,19 @@ from core.tokenizers import SPECIAL_TOKENS, check_special_ids
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # the byte alphabet must fit
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """A byte-level BPE's vocabulary holds at least the special tokens and the 256 bytes."""
+    if vocab_size < MIN_VOCAB:
+        raise UserError(f"--data.vocab_size must be at least {MIN_VOCAB} for a byte-level BPE, got {vocab_size}")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2, max_texts: int | None = None,
                     model_max_length: int = 512):
     """Train a byte-level BPE on `texts` (the first `max_texts` when given) with RoBERTa's special tokens and ids."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import RobertaTokenizerFast
 
-    if vocab_size < MIN_VOCAB:
-        raise UserError(f"--data.vocab_size must be at least {MIN_VOCAB} for a byte-level BPE, got {vocab_size}")
+    check_vocab_size(vocab_size)
     trainer = ByteLevelBPETokenizer()
     texts = itertools.islice(texts, max_texts) if max_texts else texts
     trainer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,

@@ -99,3 +99,29 @@ def test_bad_usage_is_one_line(argv, message, tmp_path, capsys, monkeypatch):
     assert code == 2 and captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("analyze.py")
+
+
+def test_a_reader_that_stops_early_ends_the_table_quietly(reports, tmp_path):
+    """`analyze.py compare a b | head`: the reader closes the pipe before the table is printed; the process ends with
+    no traceback (exit status 141, as one killed by SIGPIPE), where Python's default is a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, paths = reports
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: the first write fails (EPIPE)
+    try:
+        finished = subprocess.run([sys.executable, str(Path(analyze.__file__)), "compare", str(paths["tiny-pe"]),
+                                   str(paths["nope"])], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                                  env={**os.environ, "PYTHONPATH": str(Path(analyze.__file__).parent)})
+    finally:
+        os.close(write)
+    assert (finished.returncode, finished.stderr) == (141, "")
+    # the same command into a reader that stays: the whole table, exit 0
+    whole = subprocess.run([sys.executable, str(Path(analyze.__file__)), "compare", str(paths["tiny-pe"]),
+                            str(paths["nope"])], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(Path(analyze.__file__).parent)})
+    assert whole.returncode == 0 and whole.stderr == ""
+    assert len(table(whole.stdout, ["tiny-pe", "nope"])) == 6  # layers 0..5 of the longer report

@@ -709,6 +709,9 @@ ERROR_ROW_TESTS = {
     ("train.py", "a corpus too small for one global batch"): [
         "test_train_inputs.py::test_a_corpus_too_small_for_one_global_batch_is_one_line_exit_2",
     ],
+    ("train.py", "fewer validation blocks than DDP processes (a small corpus, `--data.max_val_blocks`)"): [
+        "test_train_inputs.py::test_too_few_validation_blocks_for_the_ddp_processes_are_one_line_exit_2_and_write_nothing",
+    ],
     ("train.py", "a cached tokenizer with more ids than `--data.vocab_size` (a cache edited by hand)"): [
         "test_train_inputs.py::test_a_cached_tokenizer_with_more_ids_than_the_model_is_one_line_exit_2",
     ],
@@ -865,6 +868,9 @@ ERROR_ROW_TESTS = {
     ],
     ('train.py', "a stateful callback twice (the config's OutlierStatistics added again with `--trainer.callbacks+`)"): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
+    ],
+    ('train.py', 'under `torchrun`, `--trainer.devices` × `--trainer.num_nodes` not the processes it started (a config\'s `devices: 1` under `--nproc_per_node 2`; probe.py and study.py\'s arms too)'): [
+        'test_lightning_refusals.py::test_torchrun_processes_that_the_trainer_does_not_count_are_one_line_and_write_nothing',
     ],
     ('train.py', 'another trainer setting Lightning refuses (`--trainer.devices 0`, ...)'): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
@@ -1059,6 +1065,12 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "trajectory: a run directory that does not exist"): [
         "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("analyze.py", "trajectory: `--encoders` mixing encoders without a step (an export directory, a name without `step_N`) with checkpoints"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
+    ("analyze.py", "trajectory: two `--encoders` at one step (`checkpoints/*.ckpt`: last.ckpt beside its periodic twin)"): [
+        "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("analyze.py", "trajectory: checkpoints of different architectures"): [
         "test_trajectory.py::test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_nothing",
     ],
@@ -1112,6 +1124,10 @@ ERROR_ROW_TESTS = {
         'test_refusals.py::test_a_partly_random_model_is_analysed_only_when_asked_for',
         'test_encoder.py::test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_named',
     ],
+    ("study.py", "an arm whose bad input only its data shows (a corpus too small for its global batch)"): [
+        "test_study.py::test_an_arm_refused_with_its_data_leaves_nothing_and_a_rerun_with_it_changed_proceeds"],
+    ("study.py", "an arm of several processes (`trainer.devices: 2`) started without torchrun"): [
+        "test_study.py::test_a_two_arm_study_under_torchrun_trains_both_arms_and_compares_as_one_process"],
     ("study.py", "an arm not in the study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm's setting train.py does not know (or a bad value)"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
     ("study.py", "an arm setting what the study sets"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
@@ -1143,6 +1159,9 @@ FAULT_ROW_TESTS = {
     ],
     "SLURM": ["test_faults.py::test_slurm_script_requeues_only_a_run_stopped_by_sigterm"],
     "an error on one DDP rank (train.py)": ["test_faults.py::test_an_error_on_one_ddp_rank_of_train_stops_every_rank"],
+    "a reader that stops early (`analyze.py compare a b \\| head`, `study.py ... \\| head`)": [
+        "test_compare.py::test_a_reader_that_stops_early_ends_the_table_quietly",
+    ],
     "an error on one rank (analyze.py under torchrun)": [
         "test_faults.py::test_an_error_on_one_rank_of_analyze_under_torchrun_stops_every_rank",
         "test_analyze_outliers.py::test_an_error_on_one_rank_stops_every_rank",

@@ -132,3 +132,32 @@ def test_the_checks_pass_what_lightning_accepts():
     for value in (0, 0.0, -3, 1.5, float("nan")):
         with pytest.raises(UserError, match="val_check_interval"):
             check_val_check_interval(value)
+
+
+def test_torchrun_processes_that_the_trainer_does_not_count_are_one_line_and_write_nothing(corpus, cache, tmp_path,
+                                                                                          capfd, monkeypatch):
+    """Under `torchrun --nproc_per_node 2` (its environment, set here), a config's `devices: 1` made each process a run
+    of its own in one directory: one refused as "in use by another run", the other trained alone until torchrun
+    killed it, leaving a run without its export. Refused before anything is written; devices that count the
+    processes (2 on 1 node, 1 on each of 2 nodes) pass, and outside torchrun nothing is asked."""
+    from core.trainer_checks import check_launcher
+
+    root = tmp_path / "run"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for name, value in (("RANK", "0"), ("GROUP_RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
+                        ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert train.cli_main(tiny_args(root, corpus, cache)) == 2  # tiny_args: --trainer.devices 1
+    assert stderr_lines(capfd)[-1:] == ["train.py: error: torchrun started 2 processes but --trainer.devices 1 x "
+                                        "--trainer.num_nodes 1 make 1: set --trainer.devices 2 --trainer.num_nodes 1 "
+                                        "(scripts/torchrun_pretrain.sh sets both)"]
+    assert files_under(root) == []
+    check_launcher(2, 1)
+    check_launcher("0,1", None)
+    check_launcher("auto", 1)  # Lightning counts these itself
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process on each of 2 nodes
+    check_launcher(1, 2)
+    with pytest.raises(UserError, match="set --trainer.devices 1 --trainer.num_nodes 2"):
+        check_launcher(1, 1)
+    monkeypatch.delenv("GROUP_RANK")  # not torchrun: Lightning's own launcher (or none) counts its processes
+    check_launcher(1, 1)

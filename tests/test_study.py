@@ -246,6 +246,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
             ({"a": {"trainer.default_root_dir": "x"}}, {},
              f"study config {config}: arm a may not set trainer.default_root_dir (the study sets it for every arm)"),
             ({"a": {}}, {"no_such_option": 1}, "study trajectory options: unknown option --no_such_option"),
+            # a value the datamodule checks as it is built, before any data work (not only when its tokenizer trains)
+            ({"baseline": {}, "a": {"data.vocab_size": 10}}, {},
+             "arm a: --data.vocab_size must be at least 261 for a byte-level BPE, got 10"),
             ({"a": {"seed_everything": 3}}, {},
              f"study config {config}: arm a may not set seed_everything (the study sets it for every arm)")):
         config.write_text(yaml.safe_dump({**changed, "arms": arms, "trajectory": trajectory}), encoding="utf-8")
@@ -269,6 +272,93 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, cache
                                               "holds notes.txt, not a study run (seed<k>/): choose another " \
                                               "--output_dir or remove it"
     assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == ["baseline", "notes.txt"]
+
+
+def test_an_arm_refused_with_its_data_leaves_nothing_and_a_rerun_with_it_changed_proceeds(tmp_path, corpus, cache,
+                                                                                         capsys):
+    """A bad input only the data shows (here a corpus too small for the arm's global batch: found when its blocks are
+    made) stops the study at that arm with train.py's line; the study's record of the arm is not left behind, so the
+    rerun with the arm changed is not refused as a run "trained with other settings"."""
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("one sentence.\n", encoding="utf-8")
+    config = write_study(tmp_path / "config", corpus, cache, sentences)
+    changed = yaml.safe_load(config.read_text())
+    out = tmp_path / "out"
+    blocks = tmp_path / "blocks"  # a cache of its own: the blocks are made (and counted) in this run
+    config.write_text(yaml.safe_dump({**changed, "arms": {"big": {"data.global_batch_size": 4096,
+                                                                  "data.cache_dir": str(blocks)}}}), encoding="utf-8")
+    assert study.main(["--config", str(config), "--output_dir", str(out), "--max_steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    made = json.loads(next(blocks.rglob("blocks.json")).read_text())["train"]  # the blocks, counted another way
+    assert made < 4096 and err[-2] == f"train.py: error: {made} training blocks make no full global batch of 4096"
+    assert err[-1] == ("study.py: error: arm big/seed0: train.py refused it before training (its error above, exit "
+                       "status 2); nothing of it was kept: change the arm and rerun the study")
+    assert not out.exists()
+    config.write_text(yaml.safe_dump({**changed, "arms": {"big": {"data.global_batch_size": 16}}}), encoding="utf-8")
+    from analyses.study import plan_study
+
+    _, planned, _ = plan_study(config, out, study.parse_trajectory, max_steps=3)  # checked, not refused
+    assert [arm.label for arm in planned] == ["big/seed0"] and not out.exists()
+
+
+@pytest.mark.slow
+def test_a_two_arm_study_under_torchrun_trains_both_arms_and_compares_as_one_process(tmp_path, corpus, cache, capsys):
+    """`torchrun --nproc_per_node 2 study.py` (docs/study.md) with arms of 2 DDP processes: the second arm joins the
+    process group the first kept (destroyed and made again on torchrun's store, it read the first group's stale
+    addresses: "Gloo connectFullMesh failed", exit 1, the second arm untrained); exit 0, no abort at the teardown; the
+    comparison, sharded over the 2 processes, equals each run's trajectory in one process. Without torchrun the same
+    file is refused before anything is written (Lightning's launcher would start each arm's second process as a study
+    of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.tiny import free_port
+
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("\n".join(corpus_sentences(24, start=300)) + "\n", encoding="utf-8")
+    config = write_study(tmp_path / "config", corpus, cache, sentences, trainer__devices=2, trainer__strategy="ddp",
+                         data__batch_size=4, data__val_fraction=0.1)  # a validation block for each process
+    out = tmp_path / "out"
+    root = Path(study.__file__).parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               str(root / "study.py"), "--config", str(config), "--output_dir", str(out), "--max_steps", "2"]
+    finished = subprocess.run(command, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "Traceback" not in finished.stderr
+    report = json.loads((out / "study.json").read_text())
+    assert report["labels"] == ["baseline/seed0", "nope/seed0"]
+    for run in report["runs"]:
+        directory = out / run["label"]
+        assert [p["step"] for p in run["checkpoints"]] == steps_on_disk(directory) == [0, 2]
+        assert analyze.main(["trajectory", "--run", str(directory), "--data", str(sentences), *COMMON,
+                             "--output_dir", str(tmp_path / run["label"])]) == 0
+        alone = json.loads((tmp_path / run["label"] / "trajectory.json").read_text())
+        assert_close({**run, "label": "seed0"}, alone, run["label"])
+    capsys.readouterr()
+    assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "one")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "study.py: error: arm baseline/seed0: --trainer.devices 2 x --trainer.num_nodes 1 is 2 processes: start the "
+        "study under torchrun (torchrun --nproc_per_node 2 study.py ...; docs/study.md), whose processes every arm's "
+        "run joins")
+    assert not (tmp_path / "one").exists()
+
+
+def assert_close(a, b, where: str) -> None:
+    """Equal structure and values; numbers within 1e-5 (sums over the 2 processes' shards add in another order)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{where}[{index}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7), where
+    else:
+        assert a == b, where
 
 
 def test_the_shipped_study_files_read_as_written():

@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
 import train
+from core.errors import UserError
 from tests.test_train import tiny_args
 from tests.tiny import corpus_sentences
 
@@ -259,3 +262,37 @@ def test_a_sentence_transformers_tokenizer_pretrains_on_its_first_run(corpus, tm
     pieces = [stream[i * 30:(i + 1) * 30] for i in range(len(stream) // 30)]
     assert sorted(rows) == sorted([cls, *piece, sep] for piece in pieces)
     assert (root / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_too_few_validation_blocks_for_the_ddp_processes_are_one_line_exit_2_and_write_nothing(corpus, cache, tmp_path):
+    """A validation split of one block cannot give each of 2 DDP processes a batch: Lightning stops the rank without
+    one with a traceback and the other with a gloo error, after the loggers wrote. Refused in prepare_data, before
+    anything is written, and again from the block cache (before the fit, on every rank)."""
+    import os
+    import subprocess
+    import sys
+
+    from datamodules.mlm import MLMDataModule
+    from tests.tiny import free_port
+
+    root = tmp_path / "run"
+    command = [sys.executable, str(Path(train.__file__)), *tiny_args(root, corpus, cache, "--data.max_val_blocks", "1",
+                                                                     "--data.batch_size", "4", "--trainer.devices", "2",
+                                                                     "--trainer.strategy", "ddp")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    message = ("1 validation block cannot give each of the 2 processes one: raise --data.val_fraction (or "
+               "--data.max_val_blocks), or train on fewer devices")
+    assert finished.returncode == 2, finished.stderr[-2000:]
+    assert finished.stderr.strip().splitlines()[-1] == f"train.py: error: {message}"
+    assert "Traceback" not in finished.stderr and written(root) == []
+    # the blocks are cached now: their counts, read another way, and the same refusal from the cache
+    info = next(cache.rglob("blocks.json"), None)
+    data = MLMDataModule(corpus=str(corpus), vocab_size=600, block_length=32, batch_size=4, global_batch_size=8,
+                         val_fraction=0.1, max_val_blocks=1, cache_dir=str(cache))
+    counts = json.loads((data.blocks_dir(data.cached_tokenizer()) / "blocks.json").read_text())
+    assert info is not None and counts["validation"] == 1 and counts["train"] >= 8
+    data.check_cache(600, 1)  # one process: its one validation block is enough
+    with pytest.raises(UserError, match=re.escape(message)):
+        data.check_cache(600, 2)

@@ -106,9 +106,31 @@ def test_a_run_with_one_checkpoint_says_so_and_still_reports_it(run, tmp_path, c
     shutil.copy(root / "checkpoints" / "last.ckpt", single / "checkpoints" / "last.ckpt")
     assert analyze.main(["trajectory", "--run", str(single), "--data", str(sentences), *COMMON,
                          "--output_dir", str(tmp_path / "t")]) == 0
-    assert f"note: {single} has a single checkpoint (step 6): the trajectory has one point" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"note: {single} has a single checkpoint (step 6): the trajectory has one point" in captured.err
     report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
     assert [point["step"] for point in report["checkpoints"]] == [6]
+    # 40 sentences make no IsoScore* mini-batches of 250 tokens: null in the report, "-" in the table, as its warning says
+    assert analyze.main(["trajectory", "--run", str(single), "--data", str(sentences), *COMMON, "--minibatch", "250",
+                         "--output_dir", str(tmp_path / "u")]) == 0
+    captured = capsys.readouterr()
+    last = json.loads((tmp_path / "u" / "trajectory.json").read_text())["checkpoints"][0]["layers"][-1]
+    assert last["isoscore_star"] is None
+    assert captured.out.strip().splitlines()[-1].endswith(f", {last['anisotropy']:.4f}, -")
+
+
+def test_torchrun_passes_run_dir_to_trajectory_where_it_takes_run_for_its_own_run_path():
+    """`torchrun ... analyze.py trajectory --run DIR` stops in torchrun's parser (--run abbreviates its --run-path and
+    --run_path); --run_dir is the same option, and torchrun hands it to analyze.py."""
+    from torch.distributed.run import get_args_parser
+
+    launcher = get_args_parser()
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--nproc_per_node", "2", "analyze.py", "trajectory", "--run", "runs/t"])
+    given = launcher.parse_args(["--nproc_per_node", "2", "analyze.py", "trajectory", "--run_dir", "runs/t"])
+    assert given.training_script == "analyze.py"
+    args = analyze.build_parser().parse_args(given.training_script_args)
+    assert args.run_dir == ["runs/t"] == analyze.build_parser().parse_args(["trajectory", "--run", "runs/t"]).run_dir
 
 
 @pytest.mark.slow
@@ -131,6 +153,24 @@ def test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_not
     assert capsys.readouterr().err.strip().splitlines() == [
         f"analyze.py trajectory: error: checkpoints of different architectures in one trajectory: {first} has "
         f"hidden_size=32 but {wider} has hidden_size=48"]
+    # --encoders: a position in the list beside checkpoints' steps, and two encoders at one step (a shell glob of
+    # checkpoints/ lists last.ckpt beside its periodic twin): refused, the steps read from the checkpoints themselves
+    last, six = root / "checkpoints" / "last.ckpt", root / "checkpoints" / "epoch=0-step=6.ckpt"
+    steps = {path: torch.load(path, map_location="cpu", weights_only=True)["global_step"] for path in (first, last, six)}
+    assert steps == {first: 2, last: 6, six: 6}
+    unstepped = tmp_path / "final"  # an export-like directory: no checkpoint, no step in its name
+    unstepped.mkdir()
+    (unstepped / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+    for encoders, message in (
+            ([first, unstepped, last], f"--encoders: {unstepped} has no step (not a checkpoint, no step in its name "
+                                       f"such as step_20k) but {first} is at step {steps[first]}: give its checkpoint, or "
+                                       "a name with its step, or list only encoders without steps (kept in the order "
+                                       "given)"),
+            ([first, six, last], f"--encoders: {six} and {last} are both at step {steps[six]}: give one encoder per step "
+                                 "(--run RUN_DIR keeps one checkpoint per step)")):
+        assert analyze.main(["trajectory", "--encoders", *map(str, encoders), "--data", str(sentences),
+                             "--output_dir", str(out)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"analyze.py trajectory: error: {message}"]
     assert analyze.main(["trajectory", "--run", str(tmp_path / "nowhere"), "--data", str(sentences),
                          "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"analyze.py trajectory: error: run directory path not found: " \
