@@ -24,7 +24,7 @@ from core.errors import UserError
 from datamodules.pairs import read_sts, read_wic, target_problem, wic_source
 from datamodules.words import WORD, read_static_vectors, source_contexts, word_contexts
 from tests.test_analyze_eval import STS, WIC, fitted
-from tests.tiny import corpus_sentences, free_port, save_tiny_encoder
+from tests.tiny import corpus_sentences, free_port, reports_close, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANTED = 5
@@ -454,23 +454,7 @@ def test_all_under_two_process_ddp_equals_one_process(tmp_path, planted, sentenc
     for name in ("summary", "anisotropy", "isotropy", "self_similarity", "wic", "sts_sts"):
         single = json.loads((tmp_path / "single" / f"{name}.json").read_text())
         ddp = json.loads((tmp_path / "ddp" / f"{name}.json").read_text())
-        assert_close(ddp, single, name)
-
-
-def assert_close(a, b, where: str) -> None:
-    """Equal structure; numbers equal within 1e-4 (padding differs between shardings)."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_close(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_close(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and isinstance(b, float):
-        assert a == pytest.approx(b, abs=1e-4), where
-    else:
-        assert a == b, where
+        reports_close(single, ddp, name, rel=0, abs=1e-4)  # padding differs between shardings
 
 
 def test_clip_none_reports_only_raw_and_the_best_is_the_per_layer_maximum(planted, tmp_path):

@@ -19,7 +19,7 @@ import yaml
 import analyze
 import study
 from analyses.study import ARM_FILE, flat
-from tests.tiny import corpus_sentences
+from tests.tiny import corpus_sentences, reports_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 TRAJECTORY = {"max_sentences": 0, "num_pairs": 12, "minibatch": 6, "seed": 2, "no_progress": True}
@@ -335,7 +335,7 @@ def test_a_two_arm_study_under_torchrun_trains_both_arms_and_compares_as_one_pro
         assert analyze.main(["trajectory", "--run", str(directory), "--data", str(sentences), *COMMON,
                              "--output_dir", str(tmp_path / run["label"])]) == 0
         alone = json.loads((tmp_path / run["label"] / "trajectory.json").read_text())
-        assert_close({**run, "label": "seed0"}, alone, run["label"])
+        reports_close({**run, "label": "seed0"}, alone, run["label"])  # sums of 2 shards: another order
     capsys.readouterr()
     assert study.main(["--config", str(config), "--output_dir", str(tmp_path / "one")]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -343,22 +343,6 @@ def test_a_two_arm_study_under_torchrun_trains_both_arms_and_compares_as_one_pro
         "study under torchrun (torchrun --nproc_per_node 2 study.py ...; docs/study.md), whose processes every arm's "
         "run joins")
     assert not (tmp_path / "one").exists()
-
-
-def assert_close(a, b, where: str) -> None:
-    """Equal structure and values; numbers within 1e-5 (sums over the 2 processes' shards add in another order)."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_close(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_close(x, y, f"{where}[{index}]")
-    elif isinstance(a, float) and isinstance(b, float):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-7), where
-    else:
-        assert a == b, where
 
 
 def test_the_shipped_study_files_read_as_written():

@@ -118,3 +118,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def reports_close(a, b, where: str = "", rel: float = 1e-5, abs: float = 1e-7, skip: tuple[str, ...] = ()) -> None:
+    """Two reports (JSON-like) of equal structure, their floats within `rel` / `abs` (a sharded pass sums in another
+    order, pads otherwise), everything else equal; the paths in `skip` (e.g. ".output_dir") are not compared."""
+    import pytest
+
+    if where in skip:
+        return
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            reports_close(a[key], b[key], f"{where}.{key}", rel, abs, skip)
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            reports_close(x, y, f"{where}[{index}]", rel, abs, skip)
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=rel, abs=abs), where
+    else:
+        assert a == b, where
