@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 
 from core.capture import HiddenStateTap
@@ -226,9 +226,8 @@ def check_resumed_schedule(schedulers, h, max_steps: int | None, path) -> None:
                         f"with --trainer.max_steps {saved_end})")
     was = "".join(f", {name} {kept[name]:g}" for name in others)
     now = "".join(f", {name} {given[name]:g}" for name in others)
-    warnings.warn(f"checkpoint {path}'s learning-rate schedule (to {saved_ratio:g} x --model.lr at step {saved_end}"
-                  f"{was}) is resumed as it was, not the one the settings give ({ratio:g} x at step {end}{now})",
-                  stacklevel=2)
+    rank_zero_warn(f"checkpoint {path}'s learning-rate schedule (to {saved_ratio:g} x --model.lr at step {saved_end}"
+                   f"{was}) is resumed as it was, not the one the settings give ({ratio:g} x at step {end}{now})")
 
 
 def check_optimisation(h) -> None:
@@ -258,13 +257,12 @@ def check_warmup(warmup_steps: int, decay_steps: int | None, max_steps: int | No
     end = schedule_end(decay_steps, max_steps)
     if warmup_steps >= end:
         source = "--model.decay_steps" if decay_steps else "--trainer.max_steps"
-        warnings.warn(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
-                      f"(step {end}, {source}): the rate never decays; lower --model.warmup_steps for a whole "
-                      "schedule", stacklevel=2)
+        rank_zero_warn(f"--model.warmup_steps {warmup_steps} does not end before the learning-rate schedule does "
+                       f"(step {end}, {source}): the rate never decays; lower --model.warmup_steps for a whole "
+                       "schedule")
     elif max_steps is not None and 0 < max_steps <= warmup_steps:
-        warnings.warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
-                      f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on",
-                      stacklevel=2)
+        rank_zero_warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
+                       f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on")
 
 
 class PolynomialSchedule:

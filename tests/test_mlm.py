@@ -229,13 +229,16 @@ def test_polynomial_schedule_by_hand():
     assert schedule(500) == 0.0
 
 
-def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_refused():
+def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_refused(monkeypatch):
     """LambdaLR saves PolynomialSchedule's fields: a resumed scheduler follows the checkpoint's end whatever the new
     settings say (the rate at step 7 is the saved schedule's, by hand). check_resumed_schedule: silent when the
     settings give the saved schedule, one line when steps past a rate-0 end would follow, else one warning."""
+    import warnings
     from types import SimpleNamespace
 
-    from lightning_modules.training import check_resumed_schedule
+    from pytorch_lightning.utilities import rank_zero_only
+
+    from lightning_modules.training import check_resumed_schedule, check_warmup
 
     def scheduler(decay_steps, end_ratio=0.0):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -272,6 +275,18 @@ def test_a_resume_keeps_the_saved_schedule_so_a_run_past_its_end_at_rate_0_is_re
                                              rf"is resumed as it was, not the one the settings give \(0 x at step 10, "
                                              rf"--model.{name} {value:g}\)"):
             check_resumed_schedule([state], changed, 10, "C")
+    # said by the first process only: every DDP process resumes the same checkpoint (the refusal stays on every rank)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with warnings.catch_warnings(record=True) as given:
+        warnings.simplefilter("always")
+        check_resumed_schedule([state], SimpleNamespace(decay_steps=30, **settings), 8, "C")
+        check_warmup(warmup_steps=50, decay_steps=None, max_steps=20)
+    assert given == []
+    with pytest.raises(UserError, match=r"^checkpoint C ends its learning-rate schedule at step 10"):
+        check_resumed_schedule([state], SimpleNamespace(decay_steps=None, **settings), 20, "C")
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    with pytest.warns(UserWarning, match=r"--model.warmup_steps 50 does not end before the learning-rate schedule"):
+        check_warmup(warmup_steps=50, decay_steps=None, max_steps=20)
 
 
 def state_value(state: dict, name: str) -> float:
