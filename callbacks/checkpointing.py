@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities import rank_zero_only
 
 from core.errors import UserError
 from core.output import atomic_file, disk_full, write_error
@@ -207,7 +208,8 @@ def resume_target(path: Path, kind: str = "mlm") -> Path:
         step = read_checkpoint(previous, kind).get("global_step")
     except UserError:
         raise UserError(reason) from None
-    print(f"note: {reason}; resuming from the checkpoint before it, {previous} (step {step})", file=sys.stderr)
+    if rank_zero_only.rank == 0:  # every DDP process resumes from the same file: said once
+        print(f"note: {reason}; resuming from the checkpoint before it, {previous} (step {step})", file=sys.stderr)
     return previous
 
 

@@ -300,6 +300,25 @@ def test_a_torn_or_missing_last_checkpoint_resumes_from_the_previous_one_saying_
     assert train_losses(root) == {step: losses[step] for step in (STEPS - 2, STEPS - 1)}
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_note_of_a_torn_last_checkpoint_is_said_by_the_first_process_only(straight, tmp_path, capsys, monkeypatch,
+                                                                               rank):
+    """Every DDP process resumes from the same previous.ckpt; only the first says so (the path it returns is the
+    same on every rank)."""
+    from pytorch_lightning.utilities import rank_zero_only
+
+    from callbacks.checkpointing import resume_target
+
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(straight["plain"] / "checkpoints", folder)
+    (folder / "last.ckpt").unlink()
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    assert resume_target(folder / "last.ckpt") == folder / "previous.ckpt"
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ([f"note: {folder / 'last.ckpt'} is missing; resuming from the checkpoint before it, "
+                      f"{folder / 'previous.ckpt'} (step {STEPS - 2})"] if rank == 0 else [])
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_one_before(corpus, cache, tmp_path, capsys,
                                                                                     monkeypatch):
