@@ -261,9 +261,14 @@ def norm_sites(model: nn.Module, layers: tuple[int, ...] | None = None) -> list[
         if layers is not None and not set(layers) & set(written):
             continue
         placed = families.norm_placement(model, module)
-        bias = getattr(module, "bias", None) is not None
+        if getattr(module, "weight", None) is None:  # OLMo's LayerNorm: zeroing its output is its gain set to 0
+            zeroed = f"output ({type(module).__name__}: no parameters, gain 1)"
+        elif getattr(module, "bias", None) is None:
+            zeroed = f"gain ({type(module).__name__}: no bias)"
+        else:
+            zeroed = "gain and bias"
         found.append({"name": name, "layers": written, **({"placement": placed[1]} if placed else {}),
-                      "zeroed": "gain and bias" if bias else f"gain ({type(module).__name__}: no bias)"})
+                      "zeroed": zeroed})
     return found
 
 

@@ -12,16 +12,19 @@ For each dimension d:
 - layer_norms: for every LayerNorm over the hidden size, d's gain and bias and their ranks by magnitude among
   all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
   shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers. An RMSNorm
-  (Llama, Qwen) is traced like a LayerNorm's gain and has no bias. In a pre-LN model (GPT-2, Llama, GPT-NeoX, OPT,
+  (Llama, Qwen) is traced like a LayerNorm's gain and has no bias. Gains and biases are what the norm applies
+  (core.families.norm_affine, read off its forward pass): Gemma's RMSNorm gain is 1 + its weight, and OLMo's
+  parameter-free LayerNorm has gain 1 everywhere. In a pre-LN model (GPT-2, Llama, GPT-NeoX, OPT,
   ModernBERT) a norm inside layer l normalises the input of its attention or MLP and writes no hidden state: its entry
   has layer l and placement "pre"; the final norm writes layer L ("final"); `layer_norms_note` says so.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from core.families import decoder_stack, norm_placement, pre_norm
+from core.families import decoder_stack, norm_affine, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from metrics.ranks import rank_by_magnitude
 
@@ -47,37 +50,41 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
                 for d in dims
             },
         }
-    norms = layer_norms(model)
-    ranks = [
-        (name, layers, rank_by_magnitude(module.weight.detach().float().cpu()),
-         rank_by_magnitude(module.bias.detach().float().cpu()) if getattr(module, "bias", None) is not None else None,
-         module)
-        for name, layers, module in norms
-    ]
-    report["layer_norms_note"] = norms_note(model, [module for _, _, module in norms])
+    norms = [(name, layers, module, norm_affine(module, model.config.hidden_size))
+             for name, layers, module in layer_norms(model)]
+    report["layer_norms_note"] = norms_note(model, [(module, affine) for _, _, module, affine in norms])
+    ranks = [(name, layers, affine, rank_by_magnitude(affine.gain),
+              rank_by_magnitude(affine.bias) if affine.bias is not None else None, module)
+             for name, layers, module, affine in norms]
     for d in dims:
         entries = []
-        for name, layers, weight_rank, bias_rank, module in ranks:
+        for name, layers, affine, weight_rank, bias_rank, module in ranks:
             entry = {"module": name, "layer": layers[0] if len(layers) == 1 else None,
-                     "weight": round(float(module.weight.detach()[d]), 6), "weight_rank": int(weight_rank[d])}
+                     "weight": round(float(affine.gain[d]), 6), "weight_rank": int(weight_rank[d])}
             if len(layers) > 1:
                 entry["shared_by_layers"] = layers
             placed = norm_placement(model, module)
             if placed is not None:
                 entry["placement"] = placed[1]
             if bias_rank is not None:
-                entry.update(bias=round(float(module.bias.detach()[d]), 6), bias_rank=int(bias_rank[d]))
+                entry.update(bias=round(float(affine.bias[d]), 6), bias_rank=int(bias_rank[d]))
             entries.append(entry)
         report["layer_norms"][str(d)] = entries
     report["hidden_size"] = model.config.hidden_size
     return report
 
 
-def norms_note(model: nn.Module, norms: list[nn.Module]) -> str:
-    """What the norm entries mean for this model's family (empty for BERT's post-LN layout with LayerNorms)."""
+def norms_note(model: nn.Module, norms: list) -> str:
+    """What the norm entries mean for this model's family (empty for BERT's post-LN layout with LayerNorms): `norms`
+    holds (module, core.families.NormAffine) pairs."""
     parts = []
-    if any(not isinstance(module, nn.LayerNorm) for module in norms):
+    if any(not affine.centres for _, affine in norms):
         parts.append("RMSNorm: traced like a LayerNorm's gain; it has no bias")
+    if any(getattr(module, "weight", None) is None for module, _ in norms):
+        parts.append("a norm without parameters (OLMo's LayerNorm) has gain 1 on every dim: it cannot single one out")
+    if any(isinstance(getattr(module, "weight", None), Tensor)
+           and not torch.allclose(affine.gain, module.weight.detach().float().cpu()) for module, affine in norms):
+        parts.append("the gain is the one the norm applies, not its stored weight (Gemma's RMSNorm: 1 + weight)")
     if pre_norm(model):
         parts.append("pre-LN: a norm inside layer l (placement pre) normalises the input of its attention or MLP and "
                      "writes no hidden state")
