@@ -195,10 +195,16 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
     return None
 
 
+CONTEXT_LENGTHS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")  # config keys
+
+
 def model_max_length(model: nn.Module, tokenizer=None) -> int:
-    """The longest input the model takes: its position table size minus RoBERTa's padding offset."""
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is None or positions <= 0:
+    """The longest input the model takes: its position table size minus RoBERTa's padding offset, or the context its
+    config names otherwise (MPT's `max_seq_len`: its ALiBi biases are built for that many positions); without one
+    (BLOOM's ALiBi), the tokenizer's `model_max_length`, or 512."""
+    positions = next((value for value in (getattr(model.config, key, None) for key in CONTEXT_LENGTHS)
+                      if isinstance(value, int) and value > 0), None)
+    if positions is None:
         limit = getattr(tokenizer, "model_max_length", 512) if tokenizer is not None else 512
         return int(limit) if limit < 1_000_000 else 512
     return positions - position_offset(model)

@@ -11,7 +11,7 @@ from transformers import AutoModel, AutoTokenizer
 from core.errors import UserError
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from metrics.transforms import clip_spec, keep_mask, zero_dims
-from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences, save_tiny_encoder
+from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences, save_planted, save_tiny_encoder
 
 SENTENCES = corpus_sentences(6, start=100)
 
@@ -220,3 +220,22 @@ def test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_na
         load_encoder(path)  # refused by default (issue 31)
     with pytest.warns(UserWarning, match=r"not in the checkpoint \(randomly initialised\): .*layer\.1\.output\.dense\.weight"):
         load_encoder(path, allow_random_weights=True)
+
+
+def test_a_context_named_otherwise_is_the_limit(tmp_path, bert_tok):
+    """MPT names its context `max_seq_len` (its ALiBi biases are built for that many positions): a sentence longer
+    than it is truncated there, not at the tokenizer's 64, which would crash MPT's attention."""
+    from transformers import MptConfig, MptModel
+
+    torch.manual_seed(0)
+    model = MptModel(MptConfig(vocab_size=len(bert_tok), d_model=16, n_layers=1, n_heads=2, max_seq_len=12))
+    directory = save_planted(model, bert_tok, tmp_path / "mpt")
+    encoder = load_encoder(directory)
+    assert bert_tok.model_max_length > 12 and encoder.max_length == 12
+    text = " ".join(["the"] * 40)
+    with pytest.warns(UserWarning, match="^1 sentences were longer than 12"):
+        (batch,) = list(encoder.batches([text], batch_size=1, progress=False))
+    ids = torch.tensor([bert_tok(text, truncation=True, max_length=12)["input_ids"]])
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(batch.hidden_states[:, 0], torch.stack(expected)[:, 0].float())
