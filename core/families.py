@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor, nn
 
-BLOCK_LISTS = ("h", "layers", "layer")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer
-FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_norm")
+BLOCK_LISTS = ("h", "layers", "layer", "blocks")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer / MPT
+FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_norm", "final_layernorm", "norm_f")  # ... Phi, MPT
 POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2; OPT (offset 2). BERT's embeddings.position_embeddings: models.py
 
 
@@ -41,7 +41,8 @@ class Family:
 
     model_type: str
     causal: bool  # each token sees only itself and the tokens before it
-    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "no absolute table"
+    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" |
+    # "no absolute table" (relative: DeBERTa; ALiBi: BLOOM, MPT)
     norms: str  # "post-LN" | "pre-LN"
     last_layer: str  # what hidden_states[L] is
 
@@ -63,20 +64,52 @@ def is_causal(config) -> bool:
 
 def decoder_stack(model: nn.Module) -> Stack | None:
     """The flat layer list of a model that is not BERT's `embeddings` + `encoder.layer` layout: GPT-2's `h`, Llama's,
-    GPT-NeoX's and ModernBERT's `layers`, OPT's `decoder.layers`, with the final norm beside it (None when none)."""
+    GPT-NeoX's and ModernBERT's `layers`, OPT's `decoder.layers`, MPT's `blocks`, with the final norm beside it (None
+    when none). BERT's layout with a norm after its layers (pre-LN encoders: Megatron-BERT's `encoder.ln`, ESM's
+    `encoder.emb_layer_norm_after`, XLM-RoBERTa-XL's `encoder.LayerNorm`) is a stack too: transformers' last hidden
+    state is that norm's output; BERT's own layout (post-LN, no final norm) is None (core.models.layer_stack)."""
     base = _base(model)
-    if getattr(base, "encoder", None) is not None and getattr(base, "embeddings", None) is not None:
-        return None  # BERT's layout: core.models.layer_stack
-    count = getattr(getattr(base, "config", None), "num_hidden_layers", None)
+    config = getattr(base, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    encoder = getattr(base, "encoder", None)
+    if encoder is not None and getattr(base, "embeddings", None) is not None:
+        blocks = getattr(encoder, "layer", None)
+        if not isinstance(blocks, nn.ModuleList) or not blocks or _ends_in_norm(blocks[-1], hidden):
+            return None  # post-LN (BERT, RoBERTa, DeBERTa: each layer's output goes through its own LayerNorm)
+        norm = _final_norm(encoder, blocks, hidden)
+        return Stack(encoder, blocks, norm) if norm is not None else None
+    count = getattr(config, "num_hidden_layers", None)
     for container in (base, getattr(base, "decoder", None)):
         if not isinstance(container, nn.Module):
             continue
-        for name in BLOCK_LISTS:
-            blocks = getattr(container, name, None)
+        lists = [getattr(container, name, None) for name in BLOCK_LISTS]
+        lists += [child for child in container.children() if isinstance(child, nn.ModuleList)]  # any other name
+        for blocks in lists:
             if isinstance(blocks, nn.ModuleList) and len(blocks) > 0 and (count is None or len(blocks) == count):
-                norm = next((getattr(container, n) for n in FINAL_NORMS
-                             if isinstance(getattr(container, n, None), nn.Module)), None)
-                return Stack(container, blocks, norm)
+                return Stack(container, blocks, _final_norm(container, blocks, hidden))
+    return None
+
+
+def _ends_in_norm(layer: nn.Module, hidden: int | None) -> bool:
+    """A BERT-layout layer whose output sub-module ends in a norm (`output.LayerNorm`): post-LN."""
+    output = getattr(layer, "output", None)
+    norms = [getattr(output, name, None) for name in ("LayerNorm", "layer_norm", "norm")]
+    return hidden is None or any(isinstance(norm, nn.Module) and norm_affine(norm, hidden) is not None
+                                 for norm in norms)
+
+
+def _final_norm(container: nn.Module, blocks: nn.Module, hidden: int | None) -> nn.Module | None:
+    """The norm after `blocks`: one of FINAL_NORMS, or else a norm over the hidden size that `container` registers
+    after its blocks (XGLM's `layer_norm`, ESM's `emb_layer_norm_after`); None when there is none."""
+    named = next((getattr(container, name) for name in FINAL_NORMS
+                  if isinstance(getattr(container, name, None), nn.Module)), None)
+    if named is not None or hidden is None:
+        return named
+    after = False
+    for child in container.children():
+        if after and norm_affine(child, hidden) is not None:
+            return child
+        after = after or child is blocks
     return None
 
 
@@ -177,6 +210,11 @@ def norm_affine(module: nn.Module, hidden: int) -> NormAffine | None:
     gain = gain * torch.where(signs == 0, torch.ones_like(signs), signs)  # divide by the probe's signs
     bias = (up + down) / 2 if isinstance(getattr(module, "bias", None), Tensor) else None
     return NormAffine(gain, bias, centres=torch.allclose(shifted, up, atol=tolerance, rtol=0))
+
+
+def is_sinusoidal(model: nn.Module) -> bool:
+    """Fixed sinusoidal absolute positions added to the embeddings (XGLM's `embed_positions`), not rotary ones."""
+    return not is_rotary(model) and any("Sinusoidal" in type(m).__name__ for m in model.modules())
 
 
 def is_norm(module: nn.Module, hidden: int) -> bool:

@@ -142,6 +142,8 @@ def model_family(model: nn.Module) -> families.Family:
         positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
     elif families.is_rotary(model):
         positions = "rotary (RoPE)"
+    elif families.is_sinusoidal(model):
+        positions = "fixed sinusoids"
     else:
         positions = "no absolute table"
     stack = families.decoder_stack(model)
@@ -237,6 +239,8 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
         if families.is_rotary(model):
             return None, ("rotary position embeddings (RoPE) rotate queries and keys inside attention: no position "
                           "table to trace")
+        if families.is_sinusoidal(model):
+            return None, "fixed sinusoidal positions (Vaswani et al.), not learned: no table to trace"
         return None, "no absolute position-embedding table"
     weight = table.weight.detach().float().cpu()  # [positions, width]
     if not weight.any():

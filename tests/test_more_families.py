@@ -1,0 +1,144 @@
+"""The families researchers bring beyond the six of tests/test_families.py, each a tiny random model of
+transformers' own class: the encoder's padded batches against each sentence alone through transformers, the live
+callbacks' hooks against `output_hidden_states`, the position mechanism the report names, and layernorm_zero
+reaching every norm (core.families.norm_affine).
+
+    .venv/bin/pytest tests/test_more_families.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from core.capture import HiddenStateCapture
+from core.models import hidden_state_sites, layer_norms, model_family
+from lightning_modules.encoder import load_encoder
+from lightning_modules.interventions import Intervention, intervene
+from tests.tiny import corpus_sentences, save_planted
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WIDTH, DEPTH, POSITIONS = 16, 2, 40
+
+
+def configs(vocab: int) -> dict:
+    """kind -> (a config of transformers' class for it, the positions its report names)."""
+    import transformers as tf
+
+    ids = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    common = dict(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=POSITIONS, **ids)
+    gpt = dict(vocab_size=vocab, n_embd=WIDTH, n_layer=DEPTH, n_head=2, n_inner=32, n_positions=POSITIONS, **ids)
+    grouped = dict(common, num_key_value_heads=1)
+    table, rotary, none = "learned table", "rotary (RoPE)", "no absolute table"
+    return {
+        "xlm-roberta": (tf.XLMRobertaConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
+        "deberta": (tf.DebertaConfig(**common, relative_attention=True, position_biased_input=False), none),
+        "deberta-v2": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
+                                          position_buckets=16, pos_att_type=["c2p", "p2c"],
+                                          norm_rel_ebd="layer_norm", share_att_key=True), none),
+        "megatron-bert": (tf.MegatronBertConfig(**common), table),  # pre-LN layers, a final norm: encoder.ln
+        "xlm-roberta-xl": (tf.XLMRobertaXLConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
+        "mpnet": (tf.MPNetConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
+        "electra": (tf.ElectraConfig(**common, embedding_size=8), table),
+        "esm": (tf.EsmConfig(**common, position_embedding_type="rotary", mask_token_id=3), rotary),
+        "big_bird": (tf.BigBirdConfig(**common, attention_type="original_full"), table),
+        "gpt_neo": (tf.GPTNeoConfig(vocab_size=vocab, hidden_size=WIDTH, num_layers=DEPTH, num_heads=2,
+                                    intermediate_size=32, max_position_embeddings=POSITIONS,
+                                    attention_types=[[["global", "local"], 1]], window_size=4, **ids), table),
+        "gptj": (tf.GPTJConfig(**gpt, rotary_dim=4), rotary),
+        "gpt_bigcode": (tf.GPTBigCodeConfig(**gpt), table),
+        "codegen": (tf.CodeGenConfig(**gpt, n_ctx=POSITIONS, rotary_dim=4), rotary),
+        "mistral": (tf.MistralConfig(**grouped, sliding_window=None), rotary),
+        "qwen2": (tf.Qwen2Config(**grouped), rotary),
+        "qwen3": (tf.Qwen3Config(**grouped, head_dim=8), rotary),
+        "gemma": (tf.GemmaConfig(**grouped, head_dim=8), rotary),
+        "gemma2": (tf.Gemma2Config(**grouped, head_dim=8), rotary),
+        "gemma3_text": (tf.Gemma3TextConfig(**grouped, head_dim=8), rotary),
+        "phi": (tf.PhiConfig(**common), rotary),
+        "phi3": (tf.Phi3Config(**common), rotary),
+        "stablelm": (tf.StableLmConfig(**common, num_key_value_heads=2), rotary),
+        "olmo": (tf.OlmoConfig(**common), rotary),
+        "olmo2": (tf.Olmo2Config(**common), rotary),
+        "starcoder2": (tf.Starcoder2Config(**grouped), rotary),
+        "falcon": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                                   num_attention_heads=2, max_position_embeddings=POSITIONS, **ids), rotary),
+        "bloom": (tf.BloomConfig(vocab_size=vocab, hidden_size=WIDTH, n_layer=DEPTH, n_head=2, **ids), none),
+        "mpt": (tf.MptConfig(vocab_size=vocab, d_model=WIDTH, n_layers=DEPTH, n_heads=2, max_seq_len=POSITIONS,
+                             **ids), none),
+        "xglm": (tf.XGLMConfig(vocab_size=vocab, d_model=WIDTH, num_layers=DEPTH, attention_heads=2, ffn_dim=32,
+                               max_position_embeddings=POSITIONS, **ids), "fixed sinusoids"),
+    }
+
+
+KINDS = list(configs(10))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, roberta_tok):
+    """kind -> the directory of its tiny random model (1-d weights randomised: every norm's gain differs)."""
+    root, found = tmp_path_factory.mktemp("more_families"), {}
+
+    def plant(model):
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.normal_()
+    for kind, (config, _) in configs(len(roberta_tok)).items():
+        torch.manual_seed(0)
+        found[kind] = save_planted(AutoModel.from_config(config), roberta_tok, root / kind, plant)
+    return found
+
+
+TEXTS = corpus_sentences(5, start=40)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_batches_are_each_sentence_alone(kind, saved, roberta_tok):
+    """The encoder's right-padded batches (causal or bidirectional, ALiBi, rotary, relative) equal each sentence run
+    alone, unpadded, through transformers' own model, at every layer."""
+    encoder = load_encoder(str(saved[kind]), device="cpu")
+    model = AutoModel.from_pretrained(saved[kind]).eval()
+    batches = list(encoder.batches(TEXTS, batch_size=5, max_length=POSITIONS - 8, progress=False))
+    assert len(batches) == 1 and not batches[0].mask.all()  # padded: the sentences differ in length
+    for index, text in enumerate(TEXTS):
+        row = batches[0].rows.index(index)  # a batch is sorted by length
+        ids = roberta_tok(text, truncation=True, max_length=POSITIONS - 8, return_tensors="pt")
+        with torch.no_grad():
+            alone = torch.stack(model(**ids, output_hidden_states=True).hidden_states)[:, 0]
+        kept = batches[0].mask[row]
+        torch.testing.assert_close(batches[0].hidden_states[:, row, kept].float(), alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hooks_read_the_hidden_states_and_the_report_names_the_positions(kind, saved, roberta_tok):
+    model = AutoModel.from_pretrained(saved[kind]).eval()
+    ids = torch.randint(3, len(roberta_tok), (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states)
+        with HiddenStateCapture(hidden_state_sites(model), list(range(len(expected)))) as capture:
+            model(input_ids=ids)
+    torch.testing.assert_close(capture.stack(), expected)
+    named = configs(10)[kind][1]
+    assert model_family(model).positions == named
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layernorm_zero_reaches_every_norm(kind, saved):
+    """Every norm over the hidden size (its class whatever it is) writes 0 at the dims under layernorm_zero; the
+    norms found are every leaf module called *LayerNorm / *RMSNorm over the hidden size that transformers runs."""
+    model, dims = AutoModel.from_pretrained(saved[kind]).eval(), [3, 11]
+    norms = layer_norms(model)
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
+               for name, _, module in norms]
+    named = {name for name, module in model.named_modules()
+             if type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+             and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)}
+    with torch.no_grad(), intervene(model, Intervention("layernorm_zero", dims=tuple(dims))):
+        model(input_ids=torch.tensor([[5, 9, 14, 7]]))
+    for handle in handles:
+        handle.remove()
+    assert norms and {name for name, _, _ in norms} == named and set(outputs) == named
+    assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
