@@ -77,6 +77,10 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
+    if layer_stack(model) is None and getattr((find_encoder(model) or model).config, "num_hidden_groups", None):
+        raise UserError(f"cannot capture the hidden states of {type(model).__name__} by hooks: its layers share their "
+                        "modules (ALBERT's layer groups run one module for several layers), so a hook cannot tell "
+                        "them apart; analyses that read transformers' hidden_states work")
     if layer_stack(model) is None:
         raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers model "
                         "with BERT's layout (`embeddings` and `encoder.layer`) nor a flat layer list (`h`, `layers`, "

@@ -142,3 +142,18 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
         handle.remove()
     assert norms and {name for name, _, _ in norms} == named and set(outputs) == named
     assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
+
+
+def test_albert_shared_layers_are_refused_by_the_hooks_in_one_line(roberta_tok):
+    """ALBERT runs one module for several layers: hooks cannot tell them apart, and activation_zero says so before
+    any forward pass."""
+    import transformers as tf
+
+    from core.errors import UserError
+    from lightning_modules.interventions import check_intervention
+
+    model = AutoModel.from_config(tf.AlbertConfig(vocab_size=len(roberta_tok), embedding_size=8, hidden_size=WIDTH,
+                                                  num_hidden_layers=4, num_attention_heads=2, intermediate_size=32))
+    assert model.config.num_hidden_groups == 1  # every layer runs the same module
+    with pytest.raises(UserError, match="its layers share their modules"):
+        check_intervention(model, "activation_zero")
