@@ -181,9 +181,13 @@ def print_intervene(report: dict) -> None:
         if rms:
             print(f"{name}: {len(rms)} of its {len(entry['norms'])} norms have no bias (an RMSNorm, or a LayerNorm "
                   "without one): their gain alone is zeroed")
-        if report["model_family"]["norms"] == "pre-LN" and entry.get("norms"):
+        placements = {norm.get("placement") for norm in entry.get("norms", ())}
+        if report["model_family"]["norms"] == "pre-LN" and "pre" in placements:
             print(f"{name}: pre-LN norms normalise a sub-layer's input: the dims are removed from what it reads, not "
                   "from the residual stream (the final norm's: from layer L)")
+        if "sublayer_output" in placements:
+            print(f"{name}: norms placed sublayer_output normalise a sub-layer's output: the dims are removed from what "
+                  "it adds to the residual stream")
         if "acts_at" in entry and report["model_family"]["norms"] == "pre-LN":
             print(f"{name} acts at: " + "; ".join(f"layer {layer}: {where}" for layer, where in entry["acts_at"].items()))
 

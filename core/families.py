@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor, nn
 
+from core.norms import feeding_norms, norm_affine
+
 BLOCK_LISTS = ("h", "layers", "layer", "blocks")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer / MPT
 FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_norm", "final_layernorm", "norm_f")  # ... Phi, MPT
 POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2; OPT (offset 2). BERT's embeddings.position_embeddings: models.py
@@ -144,83 +146,9 @@ def is_rotary(model: nn.Module) -> bool:
     return hasattr(config, "rotary_value") or any("Rotary" in type(m).__name__ for m in model.modules())
 
 
-NORM_CLASSES = ("LayerNorm", "RMSNorm")  # class-name endings of transformers' own norms (DebertaLayerNorm, OLMo's)
-
-
-@dataclass(frozen=True)
-class NormAffine:
-    """What a norm applies per dimension after normalising, read off its forward pass (core.families.norm_affine)."""
-
-    gain: Tensor  # [hidden] the effective gain: Gemma's 1 + weight, 1 everywhere for OLMo's parameter-free LayerNorm
-    bias: Tensor | None  # [hidden], or None when the module has no bias (an RMSNorm, Llama's or Gemma's)
-    centres: bool  # subtracts the mean (a LayerNorm), not only divides by the RMS (an RMSNorm)
-
-
-def _probe(width: int) -> Tensor:
-    """+1, -1, +1, ... of mean 0 (an odd width ends in 0): a normalised vector for a LayerNorm and an RMSNorm alike."""
-    import torch
-
-    signs = torch.ones(width)
-    signs[1::2] = -1.0
-    if width % 2:
-        signs[-1] = 0.0
-    return signs
-
-
-def norm_affine(module: nn.Module, hidden: int) -> NormAffine | None:
-    """The per-dimension gain and bias `module` applies, when it is a norm over `hidden`: a leaf nn.LayerNorm /
-    nn.RMSNorm or a transformers `*LayerNorm` / `*RMSNorm` whose output does not change when its input is scaled.
-    Read from the module's own forward (float32, on the CPU), not its parameters: Gemma's RMSNorm multiplies by
-    1 + weight, OLMo's LayerNorm has no parameters. None for anything else (MobileBERT's NoNorm, a norm over another
-    width such as ALBERT's embedding size or Qwen3's per-head query norm)."""
-    import copy
-
-    import torch
-
-    name = type(module).__name__
-    if next(module.children(), None) is not None or not (
-            isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) or name.endswith(NORM_CLASSES)):
-        return None
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, Tensor) and tuple(weight.shape) != (hidden,):
-        return None
-    probe = copy.deepcopy(module).to("cpu", torch.float32)
-    signs = _probe(hidden)
-    scale = 1e3  # |x| >> eps: the output is the gain to float32 precision, whatever eps the norm adds
-
-    def out(x: Tensor) -> Tensor | None:
-        try:
-            with torch.no_grad():
-                y = probe(x[None])
-        except (RuntimeError, TypeError, ValueError):
-            return None
-        return y[0].float() if isinstance(y, Tensor) and tuple(y.shape) == (1, hidden) else None
-
-    up, down, twice, shifted = (out(scale * signs), out(-scale * signs), out(2 * scale * signs),
-                                out(scale * (signs + 1)))
-    if up is None or down is None or twice is None or shifted is None:
-        return None
-    tolerance = 1e-4 * (float(up.abs().max()) + 1e-6)
-    if not torch.allclose(twice, up, atol=tolerance, rtol=0):  # not scale-invariant: not a norm
-        return None
-    gain = (up - down) / 2 * signs.pow(2).mean().sqrt()
-    if hidden % 2:  # the last dimension is 0 in the probe: read it from the probe shifted by one
-        other = torch.roll(signs, 1)
-        gain[-1] = float((out(scale * other)[-1] - out(-scale * other)[-1]) / 2 * other.pow(2).mean().sqrt() / other[-1])
-    gain = gain * torch.where(signs == 0, torch.ones_like(signs), signs)  # divide by the probe's signs
-    bias = (up + down) / 2 if isinstance(getattr(module, "bias", None), Tensor) else None
-    return NormAffine(gain, bias, centres=torch.allclose(shifted, up, atol=tolerance, rtol=0))
-
-
 def is_sinusoidal(model: nn.Module) -> bool:
     """Fixed sinusoidal absolute positions added to the embeddings (XGLM's `embed_positions`), not rotary ones."""
     return not is_rotary(model) and any("Sinusoidal" in type(m).__name__ for m in model.modules())
-
-
-def is_norm(module: nn.Module, hidden: int) -> bool:
-    """A LayerNorm or an RMSNorm over the hidden size (norm_affine: torch's, or any transformers norm that behaves
-    as one)."""
-    return norm_affine(module, hidden) is not None
 
 
 def pre_norm(model: nn.Module) -> bool:
@@ -231,7 +159,9 @@ def pre_norm(model: nn.Module) -> bool:
 
 def norm_placement(model: nn.Module, module: nn.Module) -> tuple[list[int], str] | None:
     """(hidden-state layers, placement) of a norm of a decoder stack: "pre" inside layer l (it normalises the input of
-    a sub-layer; the residual stream it reads is not its output), "post" inside layer l without pre-LN, "final" (it
+    a sub-layer; the residual stream it reads is not its output), "sublayer_output" inside layer l of a pre-LN stack
+    (it normalises a sub-layer's output before the residual stream adds it: Gemma 2/3's and OLMo-2's
+    post_*_layernorm; core.norms.feeding_norms tells them apart), "post" inside layer l without pre-LN, "final" (it
     writes layer L), "embedding" (it writes layer 0: ModernBERT's embedding norm), "head" outside the model's body (no
     hidden state); None for BERT's layout (core.models.written_layers)."""
     stack = decoder_stack(model)
@@ -241,7 +171,11 @@ def norm_placement(model: nn.Module, module: nn.Module) -> tuple[list[int], str]
         return [len(stack.blocks)], "final"
     for index, block in enumerate(stack.blocks):
         if any(inner is module for inner in block.modules()):
-            return [index + 1], "pre" if pre_norm(model) else "post"
+            if not pre_norm(model):
+                return [index + 1], "post"
+            hidden = getattr(getattr(_base(model), "config", None), "hidden_size", None)
+            fed = feeding_norms(_base(model), stack.blocks, hidden) if hidden else None
+            return [index + 1], "pre" if fed is None or id(module) in fed else "sublayer_output"
     if any(inner is module for inner in _base(model).modules()):
         return [0], "embedding"
     return [], "head"

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from core import families
 from core.errors import UserError
+from core.norms import is_norm
 from core.sources import short_name  # noqa: F401  (a readable name for a model path: the path rule's)
 
 
@@ -77,7 +78,8 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
-    if layer_stack(model) is None and getattr((find_encoder(model) or model).config, "num_hidden_groups", None):
+    shared = getattr(getattr(find_encoder(model) or model, "config", None), "num_hidden_groups", None)
+    if layer_stack(model) is None and shared:
         raise UserError(f"cannot capture the hidden states of {type(model).__name__} by hooks: its layers share their "
                         "modules (ALBERT's layer groups run one module for several layers), so a hook cannot tell "
                         "them apart; analyses that read transformers' hidden_states work")
@@ -274,14 +276,19 @@ def written_layers(model: nn.Module, name: str) -> list[int]:
     return [int(match.group(1)) + 1 if match else 0]
 
 
+QUERY_KEY_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm", "q_ln", "k_ln")
+
+
 def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.Module]]:
     """(name, hidden-state layers it writes, module) for each LayerNorm or RMSNorm (a gain, no bias: Llama) over the
     hidden size, in model order. In a decoder stack the layers are those of core.families.norm_placement (a pre-LN
-    norm inside layer l: [l]; the final norm: [L]); norms of a head outside the model's body are left out."""
+    norm inside layer l: [l]; the final norm: [L]); norms of a head outside the model's body are left out, and so are
+    the norms of queries and keys (OLMo-2's `q_norm` over all heads is as wide as the hidden size, but its dims are a
+    projection's, not the hidden state's)."""
     hidden = model.config.hidden_size
     found = []
     for name, module in model.named_modules():
-        if families.is_norm(module, hidden):
+        if is_norm(module, hidden) and name.rsplit(".", 1)[-1] not in QUERY_KEY_NORMS:
             placed = families.norm_placement(model, module)
             if placed is None or placed[0]:
                 found.append((name, placed[0] if placed is not None else written_layers(model, name), module))

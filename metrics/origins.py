@@ -13,7 +13,7 @@ For each dimension d:
   all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
   shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers. An RMSNorm
   (Llama, Qwen) is traced like a LayerNorm's gain and has no bias. Gains and biases are what the norm applies
-  (core.families.norm_affine, read off its forward pass): Gemma's RMSNorm gain is 1 + its weight, and OLMo's
+  (core.norms.norm_affine, read off its forward pass): Gemma's RMSNorm gain is 1 + its weight, and OLMo's
   parameter-free LayerNorm has gain 1 everywhere. In a pre-LN model (GPT-2, Llama, GPT-NeoX, OPT,
   ModernBERT) a norm inside layer l normalises the input of its attention or MLP and writes no hidden state: its entry
   has layer l and placement "pre"; the final norm writes layer L ("final"); `layer_norms_note` says so.
@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from core.families import decoder_stack, norm_affine, norm_placement, pre_norm
+from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
+from core.norms import norm_affine
 from metrics.ranks import rank_by_magnitude
 
 
@@ -88,6 +89,9 @@ def norms_note(model: nn.Module, norms: list) -> str:
     if pre_norm(model):
         parts.append("pre-LN: a norm inside layer l (placement pre) normalises the input of its attention or MLP and "
                      "writes no hidden state")
+    if any((norm_placement(model, module) or (None, None))[1] == "sublayer_output" for module, _ in norms):
+        parts.append("a norm placed sublayer_output (Gemma 2/3's, OLMo-2's post_*_layernorm) normalises its sub-layer's "
+                     "output before the residual stream adds it")
     stack = decoder_stack(model)
     if stack is not None and stack.final_norm is not None:
         parts.append("the final norm (placement final) writes layer L, transformers' last hidden state")

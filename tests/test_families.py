@@ -18,8 +18,8 @@ import analyze
 import probe
 from core.capture import HiddenStateCapture
 from core.errors import UserError
-from core.families import is_norm
 from core.models import attention_projections, hidden_state_sites, position_embedding
+from core.norms import is_norm
 from lightning_modules.encoder import load_encoder
 from lightning_modules.pooling import mean_pool
 from metrics.outliers import OutlierRule

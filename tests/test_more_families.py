@@ -1,7 +1,7 @@
 """The families researchers bring beyond the six of tests/test_families.py, each a tiny random model of
 transformers' own class: the encoder's padded batches against each sentence alone through transformers, the live
 callbacks' hooks against `output_hidden_states`, the position mechanism the report names, and layernorm_zero
-reaching every norm (core.families.norm_affine).
+reaching every norm (core.norms.norm_affine).
 
     .venv/bin/pytest tests/test_more_families.py -q
 """
@@ -61,7 +61,7 @@ def configs(vocab: int) -> dict:
         "phi3": (tf.Phi3Config(**common), rotary),
         "stablelm": (tf.StableLmConfig(**common, num_key_value_heads=2), rotary),
         "olmo": (tf.OlmoConfig(**common), rotary),
-        "olmo2": (tf.Olmo2Config(**common), rotary),
+        "olmo2": (tf.Olmo2Config(**common), rotary),  # its q_norm and k_norm span all heads: as wide as hidden
         "starcoder2": (tf.Starcoder2Config(**grouped), rotary),
         "falcon": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
                                    num_attention_heads=2, max_position_embeddings=POSITIONS, **ids), rotary),
@@ -133,8 +133,8 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
     outputs: dict[str, torch.Tensor] = {}
     handles = [module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
                for name, _, module in norms]
-    named = {name for name, module in model.named_modules()
-             if type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+    named = {name for name, module in model.named_modules()  # OLMo-2's query and key norms are as wide, not hidden
+             if type(module).__name__.endswith(("LayerNorm", "RMSNorm")) and not name.endswith(("q_norm", "k_norm"))
              and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)}
     with torch.no_grad(), intervene(model, Intervention("layernorm_zero", dims=tuple(dims))):
         model(input_ids=torch.tensor([[5, 9, 14, 7]]))
@@ -157,3 +157,36 @@ def test_albert_shared_layers_are_refused_by_the_hooks_in_one_line(roberta_tok):
     assert model.config.num_hidden_groups == 1  # every layer runs the same module
     with pytest.raises(UserError, match="its layers share their modules"):
         check_intervention(model, "activation_zero")
+
+
+@pytest.mark.parametrize("kind, placements", [
+    ("mistral", ["pre", "pre"]),  # Llama's layout: input_layernorm feeds attention, post_attention_layernorm the MLP
+    ("gemma2", ["pre", "sublayer_output", "pre", "sublayer_output"]),  # input, post_attention, pre_ and post_feedforward
+    ("olmo2", ["sublayer_output", "sublayer_output"]),  # post_attention, post_feedforward; q_norm, k_norm left out
+])
+def test_a_norm_that_normalises_a_sublayers_output_is_placed_so(kind, placements, saved):
+    """Each block's norms in order, as transformers' modeling code runs them (read by hand), then the final norm; and
+    the block's last sublayer_output norm adds to the residual stream: a shift of its output at one dim moves the
+    block's output by exactly that shift, at that dim only."""
+    from core.families import norm_placement
+
+    model = AutoModel.from_pretrained(saved[kind]).eval()
+    norms = layer_norms(model)
+    assert [norm_placement(model, module)[1] for _, _, module in norms] == placements * DEPTH + ["final"]
+    if placements[-1] != "sublayer_output":
+        return
+    block = model.layers[0]
+    last = [module for _, layers, module in norms if layers == [1]][-1]
+    ids = torch.tensor([[5, 9, 14, 7]])
+    outputs = []
+    hook = block.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        model(input_ids=ids)
+        shift = last.register_forward_hook(lambda m, a, out: out + 2.5 * torch.nn.functional.one_hot(
+            torch.tensor(3), WIDTH))
+        model(input_ids=ids)
+    hook.remove()
+    shift.remove()
+    expected = torch.zeros(WIDTH)
+    expected[3] = 2.5
+    torch.testing.assert_close(outputs[1] - outputs[0], expected.expand_as(outputs[0]), rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Norms read off their forward pass (core.families.norm_affine): every transformers norm class a model may use
+"""Norms read off their forward pass (core.norms.norm_affine): every transformers norm class a model may use
 (DeBERTa's and OLMo's own LayerNorms, Gemma's 1 + weight RMSNorm), its gain and bias against each class's formula
 written out by hand, and the origins report and layernorm_zero on models that use them.
 
@@ -16,8 +16,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mobilebert.modeling_mobilebert import NoNorm
 from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
 
-from core.families import norm_affine
 from core.models import layer_norms
+from core.norms import norm_affine
 from lightning_modules.interventions import Intervention, intervene, norm_sites
 from metrics.origins import trace_origins
 
