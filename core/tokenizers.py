@@ -19,10 +19,12 @@ from core.sources import check_hub, local_path
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
 
 
-def load_tokenizer(source: str | Path):
+def load_tokenizer(source: str | Path, mask: bool = True):
     """An existing tokenizer by hub id, local directory or a `tokenizers` file (`Tokenizer.save("tok.json")`); it
-    must be fast and have <mask> and <pad> tokens. A bare `tokenizers` file names no token's role: roles are taken
-    from its special tokens' conventional names (`name_special_tokens`)."""
+    must be fast, and have a mask token when `mask` (the MLM objective; a causal one, or an analysis, needs none). A bare `tokenizers` file
+    names no token's role: roles are taken from its special tokens' conventional names (`name_special_tokens`). A
+    tokenizer without a pad token (GPT-2's, Llama's) gets one added, with a warning: the model's `pad_token_id` must be
+    an id no text holds (RoBERTa's embeddings number positions past it), and the blocks it trains on are full."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = local_path(source, "tokenizer")
@@ -38,13 +40,16 @@ def load_tokenizer(source: str | Path):
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
         raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
     name_special_tokens(tokenizer, source)
-    for name in ("mask_token_id", "pad_token_id"):
-        if getattr(tokenizer, name, None) is None:
-            token = name.removesuffix("_token_id")
-            raise UserError(f"tokenizer {source} has no {token} token, needed for MLM; name it: "
-                            f"PreTrainedTokenizerFast(tokenizer_file=..., {token}_token=...).save_pretrained(DIR)")
+    if mask and tokenizer.mask_token_id is None:
+        raise UserError(f"tokenizer {source} has no mask token, needed for MLM; name it: "
+                        "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)")
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
+    if tokenizer.pad_token_id is None:
+        added = next(name for name in ("<pad>", "[PAD]", "<|pad|>", "<pad_0>") if name not in tokenizer.get_vocab())
+        tokenizer.add_special_tokens({"pad_token": added})
+        warnings.warn(f"tokenizer {source} has no pad token: added {added} as id {tokenizer.pad_token_id} (the "
+                      "model's pad_token_id; the training blocks are full, so none holds it)", stacklevel=2)
     return tokenizer
 
 

@@ -90,7 +90,7 @@ class MLMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self._existing_tokenizer = load_tokenizer(tokenizer) if tokenizer != "train" else None
+        self._existing_tokenizer = load_tokenizer(tokenizer, mask=objective == "mlm") if tokenizer != "train" else None
         if self._existing_tokenizer is not None:  # ignored, so set to the model's (linked): loggers merge both hparams
             self.hparams["vocab_size"] = self._hparams_initial["vocab_size"] = vocab_limit(self._existing_tokenizer)
         self._validate_arguments()

@@ -117,6 +117,11 @@ def build_model(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_a
     """
     objective, positions = resolve_arm(objective, positions, position_embeddings,
                                        (attention or {}).get("attention", "softmax"))
+    if positions != "rope" and pad_token_id + 1 >= max_position_embeddings:  # nn.Embedding's assertion otherwise
+        raise UserError(f"the tokenizer's pad id {pad_token_id} leaves no row of RoBERTa's position table "
+                        f"(--model.max_position_embeddings {max_position_embeddings}): its positions run from pad id "
+                        "+ 1, so it needs pad id + 1 + the block length rows; use a tokenizer whose pad token has a "
+                        "small id (RoBERTa's 1, BERT's 0), or the rotary arm (--model.positions rope: positions from 0)")
     config_class, auto, implementation = model_classes(objective, positions)
     config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,

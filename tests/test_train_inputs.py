@@ -296,3 +296,35 @@ def test_too_few_validation_blocks_for_the_ddp_processes_are_one_line_exit_2_and
     data.check_cache(600, 1)  # one process: its one validation block is enough
     with pytest.raises(UserError, match=re.escape(message)):
         data.check_cache(600, 2)
+
+
+def test_a_gpt2_style_tokenizer_trains_the_causal_rotary_arm_and_its_pad_is_added(corpus, cache, tmp_path, capsys):
+    """GPT-2's and Llama's tokenizers have no mask and no pad token. The causal arms need no mask; a pad token is
+    added (its id after the vocabulary, which no block holds), said in one warning, and the export carries it. The
+    learned-table arm cannot take that id (RoBERTa's positions start after the pad id): one line, nothing written."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_families import decoder_tokenizer
+
+    source = tmp_path / "gpt2-style"
+    original = decoder_tokenizer(tmp_path / "bpe", vocab_size=400)
+    original.save_pretrained(source)
+    assert original.mask_token_id is None and original.pad_token_id is None
+    root = tmp_path / "learned"
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(source), "--model.objective", "causal") \
+        .startswith(f"the tokenizer's pad id {len(original)} leaves no row of RoBERTa's position table")
+    assert not root.exists()
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(source)) == (
+        f"tokenizer {source} has no mask token, needed for MLM; name it: "
+        "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)")
+
+    root = tmp_path / "rope"
+    with pytest.warns(UserWarning, match=f"has no pad token: added <pad> as id {len(original)} "):
+        assert train.cli_main(tiny_args(root, corpus, cache, "--data.tokenizer", str(source), "--model.objective",
+                                        "causal", "--model.positions", "rope")) == 0
+    exported = AutoTokenizer.from_pretrained(root / "export")
+    assert exported.pad_token == "<pad>" and exported.pad_token_id == len(original)
+    text = "It is a truth universally acknowledged."
+    assert exported(text)["input_ids"] == original(text)["input_ids"]  # the same ids for every text
+    config = json.loads((root / "export" / "config.json").read_text())
+    assert config["pad_token_id"] == len(original) and config["vocab_size"] >= len(original) + 1
