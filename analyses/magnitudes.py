@@ -21,11 +21,12 @@ forward over the sentences, only when the sinks are asked for (the default in `o
 from __future__ import annotations
 
 import unicodedata
+import warnings
 
 import torch
 
 from core.defaults import MASSIVE_TOP_K
-from lightning_modules.encoder import EncodedBatch, FrozenEncoder
+from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
 from metrics.sinks import EPSILON, AttentionSinks
@@ -70,7 +71,7 @@ class Magnitudes:
         tokenizer = encoder.tokenizer
         pad = tokenizer.pad_token_id
         self.special_ids = sorted({i for i in tokenizer.all_special_ids if i != pad and i is not None})
-        self.sinks = None
+        self.sinks, self.sinks_note = None, ""
         if sinks:
             heads = getattr(encoder.model.config, "num_attention_heads", None) or encoder.model.config.n_heads
             self.sinks = AttentionSinks(encoder.num_layers, int(heads), epsilon, len(self.special_ids)).to(device)
@@ -99,13 +100,18 @@ class Magnitudes:
         attention; nothing without the sinks."""
         if self.sinks is None:
             return
-        with self.encoder.attention_weights():
-            for batch in setting.batches(sentences, desc="attention sinks"):
-                self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
+        try:
+            with self.encoder.attention_weights():
+                for batch in setting.batches(sentences, desc="attention sinks"):
+                    self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
+        except NoFullAttention as error:  # every rank runs the same model: all of them drop the sinks
+            self.sinks, self.sinks_note = None, f"attention sinks not measured: {error}"
+            warnings.warn(self.sinks_note, stacklevel=2)
 
     def header(self) -> dict:
         """The rules, once per report."""
-        return {"massive_rule": self.massive_rule.to_dict(), "magnitude_rule": self.magnitude_rule.to_dict(),
+        return {**({"attention_sinks_note": self.sinks_note} if self.sinks_note else {}),
+                "massive_rule": self.massive_rule.to_dict(), "magnitude_rule": self.magnitude_rule.to_dict(),
                 "attention_sinks": None if self.sinks is None else {
                     "epsilon": self.sinks.epsilon, "queries": QUERIES,
                     "special_tokens": self.encoder.tokenizer.convert_ids_to_tokens(self.special_ids)}}

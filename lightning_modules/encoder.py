@@ -84,6 +84,10 @@ def resolve_model_dir(source: str | Path) -> str:
     raise UserError(f"not a model directory (no config.json): {source}")
 
 
+class NoFullAttention(UserError):
+    """The model's attention weights are not a [batch, heads, seq, seq] matrix: the attention sinks cannot be read."""
+
+
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  exclude_special: bool = False, allow_random_weights: bool = False,
                  allow_option: str = "--allow_random_weights", masked_lm: bool = False) -> FrozenEncoder:
@@ -240,6 +244,11 @@ class FrozenEncoder(nn.Module):
             if not attentions or any(weights is None for weights in attentions):
                 raise UserError(f"{self.name} returns no attention weights (its attention implementation "
                                 f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none)")
+            seq = input_ids.shape[1]
+            if any(tuple(weights.shape[-2:]) != (seq, seq) for weights in attentions):
+                raise NoFullAttention(f"{self.name} returns attention weights of shape "
+                                      f"{tuple(attentions[0].shape[-2:])}, not a query x key matrix over the {seq} tokens "
+                                      "(Longformer's windowed, BigBird's block-sparse attention)")
             batch.attention_mass = torch.stack([key_attention(weights, mask) for weights in attentions])
         return batch
 

@@ -190,3 +190,29 @@ def test_a_norm_that_normalises_a_sublayers_output_is_placed_so(kind, placements
     expected = torch.zeros(WIDTH)
     expected[3] = 2.5
     torch.testing.assert_close(outputs[1] - outputs[0], expected.expand_as(outputs[0]), rtol=0, atol=1e-5)
+
+
+def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_tok, tmp_path):
+    """Longformer's attention weights are [seq, window + 1] per query, not a query x key matrix: `outliers` runs,
+    measures no sinks (every layer's null), and says why in the report and in one warning."""
+    import json
+
+    import transformers as tf
+
+    import analyze
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(tf.LongformerConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH,
+                                                      num_hidden_layers=DEPTH, num_attention_heads=2,
+                                                      intermediate_size=32, max_position_embeddings=POSITIONS + 2,
+                                                      attention_window=4, pad_token_id=1))
+    path = save_planted(model, roberta_tok, tmp_path / "longformer")
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="attention sinks not measured: .* returns attention weights of shape"):
+        assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
+                             "--output_dir", str(tmp_path / "out"), "--max_length", "24"]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert "Longformer's windowed" in report["attention_sinks_note"]
+    assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
+    assert report["num_tokens"] == sum(min(len(roberta_tok(text)["input_ids"]), 24) for text in TEXTS)
