@@ -44,7 +44,7 @@ class Family:
     model_type: str
     causal: bool  # each token sees only itself and the tokens before it
     positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" |
-    # "no absolute table" (relative: DeBERTa; ALiBi: BLOOM, MPT)
+    # "ALiBi biases (no table)" (BLOOM, MPT) | "relative biases (no table)" (DeBERTa) | "no absolute table"
     norms: str  # "post-LN" | "pre-LN"
     last_layer: str  # what hidden_states[L] is
 
@@ -144,6 +144,20 @@ def is_rotary(model: nn.Module) -> bool:
     RoFormer's rotary sinusoids (config.rotary_value)."""
     config = getattr(model, "config", None)
     return hasattr(config, "rotary_value") or any("Rotary" in type(m).__name__ for m in model.modules())
+
+
+def attention_biases(model: nn.Module) -> str | None:
+    """Positions that enter attention as biases, with no table and no rotation: "ALiBi" (BLOOM, MPT, Falcon's alibi
+    option: a linear penalty by distance), "relative" (DeBERTa's relative_attention: learned distance embeddings);
+    None otherwise (MPNet's relative biases come beside an absolute table, which is what the report names)."""
+    base = _base(model)
+    config = getattr(base, "config", None)
+    alibi = getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False)
+    if alibi or any("alibi" in name.lower() for name in dir(type(base))):
+        return "ALiBi"
+    if getattr(config, "relative_attention", False):
+        return "relative"
+    return None
 
 
 def is_sinusoidal(model: nn.Module) -> bool:

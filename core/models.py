@@ -150,6 +150,8 @@ def model_family(model: nn.Module) -> families.Family:
         positions = "rotary (RoPE)"
     elif families.is_sinusoidal(model):
         positions = "fixed sinusoids"
+    elif families.attention_biases(model):
+        positions = f"{families.attention_biases(model)} biases (no table)"
     else:
         positions = "no absolute table"
     stack = families.decoder_stack(model)
@@ -247,6 +249,9 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
                           "table to trace")
         if families.is_sinusoidal(model):
             return None, "fixed sinusoidal positions (Vaswani et al.), not learned: no table to trace"
+        if families.attention_biases(model):
+            return None, (f"{families.attention_biases(model)} position biases inside attention, no absolute table: "
+                          "no position table to trace")
         return None, "no absolute position-embedding table"
     weight = table.weight.detach().float().cpu()  # [positions, width]
     if not weight.any():

@@ -32,13 +32,14 @@ def configs(vocab: int) -> dict:
                   intermediate_size=32, max_position_embeddings=POSITIONS, **ids)
     gpt = dict(vocab_size=vocab, n_embd=WIDTH, n_layer=DEPTH, n_head=2, n_inner=32, n_positions=POSITIONS, **ids)
     grouped = dict(common, num_key_value_heads=1)
-    table, rotary, none = "learned table", "rotary (RoPE)", "no absolute table"
+    table, rotary = "learned table", "rotary (RoPE)"
+    relative, alibi = "relative biases (no table)", "ALiBi biases (no table)"
     return {
         "xlm-roberta": (tf.XLMRobertaConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
-        "deberta": (tf.DebertaConfig(**common, relative_attention=True, position_biased_input=False), none),
+        "deberta": (tf.DebertaConfig(**common, relative_attention=True, position_biased_input=False), relative),
         "deberta-v2": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
                                           position_buckets=16, pos_att_type=["c2p", "p2c"],
-                                          norm_rel_ebd="layer_norm", share_att_key=True), none),
+                                          norm_rel_ebd="layer_norm", share_att_key=True), relative),
         "megatron-bert": (tf.MegatronBertConfig(**common), table),  # pre-LN layers, a final norm: encoder.ln
         "xlm-roberta-xl": (tf.XLMRobertaXLConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
         "mpnet": (tf.MPNetConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
@@ -65,9 +66,9 @@ def configs(vocab: int) -> dict:
         "starcoder2": (tf.Starcoder2Config(**grouped), rotary),
         "falcon": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
                                    num_attention_heads=2, max_position_embeddings=POSITIONS, **ids), rotary),
-        "bloom": (tf.BloomConfig(vocab_size=vocab, hidden_size=WIDTH, n_layer=DEPTH, n_head=2, **ids), none),
+        "bloom": (tf.BloomConfig(vocab_size=vocab, hidden_size=WIDTH, n_layer=DEPTH, n_head=2, **ids), alibi),
         "mpt": (tf.MptConfig(vocab_size=vocab, d_model=WIDTH, n_layers=DEPTH, n_heads=2, max_seq_len=POSITIONS,
-                             **ids), none),
+                             **ids), alibi),
         "xglm": (tf.XGLMConfig(vocab_size=vocab, d_model=WIDTH, num_layers=DEPTH, attention_heads=2, ffn_dim=32,
                                max_position_embeddings=POSITIONS, **ids), "fixed sinusoids"),
     }
