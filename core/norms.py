@@ -4,7 +4,7 @@ parameters), and which norms of a block feed its sub-layers (pre-LN) rather than
 
     affine = norm_affine(module, hidden)      # NormAffine(gain, bias | None, centres) or None: not a norm over hidden
     is_norm(module, hidden)
-    feeding_norms(model, blocks)              # ids of the norms whose output a weight of their own block reads
+    feeding_norms(model, blocks, hidden)      # ids of the norms whose output a weight of their own block reads
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ NORM_CLASSES = ("LayerNorm", "RMSNorm")  # class-name endings of transformers' o
 
 @dataclass(frozen=True)
 class NormAffine:
-    """What a norm applies per dimension after normalising, read off its forward pass (core.families.norm_affine)."""
+    """What a norm applies per dimension after normalising, read off its forward pass (norm_affine)."""
 
     gain: Tensor  # [hidden] the effective gain: Gemma's 1 + weight, 1 everywhere for OLMo's parameter-free LayerNorm
     bias: Tensor | None  # [hidden], or None when the module has no bias (an RMSNorm, Llama's or Gemma's)
