@@ -38,7 +38,7 @@ from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.reports import fmt
 from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
-from core.errors import UserError, warn_once
+from core.errors import UserError, library_line, warn_once
 from core.models import model_family
 from core.output import check_writable
 from core.sources import local_path
@@ -130,9 +130,9 @@ def architecture(source: str) -> dict:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolved)
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {source!r}: {str(error).splitlines()[0]}") from None
+        raise UserError(f"cannot load encoder {source!r}: {library_line(error)}") from None
     return {"model_type": config.model_type, **{key: getattr(config, key, None) for key in keys}}
 
 

@@ -20,6 +20,16 @@ class UserError(Exception):
     """A problem with the user's input or environment: printed as one line, exit status 2."""
 
 
+REMOTE_CODE = ("it needs its own Python code (an auto_map in its config: a class transformers does not have), and this "
+               "project never runs code from a model's files (trust_remote_code stays off)")
+
+
+def library_line(error: BaseException) -> str:
+    """first_line, or REMOTE_CODE when transformers asks for trust_remote_code (a model or tokenizer with code)."""
+    text = first_line(error)
+    return REMOTE_CODE if "contains custom code" in text or "trust_remote_code=True" in text else text
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (or its type name when it has none), with the lines that complete it
     when it ends in ':', ',' or ';' ("... from one of:" followed by a list), whitespace collapsed."""

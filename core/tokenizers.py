@@ -13,7 +13,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from core.errors import UserError, first_line
+from core.errors import UserError, library_line
 from core.sources import check_hub, local_path
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
@@ -36,9 +36,10 @@ def load_tokenizer(source: str | Path, mask: bool = True):
         if path is not None and path.is_file():
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
         else:
-            tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source))
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source),
+                                                      trust_remote_code=False)
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
-        raise UserError(f"cannot load tokenizer {str(source)!r}: {first_line(error)}") from None
+        raise UserError(f"cannot load tokenizer {str(source)!r}: {library_line(error)}") from None
     name_special_tokens(tokenizer, source)
     if mask and tokenizer.mask_token_id is None:
         raise UserError(f"tokenizer {source} has no mask token, needed for MLM; name it: "
@@ -184,6 +185,6 @@ def tokenizer_from_files(files: dict[str, str], what: str = "the embedded tokeni
             (Path(directory) / name).write_text(text, encoding="utf-8")
         check_tokenizer_files(Path(directory), what)
         try:
-            return AutoTokenizer.from_pretrained(directory)
+            return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         except Exception as error:  # OSError, ValueError, the tokenizers library's plain Exception
-            raise UserError(f"cannot load {what}: {first_line(error)}") from None
+            raise UserError(f"cannot load {what}: {library_line(error)}") from None

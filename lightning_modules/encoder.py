@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from core.errors import UserError, first_line
+from core.errors import UserError, library_line
 from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import check_hub, local_path
@@ -122,16 +122,16 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
                                 causal=bool(getattr(model.config, "is_decoder", False)))
         return encoder.to(device=device, dtype=dtype)
     try:
-        config = AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {first_line(error)}") from None
+        raise UserError(f"cannot load encoder {str(source)!r}: {library_line(error)}") from None
     check_is_encoder(config, source, decoders=True)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
     # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
     # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as error:
         raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
     causal = masked_lm and not has_masked_lm(config)

@@ -58,12 +58,12 @@ def load_classifier(encoder: str, classes: list):
         model.base_model.load_state_dict(masked_lm.base_model.state_dict())
         return model, tokenizer
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its config')}") from None
     check_is_encoder(config, encoder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
     try:

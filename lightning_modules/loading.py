@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from core.errors import UserError, first_line
+from core.errors import REMOTE_CODE, UserError, library_line
 from core.models import mlm_head
 
 
@@ -41,12 +41,12 @@ def split_head(model: nn.Module, info: Mapping, what: str = "MLM head") -> tuple
 def load_failure(error: Exception, what: str) -> str:
     """A library's loading error as one line; a torn file (safetensors' "incomplete metadata, file not fully
     covered", a JSON file cut short) says what it belongs to and that it is truncated or corrupt."""
-    text = first_line(error)
+    text = library_line(error)
     if type(error).__name__ == "SafetensorError":
         return f"model.safetensors is truncated or corrupt ({text})"
     if isinstance(error, json.JSONDecodeError) or "EOF while parsing" in text:
         return f"{what}: a JSON file is truncated or corrupt ({text})"
-    return text if type(error).__module__ == "builtins" else f"{type(error).__name__}: {text}"
+    return text if type(error).__module__ == "builtins" or text == REMOTE_CODE else f"{type(error).__name__}: {text}"
 
 
 def check_loading(source, info: Mapping, model: nn.Module, allow: bool = False,

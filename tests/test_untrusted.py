@@ -150,3 +150,68 @@ def test_an_embedded_tokenizer_cannot_write_outside_its_temporary_directory(tmp_
     with pytest.raises(UserError, match="its files are not plain names and texts"):
         tokenizer_from_files(files, "the tokenizer embedded in x.ckpt")
     assert not escape.exists()
+
+
+def with_code(folder: Path, source: Path, where: str) -> Path:
+    """A copy of the model directory `source` whose config.json (or tokenizer_config.json) names its own class in an
+    auto_map, as a model on the hub with `trust_remote_code` does; importing that code writes the marker file."""
+    import json
+    import shutil
+
+    shutil.copytree(source, folder)
+    marker = folder / "code-ran"
+    (folder / "custom_code.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Custom: pass\n")
+    name = "tokenizer_config.json" if where == "tokenizer" else "config.json"
+    config = json.loads((folder / name).read_text())
+    if where == "tokenizer":
+        config.update(auto_map={"AutoTokenizer": ["custom_code.Custom", "custom_code.Custom"]},
+                      tokenizer_class="CustomTokenizer")
+    else:
+        config.update(model_type="custom_bert", auto_map={"AutoConfig": "custom_code.Custom",
+                                                         "AutoModel": "custom_code.Custom"})
+    (folder / name).write_text(json.dumps(config))
+    return marker
+
+
+@pytest.mark.parametrize("program, where", [
+    (program, where) for program in ("analyze.py", "probe.py", "train.py fine-tuning") for where in ("model", "tokenizer")
+] + [("train.py --data.tokenizer", "tokenizer")])
+def test_a_model_with_its_own_code_is_refused_even_when_a_person_would_say_yes(program, where, tmp_path, corpus,
+                                                                              cache, sentences_file, bert_tok,
+                                                                              monkeypatch, capfd):
+    """transformers asks at a terminal "Do you wish to run the custom code? [y/N]": it is never asked (the answer here
+    would be yes) and the code never runs. A model that needs its code is refused in one line; a tokenizer whose
+    tokenizer.json holds it all is read from that file without its code."""
+    from tests.test_finetune import CONFIG, labelled
+    from tests.tiny import save_tiny_encoder
+
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    path = tmp_path / "with-code"
+    marker = with_code(path, save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), where)
+    out = tmp_path / "out"
+    if program == "analyze.py":
+        code = analyze.main(["outliers", "--encoder", str(path), "--data", str(sentences_file), "--output_dir",
+                             str(out), "--no_progress"])
+    elif program == "probe.py":
+        try:
+            probe.cli_main(probe_args(path, sentences_file, out, "--trainer.max_epochs", "1",
+                                      "--data.random_baseline", "false", "--data.control_task", "false"))
+            code = 0
+        except SystemExit as exited:
+            code = exited.code
+    elif program == "train.py fine-tuning":
+        code = train.cli_main(["fit", "--config", str(CONFIG), "--model.encoder", str(path), "--data.source",
+                               str(labelled(tmp_path / "labelled.csv")), "--data.max_length", "32",
+                               "--trainer.max_steps", "1", "--trainer.default_root_dir", str(out),
+                               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"])
+    else:
+        code = train.cli_main(tiny_args(out, corpus, cache, "--data.tokenizer", str(path), "--trainer.max_steps", "1"))
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip() and "warn" not in line.lower()]
+    assert not marker.exists()
+    if where == "tokenizer":  # its tokenizer.json is data: read without the code, the entry point runs on
+        assert code == 0 and out.exists()
+        return
+    assert code == 2 and not out.exists()
+    assert lines[-1].endswith("it needs its own Python code (an auto_map in its config: a class transformers does not "
+                              "have), and this project never runs code from a model's files (trust_remote_code stays "
+                              "off)")
