@@ -54,7 +54,11 @@ def norm_affine(module: nn.Module, hidden: int) -> NormAffine | None:
     weight = getattr(module, "weight", None)
     if isinstance(weight, Tensor) and tuple(weight.shape) != (hidden,):
         return None
-    probe = copy.deepcopy(module).to("cpu", torch.float32)
+    # a copy without the module's hooks: a capture's or an intervention's hook must not see the probe, and a hook
+    # bound to an object (a lock, a trainer) must not be deep-copied
+    memo = {id(value): type(value)() for name, value in vars(module).items()
+            if "hooks" in name and isinstance(value, dict)}
+    probe = copy.deepcopy(module, memo).to("cpu", torch.float32)
     signs = _probe(hidden)
     scale = 1e3  # |x| >> eps: the output is the gain to float32 precision, whatever eps the norm adds
 
@@ -122,7 +126,7 @@ def feeding_norms(model: nn.Module, blocks: nn.ModuleList, hidden: int) -> set[i
                 handles.append(module.register_forward_pre_hook(read, with_kwargs=True))
     parameter = next(model.parameters())
     vocab = int(getattr(model.config, "vocab_size", 4) or 4)
-    training = model.training
+    training = {module: module.training for module in model.modules()}  # restored module by module
     try:
         model.eval()
         with torch.no_grad():
@@ -131,7 +135,8 @@ def feeding_norms(model: nn.Module, blocks: nn.ModuleList, hidden: int) -> set[i
     except Exception:  # noqa: BLE001  (a model that cannot run four tokens: unknown, said by None)
         fed = None
     finally:
-        model.train(training)
+        for module, mode in training.items():
+            module.training = mode
         for handle in handles:
             handle.remove()
     _FEEDING[model] = fed

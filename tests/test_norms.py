@@ -130,3 +130,38 @@ def test_layernorm_zero_zeroes_what_every_norm_writes(kind):
     assert float(before[..., list(dims)].abs().min()) > 0 and float(after[..., list(dims)].abs().max()) == 0.0
     zeroed = {site["zeroed"].split(" ")[0] for site in norm_sites(model)}
     assert zeroed == {"gemma": {"gain"}, "deberta": {"gain"}, "olmo": {"output"}}[kind]
+
+
+def test_reading_a_norm_runs_none_of_its_hooks_and_leaves_the_models_modes():
+    """A capture's hook on a norm keeps its first output only (core.capture): norm_affine's probe must not reach it,
+    and a hook bound to an object that cannot be copied (a lock) must not stop the reading; feeding_norms' pass
+    leaves each module's train/eval mode as it found it (a module kept in eval inside a training model)."""
+    import threading
+
+    import transformers as tf
+
+    from core.norms import _FEEDING, feeding_norms
+
+    module = randomised(nn.LayerNorm(8))
+    seen = []
+
+    class Holder:
+        lock = threading.Lock()
+
+        def hook(self, *args):
+            seen.append(args)
+    module.register_forward_hook(lambda *args: seen.append(args))
+    module.register_forward_pre_hook(Holder().hook)
+    affine = norm_affine(module, 8)
+    assert seen == [] and affine is not None
+    torch.testing.assert_close(affine.gain, module.weight.detach(), rtol=1e-5, atol=1e-6)
+    model = tf.AutoModel.from_config(tf.LlamaConfig(vocab_size=20, hidden_size=8, num_hidden_layers=2,
+                                                    num_attention_heads=2, num_key_value_heads=1,
+                                                    intermediate_size=16)).train()
+    model.layers[0].eval()
+    modes = {name: sub.training for name, sub in model.named_modules()}
+    _FEEDING.pop(model, None)
+    fed = {id(layer.input_layernorm) for layer in model.layers} | {id(layer.post_attention_layernorm)
+                                                                 for layer in model.layers}
+    assert feeding_norms(model, model.layers, 8) == fed  # Llama's: each feeds attention's or the MLP's projections
+    assert {name: sub.training for name, sub in model.named_modules()} == modes
