@@ -19,12 +19,14 @@ from core.sources import check_hub, local_path
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
 
 
-def load_tokenizer(source: str | Path, mask: bool = True):
+def load_tokenizer(source: str | Path, mask: bool = True, pad: bool = True):
     """An existing tokenizer by hub id, local directory or a `tokenizers` file (`Tokenizer.save("tok.json")`); it
     must be fast, and have a mask token when `mask` (the MLM objective; a causal one, or an analysis, needs none). A bare `tokenizers` file
-    names no token's role: roles are taken from its special tokens' conventional names (`name_special_tokens`). A
-    tokenizer without a pad token (GPT-2's, Llama's) gets one added, with a warning: the model's `pad_token_id` must be
-    an id no text holds (RoBERTa's embeddings number positions past it), and the blocks it trains on are full."""
+    names no token's role: roles are taken from its special tokens' conventional names (`name_special_tokens`). With
+    `pad` (training), a tokenizer without a pad token of its own (none: GPT-2's, Llama's; or one that is also its
+    eos, bos, unk, cls or sep) gets a dedicated one added, with a warning: the model's `pad_token_id` is its zero
+    padding row, and RoBERTa's embeddings number positions past it, so no token of a text may be it (the blocks never
+    hold it: datamodules.blocks.tokenize_texts)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = local_path(source, "tokenizer")
@@ -46,12 +48,24 @@ def load_tokenizer(source: str | Path, mask: bool = True):
                         "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)")
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {source} is not a fast (Rust) tokenizer")
-    if tokenizer.pad_token_id is None:
-        added = next(name for name in ("<pad>", "[PAD]", "<|pad|>", "<pad_0>") if name not in tokenizer.get_vocab())
-        tokenizer.add_special_tokens({"pad_token": added})
-        warnings.warn(f"tokenizer {source} has no pad token: added {added} as id {tokenizer.pad_token_id} (the "
-                      "model's pad_token_id; the training blocks are full, so none holds it)", stacklevel=2)
+    if pad:
+        add_own_pad(tokenizer, source)
     return tokenizer
+
+
+def add_own_pad(tokenizer, source) -> None:
+    """A dedicated pad token added (with a warning) when the tokenizer has none, or shares it with another role."""
+    pad = tokenizer.pad_token_id
+    roles = {getattr(tokenizer, f"{role}_token_id", None): role for role in ("unk", "sep", "cls", "bos", "eos")}
+    if pad is not None and pad not in roles:
+        return
+    vocabulary = tokenizer.get_vocab()
+    added = next(name for name in ("<pad>", "[PAD]", "<|pad|>", *(f"<pad_{i}>" for i in range(len(vocabulary) + 1)))
+                 if name not in vocabulary)
+    why = "has no pad token" if pad is None else f"pads with its {roles[pad]} token {tokenizer.pad_token}"
+    tokenizer.add_special_tokens({"pad_token": added})
+    warnings.warn(f"tokenizer {source} {why}: added {added} as id {tokenizer.pad_token_id} (the model's "
+                  "pad_token_id, which no training block holds)", stacklevel=3)
 
 
 # the names the `tokenizers` library's own trainers give their special tokens (RoBERTa's and BERT's conventions)

@@ -43,8 +43,11 @@ def corpus_records(source: str, text_column: str | None, max_texts: int | None, 
 
 
 def tokenize_texts(texts: list[str], tokenizer) -> list[list[int]]:
-    """Token ids of each text without special tokens."""
-    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    """Token ids of each text without special tokens, and without the pad token where a text writes it ("<pad>",
+    "[PAD]" in scraped text): the pad id is the model's zero padding row and, in RoBERTa, where positions restart."""
+    rows = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    pad = tokenizer.pad_token_id
+    return [[i for i in row if i != pad] if pad in row else row for row in rows]
 
 
 def pack_blocks(ids: list[list[int]], block_length: int, bos: int, eos: int,

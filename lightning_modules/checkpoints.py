@@ -83,5 +83,5 @@ def load_checkpoint_model(path: str | Path):
 def _tokenizer_beside(path: Path):
     for candidate in (path.parent.parent / "export", path.parent / "export"):
         if (candidate / "tokenizer_config.json").exists():
-            return load_tokenizer(candidate, mask=False)  # a causal arm's has none; no analysis needs it
+            return load_tokenizer(candidate, mask=False, pad=False)  # as exported: an analysis needs no mask
     raise UserError(f"no tokenizer in {path} nor in an export/ beside it")

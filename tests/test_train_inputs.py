@@ -319,7 +319,8 @@ def test_a_gpt2_style_tokenizer_trains_the_causal_rotary_arm_and_its_pad_is_adde
         "PreTrainedTokenizerFast(tokenizer_file=..., mask_token=...).save_pretrained(DIR)")
 
     root = tmp_path / "rope"
-    with pytest.warns(UserWarning, match=f"has no pad token: added <pad> as id {len(original)} "):
+    with pytest.warns(UserWarning, match=f"has no pad token: added <pad> as id {len(original)} \\(the model's "
+                                         "pad_token_id, which no training block holds\\)"):
         assert train.cli_main(tiny_args(root, corpus, cache, "--data.tokenizer", str(source), "--model.objective",
                                         "causal", "--model.positions", "rope")) == 0
     exported = AutoTokenizer.from_pretrained(root / "export")
@@ -328,3 +329,26 @@ def test_a_gpt2_style_tokenizer_trains_the_causal_rotary_arm_and_its_pad_is_adde
     assert exported(text)["input_ids"] == original(text)["input_ids"]  # the same ids for every text
     config = json.loads((root / "export" / "config.json").read_text())
     assert config["pad_token_id"] == len(original) and config["vocab_size"] >= len(original) + 1
+
+
+def test_the_pad_token_is_never_in_a_training_block(bert_tok, tmp_path):
+    """A text that writes the pad token ("[PAD]" in scraped text) loses it, and nothing else, when it is made into
+    blocks: the pad id is the model's zero padding row, and where RoBERTa's positions restart. A tokenizer whose pad
+    token is also its eos (GPT-2 fine-tunes pad with </s>) gets a dedicated pad, said in one warning."""
+    from core.tokenizers import load_tokenizer
+    from datamodules.blocks import tokenize_texts
+    from tests.tiny_families import decoder_tokenizer
+
+    texts = ["the [PAD] house [PAD]", "no pad here"]
+    rows = tokenize_texts(texts, bert_tok)
+    assert rows == [bert_tok(text.replace("[PAD]", " "), add_special_tokens=False)["input_ids"] for text in texts]
+    assert bert_tok.pad_token_id in bert_tok(texts[0], add_special_tokens=False)["input_ids"]  # the text does hold it
+
+    shared = decoder_tokenizer(tmp_path / "bpe", vocab_size=400)
+    shared.pad_token = shared.eos_token
+    shared.save_pretrained(tmp_path / "pads-with-eos")
+    with pytest.warns(UserWarning, match=f"pads with its eos token </s>: added <pad> as id {len(shared)} "):
+        loaded = load_tokenizer(tmp_path / "pads-with-eos", mask=False)
+    assert loaded.pad_token == "<pad>" and loaded.pad_token_id == len(shared) != loaded.eos_token_id
+    text = "It is a truth universally acknowledged <pad> that </s>"
+    assert tokenize_texts([text], loaded) == [shared(text.replace("<pad>", ""), add_special_tokens=False)["input_ids"]]
