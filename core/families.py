@@ -101,18 +101,19 @@ def _ends_in_norm(layer: nn.Module, hidden: int | None) -> bool:
 
 
 def _final_norm(container: nn.Module, blocks: nn.Module, hidden: int | None) -> nn.Module | None:
-    """The norm after `blocks`: one of FINAL_NORMS, or else a norm over the hidden size that `container` registers
-    after its blocks (XGLM's `layer_norm`, ESM's `emb_layer_norm_after`); None when there is none."""
+    """The norm after `blocks`: one of FINAL_NORMS, or else the last norm over the hidden size that `container`
+    registers after its blocks and whose name does not say embedding (XGLM's `layer_norm`, ESM's
+    `emb_layer_norm_after`, mBART's `layer_norm`, not its `layernorm_embedding`); None when there is none."""
     named = next((getattr(container, name) for name in FINAL_NORMS
                   if isinstance(getattr(container, name, None), nn.Module)), None)
     if named is not None or hidden is None:
         return named
-    after = False
-    for child in container.children():
-        if after and norm_affine(child, hidden) is not None:
-            return child
+    after, last = False, None
+    for name, child in container.named_children():
+        if after and "embed" not in name and norm_affine(child, hidden) is not None:
+            last = child  # the last one: BART's layernorm_embedding comes after its layers too, and is not final
         after = after or child is blocks
-    return None
+    return last
 
 
 def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]] | None:

@@ -99,7 +99,9 @@ def feeding_norms(model: nn.Module, blocks: nn.ModuleList, hidden: int) -> set[i
     """The ids of the norms inside `blocks` whose output a weight-bearing module of the same block reads as its input
     (a pre-LN norm: Llama's input_layernorm feeds q_proj), found in one forward pass of four tokens with hooks, and
     kept per model. The other norms of a block normalise a sub-layer's output before the residual stream adds it
-    (Gemma 2/3's and OLMo-2's post_*_layernorm), or the block's output (a post-LN layer). None when the pass fails."""
+    (Gemma 2/3's and OLMo-2's post_*_layernorm), or the block's output (a post-LN layer). None when the pass fails.
+    The pass runs the model with every hook it holds: call it outside captures and interventions (core.families'
+    norm_placement does, before any is registered), once per model."""
     import torch
 
     if model in _FEEDING:

@@ -217,3 +217,18 @@ def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_
     assert "Longformer's windowed" in report["attention_sinks_note"]
     assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
     assert report["num_tokens"] == sum(min(len(roberta_tok(text)["input_ids"]), 24) for text in TEXTS)
+
+
+def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
+    """RWKV (recurrent) has a block list and norms, but no attention: it is refused before anything is read."""
+    import transformers as tf
+
+    from core.errors import UserError
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(tf.RwkvConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH,
+                                                num_hidden_layers=DEPTH, attention_hidden_size=WIDTH,
+                                                intermediate_size=32, context_length=POSITIONS))
+    path = save_planted(model, roberta_tok, tmp_path / "rwkv")
+    with pytest.raises(UserError, match="is a 'rwkv' model without attention heads"):
+        load_encoder(str(path), device="cpu")
