@@ -82,6 +82,8 @@ def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[li
 
 
 def read_inputs(args) -> Inputs:
+    if args.sts == ["none"]:  # as every other set's `none`; no value at all skips them too
+        args.sts = []
     skip = {name: getattr(args, name) in (None, "none") for name in ("sst2", "qqp", "wic", "imdb", "sst5")}
     if skip["sst2"] and skip["qqp"]:
         raise UserError("--sst2 and --qqp are both none: the outliers (§3) need the sentences of one of them at least")

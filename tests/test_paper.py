@@ -214,8 +214,8 @@ def test_paper_without_sst2_finds_the_outliers_on_qqp_alone(stand_ins, tmp_path)
     out = tmp_path / "paper"
     assert analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
                          "--min_sentences", "3", "--sst2", "none", "--qqp", str(stand_ins["qqp"]), "--wic", "none",
-                         "--sts", "--imdb", "none", "--sst5", "none", "--outlier_sentences", "30", "--seed", "1",
-                         "--output_dir", str(out)]) == 0
+                         "--sts", "none", "--imdb", "none", "--sst5", "none", "--outlier_sentences", "30", "--seed",
+                         "1", "--output_dir", str(out)]) == 0  # --sts none: as the other sets' none
     summary = json.loads((out / "paper.json").read_text())
     assert summary["section3_sentences"] == {"qqp": 30} and summary["section3_position_probe"] is None
     assert set(summary["figure6"]) == {"qqp"} and not (out / "position_probe").exists()
@@ -231,6 +231,7 @@ def test_paper_without_sst2_finds_the_outliers_on_qqp_alone(stand_ins, tmp_path)
     markdown = (out / "paper.md").read_text()
     assert "(skipped: --sst2 none)" in markdown and "Outliers (§3) detected on 30 sentences of QQP (30 asked of each)" \
         in markdown
+    assert "STS skipped (no --sts sets)" in markdown and not any(name.startswith("sts") for name in summary)
 
 
 def test_splits_come_from_a_local_dataset_with_its_own_splits(stand_ins, tmp_path):
