@@ -40,23 +40,41 @@ def layer_output(output) -> Tensor:
 
 class HiddenStateCapture:
     """Forward hooks on the chosen layers' modules that keep their (detached) outputs (or, for a (module, "input")
-    entry, inputs); always removed on exit."""
+    entry, inputs; for a (module, "output", n) entry, the output of its n-th call: ALBERT's shared layers); always
+    removed on exit. One forward pass per capture."""
 
-    def __init__(self, modules: list[nn.Module | tuple[nn.Module, str]], layers: list[int]) -> None:
+    def __init__(self, modules: list[nn.Module | tuple], layers: list[int]) -> None:
         self.modules, self.layers = modules, layers
         self.outputs: dict[int, Tensor] = {}
         self.handles: list = []
 
     def __enter__(self) -> HiddenStateCapture:
         self.outputs = {}
+        shared: dict[nn.Module, dict[int, int]] = {}  # a module run for several layers (ALBERT): call -> index
         for index, layer in enumerate(self.layers):
-            module, read = self.modules[layer] if isinstance(self.modules[layer], tuple) else (self.modules[layer],
-                                                                                                "output")
-            if read == "input":
+            entry = self.modules[layer] if isinstance(self.modules[layer], tuple) else (self.modules[layer], "output")
+            module, read = entry[:2]
+            if len(entry) > 2:
+                shared.setdefault(module, {})[entry[2]] = index
+            elif read == "input":
                 self.handles.append(module.register_forward_pre_hook(self._input_hook(index), with_kwargs=True))
             else:
                 self.handles.append(module.register_forward_hook(self._hook(index)))
+        for module, indices in shared.items():
+            self.handles.append(module.register_forward_hook(self._calls_hook(indices)))
         return self
+
+    def _calls_hook(self, indices: dict[int, int]):
+        """One hook on a module that runs for several layers: its n-th call since __enter__ is layer indices[n] (one
+        forward pass per capture; the calls a checkpointed backward re-runs come after and are not kept)."""
+        calls = [0]
+
+        def keep(module, args, output) -> None:
+            index = indices.get(calls[0])
+            calls[0] += 1
+            if index is not None and index not in self.outputs:
+                self.outputs[index] = layer_output(output).detach()
+        return keep
 
     def _input_hook(self, index: int):
         def keep(module, args, kwargs) -> None:

@@ -78,11 +78,9 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
-    shared = getattr(getattr(find_encoder(model) or model, "config", None), "num_hidden_groups", None)
-    if layer_stack(model) is None and shared:
-        raise UserError(f"cannot capture the hidden states of {type(model).__name__} by hooks: its layers share their "
-                        "modules (ALBERT's layer groups run one module for several layers), so a hook cannot tell "
-                        "them apart; analyses that read transformers' hidden_states work")
+    shared = shared_layer_sites(find_encoder(model) or model)
+    if shared is not None:
+        return shared
     if layer_stack(model) is None:
         raise UserError(f"cannot capture the hidden states of {type(model).__name__}: it holds no transformers model "
                         "with BERT's layout (`embeddings` and `encoder.layer`) nor a flat layer list (`h`, `layers`, "
@@ -92,6 +90,25 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     if isinstance(project, nn.Module):
         modules[0] = project
     return [(module, "output") for module in modules]
+
+
+def shared_layer_sites(model: nn.Module) -> list[tuple] | None:
+    """ALBERT's sites: layer 0 the output of `embedding_hidden_mapping_in`, layer l the output of the l-th call of its
+    layer group's last layer within a forward pass, (module, "output", call): one module runs for several layers, so
+    the hooks count its calls (core.capture.HiddenStateCapture, lightning_modules.interventions); None for others."""
+    encoder = getattr(base_model(model), "encoder", None)
+    groups = getattr(encoder, "albert_layer_groups", None)
+    config = getattr(base_model(model), "config", None)
+    if not isinstance(groups, nn.ModuleList) or not getattr(config, "num_hidden_groups", None):
+        return None
+    layers, count = config.num_hidden_layers, config.num_hidden_groups
+    sites: list[tuple] = [(encoder.embedding_hidden_mapping_in, "output")]
+    calls: dict[int, int] = {}
+    for index in range(layers):
+        group = int(index / (layers / count))  # transformers' AlbertTransformer
+        sites.append((groups[group].albert_layers[-1], "output", calls.get(group, 0)))
+        calls[group] = calls.get(group, 0) + 1
+    return sites
 
 
 def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, int]]:

@@ -223,16 +223,37 @@ def hooks(model: nn.Module, intervention: Intervention) -> list[Hook]:
     if name == "activation_mean" and intervention.means is None:
         raise ValueError("activation_mean needs the per-dim means over the data (`means`)")
 
-    def at(layer: int) -> Hook:
+    def editor(layer: int) -> Callable[[Tensor], Tensor]:
         values = 0.0 if name == "activation_zero" else intervention.means[layer, dims]
+        return lambda hidden: set_dims(hidden, dims.to(hidden.device), values)
 
-        def edit(hidden: Tensor) -> Tensor:
-            return set_dims(hidden, dims.to(hidden.device), values)
-        module, read = sites[layer]
+    def at(layer: int) -> Hook:
+        module, read = sites[layer][:2]
         if read == "input":
-            return module, _input_hook(edit), True
+            return module, _input_hook(editor(layer)), True
+        edit = editor(layer)
         return module, _hook(lambda output, args, kwargs: edit(output)), False
-    return [at(layer) for layer in layers]
+    shared: dict[nn.Module, dict[int, Callable]] = {}  # ALBERT: a module run for several layers, by call
+    for layer in layers:
+        if len(sites[layer]) > 2:
+            shared.setdefault(sites[layer][0], {})[sites[layer][2]] = editor(layer)
+    return [at(layer) for layer in layers if len(sites[layer]) == 2] + [
+        hook for module, edits in shared.items() for hook in _by_call(module, edits, sites[0][0])]
+
+
+def _by_call(module: nn.Module, edits: dict[int, Callable], first: nn.Module) -> list[Hook]:
+    """The hooks that edit the output of `module`'s n-th call of each forward pass with edits[n] (ALBERT's layer
+    group runs once per layer), and the pre-hook on `first` (the module each forward runs first) that restarts the
+    count."""
+    calls = [0]
+
+    def restart(module, args, kwargs):
+        calls[0] = 0
+
+    def edit(output, args, kwargs):
+        call, calls[0] = calls[0], calls[0] + 1
+        return edits[call](output) if call in edits else output
+    return [(first, restart, True), (module, _hook(edit), False)]
 
 
 def edit_sites(model: nn.Module) -> list[str]:

@@ -145,52 +145,40 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
     assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
 
 
-def test_albert_shared_layers_are_refused_by_the_hooks_in_one_line(roberta_tok):
-    """ALBERT runs one module for several layers: hooks cannot tell them apart, and activation_zero says so before
-    any forward pass."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_albert_shared_layers_are_told_apart_by_their_calls(groups, roberta_tok):
+    """ALBERT runs one module for several layers: the hooks count its calls. The live callbacks' capture reads
+    transformers' hidden_states, and activation_zero at one layer changes that layer and, through the shared module,
+    only the layers after it, as the group run by hand on the edited state gives; twice in one context, the same."""
     import transformers as tf
 
-    from core.errors import UserError
-    from lightning_modules.interventions import check_intervention
+    from core.capture import HiddenStateCapture
 
+    torch.manual_seed(0)
     model = AutoModel.from_config(tf.AlbertConfig(vocab_size=len(roberta_tok), embedding_size=8, hidden_size=WIDTH,
-                                                  num_hidden_layers=4, num_attention_heads=2, intermediate_size=32))
-    assert model.config.num_hidden_groups == 1  # every layer runs the same module
-    with pytest.raises(UserError, match="its layers share their modules"):
-        check_intervention(model, "activation_zero")
-
-
-@pytest.mark.parametrize("kind, placements", [
-    ("mistral", ["pre", "pre"]),  # Llama's layout: input_layernorm feeds attention, post_attention_layernorm the MLP
-    ("gemma2", ["pre", "sublayer_output", "pre", "sublayer_output"]),  # input, post_attention, pre_ and post_feedforward
-    ("olmo2", ["sublayer_output", "sublayer_output"]),  # post_attention, post_feedforward; q_norm, k_norm left out
-])
-def test_a_norm_that_normalises_a_sublayers_output_is_placed_so(kind, placements, saved):
-    """Each block's norms in order, as transformers' modeling code runs them (read by hand), then the final norm; and
-    the block's last sublayer_output norm adds to the residual stream: a shift of its output at one dim moves the
-    block's output by exactly that shift, at that dim only."""
-    from core.families import norm_placement
-
-    model = AutoModel.from_pretrained(saved[kind]).eval()
-    norms = layer_norms(model)
-    assert [norm_placement(model, module)[1] for _, _, module in norms] == placements * DEPTH + ["final"]
-    if placements[-1] != "sublayer_output":
-        return
-    block = model.layers[0]
-    last = [module for _, layers, module in norms if layers == [1]][-1]
-    ids = torch.tensor([[5, 9, 14, 7]])
-    outputs = []
-    hook = block.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+                                                  num_hidden_layers=4, num_hidden_groups=groups,
+                                                  num_attention_heads=2, intermediate_size=32)).eval()
+    ids = torch.tensor([[5, 9, 14, 7, 21]])
     with torch.no_grad():
-        model(input_ids=ids)
-        shift = last.register_forward_hook(lambda m, a, out: out + 2.5 * torch.nn.functional.one_hot(
-            torch.tensor(3), WIDTH))
-        model(input_ids=ids)
-    hook.remove()
-    shift.remove()
-    expected = torch.zeros(WIDTH)
-    expected[3] = 2.5
-    torch.testing.assert_close(outputs[1] - outputs[0], expected.expand_as(outputs[0]), rtol=0, atol=1e-5)
+        expected = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states)
+        with HiddenStateCapture(hidden_state_sites(model), list(range(5))) as capture:
+            model(input_ids=ids)
+    torch.testing.assert_close(capture.stack(), expected)
+
+    dims, layer = (3, 11), 2
+    with torch.no_grad(), intervene(model, Intervention("activation_zero", dims=dims, layers=(layer,))):
+        first = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states)
+        second = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states)
+    edited = expected[layer].clone()
+    edited[..., list(dims)] = 0.0
+    group = model.encoder.albert_layer_groups[int(layer / (4 / groups))]
+    with torch.no_grad():
+        after = group(edited)
+        after = after[0] if isinstance(after, tuple) else after
+    torch.testing.assert_close(first[:layer], expected[:layer])
+    torch.testing.assert_close(first[layer], edited)
+    torch.testing.assert_close(first[layer + 1], after, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, first)
 
 
 def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_tok, tmp_path):
