@@ -101,6 +101,11 @@ def shared_layer_sites(model: nn.Module) -> list[tuple] | None:
     config = getattr(base_model(model), "config", None)
     if not isinstance(groups, nn.ModuleList) or not getattr(config, "num_hidden_groups", None):
         return None
+    inner = getattr(config, "inner_group_num", 1)
+    if inner != 1:  # transformers records every AlbertLayer: hidden_states holds layers x inner + 1 states, not L + 1
+        raise UserError(f"cannot read {type(model).__name__} with inner_group_num={inner} by layer: each of its "
+                        f"{config.num_hidden_layers} layers runs {inner} sub-layers, and transformers' hidden_states "
+                        "holds one state per sub-layer; only inner_group_num 1 (every released ALBERT) is read")
     layers, count = config.num_hidden_layers, config.num_hidden_groups
     sites: list[tuple] = [(encoder.embedding_hidden_mapping_in, "output")]
     calls: dict[int, int] = {}

@@ -181,6 +181,28 @@ def test_albert_shared_layers_are_told_apart_by_their_calls(groups, roberta_tok)
     torch.testing.assert_close(second, first)
 
 
+def test_albert_with_inner_layers_is_refused_by_the_hooks(roberta_tok):
+    """ALBERT with inner_group_num 2: transformers' hidden_states holds one state per sub-layer (layers x 2 + 1), not
+    one per layer as the hooks' sites would, so the live callbacks' layers and an intervention's means would name other
+    states than the analyses' hidden_states: one line instead."""
+    import transformers as tf
+
+    from core.errors import UserError
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(tf.AlbertConfig(vocab_size=len(roberta_tok), embedding_size=8, hidden_size=WIDTH,
+                                                  num_hidden_layers=3, num_hidden_groups=1, inner_group_num=2,
+                                                  num_attention_heads=2, intermediate_size=32)).eval()
+    with torch.no_grad():
+        states = model(input_ids=torch.tensor([[5, 9, 14]]), output_hidden_states=True).hidden_states
+    assert len(states) == 3 * 2 + 1  # not num_hidden_layers + 1
+    with pytest.raises(UserError, match="inner_group_num=2"):
+        hidden_state_sites(model)
+    with pytest.raises(UserError, match="inner_group_num=2"), intervene(model, Intervention("activation_zero",
+                                                                                            dims=(3,), layers=(1,))):
+        pass
+
+
 def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_tok, tmp_path):
     """Longformer's attention weights are [seq, window + 1] per query, not a query x key matrix: `outliers` runs,
     measures no sinks (every layer's null), and says why in the report and in one warning."""
