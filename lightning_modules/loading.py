@@ -98,8 +98,8 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
     if decoder and not decoders:
         raise UserError(f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder")
     if not getattr(config, "num_attention_heads", None):
-        raise UserError(f"{source} is a {config.model_type!r} model without attention heads (a recurrent or "
-                        "state-space model): only transformers are analysed")
+        raise UserError(f"{source} is a {config.model_type!r} model whose config names no attention heads "
+                        "(num_attention_heads: a recurrent or state-space model has none): only transformers are analysed")
     if decoder and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
                         "causal LM")

@@ -240,5 +240,6 @@ def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
                                                 num_hidden_layers=DEPTH, attention_hidden_size=WIDTH,
                                                 intermediate_size=32, context_length=POSITIONS))
     path = save_planted(model, roberta_tok, tmp_path / "rwkv")
-    with pytest.raises(UserError, match="is a 'rwkv' model without attention heads"):
+    with pytest.raises(UserError, match="is a 'rwkv' model whose config names no attention heads"):
         load_encoder(str(path), device="cpu")
+

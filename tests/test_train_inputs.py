@@ -352,3 +352,4 @@ def test_the_pad_token_is_never_in_a_training_block(bert_tok, tmp_path):
     assert loaded.pad_token == "<pad>" and loaded.pad_token_id == len(shared) != loaded.eos_token_id
     text = "It is a truth universally acknowledged <pad> that </s>"
     assert tokenize_texts([text], loaded) == [shared(text.replace("<pad>", ""), add_special_tokens=False)["input_ids"]]
+
