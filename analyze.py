@@ -277,4 +277,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, quick_under_torchrun=True)

@@ -85,14 +85,22 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
-def exit_with(main) -> None:
+def exit_with(main, quick_under_torchrun: bool = False) -> None:
     """sys.exit(main()), where a reader that stopped early (`analyze.py compare a b | head`) ends the output quietly
     (exit status 141, as a process killed by SIGPIPE): the tables are printed after the reports are written, so only
-    the rest of a table is lost. Python's own recipe: the rest of stdout goes to /dev/null, not to a traceback."""
+    the rest of a table is lost. Python's own recipe: the rest of stdout goes to /dev/null, not to a traceback.
+
+    With `quick_under_torchrun`, a process torchrun started (WORLD_SIZE > 1) ends with os._exit once its output is
+    flushed: its process group is gone and its files are written, and the interpreter's teardown is where gloo's
+    threads can abort it ("terminate called without an active exception", exit status 134) now and then. For an entry
+    point that needs no atexit work (analyze.py: no W&B run)."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
+    if quick_under_torchrun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
     sys.exit(code)

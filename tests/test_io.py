@@ -303,3 +303,29 @@ def test_the_label_column_is_not_taken_for_the_text_column(tmp_path, module):
     assert (texts, labels) == (TEXTS, stars)
     with pytest.raises(UserError, match=r"no text column .*\['body', 'stars'\].*--text_column"):
         list(iter_texts(path))  # without a label column named, the two string columns stay ambiguous
+
+
+@pytest.mark.parametrize("world_size, torn_down", [("2", False), ("1", True)])
+def test_a_torchrun_worker_of_analyze_py_ends_without_the_interpreters_teardown(world_size, torn_down, tmp_path):
+    """Under torchrun (WORLD_SIZE > 1) exit_with(..., quick_under_torchrun=True) ends the process with os._exit once
+    its output is flushed (gloo's threads can abort a worker in the interpreter's teardown): an atexit handler, run
+    by the teardown, leaves its file only in a single process; the exit status and the printed output are kept."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "teardown-ran"
+    script = ("import atexit, sys\n"
+              "from core.errors import exit_with\n"
+              f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+              "def main():\n"
+              "    print('the report', end='')\n"
+              "    return 3\n"
+              "exit_with(main, quick_under_torchrun=True)\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "WORLD_SIZE": world_size, "PYTHONPATH": str(root)}
+    finished = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert finished.returncode == 3 and finished.stdout == "the report"
+    assert marker.exists() is torn_down
