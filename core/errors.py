@@ -25,9 +25,10 @@ REMOTE_CODE = ("it needs its own Python code (an auto_map in its config: a class
 
 
 def library_line(error: BaseException) -> str:
-    """first_line, or REMOTE_CODE when transformers asks for trust_remote_code (a model or tokenizer with code)."""
+    """first_line, or REMOTE_CODE when transformers refuses a model or tokenizer that needs its own code (every
+    wording of that refusal says "custom code")."""
     text = first_line(error)
-    return REMOTE_CODE if "contains custom code" in text or "trust_remote_code=True" in text else text
+    return REMOTE_CODE if "custom code" in text else text
 
 
 def first_line(error: BaseException) -> str:
