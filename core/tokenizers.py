@@ -21,8 +21,9 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERT
 
 def load_tokenizer(source: str | Path, mask: bool = True, pad: bool = True):
     """An existing tokenizer by hub id, local directory or a `tokenizers` file (`Tokenizer.save("tok.json")`); it
-    must be fast, and have a mask token when `mask` (the MLM objective; a causal one, or an analysis, needs none). A bare `tokenizers` file
-    names no token's role: roles are taken from its special tokens' conventional names (`name_special_tokens`). With
+    must be fast, and have a mask token when `mask` (the MLM objective; a causal one, or an analysis, needs none). A
+    bare `tokenizers` file names no token's role: roles are taken from its special tokens' conventional names
+    (`name_special_tokens`). With
     `pad` (training), a tokenizer without a pad token of its own (none: GPT-2's, Llama's; or one that is also its
     eos, bos, unk, cls or sep) gets a dedicated one added, with a warning: the model's `pad_token_id` is its zero
     padding row, and RoBERTa's embeddings number positions past it, so no token of a text may be it (the blocks never

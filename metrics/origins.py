@@ -51,22 +51,22 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
                 for d in dims
             },
         }
-    norms = [(name, layers, module, norm_affine(module, model.config.hidden_size))
+    norms = [(name, layers, module, norm_affine(module, model.config.hidden_size),
+              (norm_placement(model, module) or (None, None))[1])  # once per norm, not per dim
              for name, layers, module in layer_norms(model)]
-    report["layer_norms_note"] = norms_note(model, [(module, affine) for _, _, module, affine in norms])
-    ranks = [(name, layers, affine, rank_by_magnitude(affine.gain),
-              rank_by_magnitude(affine.bias) if affine.bias is not None else None, module)
-             for name, layers, module, affine in norms]
+    report["layer_norms_note"] = norms_note(model, [(module, affine, placement)
+                                                    for _, _, module, affine, placement in norms])
+    ranks = [(rank_by_magnitude(affine.gain), rank_by_magnitude(affine.bias) if affine.bias is not None else None)
+             for _, _, _, affine, _ in norms]
     for d in dims:
         entries = []
-        for name, layers, affine, weight_rank, bias_rank, module in ranks:
+        for (name, layers, _, affine, placement), (weight_rank, bias_rank) in zip(norms, ranks, strict=True):
             entry = {"module": name, "layer": layers[0] if len(layers) == 1 else None,
                      "weight": round(float(affine.gain[d]), 6), "weight_rank": int(weight_rank[d])}
             if len(layers) > 1:
                 entry["shared_by_layers"] = layers
-            placed = norm_placement(model, module)
-            if placed is not None:
-                entry["placement"] = placed[1]
+            if placement is not None:
+                entry["placement"] = placement
             if bias_rank is not None:
                 entry.update(bias=round(float(affine.bias[d]), 6), bias_rank=int(bias_rank[d]))
             entries.append(entry)
@@ -77,19 +77,19 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
 
 def norms_note(model: nn.Module, norms: list) -> str:
     """What the norm entries mean for this model's family (empty for BERT's post-LN layout with LayerNorms): `norms`
-    holds (module, core.families.NormAffine) pairs."""
+    holds (module, core.norms.NormAffine, placement) triples."""
     parts = []
-    if any(not affine.centres for _, affine in norms):
+    if any(not affine.centres for _, affine, _ in norms):
         parts.append("RMSNorm: traced like a LayerNorm's gain; it has no bias")
-    if any(getattr(module, "weight", None) is None for module, _ in norms):
+    if any(getattr(module, "weight", None) is None for module, _, _ in norms):
         parts.append("a norm without parameters (OLMo's LayerNorm) has gain 1 on every dim: it cannot single one out")
     if any(isinstance(getattr(module, "weight", None), Tensor)
-           and not torch.allclose(affine.gain, module.weight.detach().float().cpu()) for module, affine in norms):
+           and not torch.allclose(affine.gain, module.weight.detach().float().cpu()) for module, affine, _ in norms):
         parts.append("the gain is the one the norm applies, not its stored weight (Gemma's RMSNorm: 1 + weight)")
     if pre_norm(model):
         parts.append("pre-LN: a norm inside layer l (placement pre) normalises the input of its attention or MLP and "
                      "writes no hidden state")
-    if any((norm_placement(model, module) or (None, None))[1] == "sublayer_output" for module, _ in norms):
+    if any(placement == "sublayer_output" for _, _, placement in norms):
         parts.append("a norm placed sublayer_output (Gemma 2/3's, OLMo-2's post_*_layernorm) normalises its sub-layer's "
                      "output before the residual stream adds it")
     stack = decoder_stack(model)
