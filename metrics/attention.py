@@ -27,8 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import Metric
 
+from metrics.base import Metric
 from metrics.geometry import cosine
 
 NAMES = ("qk_mean_cosine", "query_mean_norm_ratio", "key_mean_norm_ratio", "query_anisotropy", "key_anisotropy",

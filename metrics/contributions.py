@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
+from metrics.base import Metric
 from metrics.ranks import rank_by_magnitude
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
+from metrics.base import Metric
 from metrics.similarity import spearman
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import Metric
+
+from metrics.base import Metric
 
 
 def _tokens(hidden_states: Tensor, mask: Tensor | None) -> Tensor:

@@ -17,7 +17,8 @@ import math
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+
+from metrics.base import Metric
 
 
 def eigvalsh(matrices: Tensor) -> Tensor:

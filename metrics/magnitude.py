@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 from core.defaults import MAGNITUDE_DEFAULTS, MAGNITUDE_RULES
+from metrics.base import Metric
 
 RULES, DEFAULTS = MAGNITUDE_RULES, MAGNITUDE_DEFAULTS  # core/defaults.py: the parsers show them without torch
 

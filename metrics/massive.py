@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 from core.defaults import MASSIVE_DEFAULTS, MASSIVE_RULES
+from metrics.base import Metric
 
 BINS_PER_DECADE = 64
 LOW_DECADE, HIGH_DECADE = -6, 6  # the histogram's range, 1e-6 .. 1e6

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+
+from metrics.base import Metric
 
 BONDARENKO_EPS = 1e-6  # their kurtosis(x, eps=1e-6): mu4 / (s^4 + eps)
 

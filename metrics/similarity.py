@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
+from metrics.base import Metric
 from metrics.geometry import cosine
 
 

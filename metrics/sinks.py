@@ -29,9 +29,9 @@ import math
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 from core.defaults import SINK_EPSILON
+from metrics.base import Metric
 
 EPSILON = SINK_EPSILON  # Gu et al.'s epsilon (core/defaults.py)
 

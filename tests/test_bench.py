@@ -144,3 +144,66 @@ def test_peak_lookup_prefers_the_exact_variant_and_the_override():
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB", None) == pytest.approx(312, abs=1)
     assert bench.peak_tflops("Some Future GPU", None) is None
     assert bench.peak_tflops("NVIDIA H100 PCIe", 123.0) == 123.0
+
+
+def test_sync_warnings_count_synchronisations_not_torchs_notice_on_turning_the_mode_on():
+    """torch warns once that its sync debug mode "is a prototype feature" when the mode is turned on: an H200 run
+    counted that notice as a synchronisation (1 over 97 steps); a real synchronisation warning still counts."""
+    import warnings
+
+    gpu_train = importlib.import_module("benchmarks.gpu_train")
+    caught: list[str] = []
+    with gpu_train.sync_warnings(caught):
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+                      "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)", stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp)",
+                      stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp)",
+                      stacklevel=1)
+    assert caught == ["called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp)"] * 2
+
+
+def test_the_gpu_lines_code_path_on_cpu_with_cuda_stubbed(monkeypatch, capsys):
+    """benchmarks/gpu_train.py's run_gpu (smoke: length 128, eager, bare and production) on the CPU, torch.cuda
+    stubbed: the GPU path keeps running between GPU sessions. Its MFU line is tokens/s x the counted FLOPs / the peak,
+    and turning the sync debug mode on (which makes torch warn that it is a prototype) counts no synchronisation."""
+    import argparse
+    import warnings
+
+    gpu_train = importlib.import_module("benchmarks.gpu_train")
+    monkeypatch.setattr(gpu_train, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_train, "ACCELERATOR", "cpu")
+    monkeypatch.setattr(gpu_train, "VOCAB", 500)
+    merged = gpu_train.merged_config
+
+    def small(name):
+        config = merged(name)
+        config["model"].update(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        config["data"]["num_workers"] = 0
+        return config
+
+    def turned(mode):
+        if mode == "warn":
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations", stacklevel=2)
+
+    monkeypatch.setattr(gpu_train, "merged_config", small)
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", turned)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args, **kwargs: "NVIDIA H200")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    args = argparse.Namespace(peak_tflops=None, gpu_config="fast", smoke=True, gpu_batch_512=1, gpu_warmup=2,
+                              gpu_steps=6)
+    gpu_train.run_gpu(args)
+    metrics = {match.group(1): float(match.group(2)) for match in
+               re.finditer(r"^METRIC (\S+) (\S+)", capsys.readouterr().out, re.M)}
+    module = gpu_train.MLMModule(**{**small("fast")["model"], "vocab_size": 500, "compile": False})
+    flops = gpu_train.model_flops_per_token(module, 128, round(0.15 * 126))
+    for kind in ("bare", "production"):
+        tokens = metrics[f"fast_seq128_{kind}_eager_tokens_per_s"]
+        assert tokens > 0
+        assert metrics[f"fast_seq128_{kind}_eager_mfu"] == pytest.approx(tokens * flops / 989e12, abs=1e-3)
+    assert metrics["fast_seq128_production_eager_sync_warnings"] == 0

@@ -987,3 +987,45 @@ def test_validation_anisotropy_is_what_analyze_py_anisotropy_reports_on_the_same
     for layer in report["layers"]:
         logged_value = float(row[f"val_outliers_by_layer/layer_{layer['layer']}/anisotropy"])
         assert logged_value == pytest.approx(layer["raw"], abs=2e-6), layer
+
+
+def live_callbacks(layers: list[int] | None) -> list[str]:
+    """The three live callbacks every 2 steps, watching `layers` (None: every layer)."""
+    specs = []
+    for module, name in (("outlier_statistics", "OutlierStatistics"), ("contribution_vectors", "ContributionVectors"),
+                         ("attention_geometry", "AttentionGeometry")):
+        init = {"every_n_steps": 2, "image_every_n_steps": 0, **({"layers": layers} if layers else {})}
+        specs += ["--trainer.callbacks+", json.dumps({"class_path": f"callbacks.{module}.{name}", "init_args": init})]
+    return specs
+
+
+def test_callbacks_watching_one_layer_log_for_it_what_they_log_for_it_among_all(corpus, cache, tmp_path):
+    """torchmetrics squeezes a one-element result ([1] -> []): with one watched layer, OutlierStatistics raised an
+    IndexError at its first capture (metrics/base.py keeps the shapes). The same run watching layer 2 alone logs, for
+    layer 2, what the run watching every layer logs for it (same seed, same batches), and its summaries over the watched
+    layers are layer 2's own values."""
+    logged_rows = {}
+    for name, layers in (("all", None), ("one", [2])):
+        assert train.cli_main(tiny_args(tmp_path / name, corpus, cache, *live_callbacks(layers),
+                                        "--trainer.max_steps", "4", logger="csv")) == 0
+        merged: dict[int, dict] = {}
+        for key in ("outliers_by_layer/num_tokens", "position_probe_by_layer/num_tokens", "attention/entropy",
+                    "sinks/sink_share"):  # each callback logs its own row of the step
+            for step, row in csv_rows(tmp_path / name, key).items():
+                merged.setdefault(step, {}).update(row)
+        logged_rows[name] = merged
+    every, one = logged_rows["all"], logged_rows["one"]
+    assert sorted(every) == sorted(one) == [0, 2]
+    for step, row in one.items():
+        per_layer = {key for key in row if "/layer_" in key}
+        assert {key.split("/layer_")[1].split("/")[0] for key in per_layer} == {"2"}
+        assert {key.split("/")[0] for key in per_layer} == {"outliers_by_layer", "position_probe_by_layer",
+                                                             "attention_by_layer", "sinks_by_layer"}
+        assert {key: row[key] for key in per_layer} == pytest.approx({key: every[step][key] for key in per_layer},
+                                                                     rel=1e-5, abs=1e-7)
+        for summary, layer_key in (("outliers/kurtosis", "outliers_by_layer/layer_2/kurtosis"),
+                                   ("outliers/max_abs", "outliers_by_layer/layer_2/max_abs"),
+                                   ("position_probe/accuracy", "position_probe_by_layer/layer_2/accuracy"),
+                                   ("sinks/first_token_mass", "sinks_by_layer/layer_2/first_token_mass"),
+                                   ("attention/qk_mean_cosine", "attention_by_layer/layer_2/qk_mean_cosine")):
+            assert row[summary] == pytest.approx(row[layer_key], rel=1e-6), summary

@@ -288,7 +288,7 @@ def test_two_process_streaming_run_resumes_exactly(corpus, cache, tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp_path):
     """1 process × batch 8; 1 × 4 × 2 micro-batches; 2 DDP processes × 4 with the fast recipe's DDP settings (static
-    graph, 100 MB buckets, configs/pretrain/roberta-base-fast.yaml): the same losses and weights."""
+    graph, configs/pretrain/roberta-base-fast.yaml): the same losses and weights."""
     no_dropout = ("--model.dropout", "0.0", "--trainer.max_steps", "4")
     one, accumulated, ddp = tmp_path / "one", tmp_path / "accumulated", tmp_path / "ddp"
     assert fit(one, corpus, cache, *no_dropout) == 0
@@ -498,8 +498,8 @@ def test_roberta_base_configs_hold_table_4_and_differ_only_in_position_embedding
     assert differ == {"model.position_embeddings", "trainer.default_root_dir", "trainer.logger.init_args.name"}
 
 
-FAST_CHANGES = {"model.dropout": 0.0, "model.compile": True, "model.pad_vocab_to_multiple_of": 64, "data.batch_size": 64,
-                "trainer.strategy.init_args.static_graph": True, "trainer.strategy.init_args.bucket_cap_mb": 100}
+FAST_CHANGES = {"model.dropout": 0.0, "model.pad_vocab_to_multiple_of": 64, "data.batch_size": 64,
+                "trainer.strategy.init_args.static_graph": True}
 
 
 def test_the_fast_recipe_changes_only_what_the_docs_list_and_its_twin_only_the_position_embeddings(capsys):

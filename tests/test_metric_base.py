@@ -1,0 +1,98 @@
+"""metrics/base.py: the metrics keep the shapes their compute gives, where torchmetrics squeezes every one-element
+tensor ([1] -> []), and the rest of torchmetrics' compute (the cache, the clones) stays.
+
+    .venv/bin/pytest tests/test_metric_base.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torchmetrics
+
+from metrics.base import Metric
+from metrics.sinks import AttentionSinks
+
+
+@dataclass
+class Result:
+    per_layer: torch.Tensor
+    count: int
+
+
+class Sums(Metric):
+    """Per layer and head, the sum of what it was given: a [layers, heads] state."""
+
+    def __init__(self, layers: int, heads: int) -> None:
+        super().__init__()
+        self.add_state("total", torch.zeros(layers, heads), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values
+
+    def compute(self) -> dict:
+        return {"by_head": self.total, "by_layer": self.total.sum(1), "all": self.total.sum(),
+                "result": Result(self.total.sum(1), 3), "list": [self.total[:, 0]]}
+
+
+class TorchmetricsSums(torchmetrics.Metric):
+    """The same metric on torchmetrics' own base."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.zeros(1, 1), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values
+
+    def compute(self) -> dict:
+        return {"by_head": self.total, "by_layer": self.total.sum(1)}
+
+
+def test_one_element_results_keep_their_shape_where_torchmetrics_squeezes_them():
+    theirs = TorchmetricsSums()
+    theirs.update(torch.tensor([[2.5]]))
+    assert theirs.compute()["by_layer"].shape == torch.Size([])  # why metrics/base.py exists
+    ours = Sums(1, 1)
+    ours.update(torch.tensor([[2.5]]))
+    ours.update(torch.tensor([[1.0]]))
+    out = ours.compute()
+    assert out["by_head"].shape == (1, 1) and out["by_head"].item() == 3.5
+    assert out["by_layer"].shape == (1,) and out["by_layer"].tolist() == [3.5]
+    assert out["all"].shape == () and out["all"].item() == 3.5  # a 0-d result stays 0-d
+    assert out["result"].per_layer.tolist() == [3.5] and out["result"].count == 3
+    assert out["list"][0].tolist() == [3.5]
+
+
+def test_results_are_cached_and_cloned_as_torchmetrics_does():
+    metric = Sums(1, 1)
+    metric.update(torch.tensor([[2.0]]))
+    first = metric.compute()
+    first["by_layer"].add_(100.0)  # changing a result changes neither the state nor the next (cached) result
+    first["by_head"].add_(100.0)
+    again = metric.compute()
+    assert again["by_layer"].tolist() == [2.0] and again["by_head"].tolist() == [[2.0]]
+    assert metric.total.tolist() == [[2.0]]
+    metric.update(torch.tensor([[1.0]]))  # a new update drops the cache
+    assert metric.compute()["by_layer"].tolist() == [3.0]
+
+
+def test_larger_results_are_untouched():
+    metric = Sums(3, 2)
+    values = torch.arange(6.0).reshape(3, 2)
+    metric.update(values)
+    out = metric.compute()
+    assert torch.equal(out["by_head"], values) and torch.equal(out["by_layer"], values.sum(1))
+
+
+def test_attention_sinks_of_one_layer_and_one_head_equal_a_direct_computation():
+    """A one-layer, one-head sink report is per layer, as for any other model (it was squeezed to a scalar)."""
+    masses = torch.tensor([[[[0.5, 0.3, 0.2]], [[0.1, 0.6, 0.3]]]])  # [1 layer, 2 sequences, 1 head, 3 keys]
+    sinks = AttentionSinks(num_layers=1, num_heads=1, epsilon=0.3)
+    sinks.update(masses, torch.ones(2, 3, dtype=torch.bool))
+    out = sinks.compute()
+    assert out["sink_share"].tolist() == [0.5]  # one of the two sequences puts more than 0.3 on its first token
+    assert out["first_token_mass"].shape == (1,) and out["first_token_mass"].item() == pytest.approx(0.3)  # (0.5+0.1)/2
+    assert out["first_token_mass_by_head"].shape == (1, 1) and out["first_token_mass_by_head"].item() == pytest.approx(0.3)
