@@ -81,7 +81,7 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
     per_variant = {}
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()
-        seen = seen.reshape(-1).cpu()  # torchmetrics squeezes a one-pair state
+        seen = seen.reshape(-1).cpu()  # [pairs] (metrics/base.py keeps a one-pair state [1])
         if int(seen.sum()) < 2:
             raise UserError(f"only {int(seen.sum())} WiC pair{'' if int(seen.sum()) == 1 else 's'} could be scored "
                             f"({lost} sentences lost their target word to truncation; a larger --max_length keeps "

@@ -11,13 +11,13 @@ processes, the result cached and cloned). A 0-d result stays 0-d.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torchmetrics
+from lightning_utilities import apply_to_collection
 from torch import Tensor
 
 
@@ -30,39 +30,34 @@ class _Kept:
         self.tensor = tensor
 
 
-def _map(value: Any, kind: type, fn: Callable) -> Any:
-    """`fn` applied to every `kind` inside nested dicts, lists, tuples and dataclasses (what the metrics here return,
-    and where torchmetrics looks)."""
-    if isinstance(value, kind):
-        return fn(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        mapped = copy.copy(value)
-        for field in dataclasses.fields(value):
-            setattr(mapped, field.name, _map(getattr(value, field.name), kind, fn))
-        return mapped
-    if isinstance(value, dict):
-        return {key: _map(item, kind, fn) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(item, kind, fn) for item in value)
-    return value
-
-
+# Both walk the result as torchmetrics' own squeeze does (lightning_utilities' apply_to_collection: dicts and their
+# subclasses, lists, tuples, namedtuples, dataclasses), so every tensor it would squeeze is reached, and every
+# container keeps its type.
 def _hide(value: Any) -> Any:
-    return _map(value, Tensor, lambda tensor: _Kept(tensor) if tensor.dim() > 0 and tensor.numel() == 1 else tensor)
+    return apply_to_collection(value, Tensor,
+                               lambda tensor: _Kept(tensor) if tensor.dim() > 0 and tensor.numel() == 1 else tensor)
 
 
 def _show(value: Any) -> Any:
-    return _map(value, _Kept, lambda kept: kept.tensor.clone())  # cloned, as torchmetrics clones the others
+    return apply_to_collection(value, _Kept, lambda kept: kept.tensor.clone())  # cloned, as torchmetrics clones
 
 
 class Metric(torchmetrics.Metric):
     """torchmetrics.Metric whose `compute` keeps the shapes it returns (module docstring)."""
 
     def _wrap_compute(self, compute: Callable) -> Callable:
-        wrapped = super()._wrap_compute(functools.wraps(compute)(lambda *args, **kwargs: _hide(compute(*args, **kwargs))))
+        hidden = functools.wraps(compute)(lambda *args, **kwargs: _hide(compute(*args, **kwargs)))
+        wrapped = super()._wrap_compute(hidden)
 
         @functools.wraps(compute)
         def shaped(*args: Any, **kwargs: Any) -> Any:
             return _show(wrapped(*args, **kwargs))
 
         return shaped
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = "") -> torch.nn.Module:
+        """torchmetrics moves a cached result with the states (`.to`, `set_dtype`): the kept ones too."""
+        this = super()._apply(fn, exclude_state)
+        if this._computed is not None:
+            this._computed = apply_to_collection(this._computed, _Kept, lambda kept: _Kept(fn(kept.tensor)))
+        return this

@@ -6,6 +6,9 @@ tensor ([1] -> []), and the rest of torchmetrics' compute (the cache, the clones
 
 from __future__ import annotations
 
+import collections
+import copy
+import pickle
 from dataclasses import dataclass
 
 import pytest
@@ -96,3 +99,63 @@ def test_attention_sinks_of_one_layer_and_one_head_equal_a_direct_computation():
     assert out["sink_share"].tolist() == [0.5]  # one of the two sequences puts more than 0.3 on its first token
     assert out["first_token_mass"].shape == (1,) and out["first_token_mass"].item() == pytest.approx(0.3)  # (0.5+0.1)/2
     assert out["first_token_mass_by_head"].shape == (1, 1) and out["first_token_mass_by_head"].item() == pytest.approx(0.3)
+
+
+Pair = collections.namedtuple("Pair", "per_layer total")
+
+
+class Shaped(Metric):
+    """One [1] state, returned in a namedtuple or an OrderedDict (torchmetrics' squeeze walks both)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.add_state("total", torch.zeros(1), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values.sum()
+
+    def compute(self):
+        if self.kind == "namedtuple":
+            return Pair(self.total.clone(), self.total.sum())
+        return collections.OrderedDict(per_layer=self.total.clone())
+
+
+def test_namedtuples_and_dict_subclasses_keep_their_type_and_shapes():
+    """A namedtuple result raised a TypeError (rebuilt from one iterable) and an OrderedDict came back a dict."""
+    pair = Shaped("namedtuple")
+    pair.update(torch.tensor([1.0, 2.5]))
+    out = pair.compute()
+    assert type(out) is Pair and out.per_layer.shape == (1,) and out.per_layer.tolist() == [3.5]
+    assert out.total.shape == () and out.total.item() == 3.5
+    ordered = Shaped("ordered")
+    ordered.update(torch.tensor([2.0]))
+    out = ordered.compute()
+    assert type(out) is collections.OrderedDict and out["per_layer"].tolist() == [2.0]
+
+
+def test_a_cached_one_element_result_moves_with_the_states():
+    """torchmetrics casts and moves a cached result with the states (set_dtype, .to): the kept one-element ones too,
+    as for a larger result of the same metric."""
+    one, larger = Sums(1, 1), Sums(2, 1)
+    for metric in (one, larger):
+        metric.update(torch.ones(metric.total.shape))
+        metric.compute()  # cached
+        metric.set_dtype(torch.float64)
+        assert metric.total.dtype == torch.float64
+        assert metric.compute()["by_layer"].dtype == torch.float64, metric.total.shape
+
+
+def test_copies_and_pickles_keep_the_shapes_and_the_cache():
+    """torchmetrics re-wraps compute in __setstate__ (deepcopy, pickle, clone): a copy of a metric with a cached
+    result returns it, and after one more update the new sum, one-element results still [1]."""
+    metric = Sums(1, 1)
+    metric.update(torch.tensor([[2.0]]))
+    metric.compute()
+    for copy_of in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), Sums.clone):
+        copied = copy_of(metric)
+        assert copied.compute()["by_layer"].tolist() == [2.0]
+        copied.update(torch.tensor([[0.5]]))
+        out = copied.compute()
+        assert out["by_layer"].tolist() == [2.5] and out["by_head"].shape == (1, 1) and out["all"].shape == ()
+    assert metric.compute()["by_layer"].tolist() == [2.0]

@@ -38,7 +38,7 @@ from tests.tiny import corpus_sentences, tiny_config
 def test_gaussian_states_give_the_closed_forms_and_the_direct_statistics(hidden):
     generator = torch.Generator().manual_seed(0)
     tokens = 20_000
-    states = gaussian_states((2, tokens, hidden), generator)  # two layers (torchmetrics squeezes a single one)
+    states = gaussian_states((2, tokens, hidden), generator)  # two layers
     metric = NeuronStatistics(2, hidden)
     metric.update(states)
     result = metric.compute()
