@@ -423,6 +423,8 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
         "clip empty item": (["anisotropy", "--data", sentences, "--clip", "1-2:"], "--clip item '1-2:' is empty"),
         "clip empty": (["anisotropy", "--data", sentences, "--clip", " "], "--clip is empty"),
         "zeta": (["isotropy", "--data", sentences, "--zeta", "2"], "--zeta must lie in [0, 1]"),
+        "minibatch of one token": (["isotropy", "--data", sentences, "--minibatch", "1"],
+                                   "--minibatch must be at least 2 (a mini-batch's covariance needs 2 tokens), got 1"),
         "all bad wic": (["all", "--data", sentences, "--num_words", "5", "--wic", shifted], "no WiC item of"),
     }
 
