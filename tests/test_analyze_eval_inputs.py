@@ -452,6 +452,25 @@ def test_self_similarity_with_every_context_truncated_says_why_its_table_is_empt
     assert cut["self_similarity_warning"] in capfd.readouterr().err
 
 
+def test_sts_whose_sentences_all_pool_to_one_vector_says_why_and_names_no_best_layer(tmp_path, bert_tok, capfd):
+    # --max_length 2 leaves [CLS] [SEP] of every sentence: one pooled vector, every cosine 1, Spearman undefined
+    sts, encoder = write_sts(tmp_path / "sts.tsv"), save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    reports = {}
+    for length in (2, 32):
+        out = tmp_path / f"out{length}"
+        assert analyze.main(["sts", "--encoder", str(encoder), "--data", str(sts), "--max_length", str(length),
+                             "--no_progress", "--output_dir", str(out)]) == 0
+        reports[length] = json.loads((out / "sts.json").read_text())
+    kept, cut = reports[32], reports[2]
+    assert kept["best"]["layer"] >= 1 and kept["best"]["spearman"] is not None and "spearman_warning" not in kept
+    assert all(row[key] is None for row in cut["layers"] for key in ("raw", "clipped"))
+    assert cut["best"] == cut["best_clipped"] == {"spearman": None, "layer": None}
+    assert cut["spearman_warning"] == ("Spearman not computed ('-') for raw, clipped: every pair's cosine is the same "
+                                       "in every layer (the sentences' vectors do not differ: does --max_length leave "
+                                       "only the special tokens?)")
+    assert cut["spearman_warning"] in capfd.readouterr().err
+
+
 def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, sentences, capfd):
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     for case, (argv, message) in bad_inputs(tmp_path, sentences).items():
