@@ -228,6 +228,9 @@ def validate(args) -> None:
             raise UserError(f"--{name} must be positive, got {value}")
     if getattr(args, "min_sentences", 2) < 2:
         raise UserError(f"--min_sentences must be at least 2, got {args.min_sentences}")
+    if getattr(args, "minibatch", 2) < 2:
+        raise UserError(f"--minibatch must be at least 2 (a mini-batch's covariance needs 2 tokens), "
+                        f"got {args.minibatch}")
     if not 0 <= getattr(args, "zeta", 0) <= 1:
         raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
     if getattr(args, "sigma", None) is not None and args.sigma <= 0:

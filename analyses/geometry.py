@@ -223,9 +223,12 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         counted = result.num_words
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
+    if not counted:  # every value is nan: say why rather than print an empty table
+        warning = (f"self-similarity not computed ('-'): no word of the {len(contexts.words)} sampled kept 2 of its "
+                   f"contexts ({int(lost.compute())} contexts lost to truncation: a larger --max_length keeps them)")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "num_sentences": len(contexts.sentences), **baseline.describe(),
             "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
             "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,
-            **({"adjusted_warning": warning} if warning else {})}
+            **({"self_similarity_warning" if not counted else "adjusted_warning": warning} if warning else {})}

@@ -173,7 +173,8 @@ def paper_markdown(summary: dict) -> str:
     else:
         lines += ["| dataset | pairs | raw | clipped |", "| --- | --- | --- | --- |"]
         lines += [f"| {row['dataset']} | {row['num_pairs']} | " + " | ".join(
-            f"{fmt(row[key]['spearman'], 2)} (layer {row[key]['layer']})" if row.get(key) else "-" for key in VARIANTS)
+            f"{fmt(row[key]['spearman'], 2)} (layer {row[key]['layer']})"
+            if (row.get(key) or {}).get("layer") is not None else "-" for key in VARIANTS)
             + " |" for row in summary["table2_sts"]]
     lines += ["", "## Table 3: frozen-encoder classifiers (test accuracy, bias-free linear maps, §4.4)", "",
               "Control task (Hewitt & Liang 2019; ours, the paper has none): the same classifier on a random class per "

@@ -192,7 +192,8 @@ def summary_markdown(summary: dict) -> str:
         lines += ["| dataset | pairs | " + " | ".join(keys) + " | static vectors |",
                   "| --- | --- | " + " | ".join("---" for _ in keys) + " | --- |"]
         for row in summary["table2_sts"]:
-            cells = [f"{fmt(row[k]['spearman'], 2)} (layer {row[k]['layer']})" for k in keys]
+            cells = [f"{fmt(row[k]['spearman'], 2)} (layer {row[k]['layer']})" if row[k]["layer"] is not None else "-"
+                     for k in keys]
             lines.append(f"| {row['dataset']} | {row['num_pairs']} | " + " | ".join(cells) +
                          f" | {fmt(row['static_baseline'], 2)} |")
         lines.append("")

@@ -113,14 +113,20 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
     metrics, _, counts = _pair_loop(setting, texts, variants, len(pairs), vectors_of, False, "sts")
     gold = torch.tensor([pair.score for pair in pairs], dtype=torch.float64)
     report = {"num_pairs": len(pairs), **counts}
-    per_variant = {}
+    per_variant, constant = {}, []
     for variant in variants:
         cosines, seen = metrics[variant.key].compute()
         rho = 100 * spearman(cosines.reshape(len(pairs), -1).cpu(), gold)
         per_variant[variant.key] = rho
         layer = 1 + int(rho[1:].nan_to_num(float("-inf")).argmax())  # the best of layers 1..L
         key = "best" if variant.key == "raw" else f"best_{variant.key}"
-        report[key] = {"spearman": number(rho[layer]), "layer": layer}
+        report[key] = {"spearman": number(rho[layer]), "layer": layer if not rho[layer].isnan() else None}
+        if rho.isnan().all() and len(pairs) > 1 and len(set(gold.tolist())) > 1:  # the gold is fine: the cosines
+            constant.append(variant.key)
+    if constant:
+        report["spearman_warning"] = (f"Spearman not computed ('-') for {', '.join(constant)}: every pair's cosine "
+                                      "is the same in every layer (the sentences' vectors do not differ: does "
+                                      "--max_length leave only the special tokens?)")
     report["layers"] = per_layer(per_variant, setting.encoder.num_hidden_states)
     report["static_baseline"] = static_baseline(pairs, gold, static, setting.progress) if static else None
     return report

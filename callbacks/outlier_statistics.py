@@ -69,7 +69,7 @@ from torch import Tensor
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
 from callbacks.media import FIGURES
-from core.errors import UserError
+from core.errors import UserError, warn_once
 from core.figures import mean_vectors_figure
 from core.step_figures import layer_step_figure
 from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
@@ -199,8 +199,13 @@ class OutlierStatistics(LiveCallback):
                  "num_magnitude_outliers": [len(found) for found in MagnitudeRule().outliers(above, counted)]}
         anisotropy = None
         if stage == "val":
-            anisotropy, _ = sample_anisotropy(*self.tokens.compute(), self.seed)
-            anisotropy = anisotropy.cpu().tolist()
+            vectors, filled = self.tokens.compute()
+            anisotropy, pairs = sample_anisotropy(vectors, filled, self.seed)
+            anisotropy = anisotropy.cpu().tolist() if pairs else None  # not a nan logged as a value
+            if not pairs and trainer.is_global_zero:
+                warn_once(f"OutlierStatistics: the validation set has {int(filled.sum())} sequence(s): its anisotropy "
+                          "needs 2 (a pair of random tokens of different sequences) and is not logged; a larger "
+                          "--data.max_val_blocks or --data.val_fraction gives it")
             self.tokens.reset()
             self.seen = 0
         if not trainer.is_global_zero or result.num_tokens == 0:

@@ -23,8 +23,13 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
         if unknown:
-            close = difflib.get_close_matches(unknown.group(1), sorted(_options(self)), n=1)
-            message = f"unknown option {unknown.group(1)}" + (f" (did you mean {close[0]}?)" if close else "")
+            options = _options(self)
+            close = difflib.get_close_matches(unknown.group(1), sorted(options - {unknown.group(1)}), n=1)
+            if unknown.group(1) in options:  # another subcommand's: "did you mean" itself would be no help
+                message = (f"unknown option {unknown.group(1)} for this subcommand (another subcommand takes it; "
+                           f"{self.prog} <subcommand> --help lists each one's options)")
+            else:
+                message = f"unknown option {unknown.group(1)}" + (f" (did you mean {close[0]}?)" if close else "")
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 

@@ -138,8 +138,8 @@ class IsoScoreStar(Metric):
         self.score_sum += isoscore_star(points, self.zeta, self.shrinkage).nan_to_num(0.0)
         self.batches += 1
 
-    def compute(self) -> Tensor:  # [layers]
-        return self.score_sum / self.batches.clamp_min(1)
+    def compute(self) -> Tensor:  # [layers]; nan without a mini-batch of 2 points or more
+        return torch.where(self.batches > 0, self.score_sum / self.batches.clamp_min(1), float("nan"))
 
 
 def spectrum(second_moment: Tensor, num_tokens: int, floor: float = 1e-7) -> dict[str, Tensor]:

@@ -423,8 +423,52 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
         "clip empty item": (["anisotropy", "--data", sentences, "--clip", "1-2:"], "--clip item '1-2:' is empty"),
         "clip empty": (["anisotropy", "--data", sentences, "--clip", " "], "--clip is empty"),
         "zeta": (["isotropy", "--data", sentences, "--zeta", "2"], "--zeta must lie in [0, 1]"),
+        "minibatch of one token": (["isotropy", "--data", sentences, "--minibatch", "1"],
+                                   "--minibatch must be at least 2 (a mini-batch's covariance needs 2 tokens), got 1"),
         "all bad wic": (["all", "--data", sentences, "--num_words", "5", "--wic", shifted], "no WiC item of"),
     }
+
+
+def test_self_similarity_with_every_context_truncated_says_why_its_table_is_empty(tmp_path, bert_tok, capfd):
+    # "house" is the one word in 2 sentences, 6 words in: --max_length 4 cuts it from both, 32 keeps it
+    data = tmp_path / "late.txt"
+    data.write_text("one two three four five house\nsix seven eight nine ten house\n", encoding="utf-8")
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    reports = {}
+    for length in (4, 32):
+        out = tmp_path / f"out{length}"
+        assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "1",
+                             "--min_sentences", "2", "--max_length", str(length), "--no_progress",
+                             "--output_dir", str(out)]) == 0
+        reports[length] = json.loads((out / "self_similarity.json").read_text())
+    kept, cut = reports[32], reports[4]
+    assert kept["words"] == cut["words"] == ["house"] and kept["num_words"] == 1 and "self_similarity_warning" not in kept
+    assert all(row["raw"]["self_similarity"] is not None for row in kept["layers"])
+    assert cut["num_words"] == 0 and cut["contexts_lost_to_truncation"] == 2
+    assert all(row["raw"]["self_similarity"] is None for row in cut["layers"])
+    assert cut["self_similarity_warning"] == ("self-similarity not computed ('-'): no word of the 1 sampled kept 2 of "
+                                              "its contexts (2 contexts lost to truncation: a larger --max_length "
+                                              "keeps them)")
+    assert cut["self_similarity_warning"] in capfd.readouterr().err
+
+
+def test_sts_whose_sentences_all_pool_to_one_vector_says_why_and_names_no_best_layer(tmp_path, bert_tok, capfd):
+    # --max_length 2 leaves [CLS] [SEP] of every sentence: one pooled vector, every cosine 1, Spearman undefined
+    sts, encoder = write_sts(tmp_path / "sts.tsv"), save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    reports = {}
+    for length in (2, 32):
+        out = tmp_path / f"out{length}"
+        assert analyze.main(["sts", "--encoder", str(encoder), "--data", str(sts), "--max_length", str(length),
+                             "--no_progress", "--output_dir", str(out)]) == 0
+        reports[length] = json.loads((out / "sts.json").read_text())
+    kept, cut = reports[32], reports[2]
+    assert kept["best"]["layer"] >= 1 and kept["best"]["spearman"] is not None and "spearman_warning" not in kept
+    assert all(row[key] is None for row in cut["layers"] for key in ("raw", "clipped"))
+    assert cut["best"] == cut["best_clipped"] == {"spearman": None, "layer": None}
+    assert cut["spearman_warning"] == ("Spearman not computed ('-') for raw, clipped: every pair's cosine is the same "
+                                       "in every layer (the sentences' vectors do not differ: does --max_length leave "
+                                       "only the special tokens?)")
+    assert cut["spearman_warning"] in capfd.readouterr().err
 
 
 def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, sentences, capfd):

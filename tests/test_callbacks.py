@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import os
 import random
 import socket
@@ -1029,3 +1030,22 @@ def test_callbacks_watching_one_layer_log_for_it_what_they_log_for_it_among_all(
                                    ("sinks/first_token_mass", "sinks_by_layer/layer_2/first_token_mass"),
                                    ("attention/qk_mean_cosine", "attention_by_layer/layer_2/qk_mean_cosine")):
             assert row[summary] == pytest.approx(row[layer_key], rel=1e-6), summary
+
+
+def test_a_validation_set_of_one_sequence_logs_no_anisotropy_rather_than_nan(corpus, cache, tmp_path, recwarn):
+    """The anisotropy pairs random tokens of different sequences: one validation sequence has no pair. It logged
+    val_outliers/anisotropy = nan in every layer; now it is left out with a warning, and the rest of the validation
+    capture is logged: its token count is the one sequence's block length (32), and every value is finite."""
+    spec = {"class_path": "callbacks.outlier_statistics.OutlierStatistics",
+            "init_args": {"every_n_steps": 2, "image_every_n_steps": 0}}
+    assert train.cli_main(tiny_args(tmp_path, corpus, cache, "--trainer.callbacks+", json.dumps(spec),
+                                    "--data.max_val_blocks", "1", "--trainer.max_steps", "2",
+                                    "--trainer.val_check_interval", "2", logger="csv")) == 0
+    rows = csv_rows(tmp_path, "val_outliers_by_layer/num_tokens")
+    assert len(rows) == 1
+    (row,) = rows.values()
+    assert row["val_outliers_by_layer/num_tokens"] == 32  # --data.block_length 32, one block
+    assert not [key for key in row if "anisotropy" in key]
+    assert all(math.isfinite(value) for value in row.values()) and "val_outliers/kurtosis" in row
+    assert any("OutlierStatistics: the validation set has 1 sequence(s): its anisotropy needs 2" in str(w.message)
+               for w in recwarn)

@@ -1083,6 +1083,9 @@ ERROR_ROW_TESTS = {
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
         "test_clip.py::test_bad_clip_text_is_one_line",
     ],
+    ("analyze.py", "`--minibatch` below 2 (isotropy, all, trajectory)"): [
+        "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
     ("analyze.py", "`--zeta` outside [0, 1]"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],

@@ -186,6 +186,9 @@ def test_isoscore_star_shrinkage_limits_stability_and_gradient():
     for i in range(0, 500, 10):
         metric.update(population[i:i + 10].unsqueeze(0))
     assert metric.compute().item() == pytest.approx(star.mean().item(), abs=1e-12)
+    lonely = IsoScoreStar(1, 16, zeta=0.2, shrinkage=full)  # one-point mini-batches have no covariance: skipped
+    lonely.update(population[:1].unsqueeze(0))
+    assert lonely.compute().isnan().all()  # not a score of 0
     # Differentiable: the autograd gradient matches a central finite difference.
     points = batch.clone().requires_grad_(True)
     isoscore_star(points, 0.2, full).backward()

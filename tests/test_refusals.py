@@ -376,6 +376,11 @@ def test_an_unknown_analyze_option_is_one_line_with_the_closest(encoder, sentenc
         analyze.main(["outliers", "--encodr", str(encoder), "--data", str(sentences_file)])
     assert exited.value.code == 2
     assert stderr_lines(capfd) == ["analyze.py: error: unknown option --encodr (did you mean --encoder?)"]
+    with pytest.raises(SystemExit) as exited:  # another subcommand's option: not "did you mean --no_progress?"
+        analyze.main(["compare", str(tmp_path / "outliers.json"), "--no_progress"])
+    assert exited.value.code == 2
+    assert stderr_lines(capfd) == ["analyze.py: error: unknown option --no_progress for this subcommand (another "
+                                   "subcommand takes it; analyze.py <subcommand> --help lists each one's options)"]
 
 
 # ---- the quieter ones: warnings, and a run directory without export/ --------------------------------------------------
