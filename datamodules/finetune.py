@@ -109,8 +109,9 @@ class FineTuneDataModule(pl.LightningDataModule):
             raise UserError("no data source: pass --data.source (a file with text and label columns, a datasets "
                             "directory or a datasets name)")
         for name in ("max_length", "batch_size", "eval_batch_size"):
-            if h[name] < (2 if name == "max_length" else 1):
-                raise UserError(f"--data.{name} too small: {h[name]}")
+            least = 2 if name == "max_length" else 1
+            if h[name] < least:
+                raise UserError(f"--data.{name} too small: {h[name]} (at least {least})")
         if global_batch_size is not None and (global_batch_size < batch_size or global_batch_size % batch_size):
             raise UserError(f"--data.global_batch_size {global_batch_size} must be a multiple of --data.batch_size "
                             f"{batch_size}")

@@ -102,8 +102,9 @@ class MLMDataModule(pl.LightningDataModule):
     def _validate_arguments(self) -> None:
         h = self.hparams
         for name in ("block_length", "batch_size"):
-            if getattr(h, name) < (4 if name == "block_length" else 1):
-                raise UserError(f"--data.{name} too small: {getattr(h, name)}")
+            least = 4 if name == "block_length" else 1
+            if getattr(h, name) < least:
+                raise UserError(f"--data.{name} too small: {getattr(h, name)} (at least {least})")
         if h.global_batch_size is not None and h.global_batch_size < h.batch_size:
             raise UserError(f"--data.global_batch_size {h.global_batch_size} is below --data.batch_size {h.batch_size}")
         if h.objective not in ("mlm", "causal"):

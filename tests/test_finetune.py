@@ -297,6 +297,7 @@ def bad_inputs(tmp: Path, inputs: dict) -> dict[str, tuple[tuple, str]]:
                                          f"encoder path not found: {tmp / 'no-such-encoder'}"),
         "max_length beyond the encoder": (("--data.max_length", "100"),
                                           "--data.max_length 100 exceeds the encoder's 64 positions"),
+        "max_length that holds no token": (("--data.max_length", "1"), "--data.max_length too small: 1 (at least 2)"),
         "a checkpoint of pretraining": (("--ckpt_path", str(pretraining)),
                                         f"{pretraining} is not a checkpoint of this project's fine-tuning (no "
                                         "FineTuneModule hyper-parameters and state_dict)"),
@@ -311,7 +312,8 @@ def bad_inputs(tmp: Path, inputs: dict) -> dict[str, tuple[tuple, str]]:
                                   "split fractions that leave no training split",
                                   "a global batch that is not a multiple of the batch",
                                   "too few training examples for a global batch", "an encoder that is not there",
-                                  "max_length beyond the encoder", "a checkpoint of pretraining"])
+                                  "max_length beyond the encoder", "max_length that holds no token",
+                                  "a checkpoint of pretraining"])
 def test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing(inputs, tmp_path, capfd, case):
     extra, message = bad_inputs(tmp_path, inputs)[case]
     root = tmp_path / "run"

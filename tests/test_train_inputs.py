@@ -35,8 +35,8 @@ def written(root: Path) -> list[str]:
 
 @pytest.mark.parametrize("extra, message", [
     (("--model.hidden_size", "30"), "--model.hidden_size 30 is not a multiple of num_attention_heads 4"),
-    (("--data.block_length", "3"), "--data.block_length too small: 3"),
-    (("--data.batch_size", "0"), "--data.batch_size too small: 0"),
+    (("--data.block_length", "3"), "--data.block_length too small: 3 (at least 4)"),
+    (("--data.batch_size", "0"), "--data.batch_size too small: 0 (at least 1)"),
     (("--data.global_batch_size", "4"), "--data.global_batch_size 4 is below --data.batch_size 8"),
     (("--data.mlm_probability", "1.0"), "--data.mlm_probability must lie in (0, 1), got 1.0"),
     (("--data.val_fraction", "0"), "--data.val_fraction must lie in (0, 1), got 0.0"),
