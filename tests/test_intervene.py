@@ -194,7 +194,7 @@ def test_probe_reports_the_sentences_it_used_and_warns_once_about_dropped_positi
     """A text with fewer sentences than --probe_sentences (500) and two paragraphs longer than the probe's 300
     positions: the report counts the sentences and tokens the probe used (not the 500 asked for), the dropped tokens
     match the tokenizer's count, and the warning is given once (not once per probe pass) without naming probe.py's
-    --data.max_positions, which analyze.py does not have."""
+    --data.max_positions, which analyze.py does not have; so is the probe's truncation warning."""
     length = 320
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, max_position_embeddings=length)
     texts = corpus_sentences(18, start=40) + [" ".join(corpus_sentences(40, start=s)) for s in (100, 200)]
@@ -212,6 +212,10 @@ def test_probe_reports_the_sentences_it_used_and_warns_once_about_dropped_positi
     assert sum(split["dropped_positions"] for split in probe["splits"].values()) == dropped
     warned = [str(w.message) for w in recwarn if "left out of the probe" in str(w.message)]
     assert len(warned) == 1 and f"{dropped} tokens" in warned[0] and "--data." not in warned[0]
+    cut = sum(len(ids) > length for ids in bert_tok(texts)["input_ids"])  # the probe's sentences over --max_length
+    truncated = [str(w.message) for w in recwarn if "were longer than" in str(w.message)]
+    assert cut > 0 and truncated == [f"{cut} sentences were longer than {length} tokens and were truncated (counted "
+                                     "in the report as num_truncated)"]  # once, not once per probe pass
 
 
 def hand_mlm_loss(model, tokenizer, texts: list[str]) -> tuple[float, int]:
