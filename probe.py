@@ -1,6 +1,7 @@
 """Position probes and frozen-encoder sentence classifiers, every layer in one run (LightningCLI).
 
-    python probe.py fit --config configs/probe/position.yaml                      # packaged MiniLM, bundled corpus
+    python probe.py fit --config configs/probe/position.yaml --data.source data/austen.txt  # MiniLM, bundled corpus
+    python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased   # SST-2 (the paper's)
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased \
         --data.source data/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
     python probe.py fit --config configs/probe/sst2.yaml --model.encoder roberta-base --trainer.default_root_dir runs/sst2
@@ -76,14 +77,17 @@ def print_summary(report: dict, output_dir) -> None:
     print(f"\n{'position probe' if not clipped else 'sentence classifier'}: {report['encoder']} "
           f"on {report['source']} (test accuracy; dims 0-indexed; special tokens {report['special_tokens']})")
     softdecay = "accuracy_softdecay" in report["layers"][0]
-    print(f"{'layer':>5}  {'accuracy':>8}  {'clipped' if clipped else 'top dims':>10}  {'random enc':>10}"
-          + ("   softdecay" if softdecay else ""))
+    control = "control_accuracy" in report["layers"][0]  # the control task (ours, on by default): its selectivity
+    width = 10 if clipped else 15  # three dims of a 4-digit hidden size
+    print(f"{'layer':>5}  {'accuracy':>8}  {'clipped' if clipped else 'top dims':>{width}}  {'random enc':>10}"
+          + ("   softdecay" if softdecay else "") + ("     control  selectivity" if control else ""))
     for row in report["layers"]:
         middle = (f"{row['accuracy_clipped']:>10.3f}" if clipped and row["accuracy_clipped"] is not None
-                  else f"{', '.join(map(str, row.get('top_contribution_dims', [])[:3])):>10}")
+                  else f"{', '.join(map(str, row.get('top_contribution_dims', [])[:3])):>{width}}")
         base = f"{random[row['layer']]:>10.3f}" if row["layer"] in random else f"{'-':>10}"
         print(f"{row['layer']:>5}  {row['accuracy']:>8.3f}  {middle}  {base}"
-              + (f"  {row['accuracy_softdecay']:>10.3f}" if softdecay else ""))
+              + (f"  {row['accuracy_softdecay']:>10.3f}" if softdecay else "")
+              + (f"  {row['control_accuracy']:>10.3f}  {row['selectivity']:>+11.3f}" if control else ""))
     print(f"majority baseline {report['baselines']['majority']:.3f}, chance {report['baselines']['chance']:.3f}")
     print(f"wrote the report to {output_dir}")
 

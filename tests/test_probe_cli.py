@@ -102,7 +102,14 @@ def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tm
     for name in ("accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position.png",
                  "outlier_contributions.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
-    assert f"{report['layers'][6]['accuracy']:>8.3f}" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(printed) if line.split()[:2] == ["layer", "accuracy"])
+    assert printed[header].split()[-2:] == ["control", "selectivity"]
+    for line, layer in zip(printed[header + 1:header + 8], range(7)):  # the console's table, against the direct probes
+        cells = line.split()
+        assert int(cells[0]) == layer and float(cells[1]) == pytest.approx(float(accuracy[layer]), abs=5e-4)
+        assert float(cells[-2]) == pytest.approx(float(accuracy[14 + layer]), abs=5e-4)
+        assert float(cells[-1]) == pytest.approx(float(accuracy[layer] - accuracy[14 + layer]), abs=1e-3)
 
 
 @pytest.mark.slow
