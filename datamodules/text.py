@@ -11,6 +11,7 @@ Every problem with the input raises `UserError` naming the file (and row), the o
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import gzip
 import io
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
-from core.errors import UserError, first_line
+from core.errors import UserError, first_line, warn_once
 from core.sources import check_hub, hub_offline, looks_local
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
@@ -38,6 +39,7 @@ COMPRESSED = {rb"\x1f\x8b": gzip.open, rb"BZh[1-9](1AY&SY|\x17rE8P\x90)": bz2.op
 COMPRESSED_SUFFIXES = {".gz", ".gzip", ".bz2", ".xz"}
 JSON_CHUNK = 2**20  # characters of a .json array read at a time
 JSON_SPACE = re.compile(r"[ \t\r\n]*")
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: JSON's "\\ud83d" escape without its pair (an emoji cut in two)
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
@@ -187,7 +189,7 @@ def _file_records(path: Path) -> Iterator[dict]:
                         "UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
     if b"\x00" in head:
         raise UserError(f"data file looks binary (NUL bytes), expected UTF-8 text: {path}")
-    count = 0
+    count, seen = 0, []  # seen: the first row whose lone surrogates were replaced (one warning, there)
     try:
         # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
         with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
@@ -209,7 +211,7 @@ def _file_records(path: Path) -> Iterator[dict]:
             elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
                 for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
                     count += 1
-                    yield row
+                    yield _characters(row, path, f"item {count}", seen)
             elif suffix in JSON_SUFFIXES:
                 for number, line in enumerate(handle, 1):
                     if line.strip():
@@ -220,14 +222,15 @@ def _file_records(path: Path) -> Iterator[dict]:
                         if not isinstance(row, dict):
                             raise UserError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
                         count += 1
-                        yield row
+                        yield _characters(row, path, f"line {number}", seen)
             else:
                 for line in handle:
                     if line.strip():
                         count += 1
                         yield {"text": line.rstrip("\r\n")}
-    except UnicodeDecodeError as error:
-        raise UserError(f"data file is not UTF-8 text (bad byte at offset {error.start}): {path}") from None
+    except UnicodeDecodeError:  # its offset is in the chunk being decoded, not in the file: find the byte again
+        raise UserError(f"data file is not UTF-8 text ({_bad_byte(opener, path)}; Latin-1 or Windows-1252? convert it "
+                        f"with iconv -f WINDOWS-1252 -t UTF-8): {path}") from None
     except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     except (EOFError, lzma.LZMAError, OSError) as error:  # an archive cut short or corrupt after its first block
@@ -237,6 +240,38 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _characters(row: dict, path: Path, where: str, seen: list) -> dict:
+    """`row` with each lone surrogate of its strings replaced by U+FFFD, warning at the first row that has one: JSON
+    lets "\\ud83d" stand alone (a tweet or web page cut inside an emoji), but it is no character, and a tokenizer (and
+    Arrow, and UTF-8) refuses the whole text."""
+    cut = [key for key, value in row.items() if isinstance(value, str) and SURROGATE.search(value)]
+    if not cut:
+        return row
+    if not seen:
+        seen.append(where)
+        warn_once(f"{path}, {where}: a lone surrogate escape (half of a \\ud83d\\ude00 pair: an emoji cut in two?) "
+                      f"in {cut[0]!r} is no character: replaced by U+FFFD, here and in any later row")
+    return {**row, **{key: SURROGATE.sub("\ufffd", row[key]) for key in cut}}
+
+
+def _bad_byte(opener, path: Path) -> str:
+    """Where the first byte that is not UTF-8 lies in the (decompressed) file: 'byte 0xe9 at offset 18519, line 241'."""
+    decoder, offset, line, newline = codecs.getincrementaldecoder("utf-8")(), 0, 1, b"\n"
+    with opener(path, "rb") as handle:
+        while True:
+            chunk = handle.read(2**20)
+            pending = len(decoder.getstate()[0])  # the bytes of a character cut by the last chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:  # error.start counts from the pending bytes
+                at = error.start - pending
+                line += chunk.count(newline, 0, max(at, 0))
+                return f"byte {error.object[error.start]:#04x} at offset {offset + at}, line {line}"
+            if not chunk:
+                return f"offset {offset}"  # not reached: the text reader failed on the same bytes
+            offset, line = offset + len(chunk), line + chunk.count(newline)
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:

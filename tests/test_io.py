@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
+import re
 
 import datasets
 import pytest
@@ -329,3 +331,41 @@ def test_a_torchrun_worker_of_analyze_py_ends_without_the_interpreters_teardown(
                               timeout=60)
     assert finished.returncode == 3 and finished.stdout == "the report"
     assert marker.exists() is torn_down
+
+
+@pytest.mark.parametrize("layout", ["past the first read", "a lead byte at the 1 MiB chunk's end", "gzip"])
+def test_a_byte_that_is_not_utf8_is_named_where_it_lies_in_the_file(tmp_path, layout):
+    """The text reader decodes 8 KiB at a time: its error's offset counted from that chunk (a Latin-1 'é' at byte
+    18,519 was reported 'at offset 2135'). The offset and line are those of the file, found here by hand."""
+    line = b"An ordinary sentence of plain ASCII text.\n"
+    if layout == "a lead byte at the 1 MiB chunk's end":  # \xe9 is a 3-byte lead: held over to the next chunk
+        body = b"a" * (2**20 - 1) + b"\xe9 next\n"
+    else:
+        body = line * 500 + "Café ".encode("latin-1") + b"au lait\n"
+    path = tmp_path / "corpus.txt"
+    if layout == "gzip":
+        path = tmp_path / "corpus.txt.gz"
+        path.write_bytes(gzip.compress(body))
+    else:
+        path.write_bytes(body)
+    offset = body.index(b"\xe9")
+    lines = body[:offset].split(b"\n")
+    expected = f"byte 0xe9 at offset {offset}, line {len(lines)}"
+    with pytest.raises(UserError, match=re.escape(expected)):
+        list(iter_texts(path))
+
+
+def test_a_lone_surrogate_escape_in_json_is_replaced_with_one_warning(tmp_path):
+    """JSON may hold "\\ud83d" without its pair (text cut inside an emoji); it is no character, and the tokenizer
+    refused the whole batch with a TypeError. Now it is U+FFFD, with one warning; a whole pair stays the emoji."""
+    rows = ['{"text": "a whole pair \\ud83d\\ude00 stays"}', '{"text": "cut \\ud83d here", "n": 1}',
+            '{"text": "and \\udc00 here"}']
+    expected = ["a whole pair \U0001f600 stays", "cut \ufffd here", "and \ufffd here"]
+    jsonl, array = tmp_path / "web.jsonl", tmp_path / "web.json"
+    jsonl.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    array.write_text("[" + ",\n".join(rows) + "]", encoding="utf-8")
+    for path, where in ((jsonl, "line 2"), (array, "item 2")):
+        with pytest.warns(UserWarning, match=f"{where}: a lone surrogate") as caught:
+            texts = list(iter_texts(path))
+        assert texts == expected and len(caught) == 1
+        assert "".join(texts).encode("utf-8").decode("utf-8") == "".join(expected)  # valid UTF-8 throughout
