@@ -252,7 +252,7 @@ def _characters(row: dict, path: Path, where: str, seen: list) -> dict:
     if not seen:
         seen.append(where)
         warn_once(f"{path}, {where}: a lone surrogate escape (half of a \\ud83d\\ude00 pair: an emoji cut in two?) "
-                      f"in {cut[0]!r} is no character: replaced by U+FFFD, here and in any later row")
+                  f"in {cut[0]!r} is no character: replaced by U+FFFD, here and in any later row")
     return {**row, **{key: SURROGATE.sub("\ufffd", row[key]) for key in cut}}
 
 
