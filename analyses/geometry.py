@@ -125,7 +125,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
                                 for key, value in values.items()}} for layer in range(layers)]
     shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()))
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
-            "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
+            "num_truncated": reference.num_truncated, "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             **({"isoscore_star_warning": shortfall} if shortfall else {}),
             "corpus_spectra": spectra,
