@@ -141,3 +141,23 @@ def test_self_similarity_counts_contexts_inside_special_tokens_apart_from_trunca
     assert report["num_special_in_text"] == 3  # the fourth special token was cut off
     assert report["num_words"] == 1  # house, with 3 contexts; mask has none
     assert all(row["raw"]["self_similarity"] is not None for row in report["layers"])
+
+
+def test_wic_counts_targets_inside_special_tokens_apart_from_truncated_ones(bert_tok, tmp_path):
+    """WiC pairs whose target is the "MASK" of a literal "[MASK]" (2 sentences) or stands after the --max_length cut
+    (1 sentence: after 20 words, at most 14 tokens kept) are not scored; each is counted under its own key."""
+    filler = " ".join(f"w{chr(97 + i)}" for i in range(20))
+    pairs = [("the [MASK] here", "a MASK there", True),  # target in a special token, then a plain word
+             ("one MASK", "two [MASK]", False),  # a plain word, then a special token at the end of the line
+             (f"{filler} MASK", "three MASK", True),  # cut off by truncation
+             ("four MASK", "five MASK", True), ("six MASK", "seven MASK", False)]  # scored
+    rows = [{"word": "mask", "sentence1": a, "sentence2": b, "start1": a.rindex("MASK"), "end1": a.rindex("MASK") + 4,
+             "start2": b.rindex("MASK"), "end2": b.rindex("MASK") + 4, "label": label} for a, b, label in pairs]
+    data = tmp_path / "wic.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    assert analyze.main(["wic", "--encoder", str(encoder), "--data", str(data), "--max_length", "16", "--clip", "none",
+                         "--no_progress", "--output_dir", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "wic.json").read_text())
+    assert report["targets_in_special_tokens"] == 2 and report["targets_lost_to_truncation"] == 1
+    assert report["num_scored"] == 2 and report["num_truncated"] == 1 and report["num_special_in_text"] == 2
