@@ -18,7 +18,7 @@ from torch import Tensor
 from analyses.reference import Reference, Setting, counter, number, per_layer, reference_pass, views
 from core.errors import UserError
 from datamodules.words import WordContexts
-from lightning_modules.pooling import span_vectors
+from lightning_modules.pooling import lost_spans, span_vectors
 from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
 from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
 from metrics.transforms import Variant
@@ -125,7 +125,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
                                 for key, value in values.items()}} for layer in range(layers)]
     shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()))
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
-            "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
+            "num_truncated": reference.num_truncated, "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             **({"isoscore_star_warning": shortfall} if shortfall else {}),
             "corpus_spectra": spectra,
@@ -198,7 +198,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     encoder = setting.encoder
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
-    lost, truncated, special = counter(device), counter(device), counter(device)
+    lost, in_special, truncated, special = counter(device), counter(device), counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
         wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
@@ -207,7 +207,9 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
             word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
             for variant in group:
                 metrics[variant.key].update(word_ids, variant.apply(vectors))
-        lost.update(sum(len(w) for w in wanted) - len(found))
+        cut, inside = lost_spans(batch, wanted, found)
+        lost.update(cut)
+        in_special.update(inside)
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
     warning = None
@@ -224,11 +226,14 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     if not counted:  # every value is nan: say why rather than print an empty table
+        inside = int(in_special.compute())
         warning = (f"self-similarity not computed ('-'): no word of the {len(contexts.words)} sampled kept 2 of its "
-                   f"contexts ({int(lost.compute())} contexts lost to truncation: a larger --max_length keeps them)")
+                   f"contexts ({int(lost.compute())} contexts lost to truncation: a larger --max_length keeps them"
+                   + (f"; {inside} written inside a special token, as 'mask' in '[MASK]'" if inside else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "num_sentences": len(contexts.sentences), **baseline.describe(),
-            "contexts_lost_to_truncation": int(lost.compute()), "num_truncated": int(truncated.compute()),
+            "contexts_lost_to_truncation": int(lost.compute()), "contexts_in_special_tokens": int(in_special.compute()),
+            "num_truncated": int(truncated.compute()),
             "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,
             **({"self_similarity_warning" if not counted else "adjusted_warning": warning} if warning else {})}

@@ -184,6 +184,7 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
             continue
         model = SentenceClassifier(lr=1e-3, clip=clip, seed=args.seed)
         data = ClassificationDataModule(source=source, batch_size=batch_size, label_column="label", **common)
+        data.label_hint = f"the paper's classifier on --{name} reads its labels from it (or --{name} none)"
         reports[f"classifier_{name}"] = train_probe(args, model, data, stage / f"classifier_{name}")
     return reports
 

@@ -16,7 +16,7 @@ from analyses.reference import Setting, counter, number, per_layer, views
 from core.errors import UserError
 from datamodules.pairs import StsPair, WicItem
 from datamodules.words import read_static_vectors, sentence_words, static_sentence_vector
-from lightning_modules.pooling import mean_pool, span_vectors
+from lightning_modules.pooling import lost_spans, mean_pool, span_vectors
 from metrics.geometry import cosine
 from metrics.similarity import PairCosine, spearman, threshold_accuracy
 from metrics.transforms import Variant
@@ -25,22 +25,29 @@ THRESHOLDS = [round(0.1 * t, 1) for t in range(1, 10)]  # WiC: same sense iff co
 
 
 def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_pairs: int, vectors_of,
-               offsets: bool, desc: str) -> tuple[dict[str, PairCosine], int, int]:
+               offsets: bool, desc: str, spans: list | None = None) -> tuple[dict[str, PairCosine], int, dict]:
     """Encode the flattened pairs (pair p = texts 2p, 2p+1) and score each pair once both sides are encoded; each
     group of variants takes its vectors from its own view of the batch (reference.views: SoftDecay's states).
+    With `spans` (each text's target), a target not found is lost to truncation or written inside a special token
+    (counts["targets_in_special_tokens"]); without, every sentence not found is lost.
 
     A chunk of sorted sentences always holds both sides of its pairs (even sizes), so at most a chunk is pending.
     """
     encoder = setting.encoder
     metrics = {v.key: PairCosine(num_pairs, encoder.num_hidden_states).to(encoder.device) for v in variants}
-    lost, truncated, special = counter(encoder.device), counter(encoder.device), counter(encoder.device)
+    lost, truncated, special, inside = (counter(encoder.device) for _ in range(4))
     pending: dict[int, list] = {}
     for batch in setting.batches(texts, offsets, desc, pairs=True):
         rows = batch.rows
         groups = views(batch, variants)
         picked = [vectors_of(rows, view) for _, view, _ in groups]  # per group: ([layers, found, hidden], found)
         found = picked[0][1]
-        lost.update(len(rows) - len(found))
+        if spans is None:
+            lost.update(len(rows) - len(found))
+        else:
+            cut, within = lost_spans(batch, [[spans[row]] for row in rows], [(row, 0) for row in found])
+            lost.update(cut)
+            inside.update(within)
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
         for column, row in enumerate(found):
@@ -58,8 +65,10 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
         if not metric.update_called:
             empty = torch.zeros(encoder.num_hidden_states, 0, encoder.hidden_size, device=encoder.device)
             metric.update(torch.zeros(0, dtype=torch.long), empty, empty)
-    return metrics, int(lost.compute()), {"num_truncated": int(truncated.compute()),
-                                          "num_special_in_text": int(special.compute())}
+    counts = {"num_truncated": int(truncated.compute()), "num_special_in_text": int(special.compute())}
+    if spans is not None:
+        counts["targets_in_special_tokens"] = int(inside.compute())
+    return metrics, int(lost.compute()), counts
 
 
 def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict:
@@ -74,7 +83,7 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         vectors, found = span_vectors(batch, [[spans[row]] for row in rows])
         return vectors, [r for r, _ in found]
 
-    metrics, lost, counts = _pair_loop(setting, texts, variants, len(items), vectors_of, True, "wic")
+    metrics, lost, counts = _pair_loop(setting, texts, variants, len(items), vectors_of, True, "wic", spans)
     labels = torch.tensor([item.label for item in items])
     thresholds = torch.tensor(THRESHOLDS, dtype=torch.float64)
     report = {"num_pairs": len(items), "targets_lost_to_truncation": lost, **counts, "thresholds": THRESHOLDS}
@@ -85,7 +94,9 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         if int(seen.sum()) < 2:
             raise UserError(f"only {int(seen.sum())} WiC pair{'' if int(seen.sum()) == 1 else 's'} could be scored "
                             f"({lost} sentences lost their target word to truncation; a larger --max_length keeps "
-                            "it): WiC needs at least 2")
+                            "it" + (f"; {counts['targets_in_special_tokens']} have it written inside a special token, "
+                                    "as 'mask' in '[MASK]'" if counts["targets_in_special_tokens"] else "")
+                            + "): WiC needs at least 2")
         cosines, gold = cosines.reshape(len(items), -1)[seen].cpu(), labels[seen]
         accuracy = threshold_accuracy(cosines, gold, thresholds)  # [layers, thresholds]
         best_t = accuracy.argmax(1)

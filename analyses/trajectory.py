@@ -37,7 +37,7 @@ from analyses.geometry import minibatch_isoscores, minibatch_shortfall, pair_ani
 from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.reports import fmt
-from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of
+from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of, warn_truncation
 from core.errors import UserError, library_line, warn_once
 from core.models import model_family
 from core.output import check_writable
@@ -271,7 +271,8 @@ def run_trajectory(args, rank: int, world: int) -> dict:
     report = trajectory_of(args, points, sentences, rank, world, run, label)
     finish(args, rank, {"trajectory.json": report}, {"trajectory.png": lambda: trajectory_figure(report)})
     if rank == 0:
-        print_trajectory(report)
+        print_trajectory(report)  # the same sentences and tokenizer at every point: one count (each point keeps its own)
+        warn_truncation({"trajectory": {**report, "num_truncated": max(p["num_truncated"] for p in report["checkpoints"])}})
     return report
 
 

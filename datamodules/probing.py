@@ -343,6 +343,8 @@ class PositionDataModule(ProbeDataModule):
 class ClassificationDataModule(ProbeDataModule):
     """Mean-pooled sentence vectors (padding excluded) with their labels; classes inferred or fixed by `classes`."""
 
+    label_hint = "pass --data.label_column"  # how the entry point names another label column (analyze.py paper: none)
+
     def __init__(self, label_column: str = "label", classes: list[str | int] | None = None, normalize: str = "none",
                  softdecay_alpha: float = SOFTDECAY_ALPHA, **kwargs) -> None:
         """normalize: "softdecay" also caches every layer's sentences pooled from tokenUni's SoftDecay of their token
@@ -366,7 +368,7 @@ class ClassificationDataModule(ProbeDataModule):
         for row, record in enumerate(iter_records(source, split=split), 1):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
-                                "pass --data.label_column")
+                                f"{self.label_hint}")
             text = pick_text(record, self.hparams.text_column, source, DATA_OPTION, (self.label_column,))
             label = normalise_label(record[self.label_column])
             if label is None:

@@ -53,6 +53,7 @@ class EncodedBatch:
     num_special_in_text: int = 0  # special tokens written in the text ("[SEP]" in a line), not added by the tokenizer
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
+    covered: list[int] | None = None  # with offsets: each row's characters read (its length unless truncated)
     attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
     # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
 
@@ -63,6 +64,7 @@ class TokenizedBatch:
     rows: list[int]  # each row's index in the texts given to `tokenized_batches`
     num_truncated: int = 0
     offsets: list[list[Span]] | None = None
+    covered: list[int] | None = None
 
 
 def resolve_model_dir(source: str | Path) -> str:
@@ -278,7 +280,8 @@ class FrozenEncoder(nn.Module):
         """Tokenise and pad `texts` ([batch, seq] tensors); sentences over `max_length` tokens are truncated and
         counted. With `offsets`, the dict also holds "offsets": each token's (start, end) characters ((0, 0) for
         special tokens, those the tokenizer adds and those written in the text: no word's span covers them; needs a
-        fast tokenizer)."""
+        fast tokenizer) and "covered": each text's characters its tokens read (where truncation cut it, else its
+        length), which tells a span cut off from one inside a special token written in the text."""
         max_length = self.check_max_length(max_length)
         tokenizer = self.tokenizer
         options = dict(return_special_tokens_mask=True, verbose=False)
@@ -299,6 +302,9 @@ class FrozenEncoder(nn.Module):
             inputs["offsets"] = [[(0, 0) if token in special else tuple(pair)
                                   for token, pair in zip(ids, row, strict=True)]
                                  for ids, row in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+            shortened = set(long_rows)
+            inputs["covered"] = [max((end for _, end in row), default=0) if i in shortened else len(text)
+                                 for i, (text, row) in enumerate(zip(texts, encoded["offset_mapping"], strict=True))]
         return inputs, len(long_rows)
 
     def check_max_length(self, max_length: int | None) -> int:
@@ -327,8 +333,8 @@ class FrozenEncoder(nn.Module):
             for start in range(0, len(chunk), batch_size):
                 rows = chunk[start:start + batch_size]
                 inputs, truncated = self.tokenize([texts[i] for i in rows], max_length, offsets)
-                spans = inputs.pop("offsets", None)
-                yield TokenizedBatch(inputs, rows, truncated, spans)
+                spans, covered = inputs.pop("offsets", None), inputs.pop("covered", None)
+                yield TokenizedBatch(inputs, rows, truncated, spans, covered)
 
     def encode(self, tokenized: Iterable[TokenizedBatch], total: int, progress: bool = True, desc: str = "encoding",
                max_length: int | None = None) -> Iterator[EncodedBatch]:
@@ -341,6 +347,7 @@ class FrozenEncoder(nn.Module):
             for item in tokenized:
                 batch = self(**item.inputs)
                 batch.num_truncated, batch.rows, batch.offsets = item.num_truncated, item.rows, item.offsets
+                batch.covered = item.covered
                 truncated_total += item.num_truncated
                 bar.update(len(item.rows))
                 yield batch

@@ -3,6 +3,7 @@ one seeded random token per sentence.
 
     for batch in encoder.batches(texts, batch_size=32, offsets=True):
         vectors, found = span_vectors(batch, spans)            # spans: per row a list of (start, end) characters
+        truncated, in_special = lost_spans(batch, spans, found)  # why the others have no token
         pooled = mean_pool(batch.hidden_states, batch.mask)    # [layers, batch, hidden], padding excluded
         tokens, kept = random_tokens(batch, batch.rows, seed=0)   # [layers, rows with a token, hidden]
 """
@@ -49,6 +50,18 @@ def span_vectors(batch: EncodedBatch, spans: Sequence[Sequence[Span]]) -> tuple[
     sums = tokens.new_zeros(layers, len(found), size).index_add_(1, owner_t, tokens)
     counts = torch.bincount(owner_t, minlength=len(found)).to(sums)
     return sums / counts.view(1, -1, 1), found
+
+
+def lost_spans(batch: EncodedBatch, spans: Sequence[Sequence[Span]], found: Sequence[tuple[int, int]]
+               ) -> tuple[int, int]:
+    """Why the spans `span_vectors` did not find have no token: (cut off by truncation: they start where the row's
+    tokens stop reading it; inside a special token written in the text, as "mask" in "[MASK]": that token is no
+    word's)."""
+    kept = set(found)
+    missing = [(row, span) for row, row_spans in enumerate(spans) for index, span in enumerate(row_spans)
+               if (row, index) not in kept]
+    truncated = sum(span[0] >= batch.covered[row] for row, span in missing)
+    return truncated, len(missing) - truncated
 
 
 def mean_pool(hidden_states: Tensor, mask: Tensor) -> Tensor:

@@ -171,12 +171,19 @@ class ClipRequest:
             if outliers is None:
                 raise ValueError(f"--clip {self.text} needs the outliers detected on the data")
             if self.persistent(num_layers):
-                return clip_spec(dict.fromkeys(upper, persistent_dims(list(outliers))), num_layers, hidden_size)
-            return clip_spec({layer.layer: layer.outlier_dims for layer in outliers if layer.layer >= 1},
-                             num_layers, hidden_size)
-        if self.mode == "dims":
-            return clip_spec(dict.fromkeys(upper, self.dims), num_layers, hidden_size)
-        return clip_spec(dict(self.layers), num_layers, hidden_size)
+                spec = clip_spec(dict.fromkeys(upper, persistent_dims(list(outliers))), num_layers, hidden_size)
+            else:
+                spec = clip_spec({layer.layer: layer.outlier_dims for layer in outliers if layer.layer >= 1},
+                                 num_layers, hidden_size)
+        else:
+            spec = clip_spec(dict.fromkeys(upper, self.dims) if self.mode == "dims" else dict(self.layers), num_layers,
+                             hidden_size)
+        full = [layer for layer, dims in spec.items() if len(dims) == hidden_size]
+        if full:  # zero vectors: every clipped cosine, spectrum and classifier would be 0/0, not a measurement
+            raise UserError(f"--clip {self.text} zeroes all {hidden_size} dims of layer {full[0]}"
+                            + (" (the outlier rule flags every one)" if self.needs_outliers else "")
+                            + ": nothing is left to compare; use --clip none or fewer dims")
+        return spec
 
 
 def parse_clip(text: str) -> ClipRequest:

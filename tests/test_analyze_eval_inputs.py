@@ -452,6 +452,24 @@ def test_self_similarity_with_every_context_truncated_says_why_its_table_is_empt
     assert cut["self_similarity_warning"] in capfd.readouterr().err
 
 
+def test_isotropy_counts_its_truncated_sentences_as_anisotropy_does(tmp_path, bert_tok, capfd):
+    """isotropy.json says how many sentences --max_length cut (counted here with the tokenizer), and says so on stderr."""
+    sentences = corpus_sentences(30, start=700)
+    data = tmp_path / "s.txt"
+    data.write_text("".join(f"{s}\n" for s in sentences), encoding="utf-8")
+    longer = sum(len(ids) > 12 for ids in bert_tok(sentences)["input_ids"])
+    assert 0 < longer < len(sentences)
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    reports = {}
+    for command, extra in (("isotropy", ["--minibatch", "4"]), ("anisotropy", [])):
+        assert analyze.main([command, "--encoder", str(encoder), "--data", str(data), "--max_length", "12", *extra,
+                             "--no_progress", "--output_dir", str(tmp_path / command)]) == 0
+        reports[command] = json.loads((tmp_path / command / f"{command}.json").read_text())
+    assert reports["isotropy"]["num_truncated"] == reports["anisotropy"]["num_truncated"] == longer
+    assert (f"warning: {longer} of {len(sentences)} sentences were longer than 12 tokens and were truncated "
+            "(counted in the report as num_truncated)") in capfd.readouterr().err
+
+
 def test_sts_whose_sentences_all_pool_to_one_vector_says_why_and_names_no_best_layer(tmp_path, bert_tok, capfd):
     # --max_length 2 leaves [CLS] [SEP] of every sentence: one pooled vector, every cosine 1, Spearman undefined
     sts, encoder = write_sts(tmp_path / "sts.tsv"), save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)

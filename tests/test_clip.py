@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -170,3 +172,39 @@ def test_clip_auto_rule_by_depth_on_planted_detections():
     assert request.resolve(deep, 25, HIDDEN) == {1: [3], 2: [3, 7], 3: [3, 7], 4: [3]}  # 3 is in 4 of 24: not persistent
     assert request.rule(13).startswith("auto: persistent") and request.rule(14).startswith("auto: each")
     assert parse_clip("per-layer").rule(7).startswith("per-layer") and parse_clip("5").rule(25).startswith("given")
+
+
+@pytest.mark.parametrize("text", ["auto", "per-layer", ",".join(map(str, range(HIDDEN))), "2:" + "+".join(
+    map(str, range(HIDDEN)))])
+def test_clip_that_zeroes_every_dim_of_a_layer_is_refused(text):
+    """A layer with all its dims clipped is zero vectors (every clipped cosine, spectrum, classifier 0/0): one line,
+    whichever mode asked; one dim fewer is clipped as usual."""
+    every = [LayerOutliers(layer=layer, argmax_dim=0, argmax_share=0.5, argmin_dim=1, argmin_share=0.5,
+                           outlier_dims=list(range(HIDDEN))) for layer in range(LAYERS)]
+    spec = {layer: list(range(HIDDEN)) for layer in range(1, LAYERS)}
+    assert not Clipping(spec, LAYERS).apply(torch.ones(LAYERS, 1, 1, HIDDEN))[1:].any()  # what it would compare
+    layer = 2 if text.startswith("2:") else 1
+    with pytest.raises(UserError, match=re.escape(f"--clip {text} zeroes all {HIDDEN} dims of layer {layer}")):
+        parse_clip(text).resolve(every, LAYERS, HIDDEN)
+    fewer = [LayerOutliers(**{**o.to_dict(), "outlier_dims": list(range(HIDDEN - 1))}) for o in every]
+    assert parse_clip("auto").resolve(fewer, LAYERS, HIDDEN) == {layer: list(range(HIDDEN - 1))
+                                                                 for layer in range(1, LAYERS)}
+
+
+def test_a_model_so_narrow_that_every_dim_is_an_outlier_is_refused_before_anything_is_written(bert_tok, sentences_file,
+                                                                                             tmp_path, capfd):
+    """Hidden size 4, one layer: the max/min-share rule (20%) flags all 4 dims, found here by hand; --clip auto would
+    zero every vector of layer 1, so anisotropy refuses in one line and writes nothing; --clip none measures."""
+    import analyze
+
+    path = save_tiny_encoder(tmp_path / "narrow", "bert", bert_tok, seed=1, hidden_size=4, num_attention_heads=1,
+                             num_hidden_layers=1, intermediate_size=4)  # (seed 0 flags 3 of the 4: clipped as usual)
+    sentences = sentences_file.read_text(encoding="utf-8").split("\n")[:-1]
+    assert direct_outlier_dims(path, sentences)[1] == [0, 1, 2, 3]
+    argv = ["anisotropy", "--encoder", str(path), "--data", str(sentences_file), "--no_progress", "--device", "cpu"]
+    assert analyze.main([*argv, "--output_dir", str(tmp_path / "auto")]) == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert errors == ["analyze.py anisotropy: error: --clip auto zeroes all 4 dims of layer 1 (the outlier rule flags "
+                      "every one): nothing is left to compare; use --clip none or fewer dims"]
+    assert not (tmp_path / "auto").exists()
+    assert analyze.main([*argv, "--clip", "none", "--output_dir", str(tmp_path / "none")]) == 0

@@ -194,12 +194,16 @@ def paper_keys(rows: list[dict], paper_rows: list[dict]) -> list[dict]:
 
 def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
     out = tmp_path / "paper"
+    unlabelled = tmp_path / "unlabelled.txt"  # sentences without labels: no option of paper names another column
+    unlabelled.write_text("".join(f"{t}\n" for t in corpus_sentences(40, start=300)), encoding="utf-8")
     for argv, message in ((["--sst2", tmp_path / "missing"], "data path not found"),
                           (["--qqp", tmp_path / "missing.csv"], f"data path not found: {tmp_path / 'missing.csv'}"),
                           (["--outlier_sentences", "0"], "--outlier_sentences must be positive, got 0"),
                           (["--sst2", "none"], "--sst2 and --qqp are both none: the outliers (§3) need"),
                           (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
-                          (["--wic", stand_ins["sts"]], "is not in WiC format")):
+                          (["--wic", stand_ins["sts"]], "is not in WiC format"),
+                          (["--sst2", unlabelled], f"no label column 'label' in {unlabelled} (columns: ['text']); the "
+                           "paper's classifier on --sst2 reads its labels from it (or --sst2 none)")):
         code = analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
                              "--min_sentences", "3", "--sst2", str(stand_ins["sst2"]), "--qqp", "none", "--sts",
                              "--imdb", "none", "--sst5", "none", "--wic", "none",

@@ -110,3 +110,54 @@ def test_a_word_written_as_a_special_token_has_no_vector(kind, bert_tok, roberta
             inside_special = any(text[a:b] in SPECIALS and a <= match.start() and match.end() <= b
                                  for (a, b), token in zip(offsets, ids, strict=True) if token in special)
             assert (expected == []) == inside_special, (text, match.group())
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_self_similarity_counts_contexts_inside_special_tokens_apart_from_truncated_ones(kind, bert_tok, roberta_tok,
+                                                                                         tmp_path):
+    """The word "mask" written only as a special token ("[MASK]", "<mask>") has no token of its own: those contexts are
+    `contexts_in_special_tokens`, not lost to truncation. Planted with --max_length 16 (14 tokens of text; a word
+    has at least one token and at most one a byte): a word after 20 others is cut; a special token first in a line
+    is read, and so is every short line (at most 12 bytes of words besides the special token)."""
+    tokenizer, special = (bert_tok, "[MASK]") if kind == "bert" else (roberta_tok, "<mask>")
+    filler = " ".join(f"w{chr(97 + i)}" for i in range(20))  # 20 words in 3 lines: never a candidate
+    lines = [f"alpha {special} beta",  # mask: inside a special token, no truncation
+             f"gamma {special}",  # mask: inside a special token at the end of the line (read to its end)
+             f"{special} {filler}",  # mask: inside a special token in a truncated line, before the cut
+             f"{filler} {special}",  # mask: cut off (the special token after the cut): lost to truncation
+             f"{filler} house",  # house: lost to truncation
+             "house kappa", "house lambda", "house omega"]  # house: kept three times
+    data = tmp_path / "lines.txt"
+    data.write_text("".join(f"{line}\n" for line in lines))
+    encoder = save_tiny_encoder(tmp_path / kind, kind, tokenizer)
+    out = tmp_path / "out"
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "2",
+                         "--min_sentences", "4", "--max_length", "16", "--num_pairs", "2", "--no_progress",
+                         "--output_dir", str(out)]) == 0
+    report = json.loads((out / "self_similarity.json").read_text())
+    assert sorted(report["words"]) == ["house", "mask"]
+    assert report["contexts_in_special_tokens"] == 3 and report["contexts_lost_to_truncation"] == 2
+    assert report["num_truncated"] == 3  # the three lines of 21 words
+    assert report["num_special_in_text"] == 3  # the fourth special token was cut off
+    assert report["num_words"] == 1  # house, with 3 contexts; mask has none
+    assert all(row["raw"]["self_similarity"] is not None for row in report["layers"])
+
+
+def test_wic_counts_targets_inside_special_tokens_apart_from_truncated_ones(bert_tok, tmp_path):
+    """WiC pairs whose target is the "MASK" of a literal "[MASK]" (2 sentences) or stands after the --max_length cut
+    (1 sentence: after 20 words, at most 14 tokens kept) are not scored; each is counted under its own key."""
+    filler = " ".join(f"w{chr(97 + i)}" for i in range(20))
+    pairs = [("the [MASK] here", "a MASK there", True),  # target in a special token, then a plain word
+             ("one MASK", "two [MASK]", False),  # a plain word, then a special token at the end of the line
+             (f"{filler} MASK", "three MASK", True),  # cut off by truncation
+             ("four MASK", "five MASK", True), ("six MASK", "seven MASK", False)]  # scored
+    rows = [{"word": "mask", "sentence1": a, "sentence2": b, "start1": a.rindex("MASK"), "end1": a.rindex("MASK") + 4,
+             "start2": b.rindex("MASK"), "end2": b.rindex("MASK") + 4, "label": label} for a, b, label in pairs]
+    data = tmp_path / "wic.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    assert analyze.main(["wic", "--encoder", str(encoder), "--data", str(data), "--max_length", "16", "--clip", "none",
+                         "--no_progress", "--output_dir", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "wic.json").read_text())
+    assert report["targets_in_special_tokens"] == 2 and report["targets_lost_to_truncation"] == 1
+    assert report["num_scored"] == 2 and report["num_truncated"] == 1 and report["num_special_in_text"] == 2

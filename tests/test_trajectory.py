@@ -15,7 +15,7 @@ import torch
 
 import analyze
 import train
-from tests.tiny import corpus_sentences
+from tests.tiny import corpus_sentences, save_tiny_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 COMMON = ["--no_progress", "--max_sentences", "0", "--num_pairs", "12", "--minibatch", "6", "--seed", "2"]
@@ -304,3 +304,21 @@ def test_the_trajectory_of_a_causal_and_a_rotary_arms_run_reads_each_checkpoint_
             top = torch.cat(states).argmax(-1)
             assert row["argmax_share"] == pytest.approx(float((top == row["argmax_dim"]).double().mean()), abs=1e-6)
             assert row["argmax_dim"] == int(torch.bincount(top).argmax())
+
+
+def test_a_trajectory_of_truncated_sentences_says_how_many_were_cut(bert_tok, tmp_path, capsys):
+    """--max_length 12 cuts the sentences longer than 12 tokens (counted here with the tokenizer): each point's
+    num_truncated, and one warning line, as every other analysis says it."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = corpus_sentences(30, start=700)
+    data = tmp_path / "s.txt"
+    data.write_text("".join(f"{t}\n" for t in texts), encoding="utf-8")
+    longer = sum(len(ids) > 12 for ids in bert_tok(texts)["input_ids"])
+    assert 0 < longer < len(texts)
+    assert analyze.main(["trajectory", "--encoders", str(encoder), str(encoder), "--data", str(data), *COMMON,
+                         "--max_length", "12", "--output_dir", str(tmp_path / "t")]) == 0
+    report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
+    assert [point["num_truncated"] for point in report["checkpoints"]] == [longer, longer]
+    assert [line for line in capsys.readouterr().err.splitlines() if "truncated" in line] == [
+        f"warning: {longer} of {len(texts)} sentences were longer than 12 tokens and were truncated (counted in the "
+        "report as num_truncated)"]
