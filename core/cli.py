@@ -300,14 +300,36 @@ def full_disk_error(error: BaseException, root) -> UserError | None:
 
 class AtomicSaveConfig(SaveConfigCallback):
     """Lightning's config.yaml, written whole (a temporary file beside it, renamed into place) or not at all: a full
-    disk leaves a resumed run's earlier config.yaml as it was."""
+    disk leaves a resumed run's earlier config.yaml as it was. Written when the stage starts (`on_fit_start`, ...),
+    not at `setup` as Lightning writes it: a refusal raised after that (a module's own `setup`, a checkpoint that does
+    not fit the model) leaves no config.yaml behind, and a resumed run's as it was."""
+
+    _stage: str | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._stage = stage
+
+    def _write(self, trainer, pl_module) -> None:
+        if self._stage is None:  # written already, or no setup: every rank returns here alike (the write broadcasts)
+            return
+        stage, self._stage = self._stage, None
         parser, self.parser = self.parser, _AtomicSave(self.parser)
         try:
             super().setup(trainer, pl_module, stage)
         finally:
             self.parser = parser
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
 
 
 class _AtomicSave:

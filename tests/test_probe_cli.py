@@ -295,3 +295,23 @@ def test_truncated_sentences_are_said_on_the_console_and_counted_in_the_report(t
     assert said == [f"{longer} sentences were longer than 32 tokens and were truncated (counted in the report as "
                     "num_truncated)"]
     assert json.loads((tmp_path / "out" / "classifier.json").read_text())["num_truncated"] == longer
+
+
+def test_a_refusal_in_the_probes_own_setup_writes_nothing(tmp_path, bert_tok, capfd):
+    """A clip that zeroes every dim of a layer is refused when the classifier is built, in its setup, after the data
+    module's: Lightning would have written config.yaml by then (core/cli.py's AtomicSaveConfig writes it when the stage
+    starts), so the run directory stayed with it."""
+    narrow = save_tiny_encoder(tmp_path / "narrow", "bert", bert_tok, hidden_size=4, num_attention_heads=1,
+                               num_hidden_layers=1, intermediate_size=4)
+    labelled = tmp_path / "labelled.csv"
+    labelled.write_text("text,label\n" + "".join(f"{t.replace(',', ' ')},{i % 2}\n"
+                                                 for i, t in enumerate(corpus_sentences(30))), encoding="utf-8")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        run_cli("classify", "--model.encoder", narrow, "--data.source", labelled, "--model.clip", "0,1,2,3",
+                "--data.random_baseline", "false", "--trainer.default_root_dir", out)
+    assert exited.value.code == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert errors == ["probe.py: error: --clip 0,1,2,3 zeroes all 4 dims of layer 1: nothing is left to compare; use "
+                      "--clip none or fewer dims"]
+    assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))

@@ -381,12 +381,15 @@ def test_resume_with_a_mismatching_config_is_refused(runs, corpus, cache, tmp_pa
     before = ckpt.read_bytes()
     versions = sorted((root / "lightning_logs").iterdir())
     files = sorted(root.rglob("*"))
+    configs = {path: path.read_bytes() for path in root.rglob("config.yaml")}
+    assert configs  # the run's own: a refused resume leaves it as it was
     extra = tuple(str(other_tokenizer) if e == "OTHER" else e for e in extra)
     assert fit(root, corpus, cache, *extra, "--ckpt_path", "last", "--trainer.max_steps", str(STEPS + 2)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("train.py: error: ") and message.replace("CKPT", str(ckpt)) in err[-1]
     assert ckpt.read_bytes() == before
     assert sorted((root / "lightning_logs").iterdir()) == versions and sorted(root.rglob("*")) == files
+    assert {path: path.read_bytes() for path in root.rglob("config.yaml")} == configs
 
 
 @pytest.mark.slow
