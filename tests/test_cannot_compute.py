@@ -26,7 +26,8 @@ def isotropy(tiny, tmp_path, capsys, *argv) -> tuple[dict, list[str]]:
     assert analyze.main(["isotropy", "--encoder", str(encoder), "--data", str(data), "--max_sentences", "0",
                          "--max_length", "32", "--no_progress", "--clip", "none", "--output_dir", str(out),
                          *argv]) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")
+                and "were truncated" not in line]  # most of these sentences pass 32 tokens: said and tested elsewhere
     return json.loads((out / "isotropy.json").read_text()), warnings
 
 
