@@ -225,15 +225,15 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         counted = result.num_words
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
+    cut_off, in_specials = int(lost.compute()), int(in_special.compute())
     if not counted:  # every value is nan: say why rather than print an empty table
-        inside = int(in_special.compute())
         warning = (f"self-similarity not computed ('-'): no word of the {len(contexts.words)} sampled kept 2 of its "
-                   f"contexts ({int(lost.compute())} contexts lost to truncation: a larger --max_length keeps them"
-                   + (f"; {inside} written inside a special token, as 'mask' in '[MASK]'" if inside else "") + ")")
+                   f"contexts ({cut_off} contexts lost to truncation: a larger --max_length keeps them"
+                   + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "num_sentences": len(contexts.sentences), **baseline.describe(),
-            "contexts_lost_to_truncation": int(lost.compute()), "contexts_in_special_tokens": int(in_special.compute()),
+            "contexts_lost_to_truncation": cut_off, "contexts_in_special_tokens": in_specials,
             "num_truncated": int(truncated.compute()),
             "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,
             **({"self_similarity_warning" if not counted else "adjusted_warning": warning} if warning else {})}

@@ -35,7 +35,6 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import yaml
-from torch._dynamo.utils import counters
 
 from datamodules.masking import MaskCollator
 from datamodules.sampling import BlockDataset, BlockSampler
@@ -243,6 +242,8 @@ def run_production(config: dict, data: SyntheticData, compiled: bool, warmup: in
 
 
 def run_gpu(args) -> None:
+    from torch._dynamo.utils import counters  # (here: bench_train's CPU runs need not import dynamo)
+
     torch.set_float32_matmul_precision("high")  # TF32 for the float32 matmuls, as train.py sets on CUDA
     device = torch.cuda.get_device_name(0)
     peak = peak_tflops(device, args.peak_tflops)
