@@ -92,6 +92,16 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(module, "output") for module in modules]
 
 
+def check_layer_groups(config, name: str) -> None:
+    """ALBERT with inner_group_num > 1 in one line: transformers records every AlbertLayer, so its hidden_states holds
+    layers x inner + 1 states, not one per layer as every analysis, hook and callback reads them."""
+    inner = getattr(config, "inner_group_num", 1)
+    if inner != 1:
+        raise UserError(f"cannot read {name} with inner_group_num={inner} by layer: each of its "
+                        f"{config.num_hidden_layers} layers runs {inner} sub-layers, and transformers' hidden_states "
+                        "holds one state per sub-layer; only inner_group_num 1 (every released ALBERT) is read")
+
+
 def shared_layer_sites(model: nn.Module) -> list[tuple] | None:
     """ALBERT's sites: layer 0 the output of `embedding_hidden_mapping_in`, layer l the output of the l-th call of its
     layer group's last layer within a forward pass, (module, "output", call): one module runs for several layers, so
@@ -101,11 +111,7 @@ def shared_layer_sites(model: nn.Module) -> list[tuple] | None:
     config = getattr(base_model(model), "config", None)
     if not isinstance(groups, nn.ModuleList) or not getattr(config, "num_hidden_groups", None):
         return None
-    inner = getattr(config, "inner_group_num", 1)
-    if inner != 1:  # transformers records every AlbertLayer: hidden_states holds layers x inner + 1 states, not L + 1
-        raise UserError(f"cannot read {type(model).__name__} with inner_group_num={inner} by layer: each of its "
-                        f"{config.num_hidden_layers} layers runs {inner} sub-layers, and transformers' hidden_states "
-                        "holds one state per sub-layer; only inner_group_num 1 (every released ALBERT) is read")
+    check_layer_groups(config, type(model).__name__)
     layers, count = config.num_hidden_layers, config.num_hidden_groups
     sites: list[tuple] = [(encoder.embedding_hidden_mapping_in, "output")]
     calls: dict[int, int] = {}

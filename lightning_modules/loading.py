@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from core.errors import REMOTE_CODE, UserError, library_line
-from core.models import mlm_head
+from core.models import check_layer_groups, mlm_head
 
 
 def split_head(model: nn.Module, info: Mapping, what: str = "MLM head") -> tuple[str | None, dict]:
@@ -103,3 +103,4 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
     if decoder and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
                         "causal LM")
+    check_layer_groups(config, str(source))

@@ -181,12 +181,14 @@ def test_albert_shared_layers_are_told_apart_by_their_calls(groups, roberta_tok)
     torch.testing.assert_close(second, first)
 
 
-def test_albert_with_inner_layers_is_refused_by_the_hooks(roberta_tok):
+def test_albert_with_inner_layers_is_refused_by_the_hooks_and_the_analyses(roberta_tok, tmp_path, capsys):
     """ALBERT with inner_group_num 2: transformers' hidden_states holds one state per sub-layer (layers x 2 + 1), not
     one per layer as the hooks' sites would, so the live callbacks' layers and an intervention's means would name other
-    states than the analyses' hidden_states: one line instead."""
+    states than the analyses' hidden_states: one line instead; the analyses (which read hidden_states sized by
+    num_hidden_layers) refuse it at load, with nothing written."""
     import transformers as tf
 
+    import analyze
     from core.errors import UserError
 
     torch.manual_seed(0)
@@ -201,6 +203,15 @@ def test_albert_with_inner_layers_is_refused_by_the_hooks(roberta_tok):
     with pytest.raises(UserError, match="inner_group_num=2"), intervene(model, Intervention("activation_zero",
                                                                                             dims=(3,), layers=(1,))):
         pass
+    path = save_planted(model, roberta_tok, tmp_path / "albert")
+    with pytest.raises(UserError, match="inner_group_num=2"):
+        load_encoder(str(path), device="cpu")
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out")]) == 2
+    assert "inner_group_num=2" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_tok, tmp_path):
