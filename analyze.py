@@ -163,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
                        "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "
                        "10k of both); a set with fewer is used whole, and paper.md says how many were used")
-    paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; none or no "
-                       "value: skipped, as --sst2 none; default the seven of Table 2: " + " ".join(STS_SETS) + ")")
+    paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; none alone or "
+                       "no value: skipped, as --sst2 none; default the seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "
                        "split for the probes (0: all)")
     paper.add_argument("--epochs", type=int, default=10, help="probe and classifier epochs (the paper: 10)")

@@ -30,6 +30,10 @@ OVERRIDES = [
     ("--trainer.default_root_dir DIR", "where the report, arrays and figures go"),
     ("--trainer.max_epochs N", "probe epochs (the paper: 10)"),
     ("--seed_everything N", "seeds splits, baselines and probes (default 0)"),
+    ("--model.help lightning_modules.probes.PositionProbe", "the position probe's options, each with its help text"),
+    ("--model.help lightning_modules.probes.SentenceClassifier", "the sentence classifiers' options"),
+    ("--data.help datamodules.probing.PositionDataModule", "the probe data's options (ClassificationDataModule: the "
+                                                          "classifiers' data)"),
 ]
 if __name__ == "__main__":
     help_first("probe.py", __doc__, OVERRIDES)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.sources import short_name
+from core.tables import table_lines
 
 KEYS = ("encoder", "layers", "persistent_dims")  # what every outliers.json has (analyses/outliers.py)
-WIDTH = 40  # characters of one report's cell
 
 
 def read_report(text: str) -> tuple[str | None, Path, dict]:
@@ -65,9 +65,8 @@ def comparison_lines(items: list[tuple[str | None, Path, dict]]) -> list[str]:
     for name, report in zip(names, reports):
         tokens = f", {report['num_tokens']:,} tokens" if "num_tokens" in report else ""
         lines.append(f"  {name}: {report['encoder']} ({len(report['layers']) - 1} layers{tokens})")
-    lines.append(f"{'layer':>5}  " + "  ".join(f"{name[:WIDTH]:<{WIDTH}}" for name in names).rstrip())
-    for layer in layers:
-        lines.append(f"{layer:>5}  " + "  ".join(f"{cell(rows.get(layer)):<{WIDTH}}" for rows in by_layer).rstrip())
+    rows = [[str(layer), *(cell(found.get(layer)) for found in by_layer)] for layer in layers]
+    lines += table_lines(["layer", *names], rows, align=[">", *"<" * len(names)])  # each column as wide as its cells
     for name, report in zip(names, reports):
         note = (report.get("origins") or {}).get("position_embeddings_note") or "position table traced"
         share = max(max(row["argmax_share"], row["argmin_share"]) for row in report["layers"])

@@ -23,6 +23,7 @@ from analyses.reference import number
 from analyses.session import run_header
 from core.defaults import INTERVENE_PROBE, INTERVENTIONS
 from core.figures import layer_bands_figure
+from core.tables import table_lines
 from lightning_modules.interventions import DIMENSION_BASED, edit_sites, norm_sites
 from metrics.outliers import all_outlier_dims, persistent_dims
 
@@ -169,11 +170,7 @@ def print_intervene(report: dict) -> None:
                          .lstrip("+"), fmt(effect), spread,
                          f"{summary['p_value']:.3f}" if summary and summary["p_value"] is not None else "-"])
             name = ""
-    widths = [max(len(headers[i]), *(len(row[i]) for row in rows)) if rows else len(headers[i])
-              for i in range(len(headers))]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("\n".join(table_lines(headers, rows)))
     for line in skipped:
         print(line)
     for name, entry in report["interventions"].items():

@@ -82,7 +82,9 @@ def outlier_sample(args, sources: dict[str, tuple[str, str | None]]) -> tuple[li
 
 
 def read_inputs(args) -> Inputs:
-    if args.sts == ["none"]:  # as every other set's `none`; no value at all skips them too
+    if "none" in (args.sts or []):  # as every other set's `none`; no value at all skips them too
+        if args.sts != ["none"]:  # never a set named "none": refused before anything is read
+            raise UserError(f"--sts: none cannot be combined with other sets (got: {' '.join(args.sts)})")
         args.sts = []
     skip = {name: getattr(args, name) in (None, "none") for name in ("sst2", "qqp", "wic", "imdb", "sst5")}
     if skip["sst2"] and skip["qqp"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from core.figures import layer_panels_figure, spectrum_figure
+from core.tables import table_lines
 
 VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized", "softdecay")
 
@@ -103,12 +104,9 @@ def print_report(name: str, report: dict) -> None:
             digits = 2 if name.startswith("sts") else 3
             for cell, value in zip(cells, values):
                 cell.append(fmt(value, digits))
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     print(f"\n{name.replace('_', ' ')} of {report['encoder']} on {report['data']} (clipped dims: "
           f"{report.get('clipped_dims') or 'none'}; {report['clip']} clipping; normalize {report['normalize']})")
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    for cell in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(cell, widths)))
+    print("\n".join(table_lines(headers, cells, align=">")))
     for key in ("best", *(f"best_{key}" for key in VARIANT_LABELS[1:])):
         if key in report:
             print(f"{key}: {report[key]}")

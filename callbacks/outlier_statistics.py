@@ -115,8 +115,9 @@ class OutlierStatistics(LiveCallback):
         image_every_n_steps: steps between two sets of images (a multiple of every_n_steps; 0: only at validation).
         layers: hidden-state layers to watch (default all, 0 = embedding output).
         top_k: dimensions of largest |mean| logged per layer.
-        min_share, sigma: the outlier rule (metrics/outliers.py), as in `analyze.py outliers`: the 0.2 share (ours:
-            the paper gives no number), and the opt-in robust z-score of ours (sigma, off by default).
+        min_share: the outlier rule's argmax or argmin share (metrics/outliers.py, as in `analyze.py outliers`; the
+            paper's criterion, the number 0.2 ours: it gives none).
+        sigma: also a dim whose mean is this many robust SDs off the layer's (ours, opt-in; None: off).
         anisotropy_sequences: at most this many sequences of the validation set give their random token to the
             anisotropy (the paper: 2000 sentences, 1000 pairs).
         on_validation: also over the whole validation set at every validation (the anisotropy is taken there only).

@@ -11,14 +11,16 @@ from __future__ import annotations
 import sys
 
 SUBCOMMANDS = "fit (every run of this project), validate, test, predict"
+OPTION_WIDTH = 42  # a longer option has its text on the next line (as argparse does), not every row pushed right
 
 
 def usage_text(program: str, doc: str, overrides: list[tuple[str, str]]) -> str:
     """The docstring's opening (what it does, the commands), the common overrides, where every option is listed."""
-    width = max(len(option) for option, _ in overrides)
+    width = max((len(option) for option, _ in overrides if len(option) <= OPTION_WIDTH), default=OPTION_WIDTH)
     lines = [doc.strip(), "", "common overrides (after --config; any config key works the same way, "
                               "--<section>.<key> VALUE):"]
-    lines += [f"  {option:<{width}}  {what}" for option, what in overrides]
+    for option, what in overrides:
+        lines += [f"  {option:<{width}}  {what}"] if len(option) <= width else [f"  {option}", f"  {'':<{width}}  {what}"]
     lines += ["", f"subcommands: {SUBCOMMANDS}", f"`{program} fit --help` lists every option with its default "
                   "(Lightning's, after this usage)"]
     return "\n".join(lines)

@@ -24,9 +24,8 @@ from torch import Tensor
 
 from core.errors import UserError
 from datamodules.position import DataPosition
-from datamodules.probing import normalise_label, sort_labels
 from datamodules.sampling import BlockSampler, ResumableLoader
-from datamodules.splits import SPLITS, Splits, read_splits
+from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
 from datamodules.text import DATA_OPTION, iter_records, pick_text
 
 
@@ -73,14 +72,23 @@ class FineTuneDataModule(pl.LightningDataModule):
 
     Args:
         source: a file with text and label columns, a datasets directory or a datasets NAME[:CONFIG] (required).
-        text_column: the text (default: detected); text_pair_column: the second sentence of a pair (none: single
-            sentences).
-        label_column: the labels (strings or integers); classes: fix the classes and their order.
+        text_column: the text column (None: detected).
+        text_pair_column: the second sentence of a pair (None: single sentences).
+        label_column: the labels (strings or integers; default label).
+        classes: fix the classes and their order (None: the training split's labels, sorted).
         max_length: tokens per example (longer ones are truncated: the pair's longest sentence first).
-        batch_size: examples per device and micro-batch; global_batch_size: per optimizer step over every device
-            (gradient accumulation derived from it; default batch_size × devices); eval_batch_size: validation, test.
-        val_fraction, test_fraction, val_split, test_split, max_sentences: the splits (datamodules/splits.py).
-        num_workers: loader worker processes; seed: splits, shuffling and C0's sample.
+        batch_size: examples per device and micro-batch.
+        global_batch_size: examples per optimizer step over every device; gradient accumulation is derived from it
+            (None: batch_size × devices, no accumulation).
+        eval_batch_size: examples per validation and test batch.
+        val_fraction: the share of train carved out as validation when the source has no validation split (seeded,
+            by sentence; datamodules/splits.py).
+        test_fraction: the same for a missing or unlabelled test split (a single file: split 80/10/10 by default).
+        val_split: the source's validation split by name (None: validation, val or dev).
+        test_split: the source's test split by name (None: test).
+        max_sentences: a seeded sample of this many examples per split (0: all).
+        num_workers: loader worker processes (0: the main process).
+        seed: the seed of the splits, the shuffling and C0's sample (its own: --seed_everything does not set it).
     """
 
     def __init__(

@@ -6,30 +6,15 @@
     dm.spec                                     # FeatureSpec: slots (encoder / random layers), classes, outliers
     features, labels, control = next(iter(dm.train_dataloader()))   # [slots, items, hidden], [items], [items]
 
-The encoder runs exactly once per sentence in total (datamodules/features.py); every probe of every layer and epoch
-reads the cache. With `random_baseline`, a randomly initialised encoder of the same architecture (seeded) runs once
-too, and its layers are appended as extra slots, so its probes train in the same run. Outlier dimensions are
-detected with NeuronStatistics + detect_outliers (the paper's criterion, our numbers) on the training split's hidden
-states, and the persistent ones (an outlier in at least half the non-input layers: ours) are the spec's `outlier_dims`, unless they are
-given. With `control_task` (the default), every item also carries a control-task label (Hewitt & Liang 2019,
-metrics/control.py: a seeded random label per token type, or per sentence, from the task's label distribution), which
-the probes learn beside the task (the same features, stacked slots) to report selectivity.
-
-Splits (datamodules/splits.py): the source's own train / validation / test splits when it has them (glue/sst2, a
-datasets directory), what is missing carved out of train by sentence (seeded; an unlabelled test split, as GLUE's, is
-replaced by validation); a single file is split 80/10/10 (`val_fraction`, `test_fraction`). A training batch is
-`batch_size` items drawn at random across sentences, shuffled each epoch: token vectors for the position probe (the
-paper's batches of 128 vectors), mean-pooled sentence vectors for classification; the training loader serves
-`steps_per_block` consecutive batches at once and the probe steps through them one by one (fewer trainer round trips,
-the same optimizer steps). Position labels are token indices
-in the input (0-indexed, special tokens included unless `exclude_special`); tokens at positions >= `max_positions`
-are dropped from the probe and counted. Layers 0..L, 0 = embedding output. This data module works on one device
-(the cache lives in this process).
+The encoder (and with `random_baseline` its seeded random-init twin, as extra slots) runs once per sentence in total
+(datamodules/features.py); every probe of every layer and epoch reads the cache. `outlier_dims` are by default the
+persistent outliers (detect_outliers on the training split; in at least half the non-input layers: ours). The control
+task's labels: metrics/control.py. Splits: datamodules/splits.py. Position labels are token indices in the input
+(0-indexed, special tokens included unless `exclude_special`). One device only (the cache lives in this process).
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytorch_lightning as pl
@@ -39,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 
 from core.errors import UserError
 from datamodules.features import FeatureExtractor, ItemBatches
-from datamodules.splits import SPLITS, Splits, read_splits
+from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_records, pick_text
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.linear_probes import FeatureSpec
@@ -53,7 +38,38 @@ BLOCK_BYTES = 64 * 2 ** 20  # a training block's float32 features at most (unles
 
 class ProbeDataModule(pl.LightningDataModule):
     """Reads, splits and encodes the data once; serves cached features. Subclasses say what an item and a label are
-    (the hooks of datamodules.features.ProbeTask, and read_split / set_classes)."""
+    (the hooks of datamodules.features.ProbeTask, and read_split / set_classes).
+
+    Args:
+        source: a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT] (the position probe's
+            default: the bundled corpus).
+        encoder: a hub id, a local directory or this project's export (None: the packaged MiniLM; --model.encoder's).
+        text_column: a table's text column (None: detected).
+        max_length: tokens per sentence, longer ones truncated (None: the encoder's maximum).
+        max_sentences: a seeded sample of this many sentences per split (0: all).
+        batch_size: items per optimizer step, drawn across sentences (the paper's 128 token vectors).
+        steps_per_block: training batches served at once, stepped one by one (fewer round trips; a block <= 64 MiB).
+        encode_batch_size: sentences per encoder forward in the one extraction pass.
+        val_fraction: the share of train carved out as validation (seeded, by sentence) when the source has none.
+        test_fraction: the same for a missing or unlabelled test split (a single file: 80/10/10 by default).
+        val_split: the source's validation split by name (None: validation, val or dev).
+        test_split: the source's test split by name (None: test).
+        eval_batch_size: items per validation and test batch.
+        layers: the hidden-state layers probed (0 = embedding output; None: all).
+        random_baseline: also probe a randomly initialised, seeded encoder of the same architecture (the baseline).
+        control_task: also learn the control task and report selectivity (Hewitt & Liang 2019; ours, on by default).
+        outlier_dims: the outlier dims (0-indexed) reported and clipped (None: detected on the training split).
+        min_share: the outlier rule's argmax or argmin share (the paper's criterion; the number is ours).
+        sigma: also a dim whose mean is this many robust SDs off the layer's (ours, opt-in; None: off).
+        exclude_special: leave special tokens ([CLS], <s>: they give their position away) out of the items.
+        allow_random_weights: load an encoder whose checkpoint lacks some weights (randomly initialised then;
+            default False: refused); probe.py links --model.allow_random_weights to it.
+        max_memory_gb: the features' memory budget: float16 when float32 would pass it, then memory-mapped files.
+        cache_dir: where memory-mapped features go (None: --trainer.default_root_dir, else the temp directory).
+        num_workers: loader worker processes (0: the main process).
+        seed: splits, samples, the random encoder, control labels and shuffling (probe.py: --seed_everything).
+        progress: a progress bar over the extraction pass.
+    """
 
     item_name: str | None = None  # what an item is, when it is not a sentence
     type_name = "sentence texts"  # what an item's type is, for the control task
@@ -288,7 +304,11 @@ class ProbeDataModule(pl.LightningDataModule):
 
 
 class PositionDataModule(ProbeDataModule):
-    """Token features labelled with their position (0-indexed token index); positions >= max_positions dropped."""
+    """Token features labelled with their position (0-indexed token index); positions >= max_positions dropped.
+
+    Args:
+        max_positions: the positions probed, 0..max_positions-1 (default 300); later tokens are left out and counted.
+    """
 
     item_name = "tokens"
     type_name = "token ids"
@@ -341,14 +361,20 @@ class PositionDataModule(ProbeDataModule):
 
 
 class ClassificationDataModule(ProbeDataModule):
-    """Mean-pooled sentence vectors (padding excluded) with their labels; classes inferred or fixed by `classes`."""
+    """Mean-pooled sentence vectors (padding excluded) with their labels; classes inferred or fixed by `classes`.
+
+    Args:
+        label_column: the labels' column (default label).
+        classes: fix the classes and their order (None: the training split's labels, sorted).
+        normalize: none (default) or softdecay (ours, opt-in): also every layer's sentences pooled from tokenUni's
+            SoftDecay of their token matrices, on which the classifiers train too.
+        softdecay_alpha: SoftDecay's alpha, in (-1, 0) (default -0.2).
+    """
 
     label_hint = "pass --data.label_column"  # how the entry point names another label column (analyze.py paper: none)
 
     def __init__(self, label_column: str = "label", classes: list[str | int] | None = None, normalize: str = "none",
                  softdecay_alpha: float = SOFTDECAY_ALPHA, **kwargs) -> None:
-        """normalize: "softdecay" also caches every layer's sentences pooled from tokenUni's SoftDecay of their token
-        matrices (`softdecay_alpha` in (-1, 0); ours, opt-in), and the classifiers train on them too; "none"."""
         super().__init__(**kwargs)
         if normalize not in ("none", "softdecay"):
             raise UserError(f"--data.normalize must be none or softdecay (the classifiers' per-sentence transform; "
@@ -421,24 +447,3 @@ class ClassificationDataModule(ProbeDataModule):
         rows = rows.to(hidden.device)
         return mean_pool(hidden[:, rows], keep[rows]), sentence_labels, torch.ones(len(rows), dtype=torch.long)
 
-
-def normalise_label(value):
-    """A label as an int when it is one (1, "1", 1.0, True), else a stripped string; None when missing."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else str(value)
-    text = str(value).strip()
-    if not text:
-        return None
-    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
-
-
-def sort_labels(labels) -> list:
-    if all(isinstance(label, int) for label in labels):
-        return sorted(labels)
-    return sorted(labels, key=str)

@@ -9,11 +9,13 @@ missing is carved, by sentence and seeded, out of train: a missing validation sp
 test split that is missing or unlabelled (GLUE hides its test labels: `labelled` says no) is replaced by the
 validation split, and validation is then carved out of train. A single table (a file, or NAME:CONFIG:SPLIT) is split
 `1 - val_fraction - test_fraction` / `val_fraction` / `test_fraction`. `described` says where each split came from,
-for the report. `max_sentences` caps each split read (a seeded sample; 0: all).
+for the report. `max_sentences` caps each split read (a seeded sample; 0: all). Labels as read are normalised
+once for every data module (`normalise_label`: 1, "1", 1.0 and True are the class 1) and ordered (`sort_labels`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,3 +113,26 @@ def _sample(texts: list[str], labels: list, limit: int, seed: int) -> tuple[list
         return texts, labels
     keep = sample_texts(iter(range(len(texts))), limit, seed)
     return [texts[i] for i in keep], [labels[i] for i in keep]
+
+
+def normalise_label(value):
+    """A label as an int when it is one (1, "1", 1.0, True), else a stripped string; None when missing."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else str(value)
+    text = str(value).strip()
+    if not text:
+        return None
+    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+
+
+def sort_labels(labels) -> list:
+    """The classes in order: integers numerically, anything else as text."""
+    if all(isinstance(label, int) for label in labels):
+        return sorted(labels)
+    return sorted(labels, key=str)

@@ -84,18 +84,31 @@ class FineTuneModule(TrainingModule):
         encoder: hub id, local directory, this project's export or run directory, or a pretraining .ckpt (None: the
             packaged MiniLM).
         classes: the class names, in label order (linked from the data module by train.py).
-        lr, betas, eps, weight_decay, decay_bias_and_norm: AdamW (fused where the device has the kernels); biases and
-            LayerNorm weights are not decayed by default (BERT's convention).
-        warmup_steps, decay_steps, end_lr, power: linear warm-up to `lr`, then (1 - progress)^power decay to `end_lr`
-            at `decay_steps` (default: the trainer's max_steps).
+        lr: AdamW's peak learning rate (fused AdamW where the device has the kernels).
+        betas: AdamW's (beta1, beta2) (default (0.9, 0.999), transformers' and BERT's).
+        eps: AdamW's epsilon.
+        weight_decay: AdamW's decoupled weight decay.
+        decay_bias_and_norm: True also decays biases and LayerNorm weights (default False: BERT's convention).
+        warmup_steps: linear warm-up to `lr` over this many optimizer steps.
+        decay_steps: the step at which the (1 - progress)^power decay reaches `end_lr` (default: the trainer's
+            max_steps).
+        end_lr: the learning rate at `decay_steps`.
+        power: the decay's exponent (1: linear).
         dropout: hidden and attention dropout (None: the encoder's own, 0.1 for BERT-family checkpoints).
-        regularizer, reg_weight, reg_layers, zeta, reg_shrinkage_tokens: the isotropy regulariser (none, istar,
-            cosreg; lightning_modules/regularizers.py); zeta also shrinks the report's IsoScore* of the test tokens.
-        softdecay, softdecay_alpha, softdecay_alpha_mode, softdecay_placement: tokenUni's SoftDecay as a layer in
-            the last layer (lightning_modules/softdecay.py), alpha starting in (-1, 0) (default -0.2); by default as
-            tokenUni place it (before the last layer's LayerNorm, `before_layernorm`) with their unconstrained
-            learnable alpha (`learned`); ours: `after_layernorm` (on the last layer's output), `bounded` (alpha =
-            -sigmoid(theta)); `fixed`. The alpha is logged as train/softdecay_alpha and written to finetune.json.
+        regularizer: an isotropy regulariser on the training forward's hidden states: none (default), istar or
+            cosreg (lightning_modules/regularizers.py; docs/finetuning.md).
+        reg_weight: its weight λ in the loss (λ > 0 towards isotropy, λ < 0 away; 0 leaves the loss as it is).
+        reg_layers: the hidden-state layers it acts on (default: every layer 1..L).
+        zeta: I-STAR's shrinkage towards the covariance C0 of the epoch's first tokens; it also shrinks the report's
+            IsoScore* of the test tokens.
+        reg_shrinkage_tokens: tokens of that covariance C0.
+        softdecay: tokenUni's SoftDecay as a layer in the last layer (lightning_modules/softdecay.py; off by default).
+        softdecay_alpha: its alpha, starting in (-1, 0) (default -0.2); logged as train/softdecay_alpha and written
+            to finetune.json.
+        softdecay_alpha_mode: learned (default: tokenUni's unconstrained learnable alpha), bounded (ours: alpha =
+            -sigmoid(theta), kept in (-1, 0)) or fixed (not learned).
+        softdecay_placement: before_layernorm (default: as tokenUni place it, before the last layer's LayerNorm) or
+            after_layernorm (ours: on the last layer's output).
     """
 
     def __init__(

@@ -173,8 +173,11 @@ class MLMModule(TrainingModule):
         intermediate_size: its feed-forward width.
         max_position_embeddings: its position table's rows, RoBERTa's 2 offset rows included (block length + 2).
         dropout: hidden and attention dropout.
-        lr, betas, eps, weight_decay: AdamW (fused wherever the device has the kernels); every trained parameter
-            is decayed, as fairseq (the paper's trainer) does; a frozen table is not trained at all.
+        lr: AdamW's peak learning rate (fused AdamW wherever the device has the kernels; default 1e-4, the paper's).
+        betas: AdamW's (beta1, beta2) (default RoBERTa's (0.9, 0.98)).
+        eps: AdamW's epsilon (default RoBERTa's 1e-6).
+        weight_decay: AdamW's decoupled weight decay, on every trained parameter as fairseq (the paper's trainer)
+            does (default 0.01); a frozen table is not trained at all.
         decay_bias_and_norm: False keeps biases and LayerNorm weights out of weight decay (BERT's and transformers'
             convention; not the paper's).
         warmup_steps: linear warm-up to `lr` over this many steps.
@@ -188,7 +191,9 @@ class MLMModule(TrainingModule):
             gated attention uses it, clipped softmax brings its own.
         pad_vocab_to_multiple_of: embedding and LM-head rows rounded up to this multiple (64: tensor-core-friendly
             matmuls); the extra rows are never input nor predicted, and the export drops them.
-        pad_token_id, bos_token_id, eos_token_id: the tokenizer's (linked from the datamodule by train.py).
+        pad_token_id: the tokenizer's pad id (linked from the datamodule by train.py; default RoBERTa's 1).
+        bos_token_id: the tokenizer's beginning-of-sequence id (linked likewise; default RoBERTa's 0).
+        eos_token_id: the tokenizer's end-of-sequence id (linked likewise; default RoBERTa's 2).
         regularizer: an isotropy regulariser on the training forward's hidden states: none (default), istar or
             cosreg (lightning_modules/regularizers.py; docs/finetuning.md).
         reg_weight: its weight λ in the loss (λ > 0 towards isotropy, λ < 0 away).

@@ -28,15 +28,22 @@ from metrics.transforms import clipped_dims, keep_mask, parse_clip, per_layer_re
 
 
 class PositionProbe(LinearProbes):
-    """Bias-free linear probes hidden → positions on every layer's token vectors, with contribution vectors."""
+    """Bias-free linear probes hidden → positions on every layer's token vectors, with contribution vectors.
+
+    Args:
+        encoder: the encoder whose features are probed: a hub id, a local directory or this project's export (None:
+            the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data module's.
+        lr: the probes' Adam learning rate.
+        top_k: contributing dims listed per layer in the report, largest contribution first.
+        seed: the probes' initialisation (probe.py links it to --seed_everything).
+        allow_random_weights: probe an encoder whose checkpoint lacks some of its weights, randomly initialised then
+            (default False: refused); probe.py links it to --data.allow_random_weights.
+    """
 
     use_bias = False
 
     def __init__(self, encoder: str | None = None, lr: float = 1e-3, top_k: int = 10, seed: int = 0,
                  allow_random_weights: bool = False) -> None:
-        """encoder: the encoder whose features are probed (probe.py links it to --data.encoder; checked against the
-        data module's at setup); top_k: contributing dims listed; allow_random_weights: probe an encoder whose
-        checkpoint lacks some of its weights, randomly initialised then (default: refused; linked to the data)."""
         super().__init__()
         self.save_hyperparameters()
         check_learning_rate(lr)
@@ -126,16 +133,25 @@ class PositionProbe(LinearProbes):
 
 class SentenceClassifier(LinearProbes):
     """Linear classifiers hidden → classes on every layer's mean-pooled vectors (bias-free, W ∈ R^{hidden×classes} as
-    the paper's §4.4, unless `bias`), with and without the outlier dimensions clipped (zeroed), all in one run."""
+    the paper's §4.4, unless `bias`), with and without the outlier dimensions clipped (zeroed), all in one run.
+
+    Args:
+        encoder: the encoder whose features are classified: a hub id, a local directory or this project's export
+            (None: the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data
+            module's.
+        lr: the classifiers' Adam learning rate.
+        clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
+            auto (default: the persistent outlier dims, detected on the training split or --data.outlier_dims, in
+            every non-input layer; for models deeper than 12 layers, a threshold of ours, each layer's own detected
+            outliers), per-layer, none (no clipped classifiers), dims, or layers:dims.
+        bias: add a bias (ours; default False: the paper's classifiers have none).
+        seed: the classifiers' initialisation (probe.py links it to --seed_everything).
+        allow_random_weights: classify with an encoder whose checkpoint lacks some of its weights, randomly
+            initialised then (default False: refused); probe.py links it to --data.allow_random_weights.
+    """
 
     def __init__(self, encoder: str | None = None, lr: float = 1e-3, clip: str = "auto", bias: bool = False,
                  seed: int = 0, allow_random_weights: bool = False) -> None:
-        """clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
-        "auto" (the persistent outlier dims, detected on the training split or --data.outlier_dims, in every
-        non-input layer; for models deeper than 12 layers, a threshold of ours, each layer's own detected outliers),
-        "per-layer", "none" (no clipped classifiers), dims, or layers:dims; bias: add a bias (ours;
-        the paper's classifiers have none); encoder: the encoder whose features are classified (probe.py links it to
-        --data.encoder; checked against the data module's at setup); allow_random_weights: as PositionProbe's."""
         super().__init__()
         self.save_hyperparameters()
         check_learning_rate(lr)

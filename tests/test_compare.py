@@ -125,3 +125,45 @@ def test_a_reader_that_stops_early_ends_the_table_quietly(reports, tmp_path):
                            env={**os.environ, "PYTHONPATH": str(Path(analyze.__file__).parent)})
     assert whole.returncode == 0 and whole.stderr == ""
     assert len(table(whole.stdout, ["tiny-pe", "nope"])) == 6  # layers 0..5 of the longer report
+
+
+CELL = re.compile(r"max +(\d+) +(\d+)%  min +(\d+) +(\d+)%  (\S+)|-")  # one report's cell, whole
+
+
+def test_columns_stay_aligned_when_a_layer_has_many_outlier_dims(tmp_path, capsys):
+    """A layer with 8 outlier dims of 4 digits makes a cell wider than the others: every row's columns still start at
+    the header's offsets, each column exactly as wide as its widest cell (two spaces between columns)."""
+    long = report("runs/wide", 4, 1000, [1001])
+    long["layers"][2]["outlier_dims"] = list(range(3070, 3078))  # 8 dims: the widest cell
+    short = report("runs/narrow", 3, 10, [])
+    paths = []
+    for name, content in (("wide", long), ("narrow", short)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(content))
+    assert analyze.main(["compare", *map(str, paths), str(paths[0])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
+    names = ["wide #1", "narrow", "wide #2"]
+    starts = [lines[header].index(name) for name in names]
+    rows = lines[header + 1:header + 1 + 5]  # layers 0..4 of the longer report
+    assert [int(row[:starts[0]]) for row in rows] == list(range(5))
+    cells = {name: [] for name in names}
+    for row in rows:
+        for name, start, end in zip(names, starts, [*starts[1:], None]):
+            assert row[start - 2:start] == "  " and row[start] != " ", (name, row)  # the separator, then the cell
+            text = row[start:end].rstrip()
+            assert CELL.fullmatch(text), (name, row)  # the whole cell in its column, nothing of the next one
+            cells[name].append(text)
+    for name, start, end in zip(names[:-1], starts, starts[1:]):
+        assert max(map(len, cells[name])) == end - 2 - start  # as wide as its widest cell, no wider
+    for name, made in (("wide #1", long), ("narrow", short), ("wide #2", long)):
+        for layer, text in enumerate(cells[name]):
+            if layer >= len(made["layers"]):
+                assert text == "-"
+                continue
+            row = made["layers"][layer]
+            found = CELL.fullmatch(text).groups()
+            assert (int(found[0]), int(found[2])) == (row["argmax_dim"], row["argmin_dim"])
+            assert found[4].rstrip("…").split(",")[:4] == [str(d) for d in row["outlier_dims"][:4]] or (
+                found[4] == "-" and not row["outlier_dims"])
+    assert cells["wide #1"][2].endswith("…")  # 8 dims: the first four shown

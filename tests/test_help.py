@@ -86,3 +86,69 @@ def test_shown_defaults_are_the_parsed_defaults():
     args = analyze.build_parser().parse_args(["isotropy"])
     for option in ("--batch_size", "--seed", "--zeta", "--minibatch", "--output_dir"):
         assert f"(default: {getattr(args, option[2:])})" in text, option
+
+
+def documented_parameters(cls) -> list[str]:
+    """The keyword parameters of cls.__init__, those it passes up through **kwargs included (its bases')."""
+    import inspect
+
+    names = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                  and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return names
+    return names
+
+
+def lightning_cli_classes() -> dict[str, type]:
+    """Every class of ours that train.py and probe.py build from options: train.py's fixed ones and every class_path of
+    this project in configs/ (modules, data modules, callbacks, the logger)."""
+    import importlib
+
+    import yaml
+
+    def class_paths(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("class_path"), str):
+                yield node["class_path"]
+            for value in node.values():
+                yield from class_paths(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from class_paths(value)
+
+    paths = {"lightning_modules.mlm.MLMModule", "datamodules.mlm.MLMDataModule", "callbacks.checkpointing."
+             "PretrainCheckpoint", "lightning_modules.probes.PositionProbe", "lightning_modules.probes."
+             "SentenceClassifier", "datamodules.probing.PositionDataModule", "datamodules.probing.ClassificationDataModule"}
+    for config in sorted((ROOT / "configs").rglob("*.yaml")):
+        paths |= {path for path in class_paths(yaml.safe_load(config.read_text())) if path.split(".")[0] in
+                  ("lightning_modules", "datamodules", "callbacks")}
+    classes = {}
+    for path in sorted(paths):
+        module, _, name = path.rpartition(".")
+        classes[path] = getattr(importlib.import_module(module), name)
+    return classes
+
+
+def test_every_init_parameter_of_the_lightning_cli_classes_has_a_help_text():
+    """What `train.py fit --help` and `probe.py fit --model.help CLASS` / `--data.help CLASS` show: jsonargparse reads
+    each parameter's help from the docstrings (an Args: section); a parameter it cannot read shows only its type."""
+    from jsonargparse import ArgumentParser
+
+    classes = lightning_cli_classes()
+    assert {"lightning_modules.finetune.FineTuneModule", "datamodules.finetune.FineTuneDataModule",
+            "callbacks.wandb_logging.AutoWandbLogger", "callbacks.outlier_statistics.OutlierStatistics"} <= set(classes)
+    missing = {}
+    for path, cls in classes.items():
+        parser = ArgumentParser()
+        parser.add_class_arguments(cls, "x")
+        helps = {action.dest[2:]: (action.help or "").strip() for action in parser._actions
+                 if action.dest.startswith("x.")}
+        names = documented_parameters(cls)
+        assert names and set(names) <= set(helps), (path, set(names) - set(helps))
+        missing[path] = [name for name in names if not helps[name]]
+    assert missing == {path: [] for path in classes}

@@ -200,6 +200,10 @@ def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
                           (["--qqp", tmp_path / "missing.csv"], f"data path not found: {tmp_path / 'missing.csv'}"),
                           (["--outlier_sentences", "0"], "--outlier_sentences must be positive, got 0"),
                           (["--sst2", "none"], "--sst2 and --qqp are both none: the outliers (§3) need"),
+                          # never a set named none (a preset and a file that is not there: refused before either is read)
+                          (["--sts", "none", "stsb", tmp_path / "missing.tsv"], "--sts: none cannot be combined with "
+                           f"other sets (got: none stsb {tmp_path / 'missing.tsv'})"),
+                          (["--sts", "stsb", "none"], "--sts: none cannot be combined with other sets (got: stsb none)"),
                           (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
                           (["--wic", stand_ins["sts"]], "is not in WiC format"),
                           (["--sst2", unlabelled], f"no label column 'label' in {unlabelled} (columns: ['text']); the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +224,34 @@ def test_a_config_with_an_unknown_key_is_an_error(tmp_path, capfd):
     with pytest.raises(SystemExit) as exited:
         probe.cli_main(["--config", str(typo), "--trainer.default_root_dir", str(tmp_path / "out")], run=False)
     assert exited.value.code == 2 and "max_position" in capfd.readouterr().err
+
+
+def test_the_usage_names_the_class_help_and_it_gives_every_option_its_text(capsys):
+    """`probe.py fit --model.help lightning_modules.probes.PositionProbe` (and each --model.help / --data.help that
+    probe.py's usage names): every option of the class, each followed by the help text of its docstring's Args:."""
+    import docstring_parser
+
+    named = [option.split() for option, _ in probe.OVERRIDES if option.startswith(("--model.help", "--data.help"))]
+    assert ["--model.help", "lightning_modules.probes.PositionProbe"] in named
+    assert ["--model.help", "lightning_modules.probes.SentenceClassifier"] in named
+    for flag, class_path in named:
+        with pytest.raises(SystemExit) as exited:
+            probe.cli_main(["fit", flag, class_path])
+        assert exited.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help texts
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(sys.modules[module], name)
+        described = {param.arg_name: " ".join(param.description.split()) for klass in cls.__mro__
+                     if klass.__module__.startswith(("datamodules.", "lightning_modules."))
+                     for param in docstring_parser.parse(klass.__doc__ or "").params}
+        section = flag[2:].split(".")[0]
+        options = set(re.findall(rf"--{section}\.(\w+) ", text)) - {"help"}
+        assert options and options <= set(described), options - set(described)
+        for option in options:  # the option and its metavar (a list's appending form too), then its help text
+            assert re.search(rf"--{section}\.{option} \S+(, --\S+ \S+)? {re.escape(described[option][:50])}", text), \
+                (name, option)
+        if name == "PositionProbe":
+            assert "--model.top_k TOP_K contributing dims listed per layer in the report" in text
 
 
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str]]:
