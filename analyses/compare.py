@@ -47,10 +47,12 @@ def names_of(items: list[tuple[str | None, Path, dict]]) -> list[str]:
 
 
 def cell(layer: dict | None) -> str:
-    """The dim holding most tokens' max and its share, the same for the min, the layer's outlier dims."""
+    """The dim holding most tokens' max and its share, the same for the min, the layer's outlier dims (the first four
+    and how many more)."""
     if layer is None:
         return "-"
-    dims = ",".join(map(str, layer["outlier_dims"][:4])) + ("…" if len(layer["outlier_dims"]) > 4 else "")
+    found = layer["outlier_dims"]
+    dims = ",".join(map(str, found[:4])) + (f",…(+{len(found) - 4})" if len(found) > 4 else "")  # first 4 and a count
     return (f"max {layer['argmax_dim']:>4} {layer['argmax_share']:4.0%}  min {layer['argmin_dim']:>4} "
             f"{layer['argmin_share']:4.0%}  {dims or '-'}")
 

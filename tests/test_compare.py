@@ -164,6 +164,8 @@ def test_columns_stay_aligned_when_a_layer_has_many_outlier_dims(tmp_path, capsy
             row = made["layers"][layer]
             found = CELL.fullmatch(text).groups()
             assert (int(found[0]), int(found[2])) == (row["argmax_dim"], row["argmin_dim"])
-            assert found[4].rstrip("…").split(",")[:4] == [str(d) for d in row["outlier_dims"][:4]] or (
+            shown, _, more = found[4].partition(",…")
+            assert shown.split(",") == [str(d) for d in row["outlier_dims"][:4]] or (
                 found[4] == "-" and not row["outlier_dims"])
-    assert cells["wide #1"][2].endswith("…")  # 8 dims: the first four shown
+            assert more == (f"(+{len(row['outlier_dims']) - 4})" if len(row["outlier_dims"]) > 4 else "")
+    assert cells["wide #1"][2].endswith(",…(+4)")  # 8 dims: the first four shown, and how many more
