@@ -80,9 +80,8 @@ class NulBytes(io.RawIOBase):
         """One warning, when NULs were dropped: the file, the first one's line and how many (in the part read when the
         reader stopped before the end)."""
         if self.count:
-            part = "" if self.ended else " in the part read"
             warn_once(f"{path}, line {self.line}: a NUL byte (a damaged stretch of the file?) is no text: dropped, "
-                      f"{self.count} in all{part}")
+                      f"{self.count} {'in all' if self.ended else 'in the part read'}")
 
 
 def open_text(opener, path: Path) -> tuple[io.TextIOWrapper, NulBytes]:
