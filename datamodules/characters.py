@@ -3,15 +3,15 @@ surrogates, and where a byte that is not UTF-8 lies. datamodules/text.py reads e
 
     clean_text("\\ufeffHello \\n")          # "Hello": stripped, a leading byte-order mark dropped
     clean_text("\\u200b\\u2060")           # "": nothing visible (zero-width space, word joiner): a blank line
-    handle, nuls = open_text(gzip.open, path)   # the file's text with NUL bytes dropped; nuls.report(path) warns once
+    text = NulFree(handle)                  # its lines (or read chunks) without NULs; text.report(path) warns once
 """
 
 from __future__ import annotations
 
 import codecs
-import io
 import re
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 
 from core.errors import warn_once
@@ -26,11 +26,11 @@ def clean_text(text: str) -> str:
     visible: only whitespace, format characters (category Cf: zero-width space, word joiner, BOM, left-to-right mark)
     and control characters, which `str.strip` keeps (a line of a zero-width space was a sentence of [CLS] [SEP]).
 
-    Cheap on the common path (every line of a corpus goes through it): a text whose first character is printable ASCII
-    is visible and has no BOM, and costs one strip; only the others are looked at character by character, up to the
-    first visible one."""
+    Cheap on the common path (every line of a corpus goes through it): a text whose first character is printable (in
+    any script) is visible and has no BOM, and costs a strip and one test; only the others are looked at character by
+    character, up to the first visible one."""
     text = text.strip()
-    if text and "!" <= text[0] <= "~":
+    if text and text[0].isprintable():  # not whitespace (stripped), not Cf, Cc (nor unassigned, private use)
         return text
     if text.startswith("\ufeff"):
         text = text.lstrip("\ufeff").strip()
@@ -40,55 +40,50 @@ def clean_text(text: str) -> str:
     return ""
 
 
-class NulBytes(io.RawIOBase):
-    """A binary stream with its NUL bytes dropped, counted, and the line of the first one noted. A NUL in a file's first
-    8 KiB refuses it as binary (datamodules.text); further in, one is a damaged stretch of a text file: the tokenizers
-    disagree on it (BERT's drops it, a byte-level BPE makes it a token), so it is dropped here, whatever the format,
-    before any parser sees it, with one warning (`report`). NUL is never part of a UTF-8 sequence, so the text around
-    it decodes as before."""
+class NulFree:
+    """A text handle's text with its NUL characters dropped and counted: its lines (`for line in`: csv's reader) or its
+    chunks (`read`: a JSON array). A NUL in a file's first 8 KiB refuses it as binary (datamodules.text); further in,
+    one is a damaged stretch of a text file that the tokenizers disagree on (BERT's drops it, a byte-level BPE makes
+    it a token), so it is dropped here, whatever the format, before any parser sees it, with one warning (`report`).
+    The common path is one `in` test a line (a loop over the handle's lines makes it itself and calls `drop`, saving a
+    generator's step: plain text, JSON lines)."""
 
-    def __init__(self, stream):
-        super().__init__()
-        self.stream, self.count, self.line, self.lines, self.ended = stream, 0, None, 0, False
+    def __init__(self, handle):
+        self.handle, self.count = handle, 0
 
-    def readable(self) -> bool:
-        return True
+    def __iter__(self) -> Iterator[str]:
+        for line in self.handle:
+            yield self.drop(line) if "\0" in line else line
 
-    def readinto(self, buffer) -> int:
+    def read(self, size: int) -> str:
         while True:
-            chunk = self.stream.read(len(buffer))
-            if not chunk:
-                self.ended = True
-                return 0
-            if b"\0" in chunk:
-                if self.line is None:
-                    self.line = self.lines + chunk.count(b"\n", 0, chunk.index(b"\0")) + 1
-                self.count += chunk.count(b"\0")
-                chunk = chunk.replace(b"\0", b"")
-                if not chunk:  # NULs only: an empty read would say the file ended
-                    continue
-            elif self.line is None:
-                self.lines += chunk.count(b"\n")
-            buffer[:len(chunk)] = chunk
-            return len(chunk)
+            chunk = self.handle.read(size)
+            if "\0" not in chunk:
+                return chunk
+            if chunk := self.drop(chunk):  # NULs only: an empty chunk would say the file ended
+                return chunk
 
-    def close(self) -> None:
-        super().close()
-        self.stream.close()
+    def drop(self, text: str) -> str:
+        self.count += text.count("\0")
+        return text.replace("\0", "")
 
-    def report(self, path: Path) -> None:
-        """One warning, when NULs were dropped: the file, the first one's line and how many (in the part read when the
-        reader stopped before the end)."""
+    def report(self, opener, path: Path, ended: bool = True) -> None:
+        """One warning, when NULs were dropped: the file, the first one's line (found again in the file: the common
+        path counts no lines) and how many (in the part read when the reader stopped before the end)."""
         if self.count:
-            warn_once(f"{path}, line {self.line}: a NUL byte (a damaged stretch of the file?) is no text: dropped, "
-                      f"{self.count} {'in all' if self.ended else 'in the part read'}")
+            warn_once(f"{path}, line {nul_line(opener, path)}: a NUL byte (a damaged stretch of the file?) is no text: "
+                      f"dropped, {self.count} {'in all' if ended else 'in the part read'}")
 
 
-def open_text(opener, path: Path) -> tuple[io.TextIOWrapper, NulBytes]:
-    """The (decompressed) text of `path` as UTF-8 with its NUL bytes dropped, and their count. utf-8-sig: a byte-order
-    mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line; newline="": csv reads the line ends."""
-    nuls = NulBytes(opener(path, "rb"))
-    return io.TextIOWrapper(io.BufferedReader(nuls), encoding="utf-8-sig", newline=""), nuls
+def nul_line(opener, path: Path) -> int:
+    """The line of the first NUL byte of the (decompressed) file (0 when it has none)."""
+    line = 1
+    with opener(path, "rb") as handle:
+        while chunk := handle.read(2**20):
+            if (at := chunk.find(b"\0")) >= 0:
+                return line + chunk.count(b"\n", 0, at)
+            line += chunk.count(b"\n")
+    return 0
 
 
 def replace_surrogates(row: dict, path: Path, where: str, seen: list) -> dict:

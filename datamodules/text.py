@@ -25,7 +25,7 @@ from pathlib import Path
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line, warn_once
 from core.sources import check_hub, hub_offline, looks_local
-from datamodules.characters import bad_byte, clean_text, open_text, replace_surrogates
+from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
@@ -193,14 +193,15 @@ def _file_records(path: Path) -> Iterator[dict]:
         raise UserError(f"data file looks binary (NUL bytes), expected UTF-8 text: {path}")
     count, seen = 0, []  # seen: the first row whose lone surrogates were replaced (one warning, there)
     try:
-        handle, nuls = open_text(opener, path)  # NUL bytes past the head dropped, with one warning (nuls.report)
-        with handle:
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
+            reader = NulFree(handle)  # NULs past the head dropped, with one warning (reader.report)
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
                 delimiter = TABULAR_SUFFIXES[suffix] if suffix == ".tsv" else _csv_delimiter(head)
                 csv.field_size_limit(MAX_FIELD)
-                rows = csv.DictReader(handle, delimiter=delimiter, quoting=quoting)
+                rows = csv.DictReader(reader, delimiter=delimiter, quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
                 for row in rows:
@@ -211,11 +212,13 @@ def _file_records(path: Path) -> Iterator[dict]:
                                         f"{delimiter!r}")
                     yield row
             elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-                for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
+                for row in _json_array(reader, path):  # pandas' to_json(orient="records"), json.dump of a list
                     count += 1
                     yield replace_surrogates(row, path, f"item {count}", seen)
             elif suffix in JSON_SUFFIXES:
                 for number, line in enumerate(handle, 1):
+                    if "\0" in line:
+                        line = reader.drop(line)
                     if line := clean_text(line):  # a blank line, or one of invisible characters; a BOM of `cat`
                         try:
                             row = json.loads(line)
@@ -226,24 +229,26 @@ def _file_records(path: Path) -> Iterator[dict]:
                         count += 1
                         yield replace_surrogates(row, path, f"line {number}", seen)
             else:
-                for line in handle:
-                    if text := clean_text(line):  # blank: empty, or only invisible characters
+                for line in handle:  # NUL-free lines of `reader`, without its generator
+                    if "\0" in line:
+                        line = reader.drop(line)
+                    if line.strip():  # pick_text's clean_text strips it, and finds it blank if nothing is visible
                         count += 1
-                        yield {"text": text}
+                        yield {"text": line}
     except GeneratorExit:  # the reader stopped early (a --max_texts prefix): the NULs of the part read
-        nuls.report(path)
+        reader.report(opener, path, ended=False)
         raise
     except UnicodeDecodeError:  # its offset is in the chunk being decoded, not in the file: find the byte again
         raise UserError(f"data file is not UTF-8 text ({bad_byte(opener, path)}; Latin-1 or Windows-1252? convert it "
                         f"with iconv -f WINDOWS-1252 -t UTF-8): {path}") from None
-    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
+    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, ...)
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     except (EOFError, lzma.LZMAError, OSError) as error:  # an archive cut short or corrupt after its first block
         if opener is open:
             raise
         reason = first_line(error) or type(error).__name__
         raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
-    nuls.report(path)
+    reader.report(opener, path)
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
 
