@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
-from core.errors import UserError, first_line, warn_once
+from core.errors import UserError, first_line
 from core.sources import check_hub, hub_offline, looks_local
 from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates
 
@@ -232,7 +232,7 @@ def _file_records(path: Path) -> Iterator[dict]:
                 for line in handle:  # NUL-free lines of `reader`, without its generator
                     if "\0" in line:
                         line = reader.drop(line)
-                    if line.strip():  # pick_text's clean_text strips it, and finds it blank if nothing is visible
+                    if line := line.strip():  # pick_text's clean_text finds it blank if nothing in it is visible
                         count += 1
                         yield {"text": line}
     except GeneratorExit:  # the reader stopped early (a --max_texts prefix): the NULs of the part read
