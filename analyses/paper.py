@@ -55,7 +55,8 @@ class Inputs:
     qqp: list[str] | None
     outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
     outlier_sources: dict = field(default_factory=dict)  # {"sst2": count used, "qqp": count used}
-    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}
+    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}: read_contexts, with the encoder
+    sources: dict = field(default_factory=dict)  # {"sst2": (source, column), ...}: the training sets read
     wic: tuple | None = None  # (items, skipped)
     wic_source: dict = field(default_factory=dict)  # {"data", "split"}
     sts: dict = field(default_factory=dict)  # {name: (pairs, unscored)}
@@ -94,9 +95,7 @@ def read_inputs(args) -> Inputs:
     inputs = Inputs(*(None if skip[name] else sentences_of(getattr(args, name), column, args.max_sentences, args.seed)
                       for name, column in (("sst2", None), ("qqp", args.qqp_column))))
     inputs.outlier_sentences, inputs.outlier_sources = outlier_sample(args, sources)
-    for name, (source, column) in sources.items():
-        inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
-                                                args.min_sentences, args.seed)
+    inputs.sources = sources
     if not skip["wic"]:
         inputs.wic, inputs.wic_source = read_wic(args.wic, None), wic_source(args.wic)
     for name in args.sts or []:
@@ -105,6 +104,15 @@ def read_inputs(args) -> Inputs:
     if not args.sts:
         inputs.notes.append("STS skipped (no --sts sets)")
     return inputs
+
+
+def read_contexts(args, inputs: Inputs, tokenizer) -> None:
+    """Each training set's self-similarity words, once the encoder is open: a word written inside one of its
+    tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
+    specials = getattr(tokenizer, "all_special_tokens", ())
+    for name, (source, column) in inputs.sources.items():
+        inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
+                                                args.min_sentences, args.seed, special_tokens=specials)
 
 
 def explicit_clip(clipped: dict[int, list[int]] | None) -> str:
@@ -198,6 +206,7 @@ def run_paper(args, rank: int, world: int) -> dict:
     inputs = read_inputs(args)
     check_writable(args.output_dir)
     encoder = open_encoder(args)
+    read_contexts(args, inputs, encoder.tokenizer)
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)

@@ -14,6 +14,7 @@ from analyses.outliers import mean_vectors_png, outliers_report
 from analyses.reference import refit_on_sentences
 from analyses.reports import figures_of, summarise, summary_figure, summary_markdown
 from analyses.session import (
+    collectively,
     dataset_name,
     finish,
     pair_sentences,
@@ -46,20 +47,20 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "isotropy", report, encoder)
 
 
-def read_contexts(args, limit: int, option: str = "--pool_sentences"):
+def read_contexts(args, encoder, limit: int, option: str = "--pool_sentences"):
     """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
-    `limit` (the value of `option`)."""
-    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option)
+    `limit` (the value of `option`); read once the encoder is open (failing together on every rank), as a word written
+    inside one of its tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
+    specials = getattr(encoder.tokenizer, "all_special_tokens", ())
+    return collectively(lambda: source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences,
+                                                args.seed, option, specials))
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
     """Self-similarity of the words of --data, adjusted by the paper's anisotropy protocol on the same source: 2 x
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
-    def read():
-        contexts = read_contexts(args, args.max_sentences, "--max_sentences")
-        return contexts, read_sentences(args, limit=2 * args.num_pairs)
-
-    (contexts, sentences), encoder = prepare(args, rank, read)
+    sentences, encoder = prepare(args, rank, lambda: read_sentences(args, limit=2 * args.num_pairs))
+    contexts = read_contexts(args, encoder, args.max_sentences, "--max_sentences")
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, contexts.sentences)
     baseline = geometry.anisotropy_baseline(setting, sentences, reference.variants, args.num_pairs, args.data)
@@ -90,12 +91,12 @@ def run_all(args, rank: int, world: int) -> dict:
     """The outlier report and every evaluation for one encoder, and summary.md / summary.json / summary.png."""
     def read():
         sentences = read_sentences(args)
-        contexts = read_contexts(args, args.pool_sentences)
         wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
-        return sentences, contexts, wic_data, sts_data
+        return sentences, wic_data, sts_data
 
-    (sentences, contexts, wic_data, sts_data), encoder = prepare(args, rank, read)
+    (sentences, wic_data, sts_data), encoder = prepare(args, rank, read)
+    contexts = read_contexts(args, encoder, args.pool_sentences)
     notes = [note for note, missing in (("WiC skipped: no --wic file given", wic_data is None),
                                         ("STS skipped: no --sts data given", not sts_data)) if missing]
     for note in notes if rank == 0 else []:

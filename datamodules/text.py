@@ -11,7 +11,6 @@ Every problem with the input raises `UserError` naming the file (and row), the o
 from __future__ import annotations
 
 import bz2
-import codecs
 import csv
 import gzip
 import io
@@ -24,8 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
-from core.errors import UserError, first_line, warn_once
+from core.errors import UserError, first_line
 from core.sources import check_hub, hub_offline, looks_local
+from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
@@ -39,7 +39,6 @@ COMPRESSED = {rb"\x1f\x8b": gzip.open, rb"BZh[1-9](1AY&SY|\x17rE8P\x90)": bz2.op
 COMPRESSED_SUFFIXES = {".gz", ".gzip", ".bz2", ".xz"}
 JSON_CHUNK = 2**20  # characters of a .json array read at a time
 JSON_SPACE = re.compile(r"[ \t\r\n]*")
-SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: JSON's "\\ud83d" escape without its pair (an emoji cut in two)
 
 
 def iter_texts(source: str | os.PathLike, text_column: str | None = None, option: str = "--text_column"
@@ -47,14 +46,14 @@ def iter_texts(source: str | os.PathLike, text_column: str | None = None, option
     """Yield the texts of `source` lazily: a txt/csv/tsv/jsonl file, a `datasets` directory, or a hub name.
 
     `source` that is not an existing path is read as `NAME[:CONFIG][:SPLIT]` with `datasets` (streaming);
-    `glue/sst2` is tried as a repository first and then as name `glue`, config `sst2`. Blank lines are skipped.
+    `glue/sst2` is tried as a repository first and then as name `glue`, config `sst2`. Texts are stripped (of a leading
+    byte-order mark too); blank ones (nothing visible: `clean_text`) are skipped.
     `option` is the entry point's name for the text column, named when none is found (train.py and probe.py:
     `--data.text_column`).
     """
     for record in iter_records(source, columns=None):
-        text = pick_text(record, text_column, source, option)
-        if text is not None and text.strip():
-            yield text.strip()
+        if text := pick_text(record, text_column, source, option):
+            yield text
 
 
 def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = None, split: str | None = None
@@ -129,7 +128,8 @@ def check_datasets_directory(path: Path) -> None:
 
 def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column",
               exclude: tuple[str | None, ...] = ()) -> str | None:
-    """The text of `record` (None for a missing value: a blank row); a value that is not a string (a number, a list of
+    """The text of `record`, stripped and without a leading byte-order mark ("" for a blank one, holding nothing
+    visible: `clean_text`; None for a missing value: a blank row); a value that is not a string (a number, a list of
     tokens) is refused, naming the column, since it cannot be encoded as a sentence. Detection passes over the
     columns in `exclude` (the labels, a pair's second sentence: a csv's labels are strings too)."""
     if text_column is not None:
@@ -141,14 +141,16 @@ def pick_text(record: dict, text_column: str | None, source, option: str = "--te
             return _text_value(record, name, source, option)
     strings = [key for key, value in record.items() if isinstance(value, str) and key not in exclude]
     if len(strings) == 1:
-        return record[strings[0]]
+        return clean_text(record[strings[0]])
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
 
 
 def _text_value(record: dict, column: str, source, option: str) -> str | None:
     value = record[column]
-    if value is None or isinstance(value, str):
-        return value
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return clean_text(value)
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     raise UserError(f"text column {column!r} of {source} holds a {type(value).__name__} ({shown}), not text; "
                     f"pass {option} to name the column holding the sentences")
@@ -193,12 +195,13 @@ def _file_records(path: Path) -> Iterator[dict]:
     try:
         # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8", Notepad) is not part of the first header or line
         with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
+            reader = NulFree(handle)  # NULs past the head dropped, with one warning (reader.report)
             if suffix in TABULAR_SUFFIXES:
                 # a .tsv is read without quote handling: quotes are text in GLUE / STS-B / WiC tsv files
                 quoting = csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL
                 delimiter = TABULAR_SUFFIXES[suffix] if suffix == ".tsv" else _csv_delimiter(head)
                 csv.field_size_limit(MAX_FIELD)
-                rows = csv.DictReader(handle, delimiter=delimiter, quoting=quoting)
+                rows = csv.DictReader(reader, delimiter=delimiter, quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
                 for row in rows:
@@ -209,12 +212,14 @@ def _file_records(path: Path) -> Iterator[dict]:
                                         f"{delimiter!r}")
                     yield row
             elif suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-                for row in _json_array(handle, path):  # pandas' to_json(orient="records"), json.dump of a list
+                for row in _json_array(reader, path):  # pandas' to_json(orient="records"), json.dump of a list
                     count += 1
-                    yield _characters(row, path, f"item {count}", seen)
+                    yield replace_surrogates(row, path, f"item {count}", seen)
             elif suffix in JSON_SUFFIXES:
                 for number, line in enumerate(handle, 1):
-                    if line.strip():
+                    if "\0" in line:
+                        line = reader.drop(line)
+                    if line := clean_text(line):  # a blank line, or one of invisible characters; a BOM of `cat`
                         try:
                             row = json.loads(line)
                         except json.JSONDecodeError as error:
@@ -222,56 +227,30 @@ def _file_records(path: Path) -> Iterator[dict]:
                         if not isinstance(row, dict):
                             raise UserError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
                         count += 1
-                        yield _characters(row, path, f"line {number}", seen)
+                        yield replace_surrogates(row, path, f"line {number}", seen)
             else:
-                for line in handle:
-                    if line.strip():
+                for line in handle:  # NUL-free lines of `reader`, without its generator
+                    if "\0" in line:
+                        line = reader.drop(line)
+                    if line := line.strip():  # pick_text's clean_text finds it blank if nothing in it is visible
                         count += 1
-                        yield {"text": line.rstrip("\r\n")}
+                        yield {"text": line}
+    except GeneratorExit:  # the reader stopped early (a --max_texts prefix): the NULs of the part read
+        reader.report(opener, path, ended=False)
+        raise
     except UnicodeDecodeError:  # its offset is in the chunk being decoded, not in the file: find the byte again
-        raise UserError(f"data file is not UTF-8 text ({_bad_byte(opener, path)}; Latin-1 or Windows-1252? convert it "
+        raise UserError(f"data file is not UTF-8 text ({bad_byte(opener, path)}; Latin-1 or Windows-1252? convert it "
                         f"with iconv -f WINDOWS-1252 -t UTF-8): {path}") from None
-    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, a NUL in a field, ...)
+    except csv.Error as error:  # a malformed row (an unclosed quote running to the end, ...)
         raise UserError(f"{path}: row {count + 1} is not {suffix[1:]} ({error})") from None
     except (EOFError, lzma.LZMAError, OSError) as error:  # an archive cut short or corrupt after its first block
         if opener is open:
             raise
         reason = first_line(error) or type(error).__name__
         raise UserError(f"data file cannot be decompressed after row {count} ({reason}): {path}") from None
+    reader.report(opener, path)
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
-
-
-def _characters(row: dict, path: Path, where: str, seen: list) -> dict:
-    """`row` with each lone surrogate of its strings replaced by U+FFFD, warning at the first row that has one: JSON
-    lets "\\ud83d" stand alone (a tweet or web page cut inside an emoji), but it is no character, and a tokenizer (and
-    Arrow, and UTF-8) refuses the whole text."""
-    cut = [key for key, value in row.items() if isinstance(value, str) and SURROGATE.search(value)]
-    if not cut:
-        return row
-    if not seen:
-        seen.append(where)
-        warn_once(f"{path}, {where}: a lone surrogate escape (half of a \\ud83d\\ude00 pair: an emoji cut in two?) "
-                  f"in {cut[0]!r} is no character: replaced by U+FFFD, here and in any later row")
-    return {**row, **{key: SURROGATE.sub("\ufffd", row[key]) for key in cut}}
-
-
-def _bad_byte(opener, path: Path) -> str:
-    """Where the first byte that is not UTF-8 lies in the (decompressed) file: 'byte 0xe9 at offset 18519, line 241'."""
-    decoder, offset, line, newline = codecs.getincrementaldecoder("utf-8")(), 0, 1, b"\n"
-    with opener(path, "rb") as handle:
-        while True:
-            chunk = handle.read(2**20)
-            pending = len(decoder.getstate()[0])  # the bytes of a character cut by the last chunk's end
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as error:  # error.start counts from the pending bytes
-                at = error.start - pending
-                line += chunk.count(newline, 0, max(at, 0))
-                return f"byte {error.object[error.start]:#04x} at offset {offset + at}, line {line}"
-            if not chunk:
-                return f"offset {offset}"  # not reached: the text reader failed on the same bytes
-            offset, line = offset + len(chunk), line + chunk.count(newline)
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:

@@ -3,7 +3,8 @@ STS baseline of §4.3).
 
     contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
     contexts = word_contexts(lambda: iter_texts("glue/sst2"))          # a whole source, streamed (bounded memory)
-    contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0)
+    contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0,
+                               special_tokens=tokenizer.all_special_tokens)   # "unk" of a literal "<unk>" is no word
     vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,33 @@ class WordContexts:
 RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
 
 
+def word_matches(sentence: str, specials: re.Pattern | None = None) -> Iterator[re.Match]:
+    """The WORD matches of `sentence`, none inside a special token written in it (`specials`: `special_pattern`): the
+    tokenizer splits the text at those first, so the "unk" of WikiText's "<unk>" (RoBERTa's unknown token) or the
+    "mask" of "[MASK]" is no word's token, and a word around one ("madeupwords" with the special "madeupword") is only
+    its pieces outside it."""
+    if specials is None or (found := specials.search(sentence)) is None:
+        yield from WORD.finditer(sentence)
+        return
+    start = 0
+    while found is not None:
+        yield from WORD.finditer(sentence, start, found.start())
+        start = found.end()
+        found = specials.search(sentence, start)
+    yield from WORD.finditer(sentence, start)
+
+
+def special_pattern(special_tokens: Iterable[str]) -> re.Pattern | None:
+    """The special-token strings as one pattern, matched as the tokenizers match them: exactly, case and all (BERT
+    uncased's "[MASK]" is its mask token, its "[mask]" the word "mask" in brackets; RoBERTa's "<unk>" but not "<UNK>"),
+    the longest first where two start at one place; None for none."""
+    tokens = sorted({token for token in special_tokens if token}, key=lambda token: (-len(token), token))
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
 def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
-                  seed: int = 0, pool_option: str | None = None) -> WordContexts:
+                  seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = ()
+                  ) -> WordContexts:
     """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
 
     `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
@@ -52,13 +78,17 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
     1000 words in the bundled corpus, instead of 10000). `pool_option` is the entry point's option that sampled
     `sentences` from a larger source (named when too few words qualify; None: the whole source was searched).
+    `special_tokens`: the encoder's tokenizer's special-token strings (`tokenizer.all_special_tokens`); a word written
+    inside one of them in a sentence ("unk" in WikiText's "<unk>") does not occur there (`word_matches`): it would
+    have no token of its own (or the special token's). Without them (the default), every WORD match counts.
     """
+    specials = special_pattern(special_tokens)
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
     counts: Counter[str] = Counter()
     total = 0
     for sentence in passes():
         total += 1
-        counts.update({match.group().lower() for match in WORD.finditer(sentence)})
+        counts.update({match.group().lower() for match in word_matches(sentence, specials)})
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
         more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
@@ -75,7 +105,7 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     seen = [0] * num_words
     for index, sentence in enumerate(passes()):
         first = set()
-        for match in WORD.finditer(sentence):
+        for match in word_matches(sentence, specials):
             word = match.group().lower()
             word_id = ids.get(word)
             if word_id is None or word_id in first:
@@ -106,14 +136,17 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
 
 
 def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
-                    pool_option: str = "--pool_sentences") -> WordContexts:
+                    pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = ()) -> WordContexts:
     """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
     `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them
-    (`pool_option`: the entry point's option for `pool`, named when the sample is too small)."""
+    (`pool_option`: the entry point's option for `pool`, named when the sample is too small; `special_tokens`: the
+    tokenizer's, as in `word_contexts`)."""
     if pool:
         sentences = sample_texts(iter_texts(source, column), pool, seed)
-        return word_contexts(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None)
-    return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed)
+        return word_contexts(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None,
+                             special_tokens)
+    return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed,
+                         special_tokens=special_tokens)
 
 
 # ---------------------------------------------------------------- static vectors

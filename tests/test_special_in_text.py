@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
 import analyze
 from datamodules.probing import PositionDataModule
+from datamodules.words import WORD, special_pattern, word_contexts, word_matches
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from tests.tiny import save_tiny_encoder
 
@@ -112,21 +114,83 @@ def test_a_word_written_as_a_special_token_has_no_vector(kind, bert_tok, roberta
             assert (expected == []) == inside_special, (text, match.group())
 
 
+CASES = ["a [MASK] b, [mask] c and [Mask]d", "x<unk>y <UNK> unk<unk>unk", "a <mask> b</s>c<s>d<pad>pad",
+         "[UNK] [SEP][SEP]sep [CLS]cls", "plain words only"]
+
+
+@pytest.mark.parametrize("kind", ["minilm", "roberta"])
+def test_the_words_inside_special_tokens_are_those_the_tokenizer_reads_as_special_tokens(kind, minilm_path,
+                                                                                         roberta_tok):
+    """`word_matches` leaves out exactly the words that the tokenizer itself reads as part of a special token written
+    in the text, found here in its own offsets: case as it matches them (the packaged MiniLM, BERT uncased, lowercases
+    the text but matches "[MASK]" before that: "[mask]" and "[Mask]" are the word in brackets; RoBERTa reads "<unk>"
+    as its unknown token, "<UNK>" as letters)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path) if kind == "minilm" else roberta_tok
+    specials, ids = set(tokenizer.all_special_tokens), set(tokenizer.all_special_ids)
+    pattern = special_pattern(tokenizer.all_special_tokens)
+    left_out = 0
+    for text in CASES:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        inside = [(a, b) for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+                  if token in ids and text[a:b] in specials]
+        words = [m.span() for m in WORD.finditer(text)]
+        expected = [(s, e) for s, e in words if not any(a <= s and e <= b for a, b in inside)]
+        assert [m.span() for m in word_matches(text, pattern)] == expected, text
+        assert [m.span() for m in word_matches(text)] == words  # no special tokens given: every word counts
+        left_out += len(words) - len(expected)
+    assert left_out == (5 if kind == "minilm" else 6)  # MASK, UNK SEP SEP CLS; unk unk, mask s s pad
+
+
+def test_the_paper_samples_its_words_outside_its_tokenizers_special_tokens(roberta_tok, tmp_path):
+    """analyze.py paper draws each training set's self-similarity words with its encoder's special tokens: WikiText's
+    "<unk>" gives no word "unk" (counted by hand with the special tokens cut out)."""
+    from argparse import Namespace
+
+    from analyses.paper import Inputs, read_contexts
+
+    lines = [f"the {word} <unk> of {word}" for word in ("cat", "dog", "owl")] * 4 + ["<unk> <unk>"] * 3
+    data = tmp_path / "wiki.txt"
+    data.write_text("".join(f"{line}\n" for line in lines))
+    counts = words_by_hand(lines, roberta_tok.all_special_tokens)
+    qualifying = sorted(w for w, n in counts.items() if n >= 4)
+    inputs = Inputs(None, None, sources={"sst2": (str(data), None)})
+    args = Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0)
+    read_contexts(args, inputs, roberta_tok)
+    contexts = inputs.contexts["sst2"]
+    assert contexts.num_candidates == len(qualifying) == 5 and sorted(contexts.words) == qualifying
+    assert "unk" not in contexts.words
+
+
+def words_by_hand(lines, specials) -> Counter:
+    """The sentences each word occurs in, counted with the special tokens cut out of each line first (as the
+    tokenizer splits a text at them before anything else)."""
+    pattern = "|".join(re.escape(token) for token in specials)
+    return Counter(word for line in lines for word in {w.lower() for w in re.findall(r"[^\W\d_]+",
+                                                                                       re.sub(pattern, " ", line))})
+
+
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
-def test_self_similarity_counts_contexts_inside_special_tokens_apart_from_truncated_ones(kind, bert_tok, roberta_tok,
-                                                                                         tmp_path):
-    """The word "mask" written only as a special token ("[MASK]", "<mask>") has no token of its own: those contexts are
-    `contexts_in_special_tokens`, not lost to truncation. Planted with --max_length 16 (14 tokens of text; a word
-    has at least one token and at most one a byte): a word after 20 others is cut; a special token first in a line
-    is read, and so is every short line (at most 12 bytes of words besides the special token)."""
-    tokenizer, special = (bert_tok, "[MASK]") if kind == "bert" else (roberta_tok, "<mask>")
+def test_self_similarity_never_samples_a_word_written_only_inside_special_tokens(kind, bert_tok, roberta_tok,
+                                                                                 tmp_path):
+    """A word that occurs only inside the tokenizer's special tokens written in the text (BERT's "[MASK]"; RoBERTa's
+    "<unk>", as WikiText writes its unknown words) is no candidate: it was sampled, and then had no token of its own
+    (`contexts_in_special_tokens`, num_words below the number asked) or the special token's (<unk> is a word's
+    stand-in, so its vector was taken for "unk"). Planted with --max_length 16 (14 tokens of text; a word has at least
+    one token and at most one a byte): the candidates are counted by hand with the special tokens cut out; the one
+    context after 20 other words is lost to truncation, as before; none is inside a special token."""
+    tokenizer, special = (bert_tok, "[MASK]") if kind == "bert" else (roberta_tok, "<unk>")
+    word = special.strip("[]<>").lower()
     filler = " ".join(f"w{chr(97 + i)}" for i in range(20))  # 20 words in 3 lines: never a candidate
-    lines = [f"alpha {special} beta",  # mask: inside a special token, no truncation
-             f"gamma {special}",  # mask: inside a special token at the end of the line (read to its end)
-             f"{special} {filler}",  # mask: inside a special token in a truncated line, before the cut
-             f"{filler} {special}",  # mask: cut off (the special token after the cut): lost to truncation
+    lines = [f"alpha {special} beta lamp", f"gamma {special} lamp",  # the special word in 4 lines, never outside one
+             f"{special} {filler}", f"{filler} {special}",
              f"{filler} house",  # house: lost to truncation
-             "house kappa", "house lambda", "house omega"]  # house: kept three times
+             "house kappa lamp", "house lambda lamp", "house omega"]  # house: kept three times; lamp: four
+    counts = words_by_hand(lines, tokenizer.all_special_tokens)
+    qualifying = sorted(w for w, n in counts.items() if n >= 4)
+    assert qualifying == ["house", "lamp"] and word not in counts  # the plant: the special word has no occurrence
+    assert word in word_contexts(lines, 3, 4).words  # without the tokenizer's special tokens it was a candidate
     data = tmp_path / "lines.txt"
     data.write_text("".join(f"{line}\n" for line in lines))
     encoder = save_tiny_encoder(tmp_path / kind, kind, tokenizer)
@@ -135,11 +199,13 @@ def test_self_similarity_counts_contexts_inside_special_tokens_apart_from_trunca
                          "--min_sentences", "4", "--max_length", "16", "--num_pairs", "2", "--no_progress",
                          "--output_dir", str(out)]) == 0
     report = json.loads((out / "self_similarity.json").read_text())
-    assert sorted(report["words"]) == ["house", "mask"]
-    assert report["contexts_in_special_tokens"] == 3 and report["contexts_lost_to_truncation"] == 2
-    assert report["num_truncated"] == 3  # the three lines of 21 words
-    assert report["num_special_in_text"] == 3  # the fourth special token was cut off
-    assert report["num_words"] == 1  # house, with 3 contexts; mask has none
+    assert report["num_candidates"] == len(qualifying) and sorted(report["words"]) == qualifying
+    assert report["contexts_in_special_tokens"] == 0 and report["contexts_lost_to_truncation"] == 1
+    assert report["num_words"] == 2  # as asked: house with 3 contexts, lamp with 4
+    encoded = [line for line in lines if {"house", "lamp"} & set(line.split())]  # the contexts drawn: every one
+    assert report["num_sentences"] == len(encoded) and report["num_truncated"] == 1
+    written = sum(line.count(special) for line in encoded)  # <unk> stands for a word: never a special in the text
+    assert report["num_special_in_text"] == (0 if special == tokenizer.unk_token else written)
     assert all(row["raw"]["self_similarity"] is not None for row in report["layers"])
 
 
