@@ -151,14 +151,14 @@ class FineTuneDataModule(pl.LightningDataModule):
                                 f"{sorted(record)})")
             text = pick_text(record, h.text_column, source, DATA_OPTION, (h.label_column, h.text_pair_column))
             label = normalise_label(record[h.label_column])
-            pair = record[h.text_pair_column] if h.text_pair_column is not None else None
+            pair = (pick_text(record, h.text_pair_column, source, "--data.text_pair_column")
+                    if h.text_pair_column is not None else None)  # cleaned as the first sentence is
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")
-            if not isinstance(text, str) or not text.strip() or (h.text_pair_column is not None and
-                                                                 (pair is None or not str(pair).strip())):
+            if not text or (h.text_pair_column is not None and not pair):
                 blank += 1
                 continue
-            texts.append((text.strip(), str(pair).strip() if pair is not None else None))
+            texts.append((text, pair))
             labels.append(label)
         if blank:
             warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)

@@ -500,14 +500,17 @@ def test_truncated_examples_are_counted_per_split_and_said(inputs, tmp_path, pai
 
 
 def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, tmp_path):
-    """A JSON null (or an empty cell) in --data.text_pair_column is a row without its second sentence: skipped and
-    counted in one warning, as a row without text is, never encoded as a single sentence (or a TypeError in setup)."""
+    """A JSON null (or an empty cell, or one holding only invisible characters) in --data.text_pair_column is a row
+    without its second sentence: skipped and counted in one warning, as a row without text is, never encoded as a
+    single sentence (or a TypeError in setup); a second sentence is cleaned as the first is (a leading BOM dropped)."""
     from transformers import AutoTokenizer
 
     lines = corpus_sentences(40, start=500)
     data = tmp_path / "pairs.jsonl"
-    missing = {3: None, 17: "", 29: None}
-    data.write_text("".join(json.dumps({"premise": line, "hypothesis": missing.get(i, lines[i - 1]), "label": i % 2})
+    missing = {3: None, 17: "", 29: None, 33: "\u200b \u2060"}
+    bom = {5: "\ufeff" + lines[4]}
+    data.write_text("".join(json.dumps({"premise": line, "hypothesis": missing.get(i, bom.get(i, lines[i - 1])),
+                                        "label": i % 2})
                             + "\n" for i, line in enumerate(lines)), encoding="utf-8")
     module = FineTuneDataModule(source=str(data), text_column="premise", text_pair_column="hypothesis",
                                 val_fraction=0.2, test_fraction=0.2)
