@@ -36,6 +36,7 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
+from core.tokenizers import special_strings
 from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
@@ -109,7 +110,7 @@ def read_inputs(args) -> Inputs:
 def read_contexts(args, inputs: Inputs, tokenizer) -> None:
     """Each training set's self-similarity words, once the encoder is open: a word written inside one of its
     tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
-    specials = getattr(tokenizer, "all_special_tokens", ())
+    specials = special_strings(tokenizer)
     for name, (source, column) in inputs.sources.items():
         inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
                                                 args.min_sentences, args.seed, special_tokens=specials)

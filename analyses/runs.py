@@ -26,6 +26,7 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
+from core.tokenizers import special_strings
 from datamodules.pairs import read_sts, scorable_wic, wic_source
 from datamodules.words import source_contexts
 
@@ -51,7 +52,7 @@ def read_contexts(args, encoder, limit: int, option: str = "--pool_sentences"):
     """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
     `limit` (the value of `option`); read once the encoder is open (failing together on every rank), as a word written
     inside one of its tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
-    specials = getattr(encoder.tokenizer, "all_special_tokens", ())
+    specials = special_strings(encoder.tokenizer)
     return collectively(lambda: source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences,
                                                 args.seed, option, specials))
 

@@ -99,6 +99,19 @@ def name_special_tokens(tokenizer, source) -> None:
                   f"names: {roles}{framed}", stacklevel=3)
 
 
+def special_strings(tokenizer) -> list[str]:
+    """Every string `tokenizer` reads as a special token wherever it is written in a text: its named and extra special
+    tokens (`all_special_tokens`) and each added token marked special, which `all_special_tokens` leaves out
+    (`add_tokens(..., special_tokens=True)`; a hub tokenizer's reserved tokens; a bare `tokenizers` file's unnamed
+    ones). The tokenizer splits a text at these before anything else."""
+    named = list(getattr(tokenizer, "all_special_tokens", None) or ())
+    try:
+        added = tokenizer.added_tokens_decoder.values()
+    except (AttributeError, NotImplementedError):  # not a transformers tokenizer
+        added = ()
+    return list(dict.fromkeys([*named, *(str(token) for token in added if getattr(token, "special", False))]))
+
+
 def framing(tokenizer) -> tuple[str, ...]:
     """The tokens the tokenizer adds around a text (its post-processor's template: ("[CLS]", "[SEP]")), () if none."""
     added = tokenizer("a", return_special_tokens_mask=True)

@@ -4,7 +4,7 @@ STS baseline of §4.3).
     contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
     contexts = word_contexts(lambda: iter_texts("glue/sst2"))          # a whole source, streamed (bounded memory)
     contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0,
-                               special_tokens=tokenizer.all_special_tokens)   # "unk" of a literal "<unk>" is no word
+                               special_tokens=special_strings(tokenizer))   # "unk" of a literal "<unk>" is no word
     vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
 """
 
@@ -78,9 +78,10 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
     1000 words in the bundled corpus, instead of 10000). `pool_option` is the entry point's option that sampled
     `sentences` from a larger source (named when too few words qualify; None: the whole source was searched).
-    `special_tokens`: the encoder's tokenizer's special-token strings (`tokenizer.all_special_tokens`); a word written
-    inside one of them in a sentence ("unk" in WikiText's "<unk>") does not occur there (`word_matches`): it would
-    have no token of its own (or the special token's). Without them (the default), every WORD match counts.
+    `special_tokens`: the encoder's tokenizer's special-token strings (core.tokenizers.special_strings: its
+    `all_special_tokens` and its added tokens marked special); a word written inside one of them in a sentence ("unk"
+    in WikiText's "<unk>") does not occur there (`word_matches`): it would have no token of its own (or the special
+    token's). Without them (the default), every WORD match counts.
     """
     specials = special_pattern(special_tokens)
     passes = sentences if callable(sentences) else (lambda: iter(sentences))

@@ -227,3 +227,39 @@ def test_wic_counts_targets_inside_special_tokens_apart_from_truncated_ones(bert
     report = json.loads((tmp_path / "out" / "wic.json").read_text())
     assert report["targets_in_special_tokens"] == 2 and report["targets_lost_to_truncation"] == 1
     assert report["num_scored"] == 2 and report["num_truncated"] == 1 and report["num_special_in_text"] == 2
+
+
+def test_added_tokens_marked_special_are_special_tokens_for_the_words_too(minilm_path, tmp_path):
+    """A tokenizer's added token marked special (`add_tokens(..., special_tokens=True)`, a hub tokenizer's reserved
+    tokens, a bare tokenizers file's unnamed ones) is read as one token wherever it is written, though
+    `all_special_tokens` leaves it out: "ent" of "<ent>" is no word (it had the vector of the token <ent>). Expected
+    from the tokenizer's own tokens: the words whose characters lie inside a token that is an added special one."""
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+
+    from analyses.paper import Inputs, read_contexts
+    from core.tokenizers import special_strings
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.add_tokens(["<ent>", "<|reserved_0|>"], special_tokens=True)
+    assert "<ent>" not in tokenizer.all_special_tokens  # the plant: a special token all_special_tokens misses
+    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    lines = [f"the {word} met <ent> today <|reserved_0|> [MASK]" for word in ("cat", "dog", "owl", "fox")]
+    inside = set()
+    for text in lines:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = [(a, b) for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+                 if tokenizer.convert_ids_to_tokens(token) in added]
+        inside |= {m.group().lower() for m in WORD.finditer(text) if any(a <= m.start() and m.end() <= b
+                                                                         for a, b in spans)}
+    assert inside == {"ent", "reserved", "mask"}
+    assert set(special_strings(tokenizer)) == added | set(tokenizer.all_special_tokens)
+    data = tmp_path / "lines.txt"
+    data.write_text("".join(f"{line}\n" for line in lines))
+    counts = Counter(word for line in lines for word in {m.group().lower() for m in WORD.finditer(line)})
+    qualifying = sorted(word for word, n in counts.items() if n >= 4 and word not in inside)
+    inputs = Inputs(None, None, sources={"sst2": (str(data), None)})
+    read_contexts(Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0), inputs, tokenizer)
+    assert inputs.contexts["sst2"].num_candidates == len(qualifying) == 3  # the, met, today
+    assert sorted(inputs.contexts["sst2"].words) == qualifying
