@@ -34,7 +34,7 @@ from core.errors import UserError, library_line
 from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import check_hub, local_path
-from core.tokenizers import check_tokenizer_files, vocab_limit
+from core.tokenizers import check_tokenizer_files, special_strings, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import check_is_encoder, check_loading, has_masked_lm, load_failure, split_head
 from metrics.sinks import key_attention
@@ -365,10 +365,15 @@ class FrozenEncoder(nn.Module):
 
 
 def special_ids(tokenizer) -> Tensor:
-    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones), which
-    --exclude_special drops wherever they stand: added around a sentence or written in its text. [UNK] is not among
-    them: it stands for a word of the text the vocabulary lacks, and counts as that word."""
-    ids = set(getattr(tokenizer, "all_special_ids", ()) or ()) - {getattr(tokenizer, "unk_token_id", None)}
+    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones and its
+    added tokens marked special: `core.tokenizers.special_strings`), which --exclude_special drops wherever they stand:
+    added around a sentence or written in its text. [UNK] is not among them: it stands for a word of the text the
+    vocabulary lacks, and counts as that word."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = special_strings(tokenizer)
+    if added and callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        ids |= set(tokenizer.convert_tokens_to_ids(added))
+    ids -= {getattr(tokenizer, "unk_token_id", None)}
     return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 
 

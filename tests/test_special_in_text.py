@@ -263,3 +263,25 @@ def test_added_tokens_marked_special_are_special_tokens_for_the_words_too(minilm
     read_contexts(Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0), inputs, tokenizer)
     assert inputs.contexts["sst2"].num_candidates == len(qualifying) == 3  # the, met, today
     assert sorted(inputs.contexts["sst2"].words) == qualifying
+
+
+def test_added_tokens_marked_special_are_excluded_and_counted_as_special_tokens_in_the_text(minilm_path):
+    """--exclude_special drops an added token marked special written in a text ("<ent>", which `all_special_ids`
+    leaves out) as it drops a literal [SEP], and counts it in num_special_in_text; expected from the tokenizer's own
+    ids: the tokens kept are those that are neither added around the text nor a special or added-special id."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.add_tokens(["<ent>"], special_tokens=True)
+    ent = tokenizer.convert_tokens_to_ids("<ent>")
+    assert ent not in tokenizer.all_special_ids  # the plant
+    model = AutoModel.from_pretrained(minilm_path)
+    model.resize_token_embeddings(len(tokenizer))
+    texts = ["the cat <ent> sat [SEP] down", "<ent><ent> a dog", "no specials at all here"]
+    encoder = FrozenEncoder(model, tokenizer, exclude_special=True)
+    batches = list(encoder.batches(texts, batch_size=2, progress=False))
+    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id} | {ent}
+    written = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    assert sum(b.num_special_in_text for b in batches) == sum(token in special for ids in written for token in ids) == 4
+    kept = sorted(token for batch in batches for token in batch.input_ids[batch.mask].tolist())
+    assert kept == sorted(token for ids in written for token in ids if token not in special)
