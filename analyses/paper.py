@@ -2,7 +2,7 @@
 anisotropy and self-similarity, WiC, STS and frozen-encoder classifiers, raw and clipped; written as paper.md.
 
     python analyze.py paper --encoder roberta-base --output_dir runs/paper/roberta-base
-    python analyze.py paper --encoder bert-base-uncased --sst2 data/sst2 --qqp qqp.csv --wic wic.jsonl \
+    python analyze.py paper --encoder bert-base-uncased --sst2 data/sst2 --qqp qqp.csv --wic wic.jsonl \\
         --sts STS.input.x.txt sick.txt --imdb none --sst5 sst5/ --output_dir runs/paper/bert     # local stand-ins
 
 Every dataset is a `datasets` name (the defaults) or a local file or directory in its place; `none` skips it with a
