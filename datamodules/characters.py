@@ -40,6 +40,17 @@ def clean_text(text: str) -> str:
     return ""
 
 
+def text_value(value: str, source) -> str:
+    """`clean_text` of a value a parser gave (a JSON string, a `datasets` or parquet cell), without its NUL characters:
+    JSON's "\\u0000" escape, or a table's cell, holds one that no NUL byte of the file showed (`NulFree`), and the
+    tokenizers disagree on it as on a byte. One warning per source; the common path is one `in` test."""
+    if "\0" in value:
+        warn_once(f"{source}: a text holds NUL characters (a JSON \\u0000 escape or a table's cell), which are no "
+                  "text: dropped")
+        value = value.replace("\0", "")
+    return clean_text(value)
+
+
 class NulFree:
     """A text handle's text with its NUL characters dropped and counted: its lines (`for line in`: csv's reader) or its
     chunks (`read`: a JSON array). A NUL in a file's first 8 KiB refuses it as binary (datamodules.text); further in,

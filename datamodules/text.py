@@ -25,7 +25,7 @@ from pathlib import Path
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line
 from core.sources import check_hub, hub_offline, looks_local
-from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates
+from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates, text_value
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
 TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
@@ -141,7 +141,7 @@ def pick_text(record: dict, text_column: str | None, source, option: str = "--te
             return _text_value(record, name, source, option)
     strings = [key for key, value in record.items() if isinstance(value, str) and key not in exclude]
     if len(strings) == 1:
-        return clean_text(record[strings[0]])
+        return text_value(record[strings[0]], source)
     raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
 
 
@@ -150,7 +150,7 @@ def _text_value(record: dict, column: str, source, option: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return clean_text(value)
+        return text_value(value, source)
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     raise UserError(f"text column {column!r} of {source} holds a {type(value).__name__} ({shown}), not text; "
                     f"pass {option} to name the column holding the sentences")

@@ -152,3 +152,25 @@ def test_a_reader_stopped_early_warns_of_the_nuls_of_the_part_read(tmp_path):
     with pytest.raises(UserError, match="looks binary"):  # in the first 8 KiB a NUL still refuses the file
         path.write_bytes(b"text\x00" + body)
         list(iter_texts(path))
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "datasets", "parquet"])
+def test_nul_characters_a_parser_gives_are_dropped_with_one_warning(tmp_path, layout):
+    """No NUL byte is in the file, but the parsed text holds NUL characters: JSON's \\u0000 escape (json.dumps writes a
+    NUL so), a `datasets` table's or a parquet file's cell. They are dropped as a NUL byte is, one warning a source."""
+    lines = ["bro\x00ken word", "\x00\x00", "two\x00 NULs\x00 here", "plain line", "\x00 \u200b"]
+    if layout == "jsonl":
+        path = tmp_path / "escaped.jsonl"
+        write(path, lines)
+        assert b"\x00" not in path.read_bytes() and b"\\u0000" in path.read_bytes()  # the plant: escapes, no bytes
+    elif layout == "datasets":
+        path = tmp_path / "saved"
+        datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(path))
+    else:
+        path = tmp_path / "table.parquet"
+        datasets.Dataset.from_dict({"text": lines}).to_parquet(str(path))
+    with pytest.warns(UserWarning, match="NUL characters") as caught:
+        texts = list(iter_texts(path))
+    assert texts == expected_texts([line.replace("\x00", "") for line in lines]) == ["broken word", "two NULs here",
+                                                                                     "plain line"]
+    assert len([w for w in caught if "NUL" in str(w.message)]) == 1
