@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
-from core.errors import UserError, first_line
+from core.errors import UserError, first_line, warn_once
 from core.sources import check_hub, hub_offline, looks_local
 from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates, text_value
 
@@ -204,7 +204,14 @@ def _file_records(path: Path) -> Iterator[dict]:
                 rows = csv.DictReader(reader, delimiter=delimiter, quoting=quoting)
                 if not rows.fieldnames:
                     raise UserError(f"data file has no header row: {path}")
+                first, repeats = rows.fieldnames[0] if len(rows.fieldnames) > 1 else None, 0  # one column: ambiguous
                 for row in rows:
+                    if first and row[first] and row[first].lstrip("\ufeff") == first and _repeats_header(row, rows):
+                        if not repeats:  # the header of a second file joined with `cat`: no data row; one warning
+                            warn_once(f"{path}, line {rows.line_num}: the header row again (files joined with cat?) "
+                                      "is not a data row: skipped, here and in any later repeat")
+                        repeats += 1
+                        continue
                     count += 1
                     if None in row and suffix == ".csv":  # DictReader's restkey: more fields than the header
                         raise UserError(f"{path}: data row {count} has {len(rows.fieldnames) + len(row[None])} fields "
@@ -251,6 +258,11 @@ def _file_records(path: Path) -> Iterator[dict]:
     reader.report(opener, path)
     if count == 0:
         raise UserError(f"data file has no non-blank rows: {path}")
+
+
+def _repeats_header(row: dict, rows: csv.DictReader) -> bool:
+    """`row` is the header again (its first cell may keep the second file's byte-order mark)."""
+    return None not in row and [(value or "").lstrip("\ufeff") for value in row.values()] == rows.fieldnames
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:

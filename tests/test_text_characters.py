@@ -174,3 +174,26 @@ def test_nul_characters_a_parser_gives_are_dropped_with_one_warning(tmp_path, la
     assert texts == expected_texts([line.replace("\x00", "") for line in lines]) == ["broken word", "two NULs here",
                                                                                      "plain line"]
     assert len([w for w in caught if "NUL" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_a_header_repeated_by_cat_is_not_a_data_row(tmp_path, suffix):
+    """`cat a.csv b.csv`: b's header (after its byte-order mark) became a data row, "label" a class of its own. It is
+    skipped, with one warning naming its line; the rows are those of both files, labels as written. A one-column
+    file keeps a row equal to its header (it may be a sentence)."""
+    from datamodules.text import iter_records
+
+    first, second = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+    write(first, ["one sentence.", "another one."])
+    write(second, ["a third.", "and a fourth."])
+    joined = tmp_path / f"joined{suffix}"
+    joined.write_bytes(first.read_bytes() + b"\xef\xbb\xbf" + second.read_bytes() + second.read_bytes())
+    with pytest.warns(UserWarning, match=rf"{joined.name}, line 4: the header row again") as caught:
+        records = list(iter_records(str(joined)))
+    assert [(r["text"], r["label"]) for r in records] == [
+        (text, "1") for text in ["one sentence.", "another one.", "a third.", "and a fourth.", "a third.",
+                                 "and a fourth."]]
+    assert len([w for w in caught if "header row again" in str(w.message)]) == 1
+    single = tmp_path / f"single{suffix}"
+    single.write_text("text\nfirst\ntext\nlast\n", "utf-8")
+    assert list(iter_texts(single)) == ["first", "text", "last"]
