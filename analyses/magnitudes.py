@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from core.defaults import MASSIVE_TOP_K
+from core.tokenizers import special_ids
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
@@ -45,8 +46,8 @@ def rules_of(args) -> dict:
 
 
 def token_kind(tokenizer, token_id: int, position: int) -> dict:
-    """Where a token stands and what it is: its string, the first token of its sequence, a special token,
-    punctuation (its text without subword markers is all punctuation)."""
+    """Where a token stands and what it is: its string, the first token of its sequence, a special token (added tokens
+    marked special too: core.tokenizers.special_ids), punctuation (its text without subword markers is all punctuation)."""
     if token_id < 0:
         return {"token": None, "token_id": None, "first": position == 0, "special": None, "punctuation": None}
     text = tokenizer.convert_ids_to_tokens(token_id)
@@ -54,7 +55,7 @@ def token_kind(tokenizer, token_id: int, position: int) -> dict:
     for marker in MARKERS:
         bare = bare.replace(marker, "")
     return {"token": text, "token_id": token_id, "first": position == 0,
-            "special": token_id in set(tokenizer.all_special_ids),
+            "special": token_id in special_ids(tokenizer),
             "punctuation": bool(bare) and all(unicodedata.category(c).startswith("P") for c in bare)}
 
 
@@ -69,8 +70,8 @@ class Magnitudes:
         self.massive = MassiveActivations(layers, hidden).to(device)
         self.counts = MagnitudeCounts(layers, hidden, magnitude).to(device)
         tokenizer = encoder.tokenizer
-        pad = tokenizer.pad_token_id
-        self.special_ids = sorted({i for i in tokenizer.all_special_ids if i != pad and i is not None})
+        pad = tokenizer.pad_token_id  # the pad token is never attended; added tokens marked special are special too
+        self.special_ids = [i for i in special_ids(tokenizer) if i != pad]
         self.sinks, self.sinks_note = None, ""
         if sinks:
             heads = getattr(encoder.model.config, "num_attention_heads", None) or encoder.model.config.n_heads

@@ -4,6 +4,7 @@
     fingerprint(tokenizer)                              # sha256 of its full definition
     files = tokenizer_files(tokenizer); tokenizer_from_files(files)   # {name: text}: JSON and text, never a pickle
     boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
+    special_strings(tokenizer); special_ids(tokenizer)   # every special token (added ones marked special too)
 """
 
 from __future__ import annotations
@@ -110,6 +111,24 @@ def special_strings(tokenizer) -> list[str]:
     except (AttributeError, NotImplementedError):  # not a transformers tokenizer
         added = ()
     return list(dict.fromkeys([*named, *(str(token) for token in added if getattr(token, "special", False))]))
+
+
+def special_ids(tokenizer, unknown: bool = True) -> list[int]:
+    """The ids of every special token of `tokenizer`, sorted: its named and extra ones (`all_special_ids`: [CLS],
+    [SEP], [PAD], [MASK], <s>, </s>, <unk>, its additional special tokens) and each added token marked special, which
+    `all_special_ids` leaves out (`add_tokens(..., special_tokens=True)`; a hub tokenizer's reserved tokens: the ids of
+    `special_strings`). Without `unknown`, the unknown token's id is left out ([UNK] stands for a word of the text the
+    vocabulary lacks: --exclude_special counts it as that word). The one list of special ids: masking, the
+    encoder's --exclude_special, the attention sinks' special tokens."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    try:
+        added = tokenizer.added_tokens_decoder.items()
+    except (AttributeError, NotImplementedError):  # not a transformers tokenizer (a benchmark's stand-in)
+        added = ()
+    ids |= {index for index, token in added if getattr(token, "special", False)}
+    if not unknown:
+        ids.discard(getattr(tokenizer, "unk_token_id", None))
+    return sorted(int(i) for i in ids if i is not None)
 
 
 def framing(tokenizer) -> tuple[str, ...]:

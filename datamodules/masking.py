@@ -5,8 +5,9 @@
     batch["input_ids"] [batch, seq], batch["positions"] [batch, k], batch["targets"] [batch, k]  (-100 = none)
     SentenceMasker(tokenizer, seed=0)(input_ids, attention_mask, keys)   # the same rule on padded sentences
 
-Exactly round(0.15 × (block_length - 2)) non-special positions of each block are predicted; of those 80% become
-<mask>, 10% a random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
+Exactly round(0.15 × (block_length - 2)) non-special positions of each block are predicted (special: every id of
+core.tokenizers.special_ids, the tokenizer's added tokens marked special included); of those 80% become <mask>, 10% a
+random non-special token, 10% stay. The randomness of a block depends only on (seed, its key), and a
 block's key is (epoch × blocks + index), so masks are the same whatever the device count, batch size, worker count
 or resume point.
 
@@ -23,15 +24,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.tokenizers import vocab_limit
+from core.tokenizers import special_ids, vocab_limit
 
 
 class MaskCollator:
     """Blocks [batch, seq] + their keys [batch] → input_ids, positions [batch, k] and targets [batch, k] (see module doc)."""
 
     def __init__(self, tokenizer, block_length: int, mlm_probability: float = 0.15, seed: int = 0) -> None:
-        specials = sorted({int(i) for i in tokenizer.all_special_ids})
-        self.special = np.array(specials, dtype=np.int64)
+        # never masked nor drawn as a random replacement: every special token, added ones marked special included
+        # (a hub tokenizer's reserved tokens; core.tokenizers.special_ids), <unk> too
+        self.special = np.array(special_ids(tokenizer), dtype=np.int64)
         self.mask_id = int(tokenizer.mask_token_id)
         self.random_ids = np.setdiff1d(np.arange(vocab_limit(tokenizer)), self.special)
         self.k = max(1, round(mlm_probability * (block_length - 2)))

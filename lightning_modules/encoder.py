@@ -34,7 +34,7 @@ from core.errors import UserError, library_line
 from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import check_hub, local_path
-from core.tokenizers import check_tokenizer_files, special_strings, vocab_limit
+from core.tokenizers import check_tokenizer_files, special_ids, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import check_is_encoder, check_loading, has_masked_lm, load_failure, split_head
 from metrics.sinks import key_attention
@@ -178,7 +178,9 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
-        self.special_ids = special_ids(tokenizer)  # [n] long: the ids --exclude_special drops wherever they stand
+        # [n] long: the ids --exclude_special drops wherever they stand, added around a sentence or written in its text
+        # (core.tokenizers.special_ids: added tokens marked special too; not [UNK], which stands for a word of the text)
+        self.special_ids = torch.tensor(special_ids(tokenizer, unknown=False), dtype=torch.long)
         self.pad_id: int = next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
@@ -362,19 +364,6 @@ class FrozenEncoder(nn.Module):
         by length to cut padding, and each batch's `rows` say where its sentences stand in `texts`."""
         return self.encode(self.tokenized_batches(texts, batch_size, max_length, offsets, sort_buffer), len(texts),
                            progress, desc, max_length)
-
-
-def special_ids(tokenizer) -> Tensor:
-    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones and its
-    added tokens marked special: `core.tokenizers.special_strings`), which --exclude_special drops wherever they stand:
-    added around a sentence or written in its text. [UNK] is not among them: it stands for a word of the text the
-    vocabulary lacks, and counts as that word."""
-    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    added = special_strings(tokenizer)
-    if added and callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
-        ids |= set(tokenizer.convert_tokens_to_ids(added))
-    ids -= {getattr(tokenizer, "unk_token_id", None)}
-    return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 
 
 def in_text_specials(input_ids: Tensor, attention_mask: Tensor, special_tokens_mask: Tensor | None,

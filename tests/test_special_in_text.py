@@ -285,3 +285,54 @@ def test_added_tokens_marked_special_are_excluded_and_counted_as_special_tokens_
     assert sum(b.num_special_in_text for b in batches) == sum(token in special for ids in written for token in ids) == 4
     kept = sorted(token for batch in batches for token in batch.input_ids[batch.mask].tolist())
     assert kept == sorted(token for ids in written for token in ids if token not in special)
+
+
+def test_one_list_of_special_ids_holds_the_added_special_tokens_everywhere(minilm_path):
+    """core.tokenizers.special_ids: the ids of every token MiniLM's tokenizer holds as special, expected from its own
+    added_tokens_decoder (its [PAD] [UNK] [CLS] [SEP] [MASK] and two planted added tokens marked special, which
+    `all_special_ids` leaves out; a plain added token is not one). The same list, and no other, is used by the MLM
+    masking (an added special token is never masked nor drawn as a random replacement), by the attention sinks'
+    special tokens and a massive activation's `special` (pad left out of the sinks), and by --exclude_special ([UNK]
+    left out: it stands for a word)."""
+    import numpy as np
+    from transformers import AutoModel, AutoTokenizer
+
+    from analyses.magnitudes import Magnitudes, token_kind
+    from core.tokenizers import special_ids
+    from datamodules.masking import MaskCollator
+    from tests.tiny import tiny_config
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.add_tokens(["<ent>", "<|reserved_0|>"], special_tokens=True)
+    tokenizer.add_tokens(["<plain>"])  # added, not special
+    expected = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    planted = set(tokenizer.convert_tokens_to_ids(["<ent>", "<|reserved_0|>"]))
+    plain = tokenizer.convert_tokens_to_ids("<plain>")
+    assert planted <= expected and not planted & set(tokenizer.all_special_ids) and plain not in expected  # the plant
+    assert len(expected) == 7 and special_ids(tokenizer) == sorted(expected)
+    assert special_ids(tokenizer, unknown=False) == sorted(expected - {tokenizer.unk_token_id})
+
+    # masking: blocks of [CLS], ordinary words and the planted tokens; a share that asks for every ordinary token
+    words = tokenizer("the cat sat on a mat while the dog slept by the door", add_special_tokens=False)["input_ids"]
+    ent, reserved = sorted(planted)
+    row = [tokenizer.cls_token_id, *[token for word in words for token in (word, ent, reserved)], tokenizer.sep_token_id]
+    collator = MaskCollator(tokenizer, block_length=len(row), mlm_probability=len(words) / (len(row) - 2), seed=0)
+    assert collator.k == len(words)
+    batch = collator({"blocks": [row] * 20, "keys": list(range(20))})
+    blocks = np.array([row] * 20)
+    chosen = np.take_along_axis(blocks, batch["positions"].numpy(), axis=1)
+    assert sorted(chosen[0].tolist()) == sorted(words) and not np.isin(chosen, list(expected)).any()
+    assert (batch["input_ids"].numpy()[np.isin(blocks, list(expected))] == blocks[np.isin(blocks, list(expected))]).all()
+    assert not np.isin(collator.random_ids, list(expected)).any() and plain in collator.random_ids
+
+    # the encoder and the attention sinks
+    model = AutoModel.from_config(tiny_config("bert", len(tokenizer)))
+    encoder = FrozenEncoder(model, tokenizer)
+    assert encoder.special_ids.tolist() == sorted(expected - {tokenizer.unk_token_id})
+    magnitudes = Magnitudes(encoder)
+    assert magnitudes.special_ids == sorted(expected - {tokenizer.pad_token_id})
+    assert set(magnitudes.header()["attention_sinks"]["special_tokens"]) >= {"<ent>", "<|reserved_0|>", "[CLS]"}
+    ids = tokenizer(["a <ent> b <|reserved_0|> <plain>"], return_tensors="pt")["input_ids"]
+    order = sorted(expected - {tokenizer.pad_token_id})
+    assert magnitudes.kinds(ids)[0].tolist() == [order.index(i) if i in order else -1 for i in ids[0].tolist()]
+    assert token_kind(tokenizer, ent, 2)["special"] and not token_kind(tokenizer, plain, 4)["special"]
