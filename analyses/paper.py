@@ -41,7 +41,7 @@ from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
 from datamodules.words import source_contexts
-from lightning_modules.encoder import FrozenEncoder
+from lightning_modules.encoder import FrozenEncoder, encoder_tokenizer
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.transforms import parse_clip
 
@@ -56,7 +56,7 @@ class Inputs:
     qqp: list[str] | None
     outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
     outlier_sources: dict = field(default_factory=dict)  # {"sst2": count used, "qqp": count used}
-    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}: read_contexts, with the encoder
+    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}: read_contexts, by its tokenizer
     sources: dict = field(default_factory=dict)  # {"sst2": (source, column), ...}: the training sets read
     wic: tuple | None = None  # (items, skipped)
     wic_source: dict = field(default_factory=dict)  # {"data", "split"}
@@ -108,8 +108,9 @@ def read_inputs(args) -> Inputs:
 
 
 def read_contexts(args, inputs: Inputs, tokenizer) -> None:
-    """Each training set's self-similarity words, once the encoder is open: a word written inside one of its
-    tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
+    """Each training set's self-similarity words, drawn with the encoder's tokenizer (loaded alone, before its weights:
+    too few words is refused before a hub model downloads): a word written inside one of its special tokens ("unk" of
+    WikiText's "<unk>") does not occur there."""
     specials = special_strings(tokenizer)
     for name, (source, column) in inputs.sources.items():
         inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
@@ -205,9 +206,10 @@ def run_paper(args, rank: int, world: int) -> dict:
         raise UserError("analyze.py paper runs in one process (its probes train on one device): run it without "
                         "torchrun")
     inputs = read_inputs(args)
+    tokenizer = encoder_tokenizer(args.encoder)  # its weights are read only once the words are drawn
+    read_contexts(args, inputs, tokenizer)
     check_writable(args.output_dir)
-    encoder = open_encoder(args)
-    read_contexts(args, inputs, encoder.tokenizer)
+    encoder = open_encoder(args, tokenizer=tokenizer)
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)

@@ -14,7 +14,6 @@ from analyses.outliers import mean_vectors_png, outliers_report
 from analyses.reference import refit_on_sentences
 from analyses.reports import figures_of, summarise, summary_figure, summary_markdown
 from analyses.session import (
-    collectively,
     dataset_name,
     finish,
     pair_sentences,
@@ -48,20 +47,23 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "isotropy", report, encoder)
 
 
-def read_contexts(args, encoder, limit: int, option: str = "--pool_sentences"):
+def read_contexts(args, tokenizer, limit: int, option: str = "--pool_sentences"):
     """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
-    `limit` (the value of `option`); read once the encoder is open (failing together on every rank), as a word written
-    inside one of its tokenizer's special tokens ("unk" of WikiText's "<unk>") does not occur there."""
-    specials = special_strings(encoder.tokenizer)
-    return collectively(lambda: source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences,
-                                                args.seed, option, specials))
+    `limit` (the value of `option`); drawn with the encoder's tokenizer (loaded alone, before its weights: too few words
+    is refused before a hub model downloads), as a word written inside one of its special tokens ("unk" of WikiText's
+    "<unk>") does not occur there."""
+    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
+                           special_strings(tokenizer))
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
     """Self-similarity of the words of --data, adjusted by the paper's anisotropy protocol on the same source: 2 x
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
-    sentences, encoder = prepare(args, rank, lambda: read_sentences(args, limit=2 * args.num_pairs))
-    contexts = read_contexts(args, encoder, args.max_sentences, "--max_sentences")
+    def read(tokenizer):
+        sentences = read_sentences(args, limit=2 * args.num_pairs)
+        return sentences, read_contexts(args, tokenizer(), args.max_sentences, "--max_sentences")
+
+    (sentences, contexts), encoder = prepare(args, rank, read, tokenizer=True)
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, contexts.sentences)
     baseline = geometry.anisotropy_baseline(setting, sentences, reference.variants, args.num_pairs, args.data)
@@ -90,14 +92,13 @@ def run_sts(args, rank: int, world: int) -> dict:
 
 def run_all(args, rank: int, world: int) -> dict:
     """The outlier report and every evaluation for one encoder, and summary.md / summary.json / summary.png."""
-    def read():
+    def read(tokenizer):
         sentences = read_sentences(args)
         wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
-        return sentences, wic_data, sts_data
+        return sentences, wic_data, sts_data, read_contexts(args, tokenizer(), args.pool_sentences)
 
-    (sentences, wic_data, sts_data), encoder = prepare(args, rank, read)
-    contexts = read_contexts(args, encoder, args.pool_sentences)
+    (sentences, wic_data, sts_data, contexts), encoder = prepare(args, rank, read, tokenizer=True)
     notes = [note for note, missing in (("WiC skipped: no --wic file given", wic_data is None),
                                         ("STS skipped: no --sts data given", not sts_data)) if missing]
     for note in notes if rank == 0 else []:

@@ -30,7 +30,7 @@ from core.models import model_family
 from core.output import check_writable, staged_output, write_json
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
-from lightning_modules.encoder import FrozenEncoder, load_encoder
+from lightning_modules.encoder import FrozenEncoder, encoder_tokenizer, load_encoder
 from metrics.outliers import OutlierRule
 from metrics.transforms import SOFTDECAY_ALPHA
 
@@ -89,13 +89,15 @@ def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None
     return list(itertools.islice(texts, rank, None, world))
 
 
-def open_encoder(args, masked_lm: bool = False) -> FrozenEncoder:
-    """--encoder on --device (under torchrun, this rank's GPU); with `masked_lm`, with its MLM head when it has one."""
+def open_encoder(args, masked_lm: bool = False, tokenizer=None) -> FrozenEncoder:
+    """--encoder on --device (under torchrun, this rank's GPU); with `masked_lm`, with its MLM head when it has one;
+    with `tokenizer` (its own, loaded alone already: encoder_tokenizer), without loading that again."""
     device = args.device
     if device is None and torch.cuda.is_available() and dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"
     encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special,
-                           allow_random_weights=getattr(args, "allow_random_weights", False), masked_lm=masked_lm)
+                           allow_random_weights=getattr(args, "allow_random_weights", False), masked_lm=masked_lm,
+                           tokenizer=tokenizer)
     encoder.check_max_length(args.max_length)
     clip = getattr(args, "clip", None)
     if clip is not None and not clip.needs_outliers:  # given dims or layers: check them against this model now
@@ -107,14 +109,25 @@ def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> S
     return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
 
 
-def prepare(args, rank: int, read: Callable[[], T], masked_lm: bool = False) -> tuple[T, FrozenEncoder]:
+def prepare(args, rank: int, read: Callable[..., T], masked_lm: bool = False, tokenizer: bool = False
+            ) -> tuple[T, FrozenEncoder]:
     """Read the data, check the output directory and load the encoder (`masked_lm`: with its MLM head when it has
-    one), failing together on every rank."""
+    one), failing together on every rank. With `tokenizer`, `read` is called with a function that gives the encoder's
+    tokenizer, loaded alone at its first call (`encoder_tokenizer`: its weights never read), for data drawn by it (the
+    self-similarity words, outside its special tokens): data it refuses is refused before a hub model downloads, and
+    the encoder then reuses that tokenizer."""
     def step():
-        data = read()
+        loaded = []
+
+        def encoder_tokenizer_once():
+            if not loaded:
+                loaded.append(encoder_tokenizer(args.encoder))
+            return loaded[0]
+
+        data = read(encoder_tokenizer_once) if tokenizer else read()
         if rank == 0:
             check_writable(args.output_dir)
-        return data, open_encoder(args, masked_lm)
+        return data, open_encoder(args, masked_lm, loaded[0] if loaded else None)
 
     return collectively(step)
 

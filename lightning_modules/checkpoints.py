@@ -3,6 +3,7 @@ RoFormerForMaskedLM, RoFormerForCausalLM) with its tokenizer.
 
     checkpoint = read_checkpoint("runs/tiny/checkpoints/last.ckpt")      # weights-only, or one line naming what is wrong
     masked_lm, tokenizer = load_checkpoint_model("runs/tiny/checkpoints/last.ckpt")   # weights + embedded tokenizer
+    tokenizer = checkpoint_tokenizer("runs/tiny/checkpoints/last.ckpt")   # the tokenizer alone (no weight read)
 
 A checkpoint embeds its tokenizer as files (JSON and text), so a .ckpt alone is a complete encoder. It is read
 weights-only (core/safe_load.py): a crafted checkpoint is refused before any of it runs.
@@ -42,9 +43,10 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
     return checkpoint
 
 
-def load_checkpoint_model(path: str | Path):
+def load_checkpoint_model(path: str | Path, tokenizer=None):
     """(RobertaForMaskedLM or the arm's class, tokenizer) from this project's .ckpt: hyper-parameters (the attention
-    variant and the arm included), weights, embedded tokenizer."""
+    variant and the arm included), weights, embedded tokenizer (`tokenizer`: that one, read already by
+    `checkpoint_tokenizer`, and not built again)."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
     keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]
@@ -73,11 +75,19 @@ def load_checkpoint_model(path: str | Path):
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     if rows != hparams["vocab_size"]:  # the padding rows of the fast recipe: dropped, as in the export
         model.resize_token_embeddings(hparams["vocab_size"], mean_resizing=False)
-    files = next((value.get("tokenizer_files") for value in checkpoint.values()
-                  if isinstance(value, dict) and "tokenizer_files" in value), None)
-    tokenizer = tokenizer_from_files(files, f"the tokenizer embedded in {path}") if files else _tokenizer_beside(Path(path))
+    tokenizer = tokenizer if tokenizer is not None else checkpoint_tokenizer(path, checkpoint)
     tokenizer.model_max_length = model_max_length(model)
     return model.eval(), tokenizer
+
+
+def checkpoint_tokenizer(path: str | Path, checkpoint: dict | None = None):
+    """The tokenizer embedded in this project's .ckpt (else the one exported beside it), without building the model:
+    the checkpoint is read weights-only and memory-mapped, so its weights are never read (`checkpoint`: read
+    already)."""
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
+    files = next((value.get("tokenizer_files") for value in checkpoint.values()
+                  if isinstance(value, dict) and "tokenizer_files" in value), None)
+    return tokenizer_from_files(files, f"the tokenizer embedded in {path}") if files else _tokenizer_beside(Path(path))
 
 
 def _tokenizer_beside(path: Path):

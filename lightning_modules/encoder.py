@@ -1,6 +1,8 @@
 """The frozen encoder every analysis and probe reads hidden states from.
 
     encoder = load_encoder("bert-base-uncased")              # hub id, local directory, or this project's export
+    tokenizer = encoder_tokenizer("bert-base-uncased")       # its tokenizer alone (no weight read), then reused:
+    encoder = load_encoder("bert-base-uncased", tokenizer=tokenizer)
     for batch in encoder.batches(texts, batch_size=32):      # tokenised, padded, no grad, eval mode
         batch.hidden_states                                  # [layers, batch, seq, hidden]; layer 0 = embeddings
         batch.mask                                           # [batch, seq] bool: the tokens that count
@@ -30,13 +32,20 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from core.errors import UserError, library_line
+from core.errors import UserError
 from core.families import is_causal
 from core.models import model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import check_hub, local_path
-from core.tokenizers import check_tokenizer_files, special_ids, vocab_limit
+from core.tokenizers import special_ids, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
-from lightning_modules.loading import check_is_encoder, check_loading, has_masked_lm, load_failure, split_head
+from lightning_modules.loading import (
+    check_loading,
+    checked_config,
+    has_masked_lm,
+    load_failure,
+    split_head,
+    tokenizer_of,
+)
 from metrics.sinks import key_attention
 
 Span = tuple[int, int]
@@ -92,7 +101,8 @@ class NoFullAttention(UserError):
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  exclude_special: bool = False, allow_random_weights: bool = False,
-                 allow_option: str = "--allow_random_weights", masked_lm: bool = False) -> FrozenEncoder:
+                 allow_option: str = "--allow_random_weights", masked_lm: bool = False,
+                 tokenizer=None) -> FrozenEncoder:
     """Load any BERT-family encoder, rotary encoder or decoder-only model (hub id, local directory, this project's
     export or .ckpt) as a FrozenEncoder.
 
@@ -104,9 +114,10 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     in the checkpoint, else None and `encoder.head_note` says why (a bare encoder's checkpoint, as the packaged
     MiniLM's, has no head); only the base model's weights count for the refusal. A causal model (a decoder, a causal
     arm) has no MLM head: with `masked_lm` it is loaded with its causal-LM head instead, kept as `encoder.causal_lm`
-    (None and `encoder.lm_note` says why when its weights were not all in the checkpoint).
+    (None and `encoder.lm_note` says why when its weights were not all in the checkpoint). `tokenizer`: the one
+    `encoder_tokenizer(source)` loaded already, used instead of loading it again.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     model_dir = resolve_model_dir(source)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -114,7 +125,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     if model_dir.endswith(".ckpt"):  # train.py's checkpoint: model from its hyper-parameters, embedded tokenizer
         from lightning_modules.checkpoints import load_checkpoint_model
 
-        model, tokenizer = load_checkpoint_model(model_dir)
+        model, tokenizer = load_checkpoint_model(model_dir, tokenizer)
         if Path(source).expanduser().is_dir():
             warnings.warn(f"{source} has no export/ yet (its run has not finished): using its mid-run checkpoint "
                           f"{model_dir}", stacklevel=2)
@@ -123,19 +134,9 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
             encoder.attach_head(model, "", vocab_size=vocab_limit(tokenizer),
                                 causal=bool(getattr(model.config, "is_decoder", False)))
         return encoder.to(device=device, dtype=dtype)
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {library_line(error)}") from None
-    check_is_encoder(config, source, decoders=True)
-    if Path(model_dir).is_dir():
-        check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
-    # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
-    # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
+    config = checked_config(model_dir, source)
+    if tokenizer is None:
+        tokenizer = tokenizer_of(model_dir, source)
     causal = masked_lm and not has_masked_lm(config)
     auto = (AutoModelForCausalLM if causal else AutoModelForMaskedLM) if masked_lm else AutoModel
     try:
@@ -153,6 +154,21 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     if masked_lm:
         encoder.attach_head(model if head is None else None, head or "", causal=causal)
     return encoder.to(device=device, dtype=dtype)
+
+
+def encoder_tokenizer(source: str | Path):
+    """The tokenizer `load_encoder(source)` uses, loaded alone, with the same rules (a local path or a hub id, the
+    offline check, the checks of its config and tokenizer files), its weights never read: a hub id fetches its config
+    and tokenizer files only, a .ckpt is read memory-mapped. Data an analysis refuses by its tokenizer (too few
+    self-similarity words outside its special tokens) is so refused before a model downloads or loads; give the
+    tokenizer to `load_encoder(source, tokenizer=...)`, which then loads none again."""
+    model_dir = resolve_model_dir(source)
+    if model_dir.endswith(".ckpt"):
+        from lightning_modules.checkpoints import checkpoint_tokenizer
+
+        return checkpoint_tokenizer(model_dir)
+    checked_config(model_dir, source)
+    return tokenizer_of(model_dir, source)
 
 
 def default_encoder() -> str:

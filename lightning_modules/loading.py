@@ -4,6 +4,7 @@
     check_loading(source, info, model)       # weights missing or of another shape: refused (or warned, when allowed)
     head_note, base_info = split_head(masked_lm, info)   # a masked- (or causal-) LM load's report: its head, its base's
     load_failure(error, "its weights")       # a library's loading error as one line
+    config = checked_config(model_dir, source); tokenizer = tokenizer_of(model_dir, source)   # read, checked, one line
 
 lightning_modules/encoder.py's load_encoder and lightning_modules/finetune.py call these.
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 
 from torch import nn
 
 from core.errors import REMOTE_CODE, UserError, library_line
 from core.models import check_layer_groups, mlm_head
+from core.tokenizers import check_tokenizer_files
 
 
 def split_head(model: nn.Module, info: Mapping, what: str = "MLM head") -> tuple[str | None, dict]:
@@ -104,3 +107,30 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
         raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
                         "causal LM")
     check_layer_groups(config, str(source))
+
+
+def checked_config(model_dir: str, source):
+    """The model's config (one line when it cannot be read), of an encoder or decoder this project reads, from a
+    directory that holds tokenizer files."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {library_line(error)}") from None
+    check_is_encoder(config, source, decoders=True)
+    if Path(model_dir).is_dir():
+        check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
+    return config
+
+
+def tokenizer_of(model_dir: str, source):
+    """The tokenizer of a model directory or hub id (one line when it cannot be loaded)."""
+    from transformers import AutoTokenizer
+
+    # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
+    # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as error:
+        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -526,3 +527,37 @@ def test_clip_none_reports_only_raw_and_the_best_is_the_per_layer_maximum(plante
     report = json.loads((out / "wic.json").read_text())
     assert report["variants"] == ["raw"] and report["clipped_dims"] == [] and "best_clipped" not in report
     assert torch.tensor([row["raw"]["accuracy"] for row in report["layers"]]).max().item() == report["best"]["accuracy"]
+
+
+@pytest.mark.parametrize("command", ["self-similarity", "all", "paper"])
+def test_too_few_words_are_refused_before_the_encoders_weights_are_read(command, tmp_path, bert_tok, capfd,
+                                                                        monkeypatch):
+    """The self-similarity words are drawn with the encoder's tokenizer loaded alone (its special tokens): too few
+    words is refused before the model's weights are read (a hub id's multi-GB download), here an encoder whose
+    model.safetensors is torn. Planted: "alpha" in all 12 sentences, "beta" in 11, every other word in one, so 2
+    words qualify at --min_sentences 10. Asked for 3: the words' refusal (exit 2, nothing written); asked for 2: the
+    words pass and the torn weights are what refuses, so they are read only then, and the tokenizer loaded once."""
+    import transformers
+
+    lines = [f"alpha {'beta ' if i else ''}{'k' * (i + 1)} here{'z' * i}" for i in range(12)]
+    data = tmp_path / "words.txt"
+    data.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    counts = Counter(word for line in lines for word in {m.group().lower() for m in WORD.finditer(line)})
+    assert sorted(word for word, n in counts.items() if n >= 10) == ["alpha", "beta"]
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    (encoder / "model.safetensors").write_bytes(b"torn")
+    loads = []
+    load = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: loads.append(args[0]) or load(*args, **kwargs))
+    sources = ["--sst2", data, "--qqp", "none", "--wic", "none", "--sts", "none", "--imdb", "none", "--sst5", "none"] \
+        if command == "paper" else ["--data", data, "--max_sentences", "0"]
+    for num_words, message in ((3, "only 2 words occur in at least 10 of the 12 sentences; self-similarity needs 3"),
+                               (2, "model.safetensors is truncated or corrupt")):
+        loads.clear()
+        out = tmp_path / f"out{num_words}"
+        code = analyze.main([command, "--encoder", str(encoder), *map(str, sources), "--num_words", str(num_words),
+                             "--min_sentences", "10", "--no_progress", "--output_dir", str(out)])
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (num_words, errors)
+        assert not out.exists() and loads == [str(encoder)]

@@ -1066,6 +1066,7 @@ ERROR_ROW_TESTS = {
     ],
     ("analyze.py", "self-similarity: too few words"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
+        "test_analyze_eval_inputs.py::test_too_few_words_are_refused_before_the_encoders_weights_are_read",
     ],
     ("analyze.py", "self-similarity: a source that changes between its streamed passes (`--max_sentences 0` / "
                    "`--pool_sentences 0`)"): [
