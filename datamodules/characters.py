@@ -3,15 +3,17 @@ surrogates, and where a byte that is not UTF-8 lies. datamodules/text.py reads e
 
     clean_text("\\ufeffHello \\n")          # "Hello": stripped, a leading byte-order mark dropped
     clean_text("\\u200b\\u2060")           # "": nothing visible (zero-width space, word joiner): a blank line
+    text, offset = text_value_offsets(raw, source)   # NULs dropped too; offset(i): raw offset i in `text` (WiC spans)
     text = NulFree(handle)                  # its lines (or read chunks) without NULs; text.report(path) warns once
 """
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from core.errors import warn_once
@@ -49,6 +51,21 @@ def text_value(value: str, source) -> str:
                   "text: dropped")
         value = value.replace("\0", "")
     return clean_text(value)
+
+
+def text_value_offsets(value: str, source) -> tuple[str, Callable[[int], int]]:
+    """`text_value(value, source)` and a map of character offsets of `value` into it, for offsets a source gives into
+    its raw text (WiC's target spans): the dropped characters (NULs anywhere; the surrounding whitespace and a leading
+    byte-order mark `clean_text` strips) before an offset shift it back by as many, so that it stays on the same
+    character (an offset inside a stripped end moves to the nearest kept one)."""
+    text = text_value(value, source)
+    nuls = [index for index, char in enumerate(value) if char == "\0"] if "\0" in value else []
+    start = len((value.replace("\0", "") if nuls else value).rstrip()) - len(text)  # clean_text strips the ends only
+
+    def offset(index: int) -> int:
+        return min(max(index - bisect.bisect_left(nuls, index) - start, 0), len(text))
+
+    return text, offset
 
 
 class NulFree:

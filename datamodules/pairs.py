@@ -7,7 +7,9 @@
     pairs = read_sts("STS.input.MSRpar.txt")                   # SentEval STS12-16: STS.gs.MSRpar.txt beside it
 
 Every problem with the input is a UserError naming the file and row. A WiC target that is not where its offsets
-say is not an error: the item is skipped and counted.
+say is not an error: the item is skipped and counted. Sentences are cleaned as every text is read
+(datamodules/characters.py: NULs dropped with one warning a source, a leading byte-order mark and surrounding whitespace
+stripped), WiC's offsets moved with them; an STS sentence with nothing visible is refused, a WiC one skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from core.defaults import STS_PRESETS  # name -> (datasets source, rows kept): core/defaults.py
 from core.errors import UserError
+from datamodules.characters import clean_text, text_value, text_value_offsets
 from datamodules.text import iter_records, read_split
 from datamodules.words import WORD
 
@@ -122,6 +125,8 @@ def target_problem(sentence: str, word: str, span: tuple[int, int], pos: str | N
     elsewhere; otherwise it is an irregular form ("went" for "go", even beside "good"; "ran" beside "runner") and kept.
     """
     start, end = span
+    if not sentence:
+        return "blank (nothing visible in it)"
     if not 0 <= start < end <= len(sentence):
         return f"offsets {start}-{end} outside the sentence ({len(sentence)} characters)"
     text = sentence[start:end]
@@ -202,7 +207,8 @@ def _token_span(sentence: str, token: int, which: str) -> dict:
         return {f"start{which}": -1, f"end{which}": -1}
     match = tokens[token]
     text = match.group()
-    core = re.search(r"[\w'-]+", text)  # the word without punctuation stuck to it ("bank," -> "bank")
+    core = re.search(r"[\w'\0-]+", text)  # the word without punctuation stuck to it ("bank," -> "bank"); a NUL in it
+    # (dropped later, the offsets moved with it: _wic_item) is no punctuation
     start = match.start() + (core.start() if core else 0)
     return {f"start{which}": start, f"end{which}": start + (len(core.group()) if core else len(text))}
 
@@ -217,17 +223,32 @@ def _superglue_wic(source: str) -> Iterator[dict]:
 
 
 def _wic_item(index: int, row: dict, source: str) -> WicItem:
+    """The item of a row, its sentences and word cleaned as every text is read (datamodules/characters.py: NULs
+    dropped with one warning a source, a leading byte-order mark and surrounding whitespace stripped, nothing visible:
+    blank) and its offsets moved with the characters dropped before or inside the target, onto the same word."""
     try:
         spans = [(int(row[f"start{n}"]), int(row[f"end{n}"])) for n in (1, 2)]
     except (TypeError, ValueError):
         raise UserError(f"{source} row {index}: offsets are not integers") from None
+    sentences = []
+    for n, (start, end) in zip((1, 2), spans):
+        raw = _field(row[f"sentence{n}"])
+        text, offset = text_value_offsets(raw, source)
+        inside = 0 <= start < end <= len(raw)  # else kept as given: target_problem says they lie outside the sentence
+        sentences.append((text, (offset(start), offset(end)) if inside else (start, end)))
     pos = row.get("pos")  # the original release's PoS column; SuperGLUE's files carry none (unknown)
-    return WicItem(index, str(row["word"]), str(row["sentence1"]), str(row["sentence2"]), spans[0], spans[1],
+    (sentence1, span1), (sentence2, span2) = sentences
+    return WicItem(index, text_value(_field(row["word"]), source), sentence1, sentence2, span1, span2,
                    _label(row["label"], source, index), str(pos) if pos not in (None, "") else None)
 
 
+def _field(value) -> str:
+    """A field's text: "" for a missing value (a `datasets` cell's None), a number's digits."""
+    return "" if value is None else str(value)
+
+
 def _label(value, source: str, index: int) -> bool:
-    text = str(value).strip().lower()
+    text = clean_text(str(value)).lower()  # a byte-order mark of files joined with cat too
     if text in TRUE_LABELS:
         return True
     if text in FALSE_LABELS:
@@ -254,19 +275,22 @@ def read_sts(source: str, gold: str | None = None, score_range: tuple[float, flo
         rows = _column_sts(*STS_PRESETS.get(source, (source, {})))
     pairs, unscored = [], 0
     for index, (sentence1, sentence2, raw) in enumerate(rows):
-        if raw is None or str(raw).strip() == "":
+        if raw is None or clean_text(str(raw)) == "":
             unscored += 1
             continue
         try:
-            score = float(raw)
+            score = float(clean_text(raw) if isinstance(raw, str) else raw)  # a byte-order mark of cat-joined files
         except (TypeError, ValueError):
             raise UserError(f"{source} pair {index}: score {raw!r} is not a number") from None
         if not (math.isfinite(score) and low <= score <= high):
             raise UserError(f"{source} pair {index}: score {score:g} is outside the declared range "
                             f"{low:g}-{high:g} (--score_range){' (unlabelled test split?)' if score < 0 else ''}")
-        if not str(sentence1).strip() or not str(sentence2).strip():
-            raise UserError(f"{source} pair {index} has an empty sentence")
-        pairs.append(StsPair(index, str(sentence1), str(sentence2), score))
+        # cleaned as every text is read (datamodules/characters.py): NULs dropped (one warning a source), a leading
+        # byte-order mark and surrounding whitespace stripped; a sentence with nothing visible is empty
+        sentence1, sentence2 = (text_value(_field(sentence), source) for sentence in (sentence1, sentence2))
+        if not sentence1 or not sentence2:
+            raise UserError(f"{source} pair {index} has an empty sentence (nothing visible in it)")
+        pairs.append(StsPair(index, sentence1, sentence2, score))
     if not pairs:
         raise UserError(f"no scored pairs in {source}")
     if len(pairs) < 3:

@@ -561,3 +561,91 @@ def test_too_few_words_are_refused_before_the_encoders_weights_are_read(command,
         errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
         assert code == 2 and len(errors) == 1 and message in errors[0], (num_words, errors)
         assert not out.exists() and loads == [str(encoder)]
+
+
+def planted_wic(raw: str, form: str, before: str, inside: bool) -> tuple[str, int, int]:
+    """`raw` with `before` (a byte-order mark, spaces) at its start, a NUL before the target `form` and, with `inside`,
+    one in it; the target's offsets into the planted sentence (it holds the NULs: offsets count them)."""
+    at = raw.index(form)
+    target = form[:2] + "\0" + form[2:] if inside else form
+    planted = before + raw[:at] + "\0" + target + raw[at + len(form):]
+    start = len(before) + at + 1
+    return planted, start, start + len(target)
+
+
+def test_wic_sentences_are_cleaned_and_their_offsets_follow_the_target(tmp_path):
+    """WiC sentences cleaned as every text is read (datamodules/characters.py): a leading byte-order mark and spaces
+    stripped, NULs (JSON's \\u0000) dropped, one warning for the source; the offsets, which count the dropped
+    characters, move with them: the target found is the raw one without its NUL, and every item equals the item of
+    the unplanted file. A sentence with nothing visible in it (a zero-width space) is skipped as blank."""
+    import warnings
+
+    clean_rows, rows = [], []
+    for n, (word, s1, f1, s2, f2, label) in enumerate(WIC):
+        a, b = s1.index(f1), s2.index(f2)
+        clean_rows.append({"word": word, "sentence1": s1, "sentence2": s2, "start1": a, "end1": a + len(f1),
+                           "start2": b, "end2": b + len(f2), "label": label})
+        p1, start1, end1 = planted_wic(s1, f1, "\ufeff", inside=n % 2 == 0)
+        p2, start2, end2 = planted_wic(s2, f2, "  \ufeff", inside=n % 2 == 1)
+        assert p1[start1:end1].replace("\0", "") == f1 and p2[start2:end2].replace("\0", "") == f2  # the plant
+        rows.append({"word": "\ufeff" + word, "sentence1": p1, "sentence2": p2, "start1": start1, "end1": end1,
+                     "start2": start2, "end2": end2, "label": label})
+    blank = {**clean_rows[0], "sentence2": "\u200b\u2060"}
+    expected, _ = read_wic(str(write_wic(tmp_path / "clean.jsonl", clean_rows)))
+    planted = write_wic(tmp_path / "planted.jsonl", [*rows, blank])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items, skipped = read_wic(str(planted))
+    assert [str(w.message) for w in caught if "NUL" in str(w.message)] == [
+        f"{planted}: a text holds NUL characters (a JSON \\u0000 escape or a table's cell), which are no text: dropped"]
+    assert items == expected and len(items) == len(WIC)
+    for item, (word, s1, f1, s2, f2, _) in zip(items, WIC, strict=True):
+        assert item.sentence1[slice(*item.span1)] == f1 and item.sentence2[slice(*item.span2)] == f2
+    assert skipped.count == 1 and skipped.examples[0]["reason"] == "sentence2: blank (nothing visible in it)"
+
+    def release(name: str, plant: bool) -> str:  # the original release: word, PoS, token indices, sentences; gold
+        lines = []
+        for word, s1, f1, s2, f2, _ in WIC:
+            fields = []
+            for sentence, form in ((s1, f1), (s2, f2)):
+                tokens = sentence.split(" ")
+                index = next(i for i, token in enumerate(tokens) if form in token)
+                if plant:
+                    tokens[index] = tokens[index].replace(form, f"\0{form[:2]}\0{form[2:]}", 1)
+                fields.append((index, ("\ufeff" if plant else "") + " ".join(tokens)))
+            lines.append(f"{word}\tN\t{fields[0][0]}-{fields[1][0]}\t{fields[0][1]}\t{fields[1][1]}\n")
+        (tmp_path / f"{name}.data.txt").write_text("".join(lines), encoding="utf-8")
+        (tmp_path / f"{name}.gold.txt").write_text("".join("T\n" if row[-1] else "F\n" for row in WIC))
+        return str(tmp_path / f"{name}.data.txt")
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        items, skipped = read_wic(release("planted", plant=True))
+    assert items == read_wic(release("clean", plant=False))[0] and skipped.count == 0
+    for item, (word, s1, f1, s2, f2, _) in zip(items, WIC, strict=True):
+        assert (item.sentence1, item.sentence2) == (s1, s2)
+        assert item.sentence1[slice(*item.span1)] == f1 and item.sentence2[slice(*item.span2)] == f2
+
+
+def test_sts_sentences_are_cleaned_and_one_with_nothing_visible_is_refused(tmp_path):
+    """STS sentences cleaned as every text is read: a leading byte-order mark and spaces stripped, NULs dropped (one
+    warning for the source): the pairs equal those of the unplanted file. A sentence with nothing visible in it is
+    an empty sentence, refused in one line as an empty one is."""
+    import warnings
+
+    def write(path, pairs):
+        path.write_text("".join(json.dumps({"sentence1": a, "sentence2": b, "score": s}) + "\n" for a, b, s in pairs),
+                        encoding="utf-8")
+        return path
+
+    planted = [(f"\ufeff {a[:3]}\0{a[3:]}", f"{b}\0 ", score) for a, b, score in STS]
+    expected, _ = read_sts(str(write(tmp_path / "clean.jsonl", STS)))
+    path = write(tmp_path / "planted.jsonl", planted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pairs, unscored = read_sts(str(path))
+    assert pairs == expected and unscored == 0 and [p.sentence1 for p in pairs] == [a for a, _, _ in STS]
+    assert sum("NUL" in str(w.message) for w in caught) == 1
+    invisible = write(tmp_path / "invisible.jsonl", [*STS[:3], ("\u200b\u2060", "A man plays.", 2.0)])
+    with pytest.raises(UserError, match=r"pair 3 has an empty sentence \(nothing visible in it\)"):
+        read_sts(str(invisible))
