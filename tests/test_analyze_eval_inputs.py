@@ -599,7 +599,7 @@ def test_wic_sentences_are_cleaned_and_their_offsets_follow_the_target(tmp_path)
     assert [str(w.message) for w in caught if "NUL" in str(w.message)] == [
         f"{planted}: a text holds NUL characters (a JSON \\u0000 escape or a table's cell), which are no text: dropped"]
     assert items == expected and len(items) == len(WIC)
-    for item, (word, s1, f1, s2, f2, _) in zip(items, WIC, strict=True):
+    for item, (_, _, f1, _, f2, _) in zip(items, WIC, strict=True):
         assert item.sentence1[slice(*item.span1)] == f1 and item.sentence2[slice(*item.span2)] == f2
     assert skipped.count == 1 and skipped.examples[0]["reason"] == "sentence2: blank (nothing visible in it)"
 
@@ -622,7 +622,7 @@ def test_wic_sentences_are_cleaned_and_their_offsets_follow_the_target(tmp_path)
         warnings.simplefilter("always")
         items, skipped = read_wic(release("planted", plant=True))
     assert items == read_wic(release("clean", plant=False))[0] and skipped.count == 0
-    for item, (word, s1, f1, s2, f2, _) in zip(items, WIC, strict=True):
+    for item, (_, s1, f1, s2, f2, _) in zip(items, WIC, strict=True):
         assert (item.sentence1, item.sentence2) == (s1, s2)
         assert item.sentence1[slice(*item.span1)] == f1 and item.sentence2[slice(*item.span2)] == f2
 
