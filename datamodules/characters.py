@@ -47,8 +47,7 @@ def text_value(value: str, source) -> str:
     JSON's "\\u0000" escape, or a table's cell, holds one that no NUL byte of the file showed (`NulFree`), and the
     tokenizers disagree on it as on a byte. One warning per source; the common path is one `in` test."""
     if "\0" in value:
-        warn_once(f"{source}: a text holds NUL characters (a JSON \\u0000 escape or a table's cell), which are no "
-                  "text: dropped")
+        warn_once(f"{source}: a text holds NUL characters, which are no text: dropped")
         value = value.replace("\0", "")
     return clean_text(value)
 
