@@ -211,7 +211,7 @@ def run_paper(args, rank: int, world: int) -> dict:
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)
-    with staged_output(args.output_dir) as stage:
+    with staged_output(args.output_dir, owner="paper") as stage:  # an earlier paper's files not written again go
         reports, statistics, clip = evaluations(args, setting, inputs)
         reports.update(probes(args, encoder, clip, stage))
         summary = paper_summary(reports, args, clip, inputs.notes)

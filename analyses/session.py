@@ -182,10 +182,12 @@ def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) ->
 
 
 def finish(args, rank: int, reports: dict, figures: dict, texts: dict | None = None) -> None:
-    """Rank 0 writes every report, figure and text at once (all or nothing) and names them."""
+    """Rank 0 writes every report, figure and text at once (all or nothing) and names them; the files an earlier run
+    of the same subcommand wrote into --output_dir and this one does not (a figure this model has none of, an STS set
+    left out) are removed (core.output.staged_output's `owner`), so no report of another run stands beside these."""
     if rank != 0:
         return
-    with staged_output(args.output_dir) as stage:
+    with staged_output(args.output_dir, owner=getattr(args, "command", None)) as stage:
         for name, report in reports.items():
             write_json(stage / name, report)
         for name, make in figures.items():

@@ -224,6 +224,29 @@ def test_max_sentences_and_seed_choose_the_sample(tmp_path, bert_tok):
         assert result["num_tokens"] == tokens_of(seed)
 
 
+def test_a_second_run_into_one_directory_leaves_no_figure_of_the_first_model(tmp_path, bert_tok):
+    """BERT's outliers then RoFormer's (rotary: no position table) into one --output_dir: the directory holds what the
+    RoFormer run wrote, not BERT's position_embeddings.png beside RoFormer's report; a file of another subcommand
+    stays."""
+    from tests.tiny_families import save_tiny_family
+
+    bert = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    roformer = save_tiny_family(tmp_path / "roformer", "roformer", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(6)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    (out / "anisotropy.json").parent.mkdir()
+    (out / "anisotropy.json").write_text("{}")  # another report in the same directory
+    common = ("--data", data, "--output_dir", out, "--no_attention_sinks")
+    assert run("--encoder", bert, *common) == 0
+    assert (out / "position_embeddings.png").is_file()
+    assert run("--encoder", roformer, *common) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    assert report["encoder"] == str(roformer) and report["origins"]["position_embeddings"] is None
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "anisotropy.json", "magnitudes.png", "mean_vectors.png", "outliers.json"]
+
+
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
     from transformers import BartConfig, BartModel
 
