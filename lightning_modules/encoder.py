@@ -368,12 +368,16 @@ def special_ids(tokenizer) -> Tensor:
     """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [MASK], <s>, </s>, its additional ones and its
     added tokens marked special: `core.tokenizers.special_strings`), which --exclude_special drops wherever they stand:
     added around a sentence or written in its text. [UNK] is not among them: it stands for a word of the text the
-    vocabulary lacks, and counts as that word."""
+    vocabulary lacks, and counts as that word; unless it is also another special token (GPT-2's and GPT-NeoX's
+    <|endoftext|> is their unk, bos and eos at once: written between documents, it is their eos, never a word)."""
     ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
     added = special_strings(tokenizer)
     if added and callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
         ids |= set(tokenizer.convert_tokens_to_ids(added))
-    ids -= {getattr(tokenizer, "unk_token_id", None)}
+    unk = getattr(tokenizer, "unk_token_id", None)
+    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "pad", "mask")}
+    if unk not in roles:
+        ids.discard(unk)
     return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 
 
