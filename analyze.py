@@ -41,6 +41,7 @@ from analyses.options import (
 from core.arguments import HelpFormatter, OneLineArgumentParser, load_runner
 from core.defaults import (
     DEFAULT_CORPUS,
+    DTYPES,
     NORMALIZATIONS,
     OUTLIER_MIN_SHARE,
     SOFTDECAY_ALPHA,
@@ -74,6 +75,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
                         "and pairs, mini-batches (recorded in the report)")
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
+                        help="the precision the encoder computes in, on every device: float32 as transformers and "
+                             "the paper; bfloat16 / float16 halve a GPU's memory, and their hidden states differ from "
+                             "float32's by rounding (outlier shares by tenths of a percent; recorded in the report)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--allow_random_weights", action="store_true",
                         help="analyse an encoder whose checkpoint lacks some of its weights (or holds them in another "

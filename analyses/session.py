@@ -90,11 +90,13 @@ def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None
 
 
 def open_encoder(args, masked_lm: bool = False) -> FrozenEncoder:
-    """--encoder on --device (under torchrun, this rank's GPU); with `masked_lm`, with its MLM head when it has one."""
+    """--encoder on --device (under torchrun, this rank's GPU) in --dtype (float32 by default on every device: a GPU's
+    report equals the CPU's); with `masked_lm`, with its MLM head when it has one."""
     device = args.device
     if device is None and torch.cuda.is_available() and dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"
-    encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special,
+    encoder = load_encoder(args.encoder, device=device, dtype=getattr(torch, getattr(args, "dtype", "float32")),
+                           exclude_special=args.exclude_special,
                            allow_random_weights=getattr(args, "allow_random_weights", False), masked_lm=masked_lm)
     encoder.check_max_length(args.max_length)
     clip = getattr(args, "clip", None)
@@ -124,6 +126,7 @@ def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None)
         "encoder": str(args.encoder),
         "data": str(args.data),
         "max_length": args.max_length or encoder.max_length,
+        "dtype": str(next(encoder.model.parameters()).dtype).removeprefix("torch."),  # what it computed in
         "special_tokens": "excluded" if args.exclude_special else "included",
         "seed": args.seed,
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
