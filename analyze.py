@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("--imdb", "imdb", "IMDB (a classifier)"), ("--sst5", "SetFit/sst5", "SST-5")):
         paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
                            f"none (default {default})")
+    for action in paper._actions:  # the common --text_column is SST-2's here: QQP has its own, the rest detect theirs
+        if action.dest == "text_column":
+            action.help = ("--sst2's text column, for §3, §4.1 and its position probe and classifier (default: "
+                           "auto-detected, SST-2's sentence; QQP's is --qqp_column)")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
     paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
                        "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "
