@@ -26,7 +26,7 @@ from typing import Any
 from core.errors import UserError
 
 
-OWNERS = ".written_by.json"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
+OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
 
 
 @contextlib.contextmanager
