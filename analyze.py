@@ -66,10 +66,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
                             "docs/analyses.md)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}",
                         help="where the report, figures and summary go (written whole, or not at all)")
-    parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
+    if data is not None:  # pair data (wic, sts) is read whole, in the columns of its format: no sample, no column
+        parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
-    parser.add_argument("--max_sentences", type=int, default=max_sentences,
-                        help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
+    if data is not None:
+        parser.add_argument("--max_sentences", type=int, default=max_sentences,
+                            help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
     parser.add_argument("--batch_size", type=int, default=32, help="sentences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="the one seed of the run: sentence sample, random tokens "
                         "and pairs, mini-batches (recorded in the report)")
