@@ -25,7 +25,6 @@ from typing import Any
 
 from core.errors import UserError
 
-
 OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
 
 
