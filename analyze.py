@@ -41,6 +41,7 @@ from analyses.options import (
 from core.arguments import HelpFormatter, OneLineArgumentParser, load_runner
 from core.defaults import (
     DEFAULT_CORPUS,
+    DTYPES,
     NORMALIZATIONS,
     OUTLIER_MIN_SHARE,
     SOFTDECAY_ALPHA,
@@ -65,15 +66,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
                             "docs/analyses.md)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}",
                         help="where the report, figures and summary go (written whole, or not at all)")
-    parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
+    if data is not None:  # pair data (wic, sts) is read whole, in the columns of its format: no sample, no column
+        parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
-    parser.add_argument("--max_sentences", type=int, default=max_sentences,
-                        help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
+    if data is not None:
+        parser.add_argument("--max_sentences", type=int, default=max_sentences,
+                            help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
     parser.add_argument("--batch_size", type=int, default=32, help="sentences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="the one seed of the run: sentence sample, random tokens "
                         "and pairs, mini-batches (recorded in the report)")
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
+                        help="the precision the encoder computes in, on every device: float32 as transformers and "
+                             "the paper; bfloat16 / float16 halve a GPU's memory, and their hidden states differ from "
+                             "float32's by rounding (outlier shares by tenths of a percent; recorded in the report)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--allow_random_weights", action="store_true",
                         help="analyse an encoder whose checkpoint lacks some of its weights (or holds them in another "
@@ -159,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("--imdb", "imdb", "IMDB (a classifier)"), ("--sst5", "SetFit/sst5", "SST-5")):
         paper.add_argument(option, default=default, help=f"{what}: a datasets name, a local file or directory, or "
                            f"none (default {default})")
+    for action in paper._actions:  # the common --text_column is SST-2's here: QQP has its own, the rest detect theirs
+        if action.dest == "text_column":
+            action.help = ("--sst2's text column, for §3, §4.1 and its position probe and classifier (default: "
+                           "auto-detected, SST-2's sentence; QQP's is --qqp_column)")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
     paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
                        "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "

@@ -26,7 +26,6 @@ import warnings
 import torch
 
 from core.defaults import MASSIVE_TOP_K
-from core.tokenizers import special_ids
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
@@ -45,9 +44,10 @@ def rules_of(args) -> dict:
                                                                      "queries": QUERIES}}
 
 
-def token_kind(tokenizer, token_id: int, position: int) -> dict:
-    """Where a token stands and what it is: its string, the first token of its sequence, a special token (added tokens
-    marked special too: core.tokenizers.special_ids), punctuation (its text without subword markers is all punctuation)."""
+def token_kind(tokenizer, token_id: int, position: int, special: set[int]) -> dict:
+    """Where a token stands and what it is: its string, the first token of its sequence, a special token (one of
+    `special`: FrozenEncoder.special_ids, the project's one rule), punctuation (its text without subword markers is
+    all punctuation)."""
     if token_id < 0:
         return {"token": None, "token_id": None, "first": position == 0, "special": None, "punctuation": None}
     text = tokenizer.convert_ids_to_tokens(token_id)
@@ -55,7 +55,7 @@ def token_kind(tokenizer, token_id: int, position: int) -> dict:
     for marker in MARKERS:
         bare = bare.replace(marker, "")
     return {"token": text, "token_id": token_id, "first": position == 0,
-            "special": token_id in special_ids(tokenizer),
+            "special": token_id in special,
             "punctuation": bool(bare) and all(unicodedata.category(c).startswith("P") for c in bare)}
 
 
@@ -69,9 +69,8 @@ class Magnitudes:
         layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
         self.massive = MassiveActivations(layers, hidden).to(device)
         self.counts = MagnitudeCounts(layers, hidden, magnitude).to(device)
-        tokenizer = encoder.tokenizer
-        pad = tokenizer.pad_token_id  # the pad token is never attended; added tokens marked special are special too
-        self.special_ids = [i for i in special_ids(tokenizer) if i != pad]
+        pad = encoder.tokenizer.pad_token_id  # the special tokens as --exclude_special reads them: not [UNK] (a word)
+        self.special_ids = sorted(int(i) for i in encoder.special_ids.tolist() if i != pad)
         self.sinks, self.sinks_note = None, ""
         if sinks:
             heads = getattr(encoder.model.config, "num_attention_heads", None) or encoder.model.config.n_heads
@@ -132,7 +131,7 @@ class Magnitudes:
 
     def massive_entry(self, result, layer: int) -> dict:
         median = float(result.median[layer])
-        tokenizer = self.encoder.tokenizer
+        tokenizer, special = self.encoder.tokenizer, set(self.encoder.special_ids.tolist())
         peaks = result.peak_abs[layer].cpu()
         passing = [d for d in range(peaks.shape[0]) if peaks[d] >= 0 and self.massive_rule.passes(float(peaks[d]),
                                                                                                   median)]
@@ -141,7 +140,7 @@ class Magnitudes:
             value, position = float(result.peak_value[layer, dim]), int(result.peak_position[layer, dim])
             top.append({"dim": dim, "value": round(value, 6), "ratio": round(abs(value) / median, 3) if median > 0
                         else None, "position": position,
-                        **token_kind(tokenizer, int(result.peak_token[layer, dim]), position),
+                        **token_kind(tokenizer, int(result.peak_token[layer, dim]), position, special),
                         "massive": dim in passing})
         return {"median_abs": round(median, 6), "ratio": top[0]["ratio"] if top else None, "top": top,
                 "massive_dims": sorted(passing, key=lambda d: -float(peaks[d]))}

@@ -91,10 +91,10 @@ def read_inputs(args) -> Inputs:
     skip = {name: getattr(args, name) in (None, "none") for name in ("sst2", "qqp", "wic", "imdb", "sst5")}
     if skip["sst2"] and skip["qqp"]:
         raise UserError("--sst2 and --qqp are both none: the outliers (§3) need the sentences of one of them at least")
-    sources = {name: (getattr(args, name), column) for name, column in (("sst2", None), ("qqp", args.qqp_column))
-               if not skip[name]}
+    columns = (("sst2", args.text_column), ("qqp", args.qqp_column))  # --text_column: SST-2's (None: detected)
+    sources = {name: (getattr(args, name), column) for name, column in columns if not skip[name]}
     inputs = Inputs(*(None if skip[name] else sentences_of(getattr(args, name), column, args.max_sentences, args.seed)
-                      for name, column in (("sst2", None), ("qqp", args.qqp_column))))
+                      for name, column in columns))
     inputs.outlier_sentences, inputs.outlier_sources = outlier_sample(args, sources)
     inputs.sources = sources
     if not skip["wic"]:
@@ -186,7 +186,7 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
                   cache_dir=str(stage))
     reports = {}
     if args.sst2 not in (None, "none"):
-        data = PositionDataModule(source=args.sst2, batch_size=128, **common)
+        data = PositionDataModule(source=args.sst2, batch_size=128, text_column=args.text_column, **common)
         data.max_positions_option = None  # analyze.py has no option for it
         reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed), data,
                                                 stage / "position_probe")
@@ -195,7 +195,8 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
         if source in (None, "none"):
             continue
         model = SentenceClassifier(lr=1e-3, clip=clip, seed=args.seed)
-        data = ClassificationDataModule(source=source, batch_size=batch_size, label_column="label", **common)
+        data = ClassificationDataModule(source=source, batch_size=batch_size, label_column="label",
+                                        text_column=args.text_column if name == "sst2" else None, **common)
         data.label_hint = f"the paper's classifier on --{name} reads its labels from it (or --{name} none)"
         reports[f"classifier_{name}"] = train_probe(args, model, data, stage / f"classifier_{name}")
     return reports
@@ -213,7 +214,7 @@ def run_paper(args, rank: int, world: int) -> dict:
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)
-    with staged_output(args.output_dir) as stage:
+    with staged_output(args.output_dir, owner="paper") as stage:  # an earlier paper's files not written again go
         reports, statistics, clip = evaluations(args, setting, inputs)
         reports.update(probes(args, encoder, clip, stage))
         summary = paper_summary(reports, args, clip, inputs.notes)

@@ -90,12 +90,14 @@ def read_sentences(args, rank: int = 0, world: int = 1, limit: int | None = None
 
 
 def open_encoder(args, masked_lm: bool = False, tokenizer=None) -> FrozenEncoder:
-    """--encoder on --device (under torchrun, this rank's GPU); with `masked_lm`, with its MLM head when it has one;
-    with `tokenizer` (its own, loaded alone already: encoder_tokenizer), without loading that again."""
+    """--encoder on --device (under torchrun, this rank's GPU) in --dtype (float32 by default on every device: a GPU's
+    report equals the CPU's); with `masked_lm`, with its MLM head when it has one; with `tokenizer` (its own, loaded
+    alone already: encoder_tokenizer), without loading that again."""
     device = args.device
     if device is None and torch.cuda.is_available() and dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}"
-    encoder = load_encoder(args.encoder, device=device, exclude_special=args.exclude_special,
+    encoder = load_encoder(args.encoder, device=device, dtype=getattr(torch, getattr(args, "dtype", "float32")),
+                           exclude_special=args.exclude_special,
                            allow_random_weights=getattr(args, "allow_random_weights", False), masked_lm=masked_lm,
                            tokenizer=tokenizer)
     encoder.check_max_length(args.max_length)
@@ -137,6 +139,7 @@ def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None)
         "encoder": str(args.encoder),
         "data": str(args.data),
         "max_length": args.max_length or encoder.max_length,
+        "dtype": str(next(encoder.model.parameters()).dtype).removeprefix("torch."),  # what it computed in
         "special_tokens": "excluded" if args.exclude_special else "included",
         "seed": args.seed,
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
@@ -195,10 +198,12 @@ def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) ->
 
 
 def finish(args, rank: int, reports: dict, figures: dict, texts: dict | None = None) -> None:
-    """Rank 0 writes every report, figure and text at once (all or nothing) and names them."""
+    """Rank 0 writes every report, figure and text at once (all or nothing) and names them; the files an earlier run
+    of the same subcommand wrote into --output_dir and this one does not (a figure this model has none of, an STS set
+    left out) are removed (core.output.staged_output's `owner`), so no report of another run stands beside these."""
     if rank != 0:
         return
-    with staged_output(args.output_dir) as stage:
+    with staged_output(args.output_dir, owner=getattr(args, "command", None)) as stage:
         for name, report in reports.items():
             write_json(stage / name, report)
         for name, make in figures.items():

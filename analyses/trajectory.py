@@ -228,7 +228,7 @@ def trajectory_of(args, points: list[Point], sentences: list[str], rank: int, wo
         result["val_loss"] = None if loss is None else number(loss["value"])
         result["val_loss_step"] = None if loss is None else loss["step"]
     return {"run": str(run) if run else None, "label": label, "encoders": None if run else list(args.encoders),
-            "data": str(args.data), "max_length": analysed[0][1],
+            "data": str(args.data), "max_length": analysed[0][1], "dtype": getattr(args, "dtype", "float32"),
             "special_tokens": "excluded" if args.exclude_special else "included", "seed": args.seed,
             "indexing": "0-indexed dimensions; layer 0 = embedding output", "num_sentences": len(sentences),
             "rule": {"min_share": args.min_share, "sigma": args.sigma}, "zeta": args.zeta,

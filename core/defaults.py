@@ -17,6 +17,10 @@ DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
 # the outlier rule's share (metrics.outliers.OutlierRule): ours, for the paper's "most vectors"
 OUTLIER_MIN_SHARE = 0.2
 
+# analyze.py --dtype: the precision the encoder computes in (analyses.session.open_encoder); float32 is the default
+# on every device, so a GPU's report equals the CPU's and a direct float32 computation (transformers' own default)
+DTYPES = ("float32", "bfloat16", "float16")
+
 # --normalize's choices and --softdecay_alpha's default (metrics.transforms)
 NORMALIZATIONS = ("none", "whiten", "standardize", "softdecay")
 SOFTDECAY_ALPHA = -0.2

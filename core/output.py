@@ -2,6 +2,8 @@
 
     with staged_output("runs/x") as stage:                 # files land in runs/x only if the block succeeds
         write_json(stage / "report.json", report)
+    with staged_output("runs/x", owner="outliers") as stage:   # and the files an earlier `outliers` run wrote there
+        ...                                                    # that this one does not write again are removed
     with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
         torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
@@ -23,14 +25,19 @@ from typing import Any
 
 from core.errors import UserError
 
+OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
+
 
 @contextlib.contextmanager
-def staged_output(output_dir: str | os.PathLike, what: str = "report") -> Iterator[Path]:
+def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: str | None = None) -> Iterator[Path]:
     """Yield a staging directory whose files move into `output_dir` only if the block succeeds.
 
     The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
     `output_dir` and every parent directory this call created, if they are left empty. Each file lands with an atomic
-    `os.replace`.
+    `os.replace`. With `owner` (e.g. analyze.py's subcommand), the files an earlier run of that owner wrote into
+    `output_dir` and this run does not write again are removed once the new ones are in place (`remove_stale`): a
+    second `outliers` run on a model without a position table leaves no position_embeddings.png of the first model
+    beside its report, a second `all` with fewer --sts sets no sts_<set>.json of the first.
     """
     output = Path(output_dir)
     created = missing_directories(output)
@@ -42,11 +49,13 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report") -> Iterat
         raise UserError(f"cannot write to output directory {output}: {error.strerror or error}") from None
     try:
         yield stage
-        for path in sorted(stage.rglob("*")):
-            if path.is_file():
-                target = output / path.relative_to(stage)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, target)
+        written = [path.relative_to(stage) for path in sorted(stage.rglob("*")) if path.is_file()]
+        for name in written:
+            target = output / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(stage / name, target)
+        if owner is not None:
+            remove_stale(output, owner, {name.as_posix() for name in written})
     except Exception as error:  # an OSError, or a writer's own error around a full disk (torch.save, safetensors)
         if not isinstance(error, OSError) and not disk_full(error):
             raise
@@ -54,6 +63,35 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report") -> Iterat
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         remove_empty(created)
+
+
+def remove_stale(output: Path, owner: str, written: set[str]) -> None:
+    """Remove the files of `output` that `owner` wrote last time (its OWNERS record) and not this time (`written`,
+    relative paths), and the directories they leave empty; then record `written` as `owner`'s. A file another owner
+    wrote since is that owner's, never removed here; a record that is not this format, or names a path outside
+    `output`, removes nothing."""
+    record = output / OWNERS
+    try:
+        owners = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        owners = {}
+    if not isinstance(owners, dict):
+        owners = {}
+    root = output.resolve()
+    for name, wrote in list(owners.items()):
+        if wrote != owner or name in written:
+            continue
+        del owners[name]
+        path = output / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not path.resolve().is_relative_to(root):
+            continue
+        with contextlib.suppress(OSError):  # gone already, or made a directory since: left as it is
+            path.unlink()
+        remove_empty([parent for parent in (output / name).parents if parent.resolve() != root
+                      and parent.resolve().is_relative_to(root)])
+    owners.update(dict.fromkeys(sorted(written), owner))
+    with atomic_file(record) as handle:
+        handle.write((json.dumps(owners, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def missing_directories(path: str | os.PathLike) -> list[Path]:

@@ -118,16 +118,20 @@ def special_ids(tokenizer, unknown: bool = True) -> list[int]:
     [SEP], [PAD], [MASK], <s>, </s>, <unk>, its additional special tokens) and each added token marked special, which
     `all_special_ids` leaves out (`add_tokens(..., special_tokens=True)`; a hub tokenizer's reserved tokens: the ids of
     `special_strings`). Without `unknown`, the unknown token's id is left out ([UNK] stands for a word of the text the
-    vocabulary lacks: --exclude_special counts it as that word). The one list of special ids: masking, the
-    encoder's --exclude_special, the attention sinks' special tokens."""
+    vocabulary lacks: --exclude_special counts it as that word), unless it is also another special token (GPT-2's and
+    GPT-NeoX's <|endoftext|> is their unk, bos and eos at once: written between documents, it is their eos, never a
+    word). The one list of special ids: masking, the encoder's --exclude_special (and so the attention sinks' special
+    tokens and a massive activation's `special`)."""
     ids = set(getattr(tokenizer, "all_special_ids", None) or ())
     try:
         added = tokenizer.added_tokens_decoder.items()
     except (AttributeError, NotImplementedError):  # not a transformers tokenizer (a benchmark's stand-in)
         added = ()
     ids |= {index for index, token in added if getattr(token, "special", False)}
-    if not unknown:
-        ids.discard(getattr(tokenizer, "unk_token_id", None))
+    unk = getattr(tokenizer, "unk_token_id", None)
+    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "pad", "mask")}
+    if not unknown and unk not in roles:
+        ids.discard(unk)
     return sorted(int(i) for i in ids if i is not None)
 
 

@@ -501,6 +501,27 @@ def test_bad_inputs_give_one_line_and_write_nothing(tmp_path, bert_tok, sentence
         assert not out.exists(), case
 
 
+def test_pair_commands_read_every_pair_and_take_no_sentence_sample_or_text_column(tmp_path, bert_tok, capfd):
+    """wic and sts score every pair of their data (the paper's protocol: WiC's 5,428 training pairs), in the columns
+    of their formats: a --max_sentences (shown as 'default 2000' before) or --text_column they would ignore is
+    refused in one line, not taken and dropped."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    wic, sts = write_wic(tmp_path / "wic.jsonl"), write_sts(tmp_path / "sts.tsv")
+    common = ["--encoder", str(encoder), "--no_progress", "--clip", "none"]
+    for command, data, pairs in (("wic", wic, len(WIC)), ("sts", sts, len(STS))):
+        out = tmp_path / command
+        assert analyze.main([command, "--data", str(data), "--output_dir", str(out), *common]) == 0
+        report = json.loads((out / f"{command}.json").read_text())
+        assert report["num_pairs"] == pairs > 2
+        for option, value in (("--max_sentences", "2"), ("--text_column", "sentence1")):
+            refused = tmp_path / f"{command}{option}"
+            with pytest.raises(SystemExit) as stop:
+                analyze.main([command, "--data", str(data), "--output_dir", str(refused), option, value, *common])
+            assert stop.value.code == 2
+            assert f"unknown option {option} for this subcommand" in capfd.readouterr().err
+            assert not refused.exists()
+
+
 @pytest.mark.slow
 def test_all_under_two_process_ddp_equals_one_process(tmp_path, planted, sentences):
     wic, sts = write_wic(tmp_path / "wic.jsonl"), write_sts(tmp_path / "sts.tsv")

@@ -224,6 +224,66 @@ def test_max_sentences_and_seed_choose_the_sample(tmp_path, bert_tok):
         assert result["num_tokens"] == tokens_of(seed)
 
 
+def test_a_second_run_into_one_directory_leaves_no_figure_of_the_first_model(tmp_path, bert_tok):
+    """BERT's outliers then RoFormer's (rotary: no position table) into one --output_dir: the directory holds what the
+    RoFormer run wrote, not BERT's position_embeddings.png beside RoFormer's report; a file of another subcommand
+    stays."""
+    from tests.tiny_families import save_tiny_family
+
+    bert = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    roformer = save_tiny_family(tmp_path / "roformer", "roformer", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(6)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    (out / "anisotropy.json").parent.mkdir()
+    (out / "anisotropy.json").write_text("{}")  # another report in the same directory
+    common = ("--data", data, "--output_dir", out, "--no_attention_sinks")
+    assert run("--encoder", bert, *common) == 0
+    assert (out / "position_embeddings.png").is_file()
+    assert run("--encoder", roformer, *common) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    assert report["encoder"] == str(roformer) and report["origins"]["position_embeddings"] is None
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "anisotropy.json", "magnitudes.png", "mean_vectors.png", "outliers.json"]
+
+
+def test_the_encoder_computes_in_float32_on_a_gpu_too_unless_dtype_asks_otherwise(tmp_path, bert_tok, monkeypatch):
+    """A CUDA machine analyses in float32 by default, as the CPU and transformers do (load_encoder alone picks
+    bfloat16 on CUDA, whose hidden states move outlier shares by tenths of a percent); --dtype bfloat16 asks for it,
+    and the report says which: its statistics equal those of the model loaded by transformers in that dtype."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    asked, load = [], session.load_encoder
+
+    def on_cpu(source, **options):  # what a CUDA machine's run asks for, loaded on this CPU
+        asked.append(options.get("dtype"))
+        return load(source, **{**options, "device": "cpu"})
+
+    monkeypatch.setattr(session, "load_encoder", on_cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = analyze.build_parser().parse_args(["outliers", "--encoder", str(encoder)])
+    assert session.open_encoder(args).model.dtype == torch.float32 and asked == [torch.float32]
+    monkeypatch.undo()
+
+    texts = corpus_sentences(12, start=300)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    inputs = bert_tok(texts, padding=True, truncation=True, return_tensors="pt")
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        extra = [] if dtype == "float32" else ["--dtype", dtype]
+        assert run("--encoder", encoder, "--data", data, "--output_dir", out, "--no_attention_sinks", *extra) == 0
+        report = json.loads((out / "outliers.json").read_text())
+        model = AutoModel.from_pretrained(encoder, dtype=getattr(torch, dtype)).eval()
+        with torch.no_grad():
+            hidden = torch.stack(model(**inputs, output_hidden_states=True).hidden_states).float()
+        tokens = hidden[:, inputs["attention_mask"].bool()]
+        assert report["dtype"] == dtype and report["num_tokens"] == tokens.shape[1]
+        for layer, entry in zip(tokens, report["layers"], strict=True):
+            share = torch.bincount(layer.argmax(-1), minlength=layer.shape[-1]).double() / layer.shape[0]
+            assert entry["argmax_share"] == pytest.approx(float(share.max()), abs=1e-6)
+            assert entry["max_abs"] == pytest.approx(float(layer.abs().max()), rel=1e-5)
+
+
 def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[list, str]]:
     from transformers import BartConfig, BartModel
 

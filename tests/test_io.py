@@ -286,6 +286,38 @@ def test_staged_output_is_all_or_nothing(tmp_path):
         pass
 
 
+def test_a_second_run_of_an_owner_removes_what_its_first_wrote_and_not_others_files(tmp_path):
+    """The files one owner (an analyze.py subcommand) wrote last time and does not write again go; a file another owner
+    wrote since, a user's own file and a recorded path outside the directory stay."""
+    from core.output import OWNERS
+
+    target = tmp_path / "out"
+
+    def write(owner, *names):
+        with staged_output(target, owner=owner) as stage:
+            for name in names:
+                (stage / name).parent.mkdir(parents=True, exist_ok=True)
+                (stage / name).write_text(owner)
+
+    write("outliers", "outliers.json", "mean_vectors.png", "position_embeddings.png", "sub/deep.json")
+    write("all", "outliers.json", "sts_a.json", "sts_b.json")  # outliers.json is all's from now on
+    (target / "mine.txt").write_text("the user's")
+    write("outliers", "mean_vectors.png")
+    files = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.name != OWNERS)
+    assert files == ["mean_vectors.png", "mine.txt", "outliers.json", "sts_a.json", "sts_b.json"]  # sub/ gone too
+    assert (target / "outliers.json").read_text() == "all"
+    write("all", "outliers.json", "sts_a.json")
+    assert not (target / "sts_b.json").exists() and (target / "mean_vectors.png").read_text() == "outliers"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("x")
+    (target / OWNERS).write_text(json.dumps({"../outside.txt": "all", str(outside): "all", "sts_a.json": "all"}))
+    write("all", "outliers.json")
+    assert outside.read_text() == "x" and not (target / "sts_a.json").exists()
+    (target / OWNERS).write_text("not json")  # an unreadable record removes nothing and is written anew
+    write("all", "summary.json")
+    assert (target / "outliers.json").exists() and json.loads((target / OWNERS).read_text())["summary.json"] == "all"
+
+
 @pytest.mark.parametrize("module", ["classify", "finetune"])
 def test_the_label_column_is_not_taken_for_the_text_column(tmp_path, module):
     """A csv's labels are strings too: with --data.label_column stars, a csv of body and stars has one text column

@@ -145,7 +145,8 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
                          "--output_dir", str(single / "anisotropy")]) == 0  # SST-2's train split, the same sample
     alone = json.loads((single / "anisotropy" / "anisotropy.json").read_text())
     assert alone["layers"] == reports["anisotropy_sst2"]["layers"]
-    assert analyze.main(["wic", *map(str, common), "--data", str(stand_ins["wic_splits"]), "--clip", expected_clip,
+    pairs = [str(option) for option in common[:-2]]  # wic reads every pair: no --max_sentences
+    assert analyze.main(["wic", *pairs, "--data", str(stand_ins["wic_splits"]), "--clip", expected_clip,
                          "--output_dir", str(single / "wic")]) == 0
     wic = json.loads((single / "wic" / "wic.json").read_text())
     assert wic["layers"] == reports["wic"]["layers"] and summary["table1_wic"]["raw"] == wic["best"]
@@ -286,3 +287,37 @@ def test_the_section_3_sample_takes_outlier_sentences_from_each_set_and_a_short_
     alone, used = outlier_sample(args, {"qqp": both["qqp"]})  # SST-2 none: QQP is not topped up to 12 either
     assert used == {"qqp": 10} and alone == qqp
     assert sample_line({"sst2": 12, "qqp": 12}, 12) == "12 sentences of SST-2 and 12 sentences of QQP (12 asked of each)"
+
+
+def test_text_column_names_sst2s_column_for_its_sentences_and_its_probes(tmp_path, bert_tok, monkeypatch):
+    """`paper --text_column body`: SST-2's sentences (§3, §4.1) and its position probe and classifier read the column
+    named, which auto-detection cannot find among several text columns (the error says to pass --text_column);
+    IMDB and SST-5 still detect theirs."""
+    from analyses import paper
+
+    texts = corpus_sentences(8, start=400)
+    sst2 = tmp_path / "sst2.csv"
+    with sst2.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("body", "title", "label"), *((t, f"title {i}", i % 2)
+                                                                     for i, t in enumerate(texts))])
+    argv = ["paper", "--sst2", str(sst2), "--qqp", "none", "--wic", "none", "--imdb", "none", "--sts", "none",
+            "--sst5", str(tmp_path / "sst5.jsonl"), "--output_dir", str(tmp_path / "out")]
+    (tmp_path / "sst5.jsonl").write_text("".join(json.dumps({"text": t, "label": 1}) + "\n" for t in texts))
+    args = analyze.build_parser().parse_args([*argv, "--text_column", "body"])
+    analyze.validate(args)
+    inputs = paper.read_inputs(args)
+    assert sorted(inputs.sst2) == sorted(texts) and inputs.sources["sst2"] == (str(sst2), "body")
+    read = {}
+
+    def recorded(args, model, data, output_dir):
+        read[Path(output_dir).name] = (data.hparams.source, data.hparams.text_column)
+        return {}
+
+    monkeypatch.setattr(paper, "train_probe", recorded)
+    paper.probes(args, encoder=None, clip="none", stage=tmp_path)
+    assert read == {"position_probe": (str(sst2), "body"), "classifier_sst2": (str(sst2), "body"),
+                    "classifier_sst5": (str(tmp_path / "sst5.jsonl"), None)}
+    detected = analyze.build_parser().parse_args(argv)
+    analyze.validate(detected)
+    with pytest.raises(analyze.UserError, match="no text column .* pass --text_column"):
+        paper.read_inputs(detected)

@@ -292,7 +292,7 @@ def test_one_list_of_special_ids_holds_the_added_special_tokens_everywhere(minil
     added_tokens_decoder (its [PAD] [UNK] [CLS] [SEP] [MASK] and two planted added tokens marked special, which
     `all_special_ids` leaves out; a plain added token is not one). The same list, and no other, is used by the MLM
     masking (an added special token is never masked nor drawn as a random replacement), by the attention sinks'
-    special tokens and a massive activation's `special` (pad left out of the sinks), and by --exclude_special ([UNK]
+    special tokens and a massive activation's `special` (pad left out of the sinks), which are --exclude_special's ([UNK]
     left out: it stands for a word)."""
     import numpy as np
     from transformers import AutoModel, AutoTokenizer
@@ -330,9 +330,58 @@ def test_one_list_of_special_ids_holds_the_added_special_tokens_everywhere(minil
     encoder = FrozenEncoder(model, tokenizer)
     assert encoder.special_ids.tolist() == sorted(expected - {tokenizer.unk_token_id})
     magnitudes = Magnitudes(encoder)
-    assert magnitudes.special_ids == sorted(expected - {tokenizer.pad_token_id})
+    assert magnitudes.special_ids == sorted(expected - {tokenizer.pad_token_id, tokenizer.unk_token_id})
     assert set(magnitudes.header()["attention_sinks"]["special_tokens"]) >= {"<ent>", "<|reserved_0|>", "[CLS]"}
     ids = tokenizer(["a <ent> b <|reserved_0|> <plain>"], return_tensors="pt")["input_ids"]
-    order = sorted(expected - {tokenizer.pad_token_id})
+    order = sorted(expected - {tokenizer.pad_token_id, tokenizer.unk_token_id})
     assert magnitudes.kinds(ids)[0].tolist() == [order.index(i) if i in order else -1 for i in ids[0].tolist()]
-    assert token_kind(tokenizer, ent, 2)["special"] and not token_kind(tokenizer, plain, 4)["special"]
+    special = set(encoder.special_ids.tolist())
+    assert token_kind(tokenizer, ent, 2, special)["special"] and not token_kind(tokenizer, plain, 4, special)["special"]
+
+
+def test_a_decoders_unknown_token_that_is_also_its_eos_is_special_and_the_sinks_read_the_same_tokens(bert_tok,
+                                                                                                     tmp_path):
+    """GPT-2's <|endoftext|> is its unk, bos and eos at once (the tiny decoder's "</s>" too): written between two
+    documents of a line, it is their eos, not a word, so --exclude_special drops it and the report counts it. BERT's
+    [UNK] stays a word: the attention sinks' special tokens are the same ids --exclude_special drops (no [UNK]), and
+    the mass on them is computed here from the model's own attention weights."""
+    import torch
+
+    from tests.tiny_families import decoder_tokenizer, save_tiny_family
+
+    tokenizer = decoder_tokenizer(tmp_path / "gpt2_tokenizer")
+    assert tokenizer.unk_token_id == tokenizer.eos_token_id == tokenizer.bos_token_id
+    gpt2 = save_tiny_family(tmp_path / "gpt2", "gpt2", tokenizer)
+    lines = ["The first day.</s>The second day came.", "Another line here.</s>And one more.</s>", "No end here."]
+    data = tmp_path / "docs.txt"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "gpt2_out"
+    assert analyze.main(["outliers", "--encoder", str(gpt2), "--data", str(data), "--output_dir", str(out),
+                         "--exclude_special", "--no_progress", "--no_attention_sinks"]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    pieces = [piece for text in lines for piece in text.split("</s>") if piece]
+    assert report["num_special_in_text"] == 3
+    assert report["num_tokens"] == sum(len(tokenizer(piece)["input_ids"]) for piece in pieces)
+
+    bert = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = ["an [UNK] word stays", "the house was quiet", "he said [SEP] no more"]
+    (tmp_path / "bert.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "bert_out"
+    assert analyze.main(["outliers", "--encoder", str(bert), "--data", str(tmp_path / "bert.txt"), "--output_dir",
+                         str(out), "--no_progress", "--max_sentences", "0"]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    named = report["attention_sinks"]["special_tokens"]
+    assert "[UNK]" not in named and set(named) == {"[CLS]", "[SEP]", "[MASK]"}
+    model = load_encoder(bert, device="cpu").model
+    model.set_attn_implementation("eager")
+    layer = report["layers"][1]["attention_sinks"]
+    mass, pairs = {name: 0.0 for name in named}, 0
+    for text in texts:  # one sentence at a time: no padding; every token is a query
+        inputs = bert_tok(text, return_tensors="pt")
+        with torch.no_grad():
+            weights = model(**inputs, output_attentions=True).attentions[0][0]  # layer 1: [heads, query, key]
+        keys = weights.mean(1)  # [heads, key]: the mean over the queries
+        pairs += keys.shape[0]
+        for name in named:
+            mass[name] += float(keys[:, inputs["input_ids"][0] == bert_tok.convert_tokens_to_ids(name)].sum())
+    assert layer["special_token_mass_by_token"] == pytest.approx({n: m / pairs for n, m in mass.items()}, abs=1e-5)
