@@ -66,6 +66,20 @@ class ProbeCLI(ProjectCLI):
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume
         keep_runs(self.trainer, ckpt_path if ckpt_path and Path(ckpt_path).is_file() else None)
 
+    def before_validate(self) -> None:
+        raise UserError(self.fit_only())
+
+    def before_test(self) -> None:
+        raise UserError(self.fit_only())
+
+    def before_predict(self) -> None:
+        raise UserError(self.fit_only())
+
+    def fit_only(self) -> str:
+        """Without fit the probes are untrained (their weights are kept nowhere): their accuracies would be noise."""
+        return (f"probe.py {self.subcommand} is not supported: the probes are trained, validated, tested and "
+                "reported in one probe.py fit run (their weights are not kept): run probe.py fit")
+
     def after_fit(self) -> None:
         """Test the trained probes once, then write the report (rank zero) and print a summary."""
         self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
