@@ -63,10 +63,12 @@ class ProbeCLI(ProjectCLI):
 
     def before_fit(self) -> None:
         self.lock_run()  # rank 0: one live run per directory (a directory that cannot be written: one line)
-        # the data read and encoded now (Lightning's prepare_data is then a no-op): the live callbacks' checks need
-        # the cached features, and Lightning starts its loggers (a W&B run) before it sets the callbacks up
+        # the data read and encoded now (Lightning's prepare_data is then a no-op), the probes built and the live
+        # callbacks checked: their refusals need the cached features, and Lightning starts its loggers (a W&B run)
+        # before it sets the module and the callbacks up
         self.datamodule.trainer = self.trainer  # as Lightning attaches it: its device, world size, default_root_dir
         self.datamodule.prepare_data()
+        self.model.attach(self.datamodule)
         check_callbacks(self.trainer, self.model, self.datamodule)
         use_root_dir(self.trainer)  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume

@@ -815,11 +815,13 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
     ("classify", {}, "ContributionVectors: cannot capture the hidden states of SentenceClassifier: it holds no "
                      "transformers encoder and its data are not the position probe's cached features"),
     ("position", {"layers": [1, 9]}, "ContributionVectors: layers [9] are not among the probe's layers [0, 1, 2, 3]"),
+    ("classify", None, f"--clip {','.join(map(str, range(32)))} zeroes all 32 dims of layer 1: nothing is left"),
 ])
 def test_a_live_callback_a_probe_py_run_cannot_take_is_refused_before_the_wandb_run_starts(tmp_path, bert_tok, capfd,
                                                                                             config, init_args, message):
-    """probe.py checks its live callbacks once the features are cached and before Lightning starts the loggers (it
-    sets the callbacks up after): the refusal is the one line, and no W&B run (wandb/, wandb_run_id) is left behind."""
+    """probe.py builds its probes and checks its live callbacks once the features are cached and before Lightning
+    starts the loggers (it sets the module and callbacks up after): a refusal of either is the one line, and no W&B
+    run (wandb/, wandb_run_id) is left behind. None: no callback, a clip that leaves a layer nothing (the probe's)."""
     import probe
     from tests.tiny import save_tiny_encoder
 
@@ -834,7 +836,8 @@ def test_a_live_callback_a_probe_py_run_cannot_take_is_refused_before_the_wandb_
                         str(encoder), "--data.source", str(data), "--data.random_baseline", "false",
                         "--data.progress", "false", "--trainer.accelerator", "cpu", "--trainer.logger",
                         "callbacks.wandb_logging.AutoWandbLogger", "--trainer.default_root_dir", str(out),
-                        "--trainer.callbacks+", json.dumps(spec)])
+                        *(("--trainer.callbacks+", json.dumps(spec)) if init_args is not None else
+                          ("--model.clip", ",".join(map(str, range(32)))))])
     assert exited.value.code == 2
     errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(f"probe.py: error: {message}")
