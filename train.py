@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from jsonargparse import lazy_instance
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -227,11 +228,11 @@ class PretrainCLI(TrainCLI):
         made, which Lightning runs before its loggers and callbacks write anything."""
         self.check_data()
         self.check_run(self.datamodule.accumulation(self.trainer.world_size))
-        self.trainer.callbacks.append(RunSummary())  # the last validation loss, for the summary after the fit
+        add_run_summary(self.trainer)  # the last validation loss, for the summary after the fit
 
     def before_validate(self) -> None:
         super().before_validate()
-        self.trainer.callbacks.append(RunSummary())  # its state in the checkpoint has its callback (as a resume's)
+        add_run_summary(self.trainer)  # its state in the checkpoint has its callback (as a resume's)
 
     def after_fit(self) -> None:
         """Where the export, checkpoints and W&B run are, the last validation loss and outlier verdict."""
@@ -264,6 +265,13 @@ class FineTuneCLI(TrainCLI):
         if self.trainer.is_global_zero:
             report = Path(self.trainer.default_root_dir) / REPORT
             print_summary(json.loads(report.read_text()), report)
+
+
+def add_run_summary(trainer) -> None:
+    """A RunSummary, before the checkpoint callbacks: a validation's loss is in the checkpoint saved after it
+    (PretrainCheckpoint saves the step's checkpoint again once the validation that follows it ends)."""
+    checkpoints = [i for i, callback in enumerate(trainer.callbacks) if isinstance(callback, ModelCheckpoint)]
+    trainer.callbacks.insert(checkpoints[0] if checkpoints else len(trainer.callbacks), RunSummary())
 
 
 def print_summary(report: dict, path: Path) -> None:

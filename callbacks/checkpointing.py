@@ -121,6 +121,20 @@ class PretrainCheckpoint(ModelCheckpoint):
         if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
             raise self._stop
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """A validation right after a periodic save of its step (val_check_interval and every_n_train_steps meeting, as
+        at the last step of every config): that step's checkpoints are saved again, now holding the validation (its
+        loss, the live statistics' state, the summary's reading) that Lightning ran after saving them; a resume or a
+        re-run of the finished run reads it, and analyze.py trajectory reports it at its step."""
+        super().on_validation_end(trainer, pl_module)
+        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or \
+                self._last_global_step_saved != trainer.global_step or trainer.global_step == 0:
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._last_global_step_saved = -1  # ModelCheckpoint saves a step once: this step again
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
         if self.save_last and not self._should_skip_saving_checkpoint(trainer) and \

@@ -465,6 +465,35 @@ def test_validate_gives_the_fits_last_validation_at_its_step_and_leaves_the_run_
         assert sorted(root.rglob("*")) == files
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_a_step_a_validation_follows_holds_that_validation_and_resumes_exactly(corpus, cache, tmp_path):
+    """Lightning saves a step's checkpoints before the validation after that step (every_n_train_steps and
+    val_check_interval meet, as at every config's last step): they held the validation before, so a re-run of the
+    finished run summed up a stale loss and analyze.py trajectory paired each checkpoint with the previous validation.
+    Each checkpoint holds the validation of its own step (the loss the logger got, logged at the step before), and a
+    run extended from the 4-step run's last.ckpt logs and ends as the straight 6-step run, bit for bit."""
+    aligned = ("--trainer.val_check_interval", "2", "--checkpoint.save_top_k", "-1", "--trainer.log_every_n_steps", "2")
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    assert fit(straight, corpus, cache, *aligned, "--trainer.max_steps", "6") == 0
+    logged = {int(row["step"]) + 1: float(row["val/loss"]) for row in metrics(straight) if row.get("val/loss")}
+    assert sorted(logged) == [2, 4, 6]  # the validations after steps 2, 4, 6
+    periodic = sorted((straight / "checkpoints").glob("epoch=*-step=*.ckpt"))
+    for path in [*periodic, straight / "checkpoints" / "last.ckpt"]:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        step = saved["global_step"]
+        assert saved["val_loss"] == {"value": pytest.approx(logged[step], rel=1e-6), "step": step}, path.name
+        assert saved["callbacks"]["RunSummary"]["val"] == [step, pytest.approx(logged[step], rel=1e-6)], path.name
+    assert sorted(torch.load(p, map_location="cpu", weights_only=True)["global_step"] for p in periodic) == [2, 4, 6]
+
+    assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "4") == 0
+    assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "6", "--ckpt_path", "last") == 0
+    assert train_losses(extended) == train_losses(straight)
+    assert {int(row["step"]): row["val/loss"] for row in metrics(extended) if row.get("val/loss")} == \
+        {int(row["step"]): row["val/loss"] for row in metrics(straight) if row.get("val/loss")}
+    for name, value in checkpoint(straight)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(extended)["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
 class PoisonAt(pl.Callback):
     """Test helper: makes one weight NaN just before the training step `step` (so that step's loss is NaN)."""
 
