@@ -44,7 +44,8 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
 
 def load_checkpoint_model(path: str | Path):
     """(RobertaForMaskedLM or the arm's class, tokenizer) from this project's .ckpt: hyper-parameters (the attention
-    variant and the arm included), weights, embedded tokenizer."""
+    variant, the arm and the dropout included: the config the run's export has), weights, embedded tokenizer. In eval
+    mode; fine-tuning from it trains with the pretraining's dropout, as from the export."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
     keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]
@@ -55,7 +56,8 @@ def load_checkpoint_model(path: str | Path):
     try:
         objective, positions = arm_of(hparams)  # RoBERTa's MLM for a checkpoint made before the arms
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
-                            dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
+                            dropout=hparams.get("dropout", 0.1), position_embeddings=hparams["position_embeddings"],
+                            **specials,
                             attention=attention, objective=objective, positions=positions,
                             token_type_embeddings=token_type_of(hparams))
     except (TypeError, ValueError, RuntimeError, UserError) as error:  # sizes or an arm that describe no model
