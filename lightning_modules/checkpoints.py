@@ -44,8 +44,7 @@ def read_checkpoint(path: str | Path, kind: str = "mlm") -> dict:
 
 def load_checkpoint_model(path: str | Path):
     """(RobertaForMaskedLM or the arm's class, tokenizer) from this project's .ckpt: hyper-parameters (the attention
-    variant, the arm and the dropout included: the config the run's export has), weights, embedded tokenizer. In eval
-    mode; fine-tuning from it trains with the pretraining's dropout, as from the export."""
+    variant and the arm included), weights, embedded tokenizer."""
     checkpoint = read_checkpoint(path)
     hparams = checkpoint["hyper_parameters"]
     keys = [key for key in ARCHITECTURE if key not in ("position_embeddings", "pad_vocab_to_multiple_of")]
@@ -55,6 +54,7 @@ def load_checkpoint_model(path: str | Path):
     attention = attention_of(hparams)  # softmax for a checkpoint made before the attention variants
     try:
         objective, positions = arm_of(hparams)  # RoBERTa's MLM for a checkpoint made before the arms
+        # the run's own dropout, as its export's config has it (eval mode here; fine-tuning from it trains with it)
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
                             dropout=hparams.get("dropout", 0.1), position_embeddings=hparams["position_embeddings"],
                             **specials,
