@@ -44,6 +44,7 @@ from pathlib import Path
 import torch.distributed as dist
 from pytorch_lightning import LightningDataModule, LightningModule
 
+from callbacks.live import check_callbacks
 from callbacks.wandb_logging import keep_runs, use_root_dir
 from core.cli import ProjectCLI
 from core.errors import UserError, plain_warnings
@@ -62,9 +63,30 @@ class ProbeCLI(ProjectCLI):
 
     def before_fit(self) -> None:
         self.lock_run()  # rank 0: one live run per directory (a directory that cannot be written: one line)
+        # the data read and encoded now (Lightning's prepare_data is then a no-op), the probes built and the live
+        # callbacks checked: their refusals need the cached features, and Lightning starts its loggers (a W&B run)
+        # before it sets the module and the callbacks up
+        self.datamodule.trainer = self.trainer  # as Lightning attaches it: its device, world size, default_root_dir
+        self.datamodule.prepare_data()
+        self.model.attach(self.datamodule)
+        check_callbacks(self.trainer, self.model, self.datamodule)
         use_root_dir(self.trainer)  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume
         keep_runs(self.trainer, ckpt_path if ckpt_path and Path(ckpt_path).is_file() else None)
+
+    def before_validate(self) -> None:
+        raise UserError(self.fit_only())
+
+    def before_test(self) -> None:
+        raise UserError(self.fit_only())
+
+    def before_predict(self) -> None:
+        raise UserError(self.fit_only())
+
+    def fit_only(self) -> str:
+        """Without fit the probes are untrained (their weights are kept nowhere): their accuracies would be noise."""
+        return (f"probe.py {self.subcommand} is not supported: the probes are trained, validated, tested and "
+                "reported in one probe.py fit run (their weights are not kept): run probe.py fit")
 
     def after_fit(self) -> None:
         """Test the trained probes once, then write the report (rank zero) and print a summary."""

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from jsonargparse import lazy_instance
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -65,6 +66,7 @@ from callbacks.checkpointing import (
     AtomicCheckpointIO,
     Preempted,
     PretrainCheckpoint,
+    check_fits,
     check_fresh_start,
     check_resume,
     check_resume_directory,
@@ -80,6 +82,7 @@ from core.cli import HeldLogs, ProjectCLI
 from core.errors import UserError, plain_warnings
 from datamodules.finetune import FineTuneDataModule
 from datamodules.mlm import MLMDataModule, check_block_length
+from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.finetune import REPORT, FineTuneModule
 from lightning_modules.mlm import MLMModule
 from lightning_modules.training import check_warmup, schedule_end
@@ -126,18 +129,7 @@ class TrainCLI(ProjectCLI):
         arguments = self.config_init[self.subcommand]
         ckpt_path = arguments.get("ckpt_path")
         folder = Path(trainer.checkpoint_callback.dirpath)
-        if ckpt_path == "last":
-            path = last_checkpoint(folder) or (folder / LAST if (folder / PREVIOUS).is_file() else None)
-        elif ckpt_path == "hpc":
-            path = hpc_checkpoint(trainer.default_root_dir)
-        elif ckpt_path in ("best", "registry"):
-            raise UserError(f"--ckpt_path {ckpt_path} cannot resume a run: give last, hpc or a checkpoint file")
-        elif ckpt_path:
-            path = Path(ckpt_path)
-            if not path.is_file():
-                raise UserError(f"checkpoint not found: {ckpt_path}")
-        else:
-            path = None
+        path = self.checkpoint_path(ckpt_path, "resume a run")
         if path is not None:
             # a resume writes into default_root_dir: never over another run (a path of another run, a link to one)
             check_resume_directory(path, ckpt_path, trainer.default_root_dir, folder)
@@ -148,6 +140,52 @@ class TrainCLI(ProjectCLI):
             check_fresh_start(trainer.default_root_dir)
             arguments["ckpt_path"] = None
         keep_runs(trainer, path)  # one W&B run per training run: a resume continues the one it kept
+
+    def checkpoint_path(self, ckpt_path: str | None, purpose: str) -> Path | None:
+        """The file --ckpt_path names: `last` (the run's last.ckpt, or last.ckpt to fall back from when only
+        previous.ckpt is left; None when the run has neither), `hpc`, or a file; None without --ckpt_path."""
+        folder = Path(self.trainer.checkpoint_callback.dirpath)
+        if ckpt_path == "last":
+            return last_checkpoint(folder) or (folder / LAST if (folder / PREVIOUS).is_file() else None)
+        if ckpt_path == "hpc":
+            return hpc_checkpoint(self.trainer.default_root_dir)
+        if ckpt_path in ("best", "registry"):
+            raise UserError(f"--ckpt_path {ckpt_path} cannot {purpose}: give last, hpc or a checkpoint file")
+        if ckpt_path and not Path(ckpt_path).is_file():
+            raise UserError(f"checkpoint not found: {ckpt_path}")
+        return Path(ckpt_path) if ckpt_path else None
+
+    def before_validate(self) -> None:
+        """`train.py validate --ckpt_path last|hpc|FILE`: fit's validation (its val/ keys and the live statistics'
+        val_ ones) of a checkpoint's weights, nothing trained or saved. The checkpoint is read weights-only and must
+        fit the config as a resume must; the values are logged at the checkpoint's step, to a W&B run of their own
+        under default_root_dir: the training run's W&B run, its kept id and its config.yaml stay as they are."""
+        model, data, trainer = self.model, self.datamodule, self.trainer
+        self.check_data()
+        data.check_trainer(trainer, apply=False)
+        check_callbacks(trainer, model)
+        arguments = self.config_init[self.subcommand]
+        if not arguments.get("ckpt_path"):
+            raise UserError("train.py validate needs the weights to validate: --ckpt_path last (the run in "
+                            "--trainer.default_root_dir), hpc or a checkpoint file")
+        path = self.checkpoint_path(arguments["ckpt_path"], "be validated")
+        if path is None:
+            raise UserError(f"--ckpt_path last: no checkpoint in {trainer.checkpoint_callback.dirpath} to validate")
+        use_root_dir(trainer)  # W&B's files under default_root_dir, a run of their own (no kept id: keep_runs)
+        self.lock_run()  # rank 0: one live run per directory; checkpoints read weights-only
+        path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
+        checkpoint = read_checkpoint(path, self.kind)
+        check_fits(checkpoint, path, model, data)
+        arguments["ckpt_path"] = str(path)
+        # logged at the number of updates the weights had (Lightning's validate leaves the loops at 0)
+        trainer.fit_loop.epoch_loop._batches_that_stepped = int(checkpoint.get("global_step", 0))
+
+    def before_test(self) -> None:
+        raise UserError(self.no_test)
+
+    def before_predict(self) -> None:
+        raise UserError("train.py predict is not supported: the export (<default_root_dir>/export) loads in "
+                        "transformers, and analyze.py reads it")
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -174,16 +212,27 @@ class PretrainCLI(TrainCLI):
         check_block_length(self.datamodule.hparams.block_length, self.model)
         self.check_settings(self.datamodule.accumulation(self.trainer.world_size))
 
+    no_test = ("train.py test: MLM pretraining has no test set; train.py validate --ckpt_path last gives a "
+               "checkpoint's validation loss and perplexity")
+
+    def check_data(self) -> None:
+        """The block length against the model's positions, a cached tokenizer's ids and block count (on every rank;
+        prepare_data checks what it makes)."""
+        check_block_length(self.datamodule.hparams.block_length, self.model)
+        self.datamodule.check_cache(self.model.vocab_size, self.trainer.world_size)
+
     def before_fit(self) -> None:
         """Cheap checks before any process group, cache or file: global batch, block length, the schedule (a warning
         for a warm-up that does not end before it), a cached tokenizer's ids and block count; then the run
         directory's lock and the resume target. A tokenizer or blocks not cached yet are checked by prepare_data once
         made, which Lightning runs before its loggers and callbacks write anything."""
-        data, model, trainer = self.datamodule, self.model, self.trainer
-        check_block_length(data.hparams.block_length, model)
-        data.check_cache(model.vocab_size, trainer.world_size)  # on every rank; prepare_data checks what it makes
-        self.check_run(data.accumulation(trainer.world_size))
-        trainer.callbacks.append(RunSummary())  # the last validation loss, for the summary after the fit
+        self.check_data()
+        self.check_run(self.datamodule.accumulation(self.trainer.world_size))
+        add_run_summary(self.trainer)  # the last validation loss, for the summary after the fit
+
+    def before_validate(self) -> None:
+        super().before_validate()
+        add_run_summary(self.trainer)  # its state in the checkpoint has its callback (as a resume's)
 
     def after_fit(self) -> None:
         """Where the export, checkpoints and W&B run are, the last validation loss and outlier verdict."""
@@ -201,16 +250,28 @@ class FineTuneCLI(TrainCLI):
         super().add_arguments_to_parser(parser)
         parser.link_arguments("data.label_names", "model.init_args.classes", apply_on="instantiate")
 
+    no_test = ("train.py test: fine-tuning tests its final weights at the end of fit (finetune.json); train.py "
+               "validate --ckpt_path last gives a checkpoint's validation loss and accuracy")
+
+    def check_data(self) -> None:
+        self.datamodule.check_max_length(self.model.max_length)
+
     def before_fit(self) -> None:
-        data, trainer = self.datamodule, self.trainer
-        data.check_max_length(self.model.max_length)
-        data.check_examples(trainer.world_size)
-        self.check_run(data.accumulation(trainer.world_size))
+        self.check_data()
+        self.datamodule.check_examples(self.trainer.world_size)
+        self.check_run(self.datamodule.accumulation(self.trainer.world_size))
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             report = Path(self.trainer.default_root_dir) / REPORT
             print_summary(json.loads(report.read_text()), report)
+
+
+def add_run_summary(trainer) -> None:
+    """A RunSummary, before the checkpoint callbacks: a validation's loss is in the checkpoint saved after it
+    (PretrainCheckpoint saves the step's checkpoint again once the validation that follows it ends)."""
+    checkpoints = [i for i, callback in enumerate(trainer.callbacks) if isinstance(callback, ModelCheckpoint)]
+    trainer.callbacks.insert(checkpoints[0] if checkpoints else len(trainer.callbacks), RunSummary())
 
 
 def print_summary(report: dict, path: Path) -> None:

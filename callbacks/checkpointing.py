@@ -121,6 +121,20 @@ class PretrainCheckpoint(ModelCheckpoint):
         if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
             raise self._stop
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """A validation right after a periodic save of its step (val_check_interval and every_n_train_steps meeting, as
+        at the last step of every config): that step's checkpoints are saved again, now holding the validation (its
+        loss, the live statistics' state, the summary's reading) that Lightning ran after saving them; a resume or a
+        re-run of the finished run reads it, and analyze.py trajectory reports it at its step."""
+        super().on_validation_end(trainer, pl_module)
+        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or \
+                self._last_global_step_saved != trainer.global_step or trainer.global_step == 0:
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._last_global_step_saved = -1  # ModelCheckpoint saves a step once: this step again
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
         if self.save_last and not self._should_skip_saving_checkpoint(trainer) and \
@@ -265,17 +279,23 @@ def hpc_checkpoint(root: str | Path) -> Path:
 
 
 def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm", max_steps: int | None = None) -> None:
-    """Before anything is written: a whole checkpoint of this project, read weights-only, whose architecture (PE or
-    not, sizes), weights, and tokenizer match the config (`model`, an MLMModule or FineTuneModule), whose data
-    position continues on `world_size` devices (`data`, its data module), and whose learning-rate schedule, which a
-    resume keeps, does not end before --trainer.max_steps at a rate of 0."""
+    """Before anything is written: a whole checkpoint of this project, read weights-only, that fits the config
+    (`check_fits`), whose learning-rate schedule, which a resume keeps, does not end before --trainer.max_steps at a
+    rate of 0, and whose data position continues on `world_size` devices (`data`, its data module)."""
     checkpoint = read_checkpoint(path, kind)
     check_resumed_schedule(checkpoint.get("lr_schedulers"), model.hparams, max_steps, path)
+    check_fits(checkpoint, path, model, data)
+    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
+
+
+def check_fits(checkpoint: dict, path: Path, model, data) -> None:
+    """A checkpoint (read by read_checkpoint) whose architecture (PE or not, sizes), weights and tokenizer match the
+    config (`model`, an MLMModule or FineTuneModule; `data`, its data module): what a resume and `train.py validate`
+    both need."""
     check_architecture(checkpoint.get("hyper_parameters", {}), model.hparams, f"checkpoint {path}")
     if hasattr(model, "check_checkpoint"):  # what else the module needs to match (a fine-tuned model's classes)
         model.check_checkpoint(checkpoint.get("hyper_parameters", {}), f"checkpoint {path}")
     check_weights(checkpoint["state_dict"], model.state_dict(), path)
-    data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
     saved = checkpoint.get(type(data).__qualname__, {}).get("tokenizer_fingerprint")
     tokenizer = data.cached_tokenizer()
     if saved is not None and tokenizer is not None and fingerprint(tokenizer) != saved:

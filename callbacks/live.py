@@ -132,9 +132,14 @@ class LiveCallback(pl.Callback):
             raise UserError(f"{name}: image_every_n_steps ({images}) must be a multiple of every_n_steps ({every}), "
                             "or 0 for no images during training")
 
-    def check(self, pl_module: pl.LightningModule) -> None:
-        """Raise a UserError now when the module's hidden states cannot be captured (train.py calls this early)."""
+    def check(self, pl_module: pl.LightningModule, data: pl.LightningDataModule | None = None) -> None:
+        """Raise a UserError now when the module's hidden states cannot be captured, or, for a module without an
+        encoder, the prepared probe data module `data` holds no position-probe features to read (train.py and
+        probe.py call this before any logger starts)."""
         self.check_settings()
+        if data is not None and find_encoder(pl_module) is None and self.supports_probe_features:
+            self.probe_slots(pl_module, data)
+            return
         modules = hidden_state_sites(pl_module)
         self.capture_layers(pl_module, len(modules))
 
@@ -150,19 +155,22 @@ class LiveCallback(pl.Callback):
             self.layers = self.capture_layers(pl_module, len(self._modules))
             self.hidden_size = hidden_size(find_encoder(pl_module).config)
             return
-        data = trainer.datamodule
+        self.layers, self._slots = self.probe_slots(pl_module, trainer.datamodule)
+        self._modules, self.hidden_size = None, trainer.datamodule.spec.hidden_size
+
+    def probe_slots(self, pl_module: pl.LightningModule, data) -> tuple[list[int], list[int]]:
+        """(the layers read, their feature slots) of a probe data module's cached position-probe features."""
         spec = getattr(data, "spec", None)  # the position probe's FeatureSpec (datamodules.probing.PositionDataModule)
         if spec is None or getattr(data, "item_name", None) != "tokens":
             raise UserError(f"{type(self).__name__}: cannot capture the hidden states of {type(pl_module).__name__}: it "
                             "holds no transformers encoder and its data are not the position probe's cached features "
                             "(use it in MLM pretraining or with configs/probe/position.yaml)")
         encoder_layer_ids = [layer for kind, layer in spec.slots if kind == "encoder"]
-        self.layers = self.requested_layers or encoder_layer_ids
-        missing = [layer for layer in self.layers if layer not in encoder_layer_ids]
+        layers = self.requested_layers or encoder_layer_ids
+        missing = [layer for layer in layers if layer not in encoder_layer_ids]
         if missing:
             raise UserError(f"{type(self).__name__}: layers {missing} are not among the probe's layers {encoder_layer_ids}")
-        self._slots = [spec.slots.index(("encoder", layer)) for layer in self.layers]
-        self._modules, self.hidden_size = None, spec.hidden_size
+        return layers, [spec.slots.index(("encoder", layer)) for layer in layers]
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.check_settings()
@@ -261,8 +269,9 @@ class LiveCallback(pl.Callback):
         FIGURES.flush(trainer)  # before the loggers close
 
 
-def check_callbacks(trainer, pl_module) -> None:
-    """Before anything is written (train.py's before_fit): every live-statistics callback can capture the module."""
+def check_callbacks(trainer, pl_module, data: pl.LightningDataModule | None = None) -> None:
+    """Before anything is written (train.py's before_fit; probe.py's, `data` its prepared probe data module): every
+    live-statistics callback can capture the module, or read the probe's cached features."""
     for callback in trainer.callbacks:
         if isinstance(callback, LiveCallback):
-            callback.check(pl_module)
+            callback.check(pl_module, data)

@@ -302,12 +302,14 @@ class AtomicSaveConfig(SaveConfigCallback):
     """Lightning's config.yaml, written whole (a temporary file beside it, renamed into place) or not at all: a full
     disk leaves a resumed run's earlier config.yaml as it was. Written when the stage starts (`on_fit_start`, ...),
     not at `setup` as Lightning writes it: a refusal raised after that (a module's own `setup`, a checkpoint that does
-    not fit the model) leaves no config.yaml behind, and a resumed run's as it was."""
+    not fit the model) leaves no config.yaml behind, and a resumed run's as it was. Only `fit` writes it: the
+    config.yaml of a run directory says how its run was trained, and `train.py validate` of one of its checkpoints
+    leaves it so."""
 
     _stage: str | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._stage = stage
+        self._stage = stage if stage == "fit" else None
 
     def _write(self, trainer, pl_module) -> None:
         if self._stage is None:  # written already, or no setup: every rank returns here alike (the write broadcasts)

@@ -11,7 +11,8 @@ The encoders run exactly once per sentence in total, over all splits sorted by l
 rows are routed to their split's FeatureStore. Within `max_memory_gb`: float32 when all splits' features fit it,
 else float16 (half the bytes; hidden states keep ~3 significant digits); a split stays in memory while the running
 total fits, and the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
-An SST-2-size position probe (0.7M tokens × 13 layers × 768) is ~14 GB in float16: it streams from disk.
+An SST-2-size position probe (0.7M tokens × 13 layers × 768) is ~14 GiB in float16, twice that with the random
+twin's slots (the default): it streams from disk.
 Slots: the first encoder's layers, then the next encoder's (the random-init twin's), then the first encoder's again
 for each per-sentence variant (metrics.transforms: SoftDecay transforms each sentence's token matrix, so the items
 are taken from its states, not transformed afterwards), in `layers` order.

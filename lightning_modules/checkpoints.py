@@ -56,8 +56,10 @@ def load_checkpoint_model(path: str | Path, tokenizer=None):
     attention = attention_of(hparams)  # softmax for a checkpoint made before the attention variants
     try:
         objective, positions = arm_of(hparams)  # RoBERTa's MLM for a checkpoint made before the arms
+        # the run's own dropout, as its export's config has it (eval mode here; fine-tuning from it trains with it)
         model = build_model(**{key: hparams[key] for key in keys if key != "vocab_size"}, vocab_size=rows,
-                            dropout=0.0, position_embeddings=hparams["position_embeddings"], **specials,
+                            dropout=hparams.get("dropout", 0.1), position_embeddings=hparams["position_embeddings"],
+                            **specials,
                             attention=attention, objective=objective, positions=positions,
                             token_type_embeddings=token_type_of(hparams))
     except (TypeError, ValueError, RuntimeError, UserError) as error:  # sizes or an arm that describe no model

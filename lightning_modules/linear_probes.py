@@ -76,9 +76,13 @@ class LinearProbes(pl.LightningModule):
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.spec is not None:
-            return
-        spec = getattr(self.trainer.datamodule, "spec", None) if self.trainer.datamodule is not None else None
+        if self.spec is None:
+            self.attach(self.trainer.datamodule)
+
+    def attach(self, data) -> None:
+        """Size the probes from a prepared probing data module's FeatureSpec, with their checks (one line each);
+        probe.py calls it before Lightning starts the loggers (setup runs after)."""
+        spec = getattr(data, "spec", None) if data is not None else None
         if spec is None:
             raise RuntimeError(f"{type(self).__name__} needs a probing data module (datamodules/probing.py)")
         encoder = self.hparams.encoder

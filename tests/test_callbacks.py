@@ -811,6 +811,39 @@ def test_contribution_vectors_in_a_probe_py_run(tmp_path, bert_tok):
         assert float(rows[step]["position_probe_by_layer/num_tokens"]) == positions.numel()
 
 
+@pytest.mark.parametrize("config, init_args, message", [
+    ("classify", {}, "ContributionVectors: cannot capture the hidden states of SentenceClassifier: it holds no "
+                     "transformers encoder and its data are not the position probe's cached features"),
+    ("position", {"layers": [1, 9]}, "ContributionVectors: layers [9] are not among the probe's layers [0, 1, 2, 3]"),
+    ("classify", None, f"--clip {','.join(map(str, range(32)))} zeroes all 32 dims of layer 1: nothing is left"),
+])
+def test_a_live_callback_a_probe_py_run_cannot_take_is_refused_before_the_wandb_run_starts(tmp_path, bert_tok, capfd,
+                                                                                            config, init_args, message):
+    """probe.py builds its probes and checks its live callbacks once the features are cached and before Lightning
+    starts the loggers (it sets the module and callbacks up after): a refusal of either is the one line, and no W&B
+    run (wandb/, wandb_run_id) is left behind. None: no callback, a clip that leaves a layer nothing (the probe's)."""
+    import probe
+    from tests.tiny import save_tiny_encoder
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "l.csv"
+    data.write_text("text,label\n" + "".join(f"{t.replace(',', ' ')},{i % 2}\n"
+                                             for i, t in enumerate(corpus_sentences(30))), encoding="utf-8")
+    out = tmp_path / "out"
+    spec = {"class_path": "callbacks.contribution_vectors.ContributionVectors", "init_args": init_args}
+    with pytest.raises(SystemExit) as exited:
+        probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / f"{config}.yaml"), "--model.encoder",
+                        str(encoder), "--data.source", str(data), "--data.random_baseline", "false",
+                        "--data.progress", "false", "--trainer.accelerator", "cpu", "--trainer.logger",
+                        "callbacks.wandb_logging.AutoWandbLogger", "--trainer.default_root_dir", str(out),
+                        *(("--trainer.callbacks+", json.dumps(spec)) if init_args is not None else
+                          ("--model.clip", ",".join(map(str, range(32)))))])
+    assert exited.value.code == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"probe.py: error: {message}")
+    assert not out.exists() or not [path for path in out.rglob("*") if path.is_file()]
+
+
 class FailInCapturedStep(pl.Callback):
     """Test helper: raises inside training step `step` (a captured one), after its forward pass and before its
     backward, and remembers what the module's hidden-state tap held at that moment. Instances register in `made`."""

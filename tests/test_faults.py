@@ -568,6 +568,9 @@ ERROR_ROW_TESTS = {
     ('analyze.py, probe.py, train.py', 'a gated export whose model.safetensors lacks the gates'): [
         'test_attention_variants.py::test_a_gated_export_without_its_gate_weights_is_one_line',
     ],
+    ('probe.py', '`probe.py test`, `validate` or `predict`'): [
+        'test_probe_cli.py::test_a_subcommand_other_than_fit_is_refused_rather_than_scoring_untrained_probes',
+    ],
     ('probe.py', 'a batch size or steps per block under 1'): [
         'test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing',
     ],
@@ -903,6 +906,9 @@ ERROR_ROW_TESTS = {
     ],
     ('train.py', '`--ckpt_path hpc` without an HPC checkpoint, `--ckpt_path best` or `registry`'): [
         'test_resume_directory.py::test_hpc_without_an_hpc_checkpoint_and_best_are_one_line',
+    ],
+    ('train.py', '`train.py validate` without `--ckpt_path`; `train.py test` or `predict`'): [
+        'test_train.py::test_validate_gives_the_fits_last_validation_at_its_step_and_leaves_the_run_alone',
     ],
     ('train.py', 'disk full before training (config.yaml, the logs, the lock)'): [
         'test_full_disk.py::test_a_full_disk_at_the_start_keeps_the_earlier_config_and_leaves_no_lock',

@@ -518,3 +518,32 @@ def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, 
         module.attach(AutoTokenizer.from_pretrained(inputs["encoder"]))
     kept = [(text, pair) for split in ("train", "val", "test") for text, pair in module.splits.texts[split]]
     assert sorted(kept) == sorted((line, lines[i - 1]) for i, line in enumerate(lines) if i not in missing)
+
+
+def test_fine_tuning_from_a_pretraining_checkpoint_keeps_its_dropout_as_from_its_export(roberta_tok, tmp_path):
+    """--model.encoder run/checkpoints/last.ckpt and --model.encoder run (its export) are one model: both fine-tune
+    with the pretraining's dropout (here 0.25, its hyper-parameter), the head's included; the .ckpt was read with
+    dropout 0, so fine-tuning from it trained without any."""
+    from torch import nn
+
+    from core.tokenizers import tokenizer_files
+    from lightning_modules.finetune import load_classifier
+    from lightning_modules.mlm import MLMModule, export
+
+    torch.manual_seed(0)
+    module = MLMModule(vocab_size=len(roberta_tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, max_position_embeddings=66, dropout=0.25)
+    export(module, roberta_tok, tmp_path / "export")
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 1,
+                "MLMDataModule": {"tokenizer_files": tokenizer_files(roberta_tok)}}, ckpt)
+    rates = {}
+    for source in (ckpt, tmp_path / "export"):
+        classifier, _ = load_classifier(str(source), ["a", "b"])
+        config = classifier.config
+        assert (config.hidden_dropout_prob, config.attention_probs_dropout_prob) == (0.25, 0.25), source
+        rates[source] = [m.p for m in classifier.modules() if isinstance(m, nn.Dropout)]
+        states = {key: value for key, value in classifier.state_dict().items() if not key.startswith("classifier")}
+        for key, value in module.model.roberta.state_dict().items():  # the same encoder weights either way
+            torch.testing.assert_close(states[f"roberta.{key}"], value, rtol=0, atol=0, msg=key)
+    assert rates[ckpt] == rates[tmp_path / "export"] and set(rates[ckpt]) == {0.25}

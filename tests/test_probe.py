@@ -467,6 +467,33 @@ def test_split_and_label_errors(tmp_path, bert_tok):
 
 
 
+def test_a_whole_number_written_with_a_decimal_point_is_the_class_of_that_number_in_every_file_format(tmp_path):
+    """A csv exported by pandas from a float column writes 1.0; JSON, parquet and datasets give the float 1.0, which
+    is the class 1: read from the csv it was the class '1.0', another class than a '1' of the same column (a third
+    class of a two-class task) and not among --data.classes [1, 2]. The classes by hand: 1 and 2."""
+    import json
+
+    labels = ["1", "2.0", "2", "1.00", " +2.0 ", "1"]  # as written in the csv
+    table, lines = tmp_path / "l.csv", tmp_path / "l.jsonl"
+    with table.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("text", "label"), *((f"sentence {i}", x) for i, x in enumerate(labels))])
+    lines.write_text("".join(json.dumps({"text": f"sentence {i}", "label": float(x)}) + "\n"
+                             for i, x in enumerate(labels)), encoding="utf-8")
+    by_hand = [1, 2, 2, 1, 2, 1]
+    for path in (table, lines):
+        data = ClassificationDataModule(source=str(path), encoder="unused", classes=[1, 2])
+        texts, read = data.read_split(str(path), None)
+        assert read == by_hand, path
+        classes, tensors = data.set_classes({"train": read, "val": read[:2], "test": read[2:]})
+        assert classes == [1, 2] and tensors["train"].tolist() == [x - 1 for x in by_hand], path
+    inferred = ClassificationDataModule(source=str(table), encoder="unused")
+    assert inferred.set_classes({split: by_hand for split in SPLITS})[0] == [1, 2]
+    assert ClassificationDataModule(source=str(table), encoder="unused").read_split(str(table), None)[1] == by_hand
+    fractions = tmp_path / "f.csv"  # a label that is no whole number stays the text it is written as
+    fractions.write_text("text,label\na,0.5\nb,1.5\nc,2.0e0\n", encoding="utf-8")
+    assert inferred.read_split(str(fractions), None)[1] == ["0.5", "1.5", "2.0e0"]
+
+
 def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
     """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
     token once per epoch; the loader serves them `steps_per_block` at a time, each batch's rows in its own place."""

@@ -344,3 +344,23 @@ def test_a_refusal_in_the_probes_own_setup_writes_nothing(tmp_path, bert_tok, ca
     assert errors == ["probe.py: error: --clip 0,1,2,3 zeroes all 4 dims of layer 1: nothing is left to compare; use "
                       "--clip none or fewer dims"]
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+@pytest.mark.parametrize("subcommand", ["test", "validate", "predict"])
+def test_a_subcommand_other_than_fit_is_refused_rather_than_scoring_untrained_probes(tmp_path, bert_tok, capfd,
+                                                                                     subcommand):
+    """The probes' weights are kept nowhere: `probe.py test` (validate, predict) would score freshly initialised probes
+    and print their accuracies as results (Lightning's table, exit 0). One line, exit 2, nothing written."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    good = tmp_path / "good.txt"
+    good.write_text("\n".join(corpus_sentences(20)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        probe.cli_main([subcommand, "--config", str(ROOT / "configs" / "probe" / "position.yaml"), *QUIET,
+                        "--model.encoder", str(encoder), "--data.source", str(good),
+                        "--trainer.default_root_dir", str(out)])
+    assert exited.value.code == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"probe.py: error: probe.py {subcommand} is not supported: the probes are trained, validated, "
+                      "tested and reported in one probe.py fit run (their weights are not kept): run probe.py fit"]
+    assert not out.exists()

@@ -111,9 +111,9 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
                 assert row[key] == separate[key], key
             for key in ("kurtosis_mean", "max_abs", "kurtosis_sequence", "inf_norm_sequence"):
                 assert row[key] == pytest.approx(separate[key], rel=1e-9), key
-        # the validation loss the step-4 checkpoint records is the one train.py logged at the validation before it
-        assert last["val_loss_step"] == 2 and run["checkpoints"][0]["val_loss"] is None
-        assert last["val_loss"] == pytest.approx(logged_val_losses(config.parent / "logs", position_embeddings, seed)[0],
+        # the validation loss the step-4 checkpoint records is the one train.py logged at the validation of step 4
+        assert last["val_loss_step"] == 4 and run["checkpoints"][0]["val_loss"] is None
+        assert last["val_loss"] == pytest.approx(logged_val_losses(config.parent / "logs", position_embeddings, seed)[1],
                                                  rel=1e-6)
         # the run trained what its settings say: no PE means an all-zero, untrained position table; the token-type
         # row is fairseq's (zero) in every run

@@ -417,6 +417,83 @@ def test_a_checkpoint_made_before_the_zero_token_type_row_resumes_with_the_learn
     assert resumed["global_step"] == 6 and not torch.equal(resumed["state_dict"][row], saved["state_dict"][row])
 
 
+@pytest.mark.slow
+def test_validate_gives_the_fits_last_validation_at_its_step_and_leaves_the_run_alone(corpus, cache, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """`train.py validate --ckpt_path last` with the default W&B logger (offline): the validation fit ran after its
+    last step, again, logged at the checkpoint's step to a W&B run of its own under the run directory; the run's files
+    (its kept W&B run id, checkpoints, config) stay as they were. `test` and `predict` are one line, nothing written."""
+    from tests.wandb_log import read_run
+
+    live = [json.dumps({"class_path": f"callbacks.{name}", "init_args": {"every_n_steps": 2, "image_every_n_steps": 0}})
+            for name in ("outlier_statistics.OutlierStatistics", "contribution_vectors.ContributionVectors")]
+    root, steps = tmp_path / "run", ("--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+                                     "--trainer.callbacks", f"[{', '.join(live)}]")
+    assert fit(root, corpus, cache, *steps) == 0
+    (root / "wandb_run_id").write_text("kept1234\n")  # the training run's W&B run: validate starts another
+    before = {path: path.read_bytes() for path in root.rglob("*") if path.is_file()}
+    fitted = [row for row in metrics(root) if row.get("val/loss")]  # the fit's validation after its last step
+    assert [int(row["step"]) for row in fitted] == [3]  # Lightning logs it at the steps counted before the last one
+    monkeypatch.chdir(tmp_path)
+    args = tiny_args(root, corpus, cache, *steps, "--trainer.logger", "callbacks.wandb_logging.AutoWandbLogger",
+                     "--ckpt_path", "last")[1:]
+    assert train.cli_main(["validate", *args]) == 0
+    run = read_run(next((root / "wandb").glob("offline-run-*")))
+    rows = [row for row in run.history if "val/loss" in row]
+    assert [row["trainer/global_step"] for row in rows] == [4]  # the updates the validated weights had
+    fitted = fitted[0]
+    assert rows[0]["val/loss"] == pytest.approx(float(fitted["val/loss"]), rel=1e-6)
+    assert rows[0]["val/perplexity"] == pytest.approx(math.exp(rows[0]["val/loss"]), rel=1e-5)
+    logged = {key: value for row in run.history for key, value in row.items() if key.startswith("val_")}
+    live = {key: float(value) for row in metrics(root) if row["step"] == "3"
+            for key, value in row.items() if key.startswith("val_") and value}  # the fit's, at its step
+    assert len(live) > 40 and "val_position_probe/accuracy" in live  # the online probe: its checkpointed weights
+    assert {key: logged[key] for key in live} == pytest.approx(live, rel=1e-5)
+    assert {path: path.read_bytes() for path in before} == before  # no config.yaml, run id or checkpoint rewritten
+    assert all(root / "wandb" in path.parents for path in root.rglob("*") if path.is_file() and path not in before)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # nothing in the working directory
+
+    capsys.readouterr()
+    files = sorted(root.rglob("*"))
+    for subcommand, message, ckpt in (
+            ("test", "train.py test: MLM pretraining has no test set", True),
+            ("predict", "train.py predict is not supported", True),
+            ("validate", "train.py validate needs the weights to validate: --ckpt_path last (the run in", False)):
+        assert train.cli_main([subcommand, *(args if ckpt else args[:-2])]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"train.py: error: {message}")
+        assert sorted(root.rglob("*")) == files
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_step_a_validation_follows_holds_that_validation_and_resumes_exactly(corpus, cache, tmp_path):
+    """Lightning saves a step's checkpoints before the validation after that step (every_n_train_steps and
+    val_check_interval meet, as at every config's last step): they held the validation before, so a re-run of the
+    finished run summed up a stale loss and analyze.py trajectory paired each checkpoint with the previous validation.
+    Each checkpoint holds the validation of its own step (the loss the logger got, logged at the step before), and a
+    run extended from the 4-step run's last.ckpt logs and ends as the straight 6-step run, bit for bit."""
+    aligned = ("--trainer.val_check_interval", "2", "--checkpoint.save_top_k", "-1", "--trainer.log_every_n_steps", "2")
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    assert fit(straight, corpus, cache, *aligned, "--trainer.max_steps", "6") == 0
+    logged = {int(row["step"]) + 1: float(row["val/loss"]) for row in metrics(straight) if row.get("val/loss")}
+    assert sorted(logged) == [2, 4, 6]  # the validations after steps 2, 4, 6
+    periodic = sorted((straight / "checkpoints").glob("epoch=*-step=*.ckpt"))
+    for path in [*periodic, straight / "checkpoints" / "last.ckpt"]:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        step = saved["global_step"]
+        assert saved["val_loss"] == {"value": pytest.approx(logged[step], rel=1e-6), "step": step}, path.name
+        assert saved["callbacks"]["RunSummary"]["val"] == [step, pytest.approx(logged[step], rel=1e-6)], path.name
+    assert sorted(torch.load(p, map_location="cpu", weights_only=True)["global_step"] for p in periodic) == [2, 4, 6]
+
+    assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "4") == 0
+    assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "6", "--ckpt_path", "last") == 0
+    assert train_losses(extended) == train_losses(straight)
+    assert {int(row["step"]): row["val/loss"] for row in metrics(extended) if row.get("val/loss")} == \
+        {int(row["step"]): row["val/loss"] for row in metrics(straight) if row.get("val/loss")}
+    for name, value in checkpoint(straight)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(extended)["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
 class PoisonAt(pl.Callback):
     """Test helper: makes one weight NaN just before the training step `step` (so that step's loss is NaN)."""
 

@@ -181,7 +181,7 @@ def test_no_checkpoints_or_other_architectures_are_one_line_exit_2_and_write_not
 @pytest.fixture(scope="module")
 def nope_run(tmp_path_factory, corpus, cache) -> Path:
     """A second tiny run, without positional embeddings, validated every 2 steps (so its checkpoints record a
-    validation loss: the one of the validation before them, as Lightning checkpoints before validating)."""
+    validation loss: the one of the validation of their step, after which train.py saves them again)."""
     root = tmp_path_factory.mktemp("trajectory-nope") / "nope"
     tiny_run(root, corpus, cache, "--model.position_embeddings", "false", "--trainer.val_check_interval", "2",
              "--trainer.check_val_every_n_epoch", "null")
@@ -231,12 +231,11 @@ def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_
     for row, separate in zip(point["layers"], outliers["layers"], strict=True):
         for key in ("kurtosis_mean", "kurtosis_max", "max_abs", "top1_share"):
             assert row[key] == pytest.approx(separate[key], rel=1e-9), key
-    # the validation loss each checkpoint records: the validation of the step before, equal to validating the
-    # previous checkpoint's weights directly; the PE run never validated (no val_check_interval reached)
-    assert [(p["step"], p["val_loss_step"]) for p in nope["checkpoints"]] == [(2, None), (4, 2), (6, 4)]
-    previous = {p["step"]: p["path"] for p in nope["checkpoints"]}
-    for p in nope["checkpoints"][1:]:
-        assert p["val_loss"] == pytest.approx(validate_directly(Path(previous[p["val_loss_step"]])), rel=1e-5)
+    # the validation loss each checkpoint records: the validation of its own step, equal to validating its weights
+    # directly; the PE run never validated (no val_check_interval reached)
+    assert [(p["step"], p["val_loss_step"]) for p in nope["checkpoints"]] == [(2, 2), (4, 4), (6, 6)]
+    for p in nope["checkpoints"]:
+        assert p["val_loss"] == pytest.approx(validate_directly(Path(p["path"])), rel=1e-5)
     assert all(p["val_loss"] is None for p in pe["checkpoints"])
 
 
