@@ -152,3 +152,21 @@ def test_every_init_parameter_of_the_lightning_cli_classes_has_a_help_text():
         assert names and set(names) <= set(helps), (path, set(names) - set(helps))
         missing[path] = [name for name in names if not helps[name]]
     assert missing == {path: [] for path in classes}
+
+
+@pytest.mark.parametrize("name", [None, "study.yaml", "study-bb.yaml", "roberta-base.yaml"])
+def test_study_help_lists_every_arm_of_its_study_file_with_its_settings(name, capsys):
+    import yaml
+
+    path = ROOT / "configs" / "study" / (name or "study.yaml")  # None: study.py's default study file
+    arms = yaml.safe_load(path.read_text(encoding="utf-8"))["arms"]
+    with pytest.raises(SystemExit) as stop:
+        study.main([*(["--config", str(path)] if name else []), "--help"])
+    assert stop.value.code == 0
+    listed = capsys.readouterr().out.split("(train.py settings each changes):\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed] == list(arms)  # every arm, in the file's order, nothing else
+    for line, (arm, settings) in zip(listed, arms.items()):
+        words = line.split(None, 1)[1]
+        expected = ", ".join(f"{key} {str(value).lower() if isinstance(value, bool) else value}"
+                             for key, value in (settings or {}).items())
+        assert words == (expected or "no change"), (arm, words)
