@@ -371,14 +371,15 @@ def test_a_shipped_study_draws_every_isoscore_star_mini_batch_it_asks_for(name, 
     from metrics.transforms import RAW
 
     args = trajectory_arguments(read_study(Path("configs/study") / name)["trajectory"], tmp_path, study.parse_trajectory)
-    assert args.max_sentences > 0  # a sample of this many sentences, each giving one token
+    assert args.max_sentences > 0
+    sampled = min(args.max_sentences, 2 * args.num_pairs)  # the reference's token sample: one token of each sentence
     asked = args.minibatches
-    assert args.max_sentences // args.minibatch >= asked  # by hand: whole mini-batches of one token per sentence
+    assert sampled // args.minibatch >= asked  # by hand: whole mini-batches of one token per sentence
     # the protocol's own count, on a reference of that many sentences with a token each (1 layer, 4 dims)
-    points = torch.randn(args.max_sentences, 1, 4, generator=torch.Generator().manual_seed(0))
-    filled = torch.ones(args.max_sentences, dtype=torch.bool)
+    points = torch.randn(sampled, 1, 4, generator=torch.Generator().manual_seed(0))
+    filled = torch.ones(sampled, dtype=torch.bool)
     reference = SimpleNamespace(sample=(points, filled), sample_of=lambda variant: (points, filled),
                                 moments_of=lambda variant: (points.mean(0), torch.eye(4).expand(1, 4, 4)))
     _, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, asked)
     assert batches == asked
-    assert minibatch_shortfall(batches, args.minibatch, asked, args.max_sentences) is None
+    assert minibatch_shortfall(batches, args.minibatch, asked, sampled) is None
