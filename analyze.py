@@ -42,8 +42,11 @@ from core.arguments import HelpFormatter, OneLineArgumentParser, load_runner
 from core.defaults import (
     DEFAULT_CORPUS,
     DTYPES,
+    MAX_SENTENCES,
     NORMALIZATIONS,
+    NUM_PAIRS,
     OUTLIER_MIN_SHARE,
+    PAPER_OUTLIER_SENTENCES,
     SOFTDECAY_ALPHA,
     STS_PRESETS,
     STS_SETS,
@@ -53,8 +56,23 @@ from core.errors import UserError, exit_with, plain_warnings
 # Nothing above imports torch: `--help` answers at once. A subcommand's runner is named "package.module:function" and
 # imported after the arguments are parsed (load_runner), as is everything `validate` needs.
 
+PAPER_SECTION3 = (f"the paper's §3 sample is {PAPER_OUTLIER_SENTENCES:,} sentences of each of SST-2's and QQP's "
+                  "training sets, which `analyze.py paper --outlier_sentences` draws")
+# each subcommand's --max_sentences: its default and whose it is (the paper's sample, or ours)
+SAMPLES = {
+    "outliers": (MAX_SENTENCES, f"ours; {PAPER_SECTION3}"),
+    "anisotropy": (MAX_SENTENCES, "the paper's §4.1 sample, one random token from each of 2 x --num_pairs of them"),
+    "isotropy": (MAX_SENTENCES, "ours (the anisotropy's sample size; the paper has no isotropy scores)"),
+    "self-similarity": (0, "every sentence, the paper's, which draws its words from the whole SST-2 training set; N: "
+                           "the words of a seeded sample of N sentences"),
+    "all": (MAX_SENTENCES, f"the paper's §4.1 anisotropy sample; ours for the outliers, as {PAPER_SECTION3}"),
+    "trajectory": (MAX_SENTENCES, "ours (the same sentences at every checkpoint)"),
+    "intervene": (MAX_SENTENCES, "ours"),
+}
+
 def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str | None = str(DEFAULT_CORPUS),
-                         max_sentences: int = 2000, encoder: bool = True) -> None:
+                         encoder: bool = True, sample: tuple[int, str] = (MAX_SENTENCES, "ours")) -> None:
+    """The options every subcommand shares; `sample`: --max_sentences' default and whose it is (the paper's, ours)."""
     if encoder:
         parser.add_argument("--encoder", default=None,
                             help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
@@ -70,8 +88,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
         parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
     if data is not None:
+        max_sentences, whose = sample
         parser.add_argument("--max_sentences", type=int, default=max_sentences,
-                            help=f"random sample of this many sentences, by --seed (0: all; default {max_sentences})")
+                            help=f"random sample of this many sentences of --data, by --seed (0: all; default "
+                                 f"{max_sentences}: {whose})")
     parser.add_argument("--batch_size", type=int, default=32, help="sentences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="the one seed of the run: sentence sample, random tokens "
                         "and pairs, mini-batches (recorded in the report)")
@@ -121,11 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run: str, help: str, output: str, data: str | None = str(DEFAULT_CORPUS),
-                max_sentences: int = 2000, variants: bool = True, encoder: bool = True) -> argparse.ArgumentParser:
+                variants: bool = True, encoder: bool = True) -> argparse.ArgumentParser:
         """A subcommand with the common options; `run`: its runner, "package.module:function" (imported after
         parsing), called as run(args, rank, world)."""
         sub = commands.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
-        add_common_arguments(sub, output, data, max_sentences, encoder)
+        add_common_arguments(sub, output, data, encoder, SAMPLES.get(name, (MAX_SENTENCES, "ours")))
         add_variant_arguments(sub) if variants else add_rule_arguments(sub)
         sub.set_defaults(run=run, ranks=True)
         return sub
@@ -137,12 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "the data and the mean |value| of each outlier dim over its tokens (a second pass)")
     add_magnitude_arguments(outliers)
     anisotropy = command("anisotropy", "analyses.runs:run_anisotropy", "mean cosine of random token pairs per layer "
-                         "(2000 sentences -> 1000 pairs), raw and clipped", "anisotropy")
+                         f"({MAX_SENTENCES} sentences -> {NUM_PAIRS} pairs), raw and clipped", "anisotropy")
     isotropy = command("isotropy", "analyses.runs:run_isotropy", "IsoScore, IsoScore* and the singular-value spectrum "
                        "per layer", "isotropy")
     selfsim = command("self-similarity", "analyses.runs:run_self_similarity", "self-similarity of words in different "
-                      "contexts (Ethayarajh 2019), raw and adjusted by the anisotropy of 2000 random sentences of --data",
-                      "self_similarity", max_sentences=0)
+                      f"contexts (Ethayarajh 2019), raw and adjusted by the anisotropy of {2 * NUM_PAIRS} random "
+                      "sentences of --data", "self_similarity")
     wic = command("wic", "analyses.runs:run_wic", "Word-in-Context: cosine of the target word's vectors against a "
                   "threshold", "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
@@ -170,10 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "text_column":
             action.help = ("--sst2's text column, for §3, §4.1 and its position probe and classifier (default: "
                            "auto-detected, SST-2's sentence; QQP's is --qqp_column)")
+        if action.dest == "max_sentences":  # §4.1's sample only: §3's is --outlier_sentences
+            action.help = (f"§4.1's anisotropy sample: a random sample of this many sentences of each of --sst2 and "
+                           f"--qqp, by --seed (0: all; default {MAX_SENTENCES}, the paper's); §3's outliers are "
+                           "--outlier_sentences")
     paper.add_argument("--qqp_column", default="question1", help="QQP's text column (default question1)")
-    paper.add_argument("--outlier_sentences", type=int, default=10000, help="§3's sentences for the outliers: a seeded "
-                       "sample of this many from each of --sst2 and --qqp, together (default 10000 each, the paper's "
-                       "10k of both); a set with fewer is used whole, and paper.md says how many were used")
+    paper.add_argument("--outlier_sentences", type=int, default=PAPER_OUTLIER_SENTENCES, help="§3's sentences for the "
+                       "outliers: a seeded sample of this many from each of --sst2 and --qqp, together (default "
+                       f"{PAPER_OUTLIER_SENTENCES} each, the paper's {PAPER_OUTLIER_SENTENCES:,} of both); a set with "
+                       "fewer is used whole, and paper.md says how many were used")
     paper.add_argument("--sts", nargs="*", default=list(STS_SETS), help="STS sets (presets or files; none alone or "
                        "no value: skipped, as --sst2 none; default the seven of Table 2: " + " ".join(STS_SETS) + ")")
     paper.add_argument("--probe_sentences", type=int, default=0, help="a seeded sample of this many sentences per "
@@ -202,10 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,
                          help="sentences a word must occur in; also the contexts used per word")
+    pairs = (f"token pairs: one random token from each of 2 x this many random sentences (default {NUM_PAIRS}, the "
+             "paper's; self-similarity: its anisotropy baseline, 2 x this many sentences of --data)")
     for sub in (anisotropy, isotropy, selfsim, everything, paper, trajectory):
-        sub.add_argument("--num_pairs", type=int, default=1000,
-                         help="token pairs: one random token from each of 2 x this many random sentences (default "
-                              "1000; self-similarity: its anisotropy baseline, 2 x this many sentences of --data)")
+        sub.add_argument("--num_pairs", type=int, default=NUM_PAIRS, help=pairs if sub is not paper else (
+            "§4.1's token pairs: one random token from each of 2 x this many of the --max_sentences sentences of each "
+            f"of --sst2 and --qqp, paired (default {NUM_PAIRS}, the paper's); each set's anisotropy is also the "
+            "baseline of its self-similarity"))
     for sub in (isotropy, everything, trajectory):
         sub.add_argument("--zeta", type=float, default=0.2, help="IsoScore* shrinkage towards the full covariance")
         sub.add_argument("--minibatch", type=int, default=250, help="tokens per IsoScore* mini-batch")

@@ -1,5 +1,5 @@
-"""The outlier-causes study (docs/study.md): baseline (PE), no PE, clipped softmax and gated attention, each trained
-with every seed on one small recipe, then every checkpoint of every run analysed on the same sentences, against a
+"""The outlier-causes study (docs/study.md): the study file's arms (below: each changes a few train.py settings of one
+recipe), each trained with every seed, then every checkpoint of every run analysed on the same sentences, against a
 null (the same run at step 0, Gaussian vectors), with a verdict per arm over the seeds.
 
     python study.py --config configs/study/study.yaml --output_dir runs/study                 # make study
@@ -12,22 +12,38 @@ Errors in the input are one line on stderr and exit status 2, with nothing writt
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import analyze
+from analyses.study import arms_help
 from core.arguments import HelpFormatter, OneLineArgumentParser
 from core.errors import UserError, exit_with, plain_warnings
 
+DEFAULT_STUDY = "configs/study/study.yaml"
 
-def build_parser() -> OneLineArgumentParser:
+
+def study_file(config: str | None) -> Path:
+    """The study file whose arms --help lists: --config as given, the default one beside this program otherwise."""
+    if config is not None:
+        return Path(config)
+    return Path(DEFAULT_STUDY) if Path(DEFAULT_STUDY).is_file() else Path(__file__).resolve().parent / DEFAULT_STUDY
+
+
+def build_parser(config: str | None = None) -> OneLineArgumentParser:
+    """study.py's parser; its help lists the arms of `config` (default: the default study file), read from it."""
+    path = study_file(config)
     parser = OneLineArgumentParser(prog="study.py", description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                   epilog=f"arms of {config or DEFAULT_STUDY} (train.py settings each changes):\n"
+                                          f"{arms_help(path)}",
                                    formatter_class=HelpFormatter)
-    parser.add_argument("--config", default="configs/study/study.yaml", help="the study file: its arms, seeds, recipe "
+    parser.add_argument("--config", default=DEFAULT_STUDY, help="the study file: its arms, seeds, recipe "
                         "and comparison options")
     parser.add_argument("--output_dir", default="runs/study", help="one run directory per arm and seed "
                         "(<arm>/seed<k>), study.json, study.png")
-    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the study's arms, in this order "
-                        "(default: all of them)")
+    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the study's arms (below), in this "
+                        "order (default: all of them)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None,
                         help="train every arm with each of these seeds (default: the study file's `seeds`, else 0)")
     parser.add_argument("--max_steps", type=int, default=None,
@@ -45,7 +61,9 @@ def parse_trajectory(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     plain_warnings()
-    args = build_parser().parse_args(argv)
+    peek = argparse.ArgumentParser(add_help=False)  # the study file first: --help lists its arms
+    peek.add_argument("--config", default=None)
+    args = build_parser(peek.parse_known_args(argv)[0].config).parse_args(argv)
     try:
         from analyses.study import run_study  # imported after parsing: --help imports no torch
 

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from core.defaults import MASSIVE_TOP_K
+from core.tokenizers import readable_token
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
@@ -45,16 +46,18 @@ def rules_of(args) -> dict:
 
 
 def token_kind(tokenizer, token_id: int, position: int, special: set[int]) -> dict:
-    """Where a token stands and what it is: its string, the first token of its sequence, a special token (one of
+    """Where a token stands and what it is: its string (`token`, the tokenizer's own: 'Ġs'; `text`, what it reads as:
+    ' s'), the first token of its sequence, a special token (one of
     `special`: FrozenEncoder.special_ids, the project's one rule), punctuation (its text without subword markers is
     all punctuation)."""
     if token_id < 0:
-        return {"token": None, "token_id": None, "first": position == 0, "special": None, "punctuation": None}
+        return {"token": None, "text": None, "token_id": None, "first": position == 0, "special": None,
+                "punctuation": None}
     text = tokenizer.convert_ids_to_tokens(token_id)
     bare = text
     for marker in MARKERS:
         bare = bare.replace(marker, "")
-    return {"token": text, "token_id": token_id, "first": position == 0,
+    return {"token": text, "text": readable_token(tokenizer, text), "token_id": token_id, "first": position == 0,
             "special": token_id in special,
             "punctuation": bool(bare) and all(unicodedata.category(c).startswith("P") for c in bare)}
 

@@ -19,6 +19,7 @@ from core.defaults import (
     MASSIVE_DEFAULTS,
     MASSIVE_RULES,
     MASSIVE_TOP_K,
+    NUM_PAIRS,
     SINK_EPSILON,
     STS_PRESETS,
 )
@@ -105,6 +106,6 @@ def add_intervene_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sentences of --data for the probe (default {INTERVENE_PROBE['sentences']})")
     parser.add_argument("--probe_epochs", type=int, default=INTERVENE_PROBE["epochs"],
                         help=f"probe epochs (default {INTERVENE_PROBE['epochs']}; the paper trains 10)")
-    parser.add_argument("--num_pairs", type=int, default=1000,
+    parser.add_argument("--num_pairs", type=int, default=NUM_PAIRS,
                         help="anisotropy: token pairs, one random token from each of 2 x this many random sentences "
-                             "(default 1000, the paper's)")
+                             f"(default {NUM_PAIRS}, the paper's)")

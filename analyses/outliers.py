@@ -20,6 +20,8 @@ from analyses.session import finish, prepare, read_sentences, run_header, settin
 from core.errors import UserError
 from core.figures import layer_panels_figure, mean_vectors_figure, position_rows_figure
 from core.models import position_rows
+from core.tables import shown_token
+from core.tokenizers import readable_token
 from lightning_modules.encoder import FrozenEncoder
 from metrics.frequency import TokenDimensionMagnitude, frequency_correlation
 from metrics.neuron_stats import NeuronStatisticsResult
@@ -90,7 +92,8 @@ def token_frequency_report(args, encoder: FrozenEncoder, sentences: list[str], l
     entry["num_types"] = int((counts > 0).sum())
     entry["dims"] = [{"layer": layer, "dim": dim, "spearman": number(rho[k]),
                       "mean_magnitude": number((means[:, k] * counts).sum() / counts.sum()),
-                      "most_frequent": [{"token": name, "count": int(counts[i]), "mean_magnitude": number(means[i, k])}
+                      "most_frequent": [{"token": name, "text": readable_token(encoder.tokenizer, name),
+                                         "count": int(counts[i]), "mean_magnitude": number(means[i, k])}
                                         for name, i in zip(names, top)]}
                      for k, (layer, dim) in enumerate(pairs)]
     return entry
@@ -200,7 +203,7 @@ def print_magnitudes(report: dict) -> None:
     for row in report["layers"]:
         massive, sinks = row["massive_activations"], row["attention_sinks"]
         peak = massive["top"][0] if massive["top"] else None
-        where = f"{abs(peak['value']):.3g}: {peak['dim']} @ {peak['token']} ({peak['position']}), {peak['ratio']}x" \
+        where = f"{abs(peak['value']):.3g}: {peak['dim']} @ {shown_token(peak)} ({peak['position']}), {peak['ratio']}x" \
             if peak else "-"
         dims = ", ".join(str(entry["dim"]) for entry in row["magnitude_outliers"]["dims"]) or "-"
         share = "-" if sinks is None else f"{sinks['sink_share']:.0%} of heads"

@@ -121,6 +121,19 @@ def read_study(path: str | Path) -> dict:
             "seeds": seeds, "verdict": read_verdict(study.get("verdict"), path), "trajectory": dict(trajectory)}
 
 
+def arms_help(path: str | Path) -> str:
+    """The arms of the study file at `path`, one line each (its name, then the train.py settings it changes), for
+    study.py --help; a file that cannot be read says so in one line instead."""
+    try:
+        arms = read_study(path)["arms"]
+    except UserError as error:
+        return f"  (the arms cannot be listed: {error})"
+    width = max(len(name) for name in arms)
+    return "\n".join(f"  {name:<{width}}  " + (", ".join(f"{key.lstrip('-')} {setting_text(value)}"
+                                                       for key, value in settings.items()) or "no change")
+                     for name, settings in arms.items())
+
+
 def check_seeds(seeds: list) -> list[int]:
     """Distinct non-negative integer seeds, at least one."""
     if not seeds or not all(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 for seed in seeds):

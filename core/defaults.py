@@ -1,7 +1,7 @@
 """The defaults the entry points' parsers show and the code uses, torch-free: `analyze.py --help` imports this, not
 the modules that use them (which import torch).
 
-    from core.defaults import OUTLIER_MIN_SHARE, NORMALIZATIONS, STS_PRESETS, DEFAULT_CORPUS
+    from core.defaults import OUTLIER_MIN_SHARE, NORMALIZATIONS, STS_PRESETS, DEFAULT_CORPUS, MAX_SENTENCES
 
 Each value lives here once; the modules named beside it use it from here (metrics.outliers.OutlierRule,
 metrics.transforms, datamodules.pairs, datamodules.text, analyses.paper).
@@ -13,6 +13,14 @@ from pathlib import Path
 
 # the bundled corpus (Jane Austen's novels): every analysis's default --data (datamodules.text)
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
+
+# analyze.py's sentence sample and token pairs (--max_sentences, --num_pairs): the paper's §4.1 anisotropy sample, 1000
+# pairs of random tokens from 2000 random sentences; ours for every other analysis that samples sentences of --data
+MAX_SENTENCES = 2000
+NUM_PAIRS = 1000
+# the paper's §3 sample for the outliers: 10k sentences of each of SST-2's and QQP's training sets (analyze.py paper
+# --outlier_sentences; analyses.paper)
+PAPER_OUTLIER_SENTENCES = 10000
 
 # the outlier rule's share (metrics.outliers.OutlierRule): ours, for the paper's "most vectors"
 OUTLIER_MIN_SHARE = 0.2

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.output import missing_directories, remove_empty, write_error
+from core.output import missing_directories, pid_alive, remove_empty, write_error
 
 LOCK_NAME = ".run.lock"
 
@@ -157,12 +157,10 @@ def _alive(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname():
         return True
     try:
-        os.kill(int(owner.get("pid", -1)), 0)
-    except (ProcessLookupError, ValueError, OverflowError):
+        pid = int(owner.get("pid", -1))
+    except (TypeError, ValueError):
         return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    return pid_alive(pid) if pid > 0 else True  # no pid of its own to check: assumed alive
 
 
 def describe(owner: dict) -> str:

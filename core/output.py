@@ -4,6 +4,8 @@
         write_json(stage / "report.json", report)
     with staged_output("runs/x", owner="outliers") as stage:   # and the files an earlier `outliers` run wrote there
         ...                                                    # that this one does not write again are removed
+    # a staging directory is named .staging-<host>-<pid>-<random>: one a killed run left (its pid gone from this host)
+    # is removed by the next staged_output into the same directory, with a warning; a live run's never
     with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
         torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
@@ -17,7 +19,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +31,8 @@ from typing import Any
 from core.errors import UserError
 
 OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
+STAGING = ".staging-"  # a staging directory's prefix: .staging-<host>-<pid>-<mkdtemp's random part>
+STAGE_NAME = re.compile(r"\.staging-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[a-z0-9_]+")
 
 
 @contextlib.contextmanager
@@ -41,9 +48,10 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     """
     output = Path(output_dir)
     created = missing_directories(output)
+    remove_stale_stages(output)
     try:
         output.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=output))
+        stage = Path(tempfile.mkdtemp(prefix=f"{STAGING}{host_tag()}-{os.getpid()}-", dir=output))
     except OSError as error:
         remove_empty(created)
         raise UserError(f"cannot write to output directory {output}: {error.strerror or error}") from None
@@ -63,6 +71,55 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         remove_empty(created)
+
+
+def host_tag() -> str:
+    """This host's name as a staging directory's name holds it (characters other than letters, digits, '.', '_' and
+    '-' as '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "_"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's live process counts: it cannot be signalled)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_stages(output: Path) -> list[Path]:
+    """Remove the staging directories in `output` that a run on this host left when it was killed (its pid, in the
+    directory's name, no longer running), one warning line each on stderr naming it and its size; the removed ones.
+    A live run's staging directory (its pid running, this process's own included), another host's (its pid cannot be
+    checked from here) and one whose name does not say its pid (an earlier version's) are left as they are."""
+    removed = []
+    try:
+        candidates = sorted(path for path in output.iterdir() if path.name.startswith(STAGING))
+    except OSError:  # not there (yet), or not a directory: nothing staged in it
+        return removed
+    for path in candidates:
+        match = STAGE_NAME.fullmatch(path.name)
+        if not match or match["host"] != host_tag() or pid_alive(int(match["pid"])) or path.is_symlink() \
+                or not path.is_dir():
+            continue
+        size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:  # another run removed it first
+            continue
+        except OSError as error:
+            print(f"warning: cannot remove {path}, the staging directory a killed run (pid {match['pid']}) left: "
+                  f"{error.strerror or error}", file=sys.stderr)
+            continue
+        print(f"warning: removed {path} ({human_bytes(size)}), the staging directory of a run that ended without "
+              f"finishing (pid {match['pid']} on {match['host']}, no longer running)", file=sys.stderr)
+        removed.append(path)
+    return removed
 
 
 def remove_stale(output: Path, owner: str, written: set[str]) -> None:

@@ -2,6 +2,7 @@
 
     for line in table_lines(["layer", "accuracy"], [["0", "0.913"], ["12", "0.402"]], align=">"):
         print(line)
+    shown_token({"token": "Ġs", "text": " s"})    # "' s'": a report's token for a table, quoted, spaces visible
 
 Torch-free: `analyze.py compare` reads JSON only.
 """
@@ -22,3 +23,10 @@ def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], align: st
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     return [gap.join(f"{cell:{a}{width}}" for cell, a, width in zip(line, aligns, widths)).rstrip()
             for line in (headers, *rows)]
+
+
+def shown_token(entry: dict) -> str:
+    """A report entry's token as a table shows it: its readable `text` (core.tokenizers.readable_token), quoted so that
+    spaces show ("' s'", control characters escaped), or, in a report without one, its raw `token`; "-" for none."""
+    text = entry.get("text", entry.get("token"))
+    return "-" if text is None else repr(text)

@@ -5,6 +5,7 @@
     files = tokenizer_files(tokenizer); tokenizer_from_files(files)   # {name: text}: JSON and text, never a pickle
     boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
     special_strings(tokenizer); special_ids(tokenizer)   # every special token (added ones marked special too)
+    readable_token(tokenizer, "Ġs")                     # ' s': the text one token stands for, for people
 """
 
 from __future__ import annotations
@@ -239,3 +240,22 @@ def tokenizer_from_files(files: dict[str, str], what: str = "the embedded tokeni
             return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         except Exception as error:  # OSError, ValueError, the tokenizers library's plain Exception
             raise UserError(f"cannot load {what}: {library_line(error)}") from None
+
+
+SPACE_MARKER = "\u2581"  # SentencePiece's word-start marker, '▁'
+
+
+def readable_token(tokenizer, token: str) -> str:
+    """The text one token stands for, as a person reads it: `convert_tokens_to_string` of it alone (byte-level BPE's
+    'Ġs' is ' s', its 'Ċ' a newline, WordPiece's '##ing' stays '##ing'); SentencePiece's '▁the' keeps the leading space
+    its decoder drops at the start of a text (' the'). A token that is part of a character (a byte-level BPE byte of a
+    longer UTF-8 character) stays as it is, as does one the tokenizer cannot turn into text."""
+    try:
+        text = tokenizer.convert_tokens_to_string([token])
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError):
+        return token
+    if not isinstance(text, str) or "\ufffd" in text and "\ufffd" not in token:
+        return token
+    if token.startswith(SPACE_MARKER) and not text.startswith(" "):
+        text = " " + text
+    return text

@@ -10,7 +10,8 @@ For each dimension d:
   traced into the hidden space through the E-to-H projection (`embedding_hidden_mapping_in`, `embeddings_project`:
   rows @ W.T, no bias; core.models.position_rows), and the note says so.
 - layer_norms: for every LayerNorm over the hidden size, d's gain and bias and their ranks by magnitude among
-  all dimensions (1 = largest), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
+  all dimensions (1 + the dims of strictly larger |value|: 1 = largest) and ties (the other dims of exactly the same
+  |value|: a random-init LayerNorm's gains are all 1, so every dim has rank 1 and hidden - 1 ties), with the hidden-state layer the LayerNorm writes (0 = embeddings); a LayerNorm
   shared by several layers (ALBERT's shared groups) has layer None and lists them in shared_by_layers. An RMSNorm
   (Llama, Qwen) is traced like a LayerNorm's gain and has no bias. Gains and biases are what the norm applies
   (core.norms.norm_affine, read off its forward pass): Gemma's RMSNorm gain is 1 + its weight, and OLMo's
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from core.norms import norm_affine
-from metrics.ranks import rank_by_magnitude
+from metrics.ranks import rank_by_magnitude, strictly_top, ties_by_magnitude
 
 
 def trace_origins(model: nn.Module, dims: list[int]) -> dict:
@@ -36,7 +37,7 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     report: dict = {"position_embeddings": None, "position_embeddings_note": note, "layer_norms": {}}
     if table is not None:
         row_max, row_min = table.argmax(1), table.argmin(1)  # [positions]
-        column_rank = rank_by_magnitude(table.mean(0))
+        column_rank, column_ties = rank_by_magnitude(table.mean(0)), ties_by_magnitude(table.mean(0))
         report["position_embeddings"] = {
             "num_positions": int(table.shape[0]),
             "dims": {
@@ -47,6 +48,7 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
                     "share_as_min": round(float((row_min == d).float().mean()), 6),
                     "column_mean": round(float(table[:, d].mean()), 6),
                     "column_mean_rank": int(column_rank[d]),
+                    "column_mean_ties": int(column_ties[d]),
                 }
                 for d in dims
             },
@@ -56,23 +58,30 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
              for name, layers, module in layer_norms(model)]
     report["layer_norms_note"] = norms_note(model, [(module, affine, placement)
                                                     for _, _, module, affine, placement in norms])
-    ranks = [(rank_by_magnitude(affine.gain), rank_by_magnitude(affine.bias) if affine.bias is not None else None)
+    ranks = [(ranks_and_ties(affine.gain), ranks_and_ties(affine.bias) if affine.bias is not None else None)
              for _, _, _, affine, _ in norms]
     for d in dims:
         entries = []
         for (name, layers, _, affine, placement), (weight_rank, bias_rank) in zip(norms, ranks, strict=True):
             entry = {"module": name, "layer": layers[0] if len(layers) == 1 else None,
-                     "weight": round(float(affine.gain[d]), 6), "weight_rank": int(weight_rank[d])}
+                     "weight": round(float(affine.gain[d]), 6), "weight_rank": int(weight_rank[0][d]),
+                     "weight_ties": int(weight_rank[1][d])}
             if len(layers) > 1:
                 entry["shared_by_layers"] = layers
             if placement is not None:
                 entry["placement"] = placement
             if bias_rank is not None:
-                entry.update(bias=round(float(affine.bias[d]), 6), bias_rank=int(bias_rank[d]))
+                entry.update(bias=round(float(affine.bias[d]), 6), bias_rank=int(bias_rank[0][d]),
+                             bias_ties=int(bias_rank[1][d]))
             entries.append(entry)
         report["layer_norms"][str(d)] = entries
     report["hidden_size"] = model.config.hidden_size
     return report
+
+
+def ranks_and_ties(values: Tensor) -> tuple[Tensor, Tensor]:
+    """(rank [hidden], ties [hidden]) by magnitude (metrics.ranks)."""
+    return rank_by_magnitude(values), ties_by_magnitude(values)
 
 
 def norms_note(model: nn.Module, norms: list) -> str:
@@ -99,7 +108,9 @@ def norms_note(model: nn.Module, norms: list) -> str:
 
 
 def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
-    """One line per dimension for the terminal: position-row shares and the best LayerNorm ranks."""
+    """One line per dimension for the terminal: position-row shares and the best LayerNorm ranks, each with its ties
+    ("rank 1, tied with 383 other dims"); "top-3" counts the norms where the dim is among the top 3 whichever way ties break, and
+    those where it is tied across the top 3's edge are counted apart."""
     lines = {}
     for key, entries in report["layer_norms"].items():
         d = int(key)
@@ -108,18 +119,24 @@ def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
         if table is not None:
             info = table["dims"][key]
             parts.append(f"PE rows as max {info['share_as_max']:.0%}, as min {info['share_as_min']:.0%}, "
-                         f"|col mean| rank {info['column_mean_rank']}")
-        best_weight = min(entries, key=lambda e: e["weight_rank"], default=None)
-        best_bias = min((e for e in entries if "bias_rank" in e), key=lambda e: e["bias_rank"], default=None)
-        if best_weight is not None:
-            parts.append(f"LN gain rank {best_weight['weight_rank']} ({where(best_weight)})")
-        if best_bias is not None:
-            parts.append(f"LN bias rank {best_bias['bias_rank']} ({where(best_bias)})")
-        top_weight = sum(e["weight_rank"] <= top for e in entries)
-        top_bias = sum(e.get("bias_rank", top + 1) <= top for e in entries)
-        parts.append(f"top-{top} in {top_weight}/{len(entries)} gains, {top_bias}/{len(entries)} biases")
+                         f"|col mean| {ranked(info['column_mean_rank'], info.get('column_mean_ties', 0))}")
+        gains = [(e["weight_rank"], e.get("weight_ties", 0), e) for e in entries]
+        biases = [(e["bias_rank"], e.get("bias_ties", 0), e) for e in entries if "bias_rank" in e]
+        for what, ranks in (("gain", gains), ("bias", biases)):
+            if ranks:
+                rank, ties, entry = min(ranks, key=lambda item: item[:2])
+                parts.append(f"LN {what} {ranked(rank, ties)} ({where(entry)})")
+        strict = [sum(strictly_top(rank, ties, top) for rank, ties, _ in ranks) for ranks in (gains, biases)]
+        edge = [sum(rank <= top < rank + ties for rank, ties, _ in ranks) for ranks in (gains, biases)]
+        parts.append(f"top-{top} in {strict[0]}/{len(entries)} gains, {strict[1]}/{len(entries)} biases" +
+                     (f" (tied across the top-{top} edge in {edge[0]} gains, {edge[1]} biases)" if any(edge) else ""))
         lines[d] = "; ".join(parts)
     return lines
+
+
+def ranked(rank: int, ties: int) -> str:
+    """'rank 2', or 'rank 1, tied with 383 other dims' (ranks 1-384 shared)."""
+    return f"rank {rank}" + (f", tied with {ties} other dim{'s' if ties > 1 else ''}" if ties else "")
 
 
 def where(entry: dict) -> str:

@@ -1,6 +1,10 @@
 """Ranks by magnitude, shared by the origins report (LayerNorm gains and biases) and the contribution rankings.
 
     rank_by_magnitude(torch.tensor([0.5, -3.0, 1.0]))     # tensor([3, 1, 2]): 1 = the largest |value|
+    ties_by_magnitude(torch.tensor([1.0, -1.0, 0.5]))     # tensor([1, 1, 0]): other entries of the same |value|
+
+A dimension of rank r with t ties shares ranks r..r+t with them (all-ones LayerNorm gains: rank 1, hidden - 1 ties):
+it is strictly among the top k only when r + t <= k (`strictly_top`).
 """
 
 from __future__ import annotations
@@ -12,3 +16,15 @@ def rank_by_magnitude(values: Tensor) -> Tensor:
     """rank[d] = 1 + the number of entries with a strictly larger |value| (1 = largest). values: [hidden]."""
     magnitude = values.abs()
     return (magnitude.unsqueeze(0) > magnitude.unsqueeze(1)).sum(1) + 1
+
+
+def ties_by_magnitude(values: Tensor) -> Tensor:
+    """ties[d] = the number of other entries with exactly the same |value|. values: [hidden]."""
+    magnitude = values.abs()
+    return (magnitude.unsqueeze(0) == magnitude.unsqueeze(1)).sum(1) - 1
+
+
+def strictly_top(rank: int, ties: int, k: int) -> bool:
+    """Whether a dimension of `rank` (1 + the entries strictly larger) with `ties` equal ones is among the top `k`
+    whichever way its ties are broken."""
+    return rank + ties <= k

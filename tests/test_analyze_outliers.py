@@ -109,6 +109,51 @@ def plant_bias(model) -> None:
     model.encoder.layer[1].output.LayerNorm.bias[5] = 10.0
 
 
+def test_the_magnitudes_table_shows_a_bpe_token_as_its_text_and_the_json_keeps_the_raw_token(tmp_path, roberta_tok,
+                                                                                            capsys):
+    """Byte-level BPE writes a word-initial token as 'Ġword': the table shows what it reads as, quoted (' word'), while
+    outliers.json keeps the tokenizer's own token beside that text."""
+    texts = [text for text in corpus_sentences(60, start=700) if text and len(roberta_tok(text)["input_ids"]) <= 40][:6]
+    tokens = roberta_tok.convert_ids_to_tokens(roberta_tok(texts[0])["input_ids"])
+    word = next(token for token in tokens if token.startswith("Ġ") and token[1:].isalpha() and len(token) > 2)
+    token_id = roberta_tok.convert_tokens_to_ids(word)
+
+    def plant(model):  # layer 0 (the embeddings) peaks on dim 5 of this token wherever it stands
+        model.embeddings.word_embeddings.weight[token_id, 5] = 1000.0
+
+    encoder = save_tiny_encoder(tmp_path / "roberta", "roberta", roberta_tok, plant=plant)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / "out", "--max_sentences", 0,
+               "--no_attention_sinks") == 0
+    top = json.loads((tmp_path / "out" / "outliers.json").read_text())["layers"][0]["massive_activations"]["top"][0]
+    readable = " " + word[1:]  # by hand: Ġ is the byte-level BPE's space
+    assert (top["dim"], top["token"], top["token_id"], top["text"]) == (5, word, token_id, readable)
+    table = capsys.readouterr().out.split("massive: ", 1)[1].splitlines()[2:]  # the magnitudes table's rows
+    assert f" 5 @ '{readable}' (" in table[0] and table[0].split()[0] == "0"
+    assert "Ġ" not in "\n".join(table)
+
+
+def test_a_token_reads_as_the_text_it_stands_for(roberta_tok):
+    """Byte-level BPE's markers become the space and newline they encode; a byte of a longer character stays its raw
+    token (no replacement character); SentencePiece's '▁' keeps its space, which its decoder drops at a text's start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from core.tables import shown_token
+    from core.tokenizers import readable_token
+
+    accented = roberta_tok.convert_ids_to_tokens(roberta_tok("é")["input_ids"])[1:-1]  # two byte tokens, 'Ã', '©'
+    assert len(accented) == 2 and all(readable_token(roberta_tok, token) == token for token in accented)
+    assert [readable_token(roberta_tok, token) for token in ("Ġs", "Ċ", "<s>")] == [" s", "\n", "<s>"]
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581the": 1, "cat": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spm = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert [readable_token(spm, token) for token in ("\u2581the", "cat")] == [" the", "cat"]
+    assert [shown_token(entry) for entry in ({"token": "Ġs", "text": " s"}, {"token": "Ġs"}, {"token": None})] == \
+        ["' s'", "'Ġs'", "-"]  # an older report without `text`: its raw token
+
+
 def test_magnitudes_in_the_report_equal_a_direct_computation(tmp_path, bert_tok):
     """massive_activations, magnitude_outliers, kurtosis_sequence / inf_norm_sequence and attention_sinks of
     outliers.json against the tiny model's own hidden states and eager attention weights, computed here by hand."""

@@ -152,3 +152,68 @@ def test_every_init_parameter_of_the_lightning_cli_classes_has_a_help_text():
         assert names and set(names) <= set(helps), (path, set(names) - set(helps))
         missing[path] = [name for name in names if not helps[name]]
     assert missing == {path: [] for path in classes}
+
+
+@pytest.mark.parametrize("name", [None, "study.yaml", "study-bb.yaml", "roberta-base.yaml"])
+def test_study_help_lists_every_arm_of_its_study_file_with_its_settings(name, capsys):
+    import yaml
+
+    path = ROOT / "configs" / "study" / (name or "study.yaml")  # None: study.py's default study file
+    arms = yaml.safe_load(path.read_text(encoding="utf-8"))["arms"]
+    with pytest.raises(SystemExit) as stop:
+        study.main([*(["--config", str(path)] if name else []), "--help"])
+    assert stop.value.code == 0
+    listed = capsys.readouterr().out.split("(train.py settings each changes):\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed] == list(arms)  # every arm, in the file's order, nothing else
+    for line, (arm, settings) in zip(listed, arms.items()):
+        words = line.split(None, 1)[1]
+        expected = ", ".join(f"{key} {str(value).lower() if isinstance(value, bool) else value}"
+                             for key, value in (settings or {}).items())
+        assert words == (expected or "no change"), (arm, words)
+
+
+def option_help(parser: argparse.ArgumentParser, dest: str) -> tuple[str, object]:
+    action = next(action for action in parser._actions if action.dest == dest)
+    return action.help, action.default
+
+
+def test_max_sentences_help_says_whose_sample_its_default_is():
+    from core.defaults import MAX_SENTENCES, NUM_PAIRS, PAPER_OUTLIER_SENTENCES
+
+    parsers = subparsers(analyze.build_parser())
+    text, default = option_help(parsers["analyze.py outliers"], "max_sentences")
+    assert default == MAX_SENTENCES and f"default {MAX_SENTENCES}: ours;" in text  # ours, not the paper's §3 sample
+    assert f"the paper's §3 sample is {PAPER_OUTLIER_SENTENCES:,} sentences of each of SST-2's and QQP's" in text
+    assert "`analyze.py paper --outlier_sentences`" in text  # the subcommand that draws the paper's sample
+    assert option_help(parsers["analyze.py paper"], "outlier_sentences")[1] == PAPER_OUTLIER_SENTENCES
+    text, default = option_help(parsers["analyze.py paper"], "max_sentences")  # paper's is §4.1's sample, the paper's
+    assert default == MAX_SENTENCES and f"default {MAX_SENTENCES}, the paper's" in text and "--outlier_sentences" in text
+    assert option_help(parsers["analyze.py anisotropy"], "num_pairs")[1] == NUM_PAIRS and 2 * NUM_PAIRS == MAX_SENTENCES
+    with_sample = {name: option_help(parser, "max_sentences") for name, parser in parsers.items()
+                   if any(action.dest == "max_sentences" for action in parser._actions)}
+    assert {"analyze.py outliers", "analyze.py anisotropy", "analyze.py isotropy", "analyze.py self-similarity",
+            "analyze.py all", "analyze.py paper", "analyze.py trajectory", "analyze.py intervene"} == set(with_sample)
+    for name, (text, default) in with_sample.items():  # each names its default and whose it is
+        assert f"default {default}" in text and ("ours" in text or "the paper's" in text), name
+
+
+def test_paper_num_pairs_samples_its_own_sets():
+    from core.defaults import NUM_PAIRS
+
+    text, default = option_help(subparsers(analyze.build_parser())["analyze.py paper"], "num_pairs")
+    assert default == NUM_PAIRS and "--sst2" in text and "--qqp" in text and "--max_sentences" in text
+
+
+def test_every_option_a_help_text_names_is_an_option_of_its_subcommand():
+    """A help text that names --x means this subcommand's --x, or `<other subcommand> --x` another's (`paper` has no
+    --data: its --num_pairs once said 'sentences of --data')."""
+    import re
+
+    parsers = subparsers(analyze.build_parser()) | subparsers(study.build_parser())
+    options = {name: {option for action in parser._actions for option in action.option_strings}
+               for name, parser in parsers.items()}
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            for command, option in re.findall(r"(?:([\w-]+) )?(--[a-z0-9_]+)", action.help or ""):
+                owner = f"analyze.py {command}" if f"analyze.py {command}" in parsers and command != name else name
+                assert option in options[owner], f"{name} {action.option_strings}: {option} is not an option of {owner}"

@@ -286,6 +286,57 @@ def test_staged_output_is_all_or_nothing(tmp_path):
         pass
 
 
+KILLED_WRITER = """
+import sys, time
+from core.output import staged_output
+with staged_output(sys.argv[1]) as stage:
+    (stage / "features.bin").write_bytes(bytes(4096))  # a feature cache being built
+    print(stage, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_later_run_removes_the_staging_directory_of_a_killed_run_and_no_live_one(tmp_path, capsys):
+    """A run killed while it stages (kill -9: no cleanup runs) leaves .staging-<host>-<pid>-*; the next staged_output
+    into that directory removes it, with one warning line naming it, and leaves a live run's (this process's), another
+    host's and an unnamed one (an earlier version's: whose it is cannot be told) as they are."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.output import host_tag
+
+    target = tmp_path / "out"
+    root = Path(__file__).resolve().parent.parent
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(target)], cwd=root, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    dead = Path(writer.stdout.readline().strip())
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    writer.stdout.close()
+    assert dead.name.startswith(f".staging-{host_tag()}-{writer.pid}-") and (dead / "features.bin").is_file()
+    live = target / f".staging-{host_tag()}-{os.getpid()}-abc123"  # a concurrent run's: this live process's pid
+    other_host = target / f".staging-{host_tag()}x-{writer.pid}-def456"  # its pid means nothing here
+    unnamed = target / ".staging-k2j4_x9q"
+    for directory in (live, other_host, unnamed):
+        directory.mkdir()
+        (directory / "part.bin").write_bytes(b"x")
+    with staged_output(target, owner="outliers") as stage:
+        (stage / "report.json").write_text("{}")
+    assert not dead.exists()
+    assert all((directory / "part.bin").read_bytes() == b"x" for directory in (live, other_host, unnamed))
+    assert sorted(path.name for path in target.iterdir()) == sorted(
+        [".written_by", "report.json", live.name, other_host.name, unnamed.name])  # this run's own stage gone too
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: removed {dead} (4.0 KiB), the staging directory of a run that ended without finishing (pid "
+        f"{writer.pid} on {host_tag()}, no longer running)"]
+    with staged_output(target) as stage:  # nothing stale left: no warning
+        pass
+    assert capsys.readouterr().err == ""
+
+
 def test_a_second_run_of_an_owner_removes_what_its_first_wrote_and_not_others_files(tmp_path):
     """The files one owner (an analyze.py subcommand) wrote last time and does not write again go; a file another owner
     wrote since, a user's own file and a recorded path outside the directory stay."""

@@ -227,6 +227,49 @@ def test_albert_positions_traced_through_the_factorised_projection(bert_tok):
     assert not any("shared_by_layers" in entry for entry in entries)
 
 
+def test_layernorm_ranks_report_ties_and_top_3_only_when_strictly_among_them(bert_tok):
+    """A random-init BERT's LayerNorm gains are all 1 and its biases all 0: every dim has rank 1 and hidden - 1 ties,
+    and is among the top 3 in none of them (tied across the edge in all). Planted gains and biases: the ranks and
+    ties written out by hand."""
+    from transformers import BertModel
+
+    from metrics.origins import summarise_origins, trace_origins
+    from tests.tiny import HIDDEN, tiny_config
+
+    torch.manual_seed(0)
+    model = BertModel(tiny_config("bert", len(bert_tok))).eval()
+    names = ["embeddings.LayerNorm"] + [f"encoder.layer.{i}.{part}.LayerNorm" for i in range(LAYERS)
+                                        for part in ("attention.output", "output")]
+    norms = 2 * LAYERS + 1
+    entries = trace_origins(model, [9])["layer_norms"]["9"]
+    assert [entry["module"] for entry in entries] == names
+    assert all((entry["weight_rank"], entry["weight_ties"], entry["bias_rank"], entry["bias_ties"])
+               == (1, HIDDEN - 1, 1, HIDDEN - 1) for entry in entries)
+    line = summarise_origins(trace_origins(model, [9]))[9].split("; ")[1:]  # after the position rows
+    assert line == [f"LN gain rank 1, tied with {HIDDEN - 1} other dims (layer 0)",
+                    f"LN bias rank 1, tied with {HIDDEN - 1} other dims (layer 0)",
+                    f"top-3 in 0/{norms} gains, 0/{norms} biases (tied across the top-3 edge in {norms} gains, "
+                    f"{norms} biases)"]
+
+    d, a, b, c = 9, 1, 2, 3
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        modules[names[0]].weight[d] = 5.0  # strictly largest: rank 1, no ties
+        modules[names[0]].bias[d] = -0.5  # strictly largest |bias|: rank 1, no ties
+        modules[names[1]].weight[[d, a, b]] = 2.0  # three-way tie at the top: rank 1, 2 ties, top-3 either way
+        modules[names[2]].weight[[d, a, b, c]] = 2.0  # four-way tie: rank 1, 3 ties, across the top-3 edge
+        modules[names[3]].weight[[a, b, c]] = 3.0
+        modules[names[3]].weight[d] = -2.5  # |gain| 2.5 below three dims of 3: rank 4, no ties, not top-3
+    expected = [(1, 0), (1, 2), (1, 3), (4, 0)] + [(1, HIDDEN - 1)] * (norms - 4)
+    entries = trace_origins(model, [d])["layer_norms"][str(d)]
+    assert [(entry["weight_rank"], entry["weight_ties"]) for entry in entries] == expected
+    assert [(entry["bias_rank"], entry["bias_ties"]) for entry in entries] == [(1, 0)] + [(1, HIDDEN - 1)] * (norms - 1)
+    line = summarise_origins(trace_origins(model, [d]))[d].split("; ")[1:]
+    assert line == ["LN gain rank 1 (layer 0)", "LN bias rank 1 (layer 0)",
+                    f"top-3 in 2/{norms} gains, 1/{norms} biases (tied across the top-3 edge in {norms - 3} gains, "
+                    f"{norms - 1} biases)"]
+
+
 OUR_NUMBERS = re.compile(r"0\.2\b|20 ?%|\bhalf\b|[<>]=? ?12\b|\b12 layers")  # share, persistence, --clip auto's depth
 
 

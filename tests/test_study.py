@@ -358,3 +358,28 @@ def test_the_shipped_study_files_read_as_written():
         assert read["train_config"] == [str(path.parent / config) for config in configs]
         assert read["verdict"] == {"gaussian_samples": 3, "margin": 0.5}  # written out or the defaults, not lost
         assert set(study_file) <= {"train_config", "arms", "seeds", "verdict", "trajectory"}
+
+
+@pytest.mark.parametrize("name", ["study.yaml", "study-bb.yaml", "roberta-base.yaml"])
+def test_a_shipped_study_draws_every_isoscore_star_mini_batch_it_asks_for(name, tmp_path):
+    """One random token per sentence feeds IsoScore*: the comparison's --max_sentences must fill --minibatches
+    mini-batches of --minibatch tokens, or every checkpoint warns that fewer were averaged."""
+    from types import SimpleNamespace
+
+    from analyses.geometry import minibatch_isoscores, minibatch_shortfall
+    from analyses.study import read_study, trajectory_arguments
+    from metrics.transforms import RAW
+
+    args = trajectory_arguments(read_study(Path("configs/study") / name)["trajectory"], tmp_path, study.parse_trajectory)
+    assert args.max_sentences > 0
+    sampled = min(args.max_sentences, 2 * args.num_pairs)  # the reference's token sample: one token of each sentence
+    asked = args.minibatches
+    assert sampled // args.minibatch >= asked  # by hand: whole mini-batches of one token per sentence
+    # the protocol's own count, on a reference of that many sentences with a token each (1 layer, 4 dims)
+    points = torch.randn(sampled, 1, 4, generator=torch.Generator().manual_seed(0))
+    filled = torch.ones(sampled, dtype=torch.bool)
+    reference = SimpleNamespace(sample=(points, filled), sample_of=lambda variant: (points, filled),
+                                moments_of=lambda variant: (points.mean(0), torch.eye(4).expand(1, 4, 4)))
+    _, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, asked)
+    assert batches == asked
+    assert minibatch_shortfall(batches, args.minibatch, asked, sampled) is None
