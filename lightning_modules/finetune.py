@@ -33,7 +33,7 @@ from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import default_encoder, resolve_model_dir
 from lightning_modules.loading import check_is_encoder, load_failure
 from lightning_modules.softdecay import SoftDecayLayer, wrap
-from lightning_modules.training import TrainingModule, check_optimisation
+from lightning_modules.training import TrainingModule, check_optimisation, run_seed
 from metrics.geometry import Covariance
 from metrics.isotropy import IsoScoreStar
 from metrics.transforms import SOFTDECAY_ALPHA
@@ -41,9 +41,11 @@ from metrics.transforms import SOFTDECAY_ALPHA
 REPORT = "finetune.json"
 
 
-def load_classifier(encoder: str, classes: list):
+def load_classifier(encoder: str, classes: list, seed: int = 0):
     """(AutoModelForSequenceClassification with a new head of len(classes), its tokenizer) from a hub id, a local
-    directory or export, a run directory or a pretraining .ckpt; one line when it cannot be loaded."""
+    directory or export, a run directory or a pretraining .ckpt; one line when it cannot be loaded. The new head
+    (and any encoder weight the source lacks: a pooler) is drawn by `initialise_new` from `seed` alone, so a .ckpt
+    and its export give the same head."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     source = resolve_model_dir(encoder)
@@ -56,6 +58,7 @@ def load_classifier(encoder: str, classes: list):
         masked_lm.config.update(labels)
         model = install_recorded(AutoModelForSequenceClassification.from_config(masked_lm.config))
         model.base_model.load_state_dict(masked_lm.base_model.state_dict())
+        initialise_new(model, set(), seed)
         return model, tokenizer
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -68,12 +71,35 @@ def load_classifier(encoder: str, classes: list):
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
         with quiet_transformers():  # the new head's "newly initialized" report is expected here
-            model = load_pretrained(AutoModelForSequenceClassification, source, **labels, ignore_mismatched_sizes=True)
+            model, info = load_pretrained(AutoModelForSequenceClassification, source, **labels,
+                                          ignore_mismatched_sizes=True, output_loading_info=True)
     except UserError:
         raise
     except Exception as error:
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
+    missing = set(info.get("missing_keys", ())) | {key[0] for key in info.get("mismatched_keys", ())}
+    initialise_new(model, missing, seed)
     return model, tokenizer
+
+
+def initialise_new(model, missing: set[str], seed: int) -> None:
+    """Draw the classifier's new weights from a generator of their own seeded with `seed`: every parameter outside
+    the encoder (the head, always new: a fine-tuned source's head is not kept) and the encoder's `missing` ones, in
+    module order, as transformers' BERT init draws them (normal(0, initializer_range), biases 0, LayerNorms 1 and 0).
+    from_config (a .ckpt) and from_pretrained (an export) consume the global generator differently, so without this
+    one seed gave two heads."""
+    encoder = {id(parameter) for parameter in model.base_model.parameters()}
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(model.config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for name, parameter in module.named_parameters(recurse=False):
+                if id(parameter) in encoder and f"{prefix}.{name}".lstrip(".") not in missing:
+                    continue
+                if isinstance(module, torch.nn.LayerNorm) or name == "bias":
+                    parameter.fill_(1.0 if isinstance(module, torch.nn.LayerNorm) and name == "weight" else 0.0)
+                else:
+                    parameter.copy_(torch.empty(parameter.shape).normal_(0.0, std, generator=generator))
 
 
 class FineTuneModule(TrainingModule):
@@ -144,7 +170,7 @@ class FineTuneModule(TrainingModule):
         layer = SoftDecayLayer(softdecay_alpha, softdecay_alpha_mode, softdecay_placement, dropout)  # checked even
         self.softdecay = layer if softdecay else None  # unused: a bad alpha, mode or placement is an error
         self.encoder_name = encoder or default_encoder()
-        self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes))
+        self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes), run_seed())
         self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
         config = self.model.config
         if dropout is not None:

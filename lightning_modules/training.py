@@ -119,7 +119,7 @@ class TrainingModule(pl.LightningModule):
     # -- randomness: dropout depends on (seed, rank, batch), so a resumed run draws what a straight one would --
 
     def on_fit_start(self) -> None:
-        self._seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self._seed = run_seed()
 
     def on_train_start(self) -> None:
         self.monitor = StepMonitor(self.device, self.trainer.global_step)
@@ -191,6 +191,12 @@ class TrainingModule(pl.LightningModule):
             optimizer.found_inf = found_inf  # read by the fused kernel, on the device
         else:
             self.monitor.check(self.trainer.strategy)
+
+
+def run_seed() -> int:
+    """The run's one seed: Lightning's seed_everything (train.py's --seed_everything, set before the modules are
+    built) keeps it in PL_GLOBAL_SEED; 0 without one."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 def schedule_end(decay_steps: int | None, max_steps: int | None) -> int:

@@ -547,3 +547,55 @@ def test_fine_tuning_from_a_pretraining_checkpoint_keeps_its_dropout_as_from_its
         for key, value in module.model.roberta.state_dict().items():  # the same encoder weights either way
             torch.testing.assert_close(states[f"roberta.{key}"], value, rtol=0, atol=0, msg=key)
     assert rates[ckpt] == rates[tmp_path / "export"] and set(rates[ckpt]) == {0.25}
+
+
+def test_the_new_head_depends_on_the_seed_alone_whether_from_a_checkpoint_or_its_export(roberta_tok, tmp_path):
+    """--model.encoder run/checkpoints/last.ckpt (built from_config) and --model.encoder run (its export, from_pretrained)
+    consume the global generator differently: with one seed both give the head drawn from that seed by a generator of
+    its own (compared with one drawn here by hand: normal(0, initializer_range) in module order, biases 0), whatever
+    the global generator's state; another seed gives another head."""
+    from core.tokenizers import tokenizer_files
+    from lightning_modules.finetune import load_classifier
+    from lightning_modules.mlm import MLMModule, export
+
+    torch.manual_seed(0)
+    module = MLMModule(vocab_size=len(roberta_tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, max_position_embeddings=66)
+    export(module, roberta_tok, tmp_path / "export")
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 1,
+                "MLMDataModule": {"tokenizer_files": tokenizer_files(roberta_tok)}}, ckpt)
+
+    def head(source, seed: int) -> dict:
+        torch.manual_seed(1234)  # the same global state before each load: the paths consume it differently
+        model, _ = load_classifier(str(source), ["a", "b", "c"], seed)
+        return {key: value for key, value in model.state_dict().items() if key.startswith("classifier.")}
+
+    heads = {(source, seed): head(source, seed) for source in (ckpt, tmp_path / "export") for seed in (3, 4)}
+    std = module.model.config.initializer_range
+    for seed in (3, 4):
+        generator = torch.Generator().manual_seed(seed)
+        by_hand = {}
+        for name, shape in (("dense", (32, 32)), ("out_proj", (3, 32))):
+            by_hand[f"classifier.{name}.weight"] = torch.empty(shape).normal_(0.0, std, generator=generator)
+            by_hand[f"classifier.{name}.bias"] = torch.zeros(shape[0])
+        for source in (ckpt, tmp_path / "export"):
+            assert heads[source, seed].keys() == by_hand.keys()
+            for key, value in by_hand.items():
+                torch.testing.assert_close(heads[source, seed][key], value, rtol=0, atol=0, msg=f"{source} {key}")
+    assert not torch.equal(heads[ckpt, 3]["classifier.out_proj.weight"], heads[ckpt, 4]["classifier.out_proj.weight"])
+    from lightning_fabric.utilities.seed import seed_everything
+
+    from lightning_modules.finetune import FineTuneModule
+
+    previous = os.environ.get("PL_GLOBAL_SEED")
+    try:  # the module takes the run's seed (train.py's --seed_everything, set before it is built)
+        seed_everything(4, verbose=False)
+        built = FineTuneModule(encoder=str(tmp_path / "export"), classes=["a", "b", "c"]).model.state_dict()
+    finally:
+        if previous is None:
+            del os.environ["PL_GLOBAL_SEED"]
+        else:
+            os.environ["PL_GLOBAL_SEED"] = previous
+    for key, value in heads[ckpt, 4].items():
+        torch.testing.assert_close(built[key], value, rtol=0, atol=0, msg=key)
