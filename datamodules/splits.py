@@ -10,7 +10,8 @@ test split that is missing or unlabelled (GLUE hides its test labels: `labelled`
 validation split, and validation is then carved out of train. A single table (a file, or NAME:CONFIG:SPLIT) is split
 `1 - val_fraction - test_fraction` / `val_fraction` / `test_fraction`. `described` says where each split came from,
 for the report. `max_sentences` caps each split read (a seeded sample; 0: all). Labels as read are normalised
-once for every data module (`normalise_label`: 1, "1", 1.0, "1.0" and True are the class 1) and ordered (`sort_labels`).
+once for every data module (`normalise_label`: 1, "1", 1.0, "1.0", True and a csv's "True" are the class 1) and
+ordered (`sort_labels`).
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def _sample(texts: list[str], labels: list, limit: int, seed: int) -> tuple[list
 
 
 def normalise_label(value):
-    """A label as an int when it is one (1, "1", 1.0, "1.0", True), else a stripped string; None when missing. "1.0" is
-    how a csv writes the float 1.0 (pandas' float columns) that JSON, parquet and datasets give as 1.0: the class 1 in
-    every format, and the same class as a "1" of the same column."""
+    """A label as an int when it is one (1, "1", 1.0, "1.0", True, "True"), else a stripped string; None when missing.
+    "1.0" is how a csv writes the float 1.0 (pandas' float columns) that JSON, parquet and datasets give as 1.0: the
+    class 1 in every format, and the same class as a "1" of the same column. Likewise a boolean: JSON's true, a
+    parquet or datasets bool and a csv's True / true / TRUE (pandas, Spark, R write them so) are the class 1, false the
+    class 0, in every format (before, a csv's "True" and "False" were two text classes that JSON made 1 and 0)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -130,6 +133,8 @@ def normalise_label(value):
     text = str(value).strip()
     if not text:
         return None
+    if text.lower() in ("true", "false"):
+        return int(text.lower() == "true")
     whole = re.fullmatch(r"([+-]?\d+)(?:\.0*)?", text)
     return int(whole.group(1)) if whole else text
 

@@ -494,6 +494,35 @@ def test_a_whole_number_written_with_a_decimal_point_is_the_class_of_that_number
     assert inferred.read_split(str(fractions), None)[1] == ["0.5", "1.5", "2.0e0"]
 
 
+def test_a_boolean_label_is_the_class_1_or_0_whether_the_file_is_csv_jsonl_or_parquet(tmp_path):
+    """One table of boolean labels written three ways: pandas' csv writes True / False (other tools true, TRUE), JSON
+    true / false, parquet a bool column. Every format gives the same classes, 1 for true and 0 for false (by hand from
+    the booleans); before, the csv's were the text classes 'False' and 'True' and the others 0 and 1."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    truth = [True, False, False, True, True, False]
+    written = ["True", "False", "false", "true", " TRUE ", "FALSE"]  # as csv writers spell them
+    table, lines, columns = tmp_path / "b.csv", tmp_path / "b.jsonl", tmp_path / "b.parquet"
+    with table.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("text", "label"), *((f"sentence {i}", x) for i, x in enumerate(written))])
+    lines.write_text("".join(json.dumps({"text": f"sentence {i}", "label": x}) + "\n" for i, x in enumerate(truth)),
+                     encoding="utf-8")
+    parquet.write_table(pa.table({"text": [f"sentence {i}" for i in range(len(truth))],
+                                  "label": pa.array(truth, pa.bool_())}), columns)
+    by_hand = [int(x) for x in truth]
+    for path in (table, lines, columns):
+        data = ClassificationDataModule(source=str(path), encoder="unused")
+        read = data.read_split(str(path), None)[1]
+        assert read == by_hand, path
+        classes, tensors = data.set_classes({"train": read, "val": read, "test": read})
+        assert classes == [0, 1] and tensors["train"].tolist() == by_hand, path
+    fixed = ClassificationDataModule(source=str(table), encoder="unused", classes=["False", "True"])  # as a user types
+    assert fixed.set_classes({split: by_hand for split in SPLITS})[0] == [0, 1]
+
+
 def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
     """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
     token once per epoch; the loader serves them `steps_per_block` at a time, each batch's rows in its own place."""
