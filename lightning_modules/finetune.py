@@ -305,7 +305,7 @@ class FineTuneModule(TrainingModule):
     @rank_zero_only
     def write_outputs(self, root: Path, data) -> None:
         """export/ (config.json, model.safetensors, the tokenizer files) and finetune.json, each whole or absent."""
-        with staged_output(root / "export", "the export") as stage, quiet_transformers():  # no bar for one shard
+        with staged_output(root / "export", "the export", owner="export") as stage, quiet_transformers():  # no bar
             self.model.save_pretrained(stage)
             self.tokenizer.save_pretrained(stage)
         with staged_output(root) as stage:

@@ -423,7 +423,9 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
     if model.config.vocab_size != module.vocab_size:  # padding rows dropped: the tokenizer's size, the same logits
         model = copy.deepcopy(model).cpu()
         model.resize_token_embeddings(module.vocab_size, mean_resizing=False)
-    with staged_output(directory, "the export") as stage, quiet_transformers():  # no bar for a one-shard write
+    # owner: the files an earlier export wrote there and this one does not (another shard layout: a stale
+    # model.safetensors beside a new index is what transformers would load) are removed
+    with staged_output(directory, "the export", owner="export") as stage, quiet_transformers():  # no bar: one shard
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         umask = os.umask(0)

@@ -547,3 +547,43 @@ def test_the_fingerprint_ignores_the_truncation_and_padding_a_call_rewrites(mini
     assert before == hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
     # a tokenizer saved without them keeps the digest of its whole definition (existing caches and checkpoints match)
     assert fingerprint(bpe) == hashlib.sha256(bpe.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+
+
+def test_a_re_export_of_another_shard_layout_leaves_no_stale_shard_that_transformers_would_read(bpe, tmp_path,
+                                                                                                monkeypatch):
+    """An export in one model.safetensors, then a bigger one sharded (model-0000i-of-0000n.safetensors + the index)
+    into the same directory: transformers prefers model.safetensors to the index, so the first export's file, left
+    beside the second, was what it loaded. Each export removes the weight files its predecessor wrote and it does not
+    (core.output's owner record): the loaded weights are the second model's (compared tensor by tensor), the files
+    are exactly the ones save_pretrained wrote; and back to one file, the shards and index are gone."""
+    from functools import partialmethod
+
+    from transformers import PreTrainedModel, RobertaForMaskedLM
+
+    from lightning_modules.mlm import export
+
+    directory = tmp_path / "export"
+    modules = []
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        modules.append(MLMModule(**TINY).eval())
+    export(modules[0], bpe, directory)
+    assert (directory / "model.safetensors").is_file()
+    with monkeypatch.context() as patch:  # the second, "bigger" model: sharded as a big one would be
+        patch.setattr(PreTrainedModel, "save_pretrained",
+                      partialmethod(PreTrainedModel.save_pretrained, max_shard_size="100KB"))
+        export(modules[1], bpe, directory)
+    for index, module in ((1, modules[1]), (2, modules[2])):
+        if index == 2:
+            export(module, bpe, directory)  # one file again
+        loaded = RobertaForMaskedLM.from_pretrained(directory).state_dict()
+        compared = [key for key in module.model.state_dict() if key in loaded]
+        assert len(compared) > 10
+        for key in compared:
+            torch.testing.assert_close(loaded[key], module.model.state_dict()[key], rtol=0, atol=0,
+                                       msg=f"export {index} {key}")
+        files = sorted(path.name for path in directory.glob("model*.safetensors*"))
+        if index == 1:
+            assert "model.safetensors.index.json" in files and len(files) >= 3 and "model.safetensors" not in files
+        else:
+            assert files == ["model.safetensors"]
