@@ -4,8 +4,9 @@
         write_json(stage / "report.json", report)
     with staged_output("runs/x", owner="outliers") as stage:   # and the files an earlier `outliers` run wrote there
         ...                                                    # that this one does not write again are removed
-    # a staging directory is named .staging-<host>-<pid>-<random>: one a killed run left (its pid gone from this host)
-    # is removed by the next staged_output into the same directory, with a warning; a live run's never
+    # a staging directory is named .staging-<host>-<pid>-<random> (new_stage): one a killed run left (its pid gone from
+    # this host) is removed by the next staged_output (or new_stage) into the same directory, with a warning; a live
+    # run's never
     with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
         torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
@@ -48,10 +49,8 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     """
     output = Path(output_dir)
     created = missing_directories(output)
-    remove_stale_stages(output)
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=f"{STAGING}{host_tag()}-{os.getpid()}-", dir=output))
+        stage = new_stage(output)
     except OSError as error:
         remove_empty(created)
         raise UserError(f"cannot write to output directory {output}: {error.strerror or error}") from None
@@ -71,6 +70,17 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         remove_empty(created)
+
+
+def new_stage(parent: str | os.PathLike) -> Path:
+    """A new staging directory in `parent` (created with its parents), named .staging-<host>-<pid>-<random>; the
+    staging directories that killed runs left in `parent` are removed first (remove_stale_stages). staged_output's,
+    and the block and tokenizer caches' (datamodules/blocks.py), whose finished directory is then renamed into
+    place."""
+    parent = Path(parent)
+    remove_stale_stages(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING}{host_tag()}-{os.getpid()}-", dir=parent))
 
 
 def host_tag() -> str:

@@ -9,7 +9,9 @@ Blocks: each text is tokenised without special tokens and followed by </s>; the 
 `block_length - 2` tokens and each block is `<s> piece </s>` (every block full, no padding, position 0 is <s>).
 The cache lives under `cache_dir/blocks/<corpus>-<block_length>-<key>` (and `tokenizers/...`), the key hashing the
 corpus (a local file by path, size and mtime), the tokenizer, the block length and the split; an entry is built in a
-staging directory and moved into place whole, so a killed build never leaves a half-written entry behind.
+staging directory (core.output.new_stage: .staging-<host>-<pid>-*) and moved into place whole, so a killed build never
+leaves a half-written entry behind, and the next build in the same directory removes the staging directory it left
+(its pid gone from this host; a live build's stays).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from core.errors import UserError, first_line
-from core.output import publish_directory
+from core.output import new_stage, publish_directory
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, vocab_limit
 from datamodules.text import DATA_OPTION, iter_texts
 from datamodules.tokenizer import train_tokenizer
@@ -83,8 +84,7 @@ def build_blocks(output: Path, source: str, text_column: str | None, max_texts: 
     """Write a DatasetDict {"train", "validation"} of packed blocks to `output` (via a staging dir); its info."""
     import datasets
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=output.parent))
+    stage = new_stage(output.parent)
     try:
         dtype = "uint16" if vocab_limit(tokenizer) <= 65536 else "int32"
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype), length=block_length)})
@@ -175,8 +175,7 @@ class BlockCache:
         limit = min(tokenizer_texts, self.max_texts or tokenizer_texts)
         tokenizer = train_tokenizer(texts, vocab_size, max_texts=limit)
         target = self.tokenizer_dir(vocab_size, tokenizer_texts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+        stage = new_stage(target.parent)
         try:
             tokenizer.save_pretrained(stage)
             publish_directory(stage, target)

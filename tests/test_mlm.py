@@ -7,6 +7,7 @@ no-PE permutation equivariance and the SDPA path.
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -415,6 +416,49 @@ def test_block_cache_key_follows_corpus_tokenizer_and_block_length_and_is_reused
     assert corpus.stat().st_size == stat.st_size and edited not in builds[:4] and builds[-1] == edited
     corpus.write_text(text + "One more sentence.\n", encoding="utf-8")
     assert prepared() not in (first, edited) and len(builds) == 6
+
+
+def test_a_cache_build_removes_the_staging_directory_a_killed_build_left_and_not_a_live_ones(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The tokenizer and block caches stage in .staging-<host>-<pid>-* (core.output.new_stage, staged_output's own):
+    a build killed mid-way leaves one, which the next build into the same cache directory removes (its pid, of a
+    process that has exited, no longer running), one warning line each; a live build's (this process's pid) stays.
+    Each build's own staging directory has the name that makes it removable (read back by core.output's pattern)."""
+    import subprocess
+
+    import datamodules.blocks as blocks
+    from core.output import STAGE_NAME, host_tag
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(corpus_sentences(200)) + "\n", encoding="utf-8")
+    cache = blocks.BlockCache(str(corpus), None, None, str(tmp_path / "cache"))
+    exited = subprocess.Popen(["true"])
+    exited.wait(timeout=30)
+    planted = {}
+    for kind in ("tokenizers", "blocks"):
+        for whose, pid in (("dead", exited.pid), ("live", os.getpid())):
+            directory = cache.root / kind / f".staging-{host_tag()}-{pid}-k2j4_x9q"
+            directory.mkdir(parents=True)
+            (directory / "part.bin").write_bytes(b"x" * 2048)
+            planted[kind, whose] = directory
+    stages = []
+    publish = blocks.publish_directory
+    monkeypatch.setattr(blocks, "publish_directory", lambda staged, target: stages.append(staged) or publish(staged,
+                                                                                                              target))
+    tokenizer = cache.tokenizer(vocab_size=300, tokenizer_texts=1000)
+    assert not planted["tokenizers", "dead"].exists() and planted["blocks", "dead"].exists()  # only its own directory
+    output = cache.blocks_dir(tokenizer, 32, {"val": 0.1})
+    info = blocks.build_blocks(output, str(corpus), None, None, tokenizer, 32, 0.1, 8, None)
+    assert (output / "blocks.json").is_file() and sum(info.values()) > 2
+    assert not planted["blocks", "dead"].exists()
+    assert all((planted[kind, "live"] / "part.bin").stat().st_size == 2048 for kind in ("tokenizers", "blocks"))
+    own = [stage if stage.name.startswith(".staging-") else stage.parent for stage in stages]
+    assert len(own) == 2 and all(STAGE_NAME.fullmatch(stage.name)["pid"] == str(os.getpid()) for stage in own)
+    assert all(not stage.exists() for stage in own)
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: removed")]
+    assert warned == [f"warning: removed {planted[kind, 'dead']} (2.0 KiB), the staging directory of a run that ended "
+                      f"without finishing (pid {exited.pid} on {host_tag()}, no longer running)"
+                      for kind in ("tokenizers", "blocks")]
 
 
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
