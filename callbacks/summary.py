@@ -11,6 +11,10 @@ printed by train.py after the fit.
       validation   loss 6.338 at step 200
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 
+Without a validation the reading is the last live capture of training: "the last live capture, at training step 100
+(every 100 steps)", or after a run shorter than the captures' every_n_steps "the last live capture, at step 0 (the
+model before its first update; no capture after it: every_n_steps 100 >= the run's 50 steps)".
+
 RunSummary (a callback train.py adds) keeps the last validation loss with its step, in the checkpoints too, so that a
 re-run of a finished run reports the same; the reading is OutlierStatistics' `last` (kept in its checkpoint state).
 """
@@ -64,7 +68,7 @@ def run_summary(trainer) -> dict:
         if isinstance(callback, RunSummary) and callback.val is not None:
             summary["validation"] = {"step": callback.val[0], "loss": callback.val[1]}
         if type(callback).__name__ == "OutlierStatistics" and getattr(callback, "last", None):
-            summary["outliers"] = dict(callback.last)
+            summary["outliers"] = {**callback.last, "every_n_steps": callback.every_n_steps}
     return summary
 
 
@@ -92,9 +96,21 @@ def summary_lines(summary: dict) -> list[str]:
     if reading is None:
         lines.append("  outliers     no live outlier statistics in this run (callbacks.outlier_statistics)")
     else:
-        stage = "the validation at step" if reading["stage"] == "val" else "training step"
-        lines.append(f"  outliers     {stage} {reading['step']}: persistent dims "
+        lines.append(f"  outliers     {capture_said(reading, summary['step'])}: persistent dims "
                      f"{reading['persistent_dims'] or 'none'}; top share {reading['top_share']:.1%} (layer "
                      f"{reading['top_share_layer']}, dim {reading['top_share_dim']}); kurtosis "
                      f"{reading['kurtosis']:.3g} (layer {reading['kurtosis_layer']}; dims 0-indexed)")
     return lines
+
+
+def capture_said(reading: dict, steps: int) -> str:
+    """Which capture the outlier reading is, said so that it cannot pass for a statistic of the run's step 0: the
+    validation at step N; the last live capture of training, at step N; or, when the only training capture was the
+    one at step 0 (the model before its first update: a run shorter than every_n_steps), that."""
+    step, every = reading["step"], reading.get("every_n_steps")
+    if reading["stage"] == "val":
+        return f"the validation at step {step}"
+    if step == 0 and every is not None and every >= steps:
+        return (f"the last live capture, at step 0 (the model before its first update; no capture after it: "
+                f"every_n_steps {every} >= the run's {steps} steps)")
+    return f"the last live capture, at training step {step}" + (f" (every {every} steps)" if every else "")

@@ -8,6 +8,7 @@ has every step once; the summary's paths are the run's files and its verdict the
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -113,3 +114,29 @@ def test_the_summary_names_the_run_files_and_the_last_capture(stopped_resumed_re
     # a re-run of the finished run reports the same, from its checkpoint
     again = summary_of(outputs[2])
     assert again["validation"] == summary["validation"] and again["outliers"] == summary["outliers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [STEPS + 4, 4])
+def test_the_summary_says_which_training_capture_its_outliers_are_and_that_step_0_was_the_only_one(
+        every, tmp_path, corpus, cache, capsys):
+    """Without validation captures the reading is the last training capture. The run's capture steps, computed from
+    its schedule (optimizer steps 0..STEPS-1 divisible by every_n_steps), give the step the line names; a run shorter
+    than every_n_steps captured step 0 alone, and the line says so (it read 'training step 0' before, easily taken for
+    the outliers at the start of training), with the numbers that explain it."""
+    spec = {"class_path": "callbacks.outlier_statistics.OutlierStatistics",
+            "init_args": {"every_n_steps": every, "image_every_n_steps": 0, "on_validation": False}}
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, "--trainer.callbacks+", json.dumps(spec), logger="csv")) == 0
+    captures = [step for step in range(STEPS) if step % every == 0]
+    (metrics,) = root.rglob("metrics.csv")  # the captures the run logged: the schedule's
+    with metrics.open(encoding="utf-8") as handle:
+        logged = sorted({int(row["step"]) for row in csv.DictReader(handle) if row.get("outliers_by_layer/num_tokens")})
+    assert logged == captures
+    line = summary_of(capsys.readouterr().out)["outliers"]
+    said = line.split(": persistent dims")[0]
+    if captures == [0]:
+        assert said == (f"the last live capture, at step 0 (the model before its first update; no capture after it: "
+                        f"every_n_steps {every} >= the run's {STEPS} steps)")
+    else:
+        assert len(captures) > 1 and said == f"the last live capture, at training step {captures[-1]} (every {every} steps)"
