@@ -353,3 +353,50 @@ def test_the_pad_token_is_never_in_a_training_block(bert_tok, tmp_path):
     text = "It is a truth universally acknowledged <pad> that </s>"
     assert tokenize_texts([text], loaded) == [shared(text.replace("<pad>", ""), add_special_tokens=False)["input_ids"]]
 
+
+
+def test_a_dotted_callback_option_changes_the_last_callback_and_a_later_config_any_one(tmp_path, capsys):
+    """docs/live-statistics.md's 'Changing one callback's arguments', parsed by train.py as written there (installed
+    jsonargparse): the dotted option changes the last callback only, an index is refused, and the documented YAML given
+    as a second --config changes OutlierStatistics alone, every other callback argument as configs/pretrain/tiny.yaml
+    has it (read from the file here)."""
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "live-statistics.md").read_text(encoding="utf-8")
+    section = text[text.index("## Changing one callback's arguments"):]
+    section = section[:section.index("\n## ", 1)]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    (tmp_path / "callbacks.yaml").write_text(block, encoding="utf-8")
+    commands = [line.split("  #")[0].split() for code in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for line in code.splitlines() if line.strip()]
+    dotted = re.search(r"`(python train\.py fit [^`]*--trainer\.callbacks\.init_args\.every_n_steps 10)`", section)
+    index = re.search(r"`(--trainer\.callbacks\.0\.[^`]*)`", section).group(1)
+    configured = yaml.safe_load((root / "configs" / "pretrain" / "tiny.yaml").read_text())["trainer"]["callbacks"]
+
+    def parsed(argv: list[str]) -> list[tuple[str, dict]]:
+        argv = [str(root / arg) if arg.startswith("configs/") else str(tmp_path / arg) if arg == "callbacks.yaml"
+                else arg for arg in argv]
+        assert argv[:3] == ["python", "train.py", "fit"]
+        with pytest.raises(SystemExit) as stop:
+            train.cli_main([*argv[2:], *([] if "--print_config" in argv else ["--print_config"])])
+        assert stop.value.code in (0, None)
+        return [(item["class_path"], item["init_args"])
+                for item in yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]]
+
+    def expected(changed: dict[int, int]) -> list[tuple[str, int]]:
+        return [(item["class_path"], changed.get(i, item["init_args"]["every_n_steps"]))
+                for i, item in enumerate(configured)]
+
+    last = len(configured) - 1
+    assert last >= 2  # several callbacks: the case the section is about
+    got = parsed(dotted.group(1).split())
+    assert [(path, args["every_n_steps"]) for path, args in got] == expected({last: 10}) != expected({})
+    for command in commands:
+        got = parsed(command)
+        assert [(path, args["every_n_steps"]) for path, args in got] == expected({0: 10})
+        for (path, args), item in zip(got, configured, strict=True):  # every other argument as the config has it
+            assert all(args[key] == value for key, value in item["init_args"].items() if key != "every_n_steps"), path
+    assert train.cli_main(["fit", "--config", str(root / "configs" / "pretrain" / "tiny.yaml"), index.split()[0],
+                           "10", "--print_config"]) == 2
+    assert "unknown option '0.every_n_steps'" in capsys.readouterr().err
