@@ -43,7 +43,8 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
     report = {**run_header(args, encoder, reference),
-              **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches)}
+              **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches,
+                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences)}
     return publish(args, rank, "isotropy", report, encoder)
 
 
@@ -111,7 +112,8 @@ def run_all(args, rank: int, world: int) -> dict:
                                            reference.num_truncated, reference.num_special_in_text),
                "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
-                                                               args.minibatches)},
+                                                               args.minibatches, num_pairs=args.num_pairs,
+                                                               max_sentences=args.max_sentences)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants,
                                                                          geometry.Baseline(anisotropy, "anisotropy.json",
                                                                                            args.num_pairs))}}
