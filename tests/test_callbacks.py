@@ -200,8 +200,12 @@ def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> 
     accuracy = (torch.einsum("lnh,lhp->lnp", tokens, weight).argmax(-1) == positions).double().mean(1)
     contribution = (weight[:, :, positions].transpose(1, 2) * tokens).abs().mean(1)  # [layers, hidden]
     order = contribution.argsort(dim=1, descending=True, stable=True)[:, :top_k]
+    top = contribution.gather(1, order)  # [layers, top_k]
+    ranks = 1 + (contribution[:, None, :] > top[:, :, None]).sum(2)  # 1 + the neurons of strictly larger c(i)
+    ties = (contribution[:, None, :] == top[:, :, None]).sum(2) - 1  # the others of exactly the same c(i)
     return [{"accuracy": float(accuracy[layer]), "top_dims": order[layer].tolist(),
-             "top_values": contribution[layer, order[layer]].tolist(),
+             "top_values": contribution[layer, order[layer]].tolist(), "top_ranks": ranks[layer].tolist(),
+             "top_ties": ties[layer].tolist(),
              "mean_contribution": float(contribution[layer].mean())} for layer in range(layers)]
 
 
@@ -304,6 +308,8 @@ def check_probe(row: dict, prefix: str, expected: list[dict]) -> None:
         assert row[f"{key}/accuracy"] == pytest.approx(want["accuracy"], abs=1e-9)
         assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
         assert [row[f"{key}/top{i}_contribution"] for i in (1, 2, 3)] == pytest.approx(want["top_values"], rel=1e-5)
+        assert [row[f"{key}/top{i}_rank"] for i in (1, 2, 3)] == want["top_ranks"]
+        assert [row[f"{key}/top{i}_ties"] for i in (1, 2, 3)] == want["top_ties"]
         assert row[f"{key}/mean_contribution"] == pytest.approx(want["mean_contribution"], rel=1e-5)
 
 
