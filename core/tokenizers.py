@@ -136,6 +136,14 @@ def special_ids(tokenizer, unknown: bool = True) -> list[int]:
     return sorted(int(i) for i in ids if i is not None)
 
 
+def sink_ids(tokenizer) -> list[int]:
+    """The special ids whose attention the sinks' special-token mass counts: special_ids without [UNK] (a word of the
+    text, as --exclude_special reads it) and without the pad token (padding is never attended). One rule for
+    `analyze.py outliers` (analyses/magnitudes.py) and the live AttentionGeometry (the training data's tokenizer)."""
+    pad = tokenizer.pad_token_id
+    return [i for i in special_ids(tokenizer, unknown=False) if i != pad]
+
+
 def framing(tokenizer) -> tuple[str, ...]:
     """The tokens the tokenizer adds around a text (its post-processor's template: ("[CLS]", "[SEP]")), () if none."""
     added = tokenizer("a", return_special_tokens_mask=True)
