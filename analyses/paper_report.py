@@ -76,7 +76,7 @@ def _figure6(reports: dict, name: str) -> dict:
             "self_similarity_adjusted": _per_layer(selfsim, "adjusted"),
             "self_similarity": _per_layer(selfsim, "self_similarity"), "adjusted_by": selfsim["adjusted_by"],
             "words": {key: selfsim[key] for key in ("num_words", "num_candidates", "contexts_per_word",
-                                                    "pool_sentences", "num_sentences")}}
+                                                    "pool_sentences", "num_sentences", "word_case")}}
 
 
 def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
@@ -163,7 +163,8 @@ def paper_markdown(summary: dict) -> str:
         words = data["words"]
         lines.append(f"{NAMES[name]}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
                      f"least {words['contexts_per_word']} of its {words['pool_sentences']} sentences, "
-                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded).")
+                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded; words "
+                     f"{words['word_case']}).")
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:
