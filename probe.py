@@ -114,6 +114,10 @@ def print_summary(report: dict, output_dir) -> None:
         print(f"{row['layer']:>5}  {row['accuracy']:>8.3f}  {middle}  {base}"
               + (f"  {row['accuracy_softdecay']:>10.3f}" if softdecay else "")
               + (f"  {row['control_accuracy']:>10.3f}  {row['selectivity']:>+11.3f}" if control else ""))
+    tied = [row["layer"] for row in report["layers"] if any(row.get("top_contribution_ties", [])[:3])]
+    if tied and not clipped:
+        print(f"tied contributions among the top dims of layers {', '.join(map(str, tied))}: ties broken by the lower "
+              "dim (top_contribution_ranks, top_contribution_ties in position_probe.json)")
     print(f"majority baseline {report['baselines']['majority']:.3f}, chance {report['baselines']['chance']:.3f}")
     print(f"wrote the report to {output_dir}")
 

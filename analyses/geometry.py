@@ -85,25 +85,42 @@ def minibatch_isoscores(reference: Reference, variant: Variant, seed: int, zeta:
     return star.compute(), plain.compute(), len(batches)
 
 
-def minibatch_shortfall(batches: int, minibatch: int, minibatches: int, sentences: int) -> str | None:
+def sample_caps(read: int, num_pairs: int, max_sentences: int) -> str:
+    """What to change for a larger token sample (one random token from each of min(2 x `num_pairs`, `read`) sentences,
+    `read` of --data read under --max_sentences `max_sentences`, 0: all): each cap that binds, named."""
+    wanted, caps = 2 * num_pairs, []
+    if wanted <= read:
+        caps.append(f"raise --num_pairs (the sample is one random token from each of 2 x --num_pairs = {wanted} "
+                    "sentences)")
+    if read <= wanted:
+        caps.append(f"give more sentences (--max_sentences {max_sentences})" if max_sentences and read >= max_sentences
+                    else f"give --data with more sentences (all {read} of its sentences are read)")
+    return " and ".join(caps)
+
+
+def minibatch_shortfall(batches: int, minibatch: int, minibatches: int, sentences: int, read: int, num_pairs: int,
+                        max_sentences: int) -> str | None:
     """The warning when fewer IsoScore* mini-batches than asked for could be drawn (one random token per sentence
-    with a token, `sentences` of them), saying what it needs; None when all were."""
+    with a token, `sentences` of them), saying what it needs and which cap of the sample binds (sample_caps: `read`
+    sentences of --data, --num_pairs, --max_sentences); None when all were."""
     if batches >= minibatches:
         return None
     needs = (f"--minibatches {minibatches} of --minibatch {minibatch} tokens need {minibatch * minibatches} sentences "
              f"with a token (one random token each), got {sentences}")
+    caps = sample_caps(read, num_pairs, max_sentences)
     if batches == 0:
-        return f"IsoScore* not computed ('-'): {needs}; lower --minibatch or give more sentences (--max_sentences)"
-    return f"IsoScore* averaged over {batches} mini-batches, not {minibatches}: {needs}"
+        return f"IsoScore* not computed ('-'): {needs}; lower --minibatch or {caps}"
+    return f"IsoScore* averaged over {batches} mini-batches, not {minibatches}: {needs}; lower --minibatch or {caps}"
 
 
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
-             minibatches: int = 4) -> dict:
+             minibatches: int = 4, *, num_pairs: int, max_sentences: int) -> dict:
     """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
     tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; the
     singular-value spectrum of each layer's corpus-wide token matrix (all sentences' tokens together: `corpus_*`,
     moments transformed exactly); and tokenUni's per-sequence spectrum (`sequence_*`: each sentence's own token
-    matrix, one more pass over `sentences`); per variant."""
+    matrix, one more pass over `sentences`); per variant. `num_pairs`, `max_sentences`: the caps of the sample, named
+    in the warning when it is too small for the mini-batches."""
     stats = reference.covariance
     layers = setting.encoder.num_hidden_states
     values, spectra = {}, {}
@@ -123,7 +140,8 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
         values[key].update(sequence_energy_top1=result["energy_top1"], sequence_cdf_auc=result["cdf_auc"])
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
-    shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()))
+    shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()),
+                                    reference.num_sentences, num_pairs, max_sentences)
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
             "num_truncated": reference.num_truncated, "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
@@ -232,6 +250,8 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
                    + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
+            "word_case": "lowercased (the tokenizer lowercases)" if contexts.lowercase else
+            "as written (a cased tokenizer: 'The' and 'the' are two words)",
             "num_sentences": len(contexts.sentences), **baseline.describe(),
             "contexts_lost_to_truncation": cut_off, "contexts_in_special_tokens": in_specials,
             "num_truncated": int(truncated.compute()),

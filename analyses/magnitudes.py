@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from core.defaults import MASSIVE_TOP_K
-from core.tokenizers import readable_token
+from core.tokenizers import readable_token, sink_ids
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
@@ -72,8 +72,7 @@ class Magnitudes:
         layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
         self.massive = MassiveActivations(layers, hidden).to(device)
         self.counts = MagnitudeCounts(layers, hidden, magnitude).to(device)
-        pad = encoder.tokenizer.pad_token_id  # the special tokens as --exclude_special reads them: not [UNK] (a word)
-        self.special_ids = sorted(int(i) for i in encoder.special_ids.tolist() if i != pad)
+        self.special_ids = sink_ids(encoder.tokenizer)  # as --exclude_special reads them: not [UNK] (a word), no pad
         self.sinks, self.sinks_note = None, ""
         if sinks:
             heads = getattr(encoder.model.config, "num_attention_heads", None) or encoder.model.config.n_heads

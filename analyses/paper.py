@@ -36,7 +36,7 @@ from analyses.session import (
 from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
-from core.tokenizers import special_strings
+from core.tokenizers import lowercases, special_strings
 from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
@@ -110,11 +110,12 @@ def read_inputs(args) -> Inputs:
 def read_contexts(args, inputs: Inputs, tokenizer) -> None:
     """Each training set's self-similarity words, drawn with the encoder's tokenizer (loaded alone, before its weights:
     too few words is refused before a hub model downloads): a word written inside one of its special tokens ("unk" of
-    WikiText's "<unk>") does not occur there."""
-    specials = special_strings(tokenizer)
+    WikiText's "<unk>") does not occur there, and in its case (case-folded only when the tokenizer lowercases)."""
+    specials, lowercase = special_strings(tokenizer), lowercases(tokenizer)
     for name, (source, column) in inputs.sources.items():
         inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
-                                                args.min_sentences, args.seed, special_tokens=specials)
+                                                args.min_sentences, args.seed, special_tokens=specials,
+                                                lowercase=lowercase)
 
 
 def explicit_clip(clipped: dict[int, list[int]] | None) -> str:

@@ -10,6 +10,7 @@ Layer 0 is the embedding output; the best layers of Tables 1-3 are searched over
 from __future__ import annotations
 
 from core.figures import layer_panels_figure
+from metrics.ranks import ranked
 
 VARIANTS = ("raw", "clipped")
 NAMES = {"sst2": "SST-2", "qqp": "QQP"}
@@ -17,6 +18,28 @@ NAMES = {"sst2": "SST-2", "qqp": "QQP"}
 
 def fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def probe_row(row: dict) -> dict:
+    """A layer of position_probe.json as paper.json holds it: accuracies, the top 5 contributing dims and the outlier
+    dims' ranks, each with its ties (metrics.contributions.rank_dims)."""
+    return {"layer": row["layer"], "accuracy": row["accuracy"], "control_accuracy": row.get("control_accuracy"),
+            "selectivity": row.get("selectivity"), "top_dims": row["top_contribution_dims"][:5],
+            "top_ties": row["top_contribution_ties"][:5],
+            "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()},
+            "outlier_ties": {d: entry["ties"] for d, entry in row["outlier_dims"].items()}}
+
+
+def top_dims_cell(row: dict) -> str:
+    """The top contributing dims of a probe row, each tied one with its ties ('12 (tied with 3)')."""
+    ties = row["top_ties"]
+    return ", ".join(f"{d} (tied with {t})" if t else str(d) for d, t in zip(row["top_dims"], ties))
+
+
+def outlier_ranks_cell(row: dict) -> str:
+    """Each outlier dim's contribution rank with its ties ('557: rank 1, tied with 2 other dims; 12: rank 3'), or '-'."""
+    ties = row["outlier_ties"]
+    return "; ".join(f"{d}: {ranked(rank, ties[d])}" for d, rank in row["outlier_ranks"].items()) or "-"
 
 
 def _per_layer(report: dict, *path: str) -> dict[str, list]:
@@ -53,7 +76,7 @@ def _figure6(reports: dict, name: str) -> dict:
             "self_similarity_adjusted": _per_layer(selfsim, "adjusted"),
             "self_similarity": _per_layer(selfsim, "self_similarity"), "adjusted_by": selfsim["adjusted_by"],
             "words": {key: selfsim[key] for key in ("num_words", "num_candidates", "contexts_per_word",
-                                                    "pool_sentences", "num_sentences")}}
+                                                    "pool_sentences", "num_sentences", "word_case")}}
 
 
 def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
@@ -72,10 +95,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
                               "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"],
                               "persistence": outliers["rule"]["persistence"]},
         "section3_position_probe": None if probe is None else {
-            "layers": [{"layer": row["layer"], "accuracy": row["accuracy"], "control_accuracy": row.get("control_accuracy"),
-                        "selectivity": row.get("selectivity"), "top_dims": row["top_contribution_dims"][:5],
-                        "outlier_ranks": {d: entry["rank"] for d, entry in row["outlier_dims"].items()}}
-                       for row in probe["layers"]],
+            "layers": [probe_row(row) for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
             "majority": probe["baselines"]["majority"], "outlier_dims": probe["outlier_dims"]},
         "section3_sentences": outliers["sentences_from"], "section3_sentences_asked": outliers["sentences_asked"],
@@ -128,14 +148,14 @@ def paper_markdown(summary: dict) -> str:
         lines += ["![accuracy per layer](position_probe/accuracy_by_layer.png)",
                   "![Figure 5b/5c: outlier neurons vs the mean contribution](position_probe/outlier_contributions.png)",
                   "", f"Majority baseline {fmt(probe['majority'])}; outlier dims {probe['outlier_dims'] or 'none'} "
-                  "(their contribution rank per layer, 1 = largest). Control task (Hewitt & Liang 2019; ours, the paper "
+                  "(their contribution rank per layer, 1 = largest, with the dims of exactly the same contribution; a "
+                  "top dim with ties is the lowest-indexed of them). Control task (Hewitt & Liang 2019; ours, the paper "
                   "has none): the same probe on a random position per token type; selectivity = accuracy - control "
                   "accuracy.", "",
                   "| layer | accuracy | random-init encoder | control task | selectivity | top contributing dims | "
                   "outlier ranks |", "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {row['layer']} | {fmt(row['accuracy'])} | {fmt(r)} | {fmt(row.get('control_accuracy'))} | "
-                  f"{fmt(row.get('selectivity'))} | {', '.join(map(str, row['top_dims']))} | "
-                  f"{', '.join(f'{d}: {rank}' for d, rank in row['outlier_ranks'].items()) or '-'} |"
+                  f"{fmt(row.get('selectivity'))} | {top_dims_cell(row)} | {outlier_ranks_cell(row)} |"
                   for row, r in zip(probe["layers"], random)]
     lines += ["", "## §4.1 Anisotropy and self-similarity (Figure 6)", "", "![Figure 6](figure6.png)", ""]
     figure = summary["figure6"]
@@ -143,7 +163,8 @@ def paper_markdown(summary: dict) -> str:
         words = data["words"]
         lines.append(f"{NAMES[name]}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
                      f"least {words['contexts_per_word']} of its {words['pool_sentences']} sentences, "
-                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded).")
+                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded; words "
+                     f"{words['word_case']}).")
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:

@@ -25,7 +25,7 @@ from analyses.session import (
     setting_of,
     warn_truncation,
 )
-from core.tokenizers import special_strings
+from core.tokenizers import lowercases, special_strings
 from datamodules.pairs import read_sts, scorable_wic, wic_source
 from datamodules.words import source_contexts
 
@@ -43,7 +43,8 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
     report = {**run_header(args, encoder, reference),
-              **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches)}
+              **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches,
+                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences)}
     return publish(args, rank, "isotropy", report, encoder)
 
 
@@ -51,9 +52,9 @@ def read_contexts(args, tokenizer, limit: int, option: str = "--pool_sentences")
     """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
     `limit` (the value of `option`); drawn with the encoder's tokenizer (loaded alone, before its weights: too few words
     is refused before a hub model downloads), as a word written inside one of its special tokens ("unk" of WikiText's
-    "<unk>") does not occur there."""
+    "<unk>") does not occur there, and in its case ("The" and "the" one word only when the tokenizer lowercases)."""
     return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
-                           special_strings(tokenizer))
+                           special_strings(tokenizer), lowercases(tokenizer))
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
@@ -111,7 +112,8 @@ def run_all(args, rank: int, world: int) -> dict:
                                            reference.num_truncated, reference.num_special_in_text),
                "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
-                                                               args.minibatches)},
+                                                               args.minibatches, num_pairs=args.num_pairs,
+                                                               max_sentences=args.max_sentences)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants,
                                                                          geometry.Baseline(anisotropy, "anisotropy.json",
                                                                                            args.num_pairs))}}

@@ -168,7 +168,8 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {int(reference.sample[1].sum())}")
     star, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, args.minibatches)
-    shortfall = minibatch_shortfall(batches, args.minibatch, args.minibatches, int(reference.sample[1].sum()))
+    shortfall = minibatch_shortfall(batches, args.minibatch, args.minibatches, int(reference.sample[1].sum()),
+                                    reference.num_sentences, args.num_pairs, args.max_sentences)
     if shortfall and rank == 0:
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,

@@ -29,9 +29,14 @@ attention softmax(q k^T / sqrt(d)) over its keys, each query's row averaged over
     sinks_by_layer/layer_{l}/sink_share                 share of (sequence, head) whose first token gets more than
                                                         `sink_epsilon` (0.3) of the attention
     sinks_by_layer/layer_{l}/first_token_mass           mean attention on the first token
-    sinks_by_layer/layer_{l}/special_token_mass         mean attention on special tokens (the config's bos / eos / cls /
-                                                        sep ids; logged when the batch holds input_ids and the config
-                                                        names any)
+    sinks_by_layer/layer_{l}/special_token_mass         mean attention on special tokens: those of the training data's
+                                                        tokenizer (trainer.datamodule.tokenizer; core.tokenizers.sink_ids,
+                                                        as analyze.py outliers: added special tokens too, not [UNK] or
+                                                        the pad), else the config's bos / eos / cls / sep ids; logged
+                                                        when the batch holds input_ids and there are any
+
+which ids, and from where, is recorded as each logger's hyperparameters (sinks/special_token_ids,
+sinks/special_tokens, sinks/special_tokens_from: W&B's config, CSV's hparams.yaml).
 
 (`val_attention/...`, `val_sinks/...` for validation, at the step of `val/loss`.) No forward hook (they are skipped
 once the model is compiled): layer l's queries and keys are recomputed from the layer's input, the hidden state l - 1
@@ -59,6 +64,7 @@ from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.families import is_causal, rotary_queries_keys
 from core.models import attention_projections, find_encoder
+from core.tokenizers import sink_ids
 from core.step_figures import over_steps_figure
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
 from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
@@ -69,6 +75,27 @@ SINKS = {"train": "sinks", "val": "val_sinks"}
 TITLES = {"qk_mean_cosine": "cosine of mean query and mean key", "query_mean_norm_ratio": "|mean query| / mean |query|",
           "key_mean_norm_ratio": "|mean key| / mean |key|", "query_anisotropy": "query anisotropy (random pairs)",
           "key_anisotropy": "key anisotropy (random pairs)", "entropy": "attention entropy / log(length)"}
+
+
+def sink_special_ids(trainer, config) -> tuple[list[int], dict]:
+    """The ids whose attention is the sinks' special_token_mass, and the setting saying which they are and where they
+    come from: the training data's tokenizer (`trainer.datamodule.tokenizer`) by the project's one rule
+    (core.tokenizers.sink_ids, as `analyze.py outliers`: named and added special tokens, not [UNK], not the pad);
+    without a tokenizer to reach, the model config's bos / eos / cls / sep ids, its pad left out (added special tokens
+    then go uncounted)."""
+    tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
+    if tokenizer is not None:
+        ids = sink_ids(tokenizer)
+        return ids, {"sinks/special_token_ids": ids, "sinks/special_tokens": tokenizer.convert_ids_to_tokens(ids),
+                     "sinks/special_tokens_from": "the training data's tokenizer: its special and added special tokens, "
+                                                  "not [UNK] or the pad (core.tokenizers.sink_ids)"}
+    pad = getattr(config, "pad_token_id", None)
+    ids = sorted({i for i in (getattr(config, f"{name}_token_id", None) for name in ("bos", "eos", "cls", "sep"))
+                  if i is not None and i != pad})
+    return ids, {"sinks/special_token_ids": ids,
+                 "sinks/special_tokens_from": "the model config's bos / eos / cls / sep ids, the pad left out: no "
+                                              "tokenizer reachable (trainer.datamodule.tokenizer), so added special "
+                                              "tokens are not counted"}
 
 
 class AttentionGeometry(LiveCallback):
@@ -134,10 +161,8 @@ class AttentionGeometry(LiveCallback):
         logs.define_step_metrics(trainer, [f"{name}/*" for prefix in PREFIX.values()
                                            for name in (prefix, by_layer(prefix))])
         if self.sinks:
-            config = find_encoder(pl_module).config
-            pad = getattr(config, "pad_token_id", None)
-            self.special_ids = sorted({i for i in (getattr(config, f"{name}_token_id", None) for name in
-                                                   ("bos", "eos", "cls", "sep")) if i is not None and i != pad})
+            self.special_ids, setting = sink_special_ids(trainer, find_encoder(pl_module).config)
+            logs.log_settings(trainer, setting)
             for stage in SINKS:
                 self.sink_metrics[stage] = AttentionSinks(len(self.attention_layers), heads, self.sink_epsilon,
                                                           len(self.special_ids)).to(pl_module.device)

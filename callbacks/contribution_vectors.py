@@ -24,6 +24,9 @@ the per-layer detail below it (W&B groups panels by the key's first component; c
     position_probe_by_layer/layer_{l}/accuracy           share of tokens whose position the probe gets right
     position_probe_by_layer/layer_{l}/top{i}_dim, top{i}_contribution   the top_k neurons by mean contribution (the
                                                          dims also as the list top_dims: W&B only)
+    position_probe_by_layer/layer_{l}/top{i}_rank, top{i}_ties   its rank (1 + the neurons of strictly larger
+                                                         contribution) and the neurons of exactly its contribution
+                                                         (a tied one listed is the lowest-indexed of its tie)
     position_probe_by_layer/layer_{l}/mean_contribution  the mean over all neurons (for scale)
     position_probe_by_layer/num_tokens                   tokens scored
 
@@ -179,6 +182,8 @@ class ContributionVectors(LiveCallback):
             columns[f"top{rank + 1}_dim"] = [r["top_dims"][rank] for r in rankings]
             columns[f"top{rank + 1}_contribution"] = [float(contribution[i, r["top_dims"][rank]])
                                                       for i, r in enumerate(rankings)]
+            for key, listed in (("rank", "top_ranks"), ("ties", "top_ties")):  # a tied one: the lowest-indexed
+                columns[f"top{rank + 1}_{key}"] = [r[listed][rank] for r in rankings]
         metrics = {f"{prefix}/accuracy": over_layers(columns["accuracy"], self.layers, "mean"),
                    **layer_metrics(prefix, self.layers, columns), f"{by_layer(prefix)}/num_tokens": float(tokens)}
         if stage == "train":

@@ -20,9 +20,10 @@ resumed step. An id given by the user (--trainer.logger.init_args.id) wins; a fr
 rank zero ever starts one. Offline, each resume writes one more `offline-run-*-<id>` directory of the same run (`-<id>-1` when two start within
 the same second): `wandb sync <root>/wandb/offline-run-*-<id>*` uploads them together, in order, as that one run.
 
-log_scalars / log_figure / log_table / log_summary / define_step_metrics send to each of the trainer's loggers what
+log_scalars / log_figure / log_table / log_summary / log_settings / define_step_metrics send to each of the trainer's loggers what
 it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
-TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B. Rank zero only. A logger that raises is warned
+TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B; settings to every
+logger's hyperparameters. Rank zero only. A logger that raises is warned
 about once and skipped from then on.
 """
 
@@ -295,6 +296,14 @@ def log_scalars(trainer, metrics: Mapping[str, float], step: int, lists: Mapping
     for logger in real_loggers(trainer):
         values = {**metrics, **lists} if lists and isinstance(logger, WandbLogger) else dict(metrics)
         _safely(logger, "metrics", logger.log_metrics, values, step)
+
+
+@rank_zero_only
+def log_settings(trainer, values: Mapping[str, Any]) -> None:
+    """Settings a callback resolves when it starts (which special tokens it counts) as every logger's hyperparameters:
+    W&B's run config, CSV's hparams.yaml, TensorBoard's hparams."""
+    for logger in real_loggers(trainer):
+        _safely(logger, "settings", logger.log_hyperparams, dict(values))
 
 
 def wants_images(trainer) -> bool:

@@ -4,7 +4,8 @@ STS baseline of §4.3).
     contexts = word_contexts(sentences, num_words=1000, min_sentences=10, seed=0)
     contexts = word_contexts(lambda: iter_texts("glue/sst2"))          # a whole source, streamed (bounded memory)
     contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0,
-                               special_tokens=special_strings(tokenizer))   # "unk" of a literal "<unk>" is no word
+                               special_tokens=special_strings(tokenizer),   # "unk" of a literal "<unk>" is no word
+                               lowercase=lowercases(tokenizer))             # "The" and "the": one word only if uncased
     vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
 """
 
@@ -28,12 +29,13 @@ WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophe
 
 @dataclass
 class WordContexts:
-    words: list[str]  # the sampled words (lowercased)
+    words: list[str]  # the sampled words (lowercased when `lowercase`, else as written)
     sentences: list[str]  # the sentences to encode
     spans: list[list[tuple[int, int, int]]]  # per sentence: (word id, start, end) of each sampled word in it
     num_candidates: int  # words occurring in at least min_sentences of the pool: the words that qualified
     pool: int  # sentences searched
     contexts_per_word: int
+    lowercase: bool = True  # words case-folded (an uncased tokenizer), or as written (a cased one)
 
 
 RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
@@ -64,8 +66,8 @@ def special_pattern(special_tokens: Iterable[str]) -> re.Pattern | None:
 
 
 def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
-                  seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = ()
-                  ) -> WordContexts:
+                  seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = (),
+                  lowercase: bool = True) -> WordContexts:
     """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
 
     `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
@@ -73,7 +75,11 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     `min_sentences` occurrences of each sampled word; fetch the sentences finally drawn). Memory is the vocabulary's
     counts plus num_words x RESERVOIR x min_sentences occurrences, whatever the size of the source.
 
-    Words are letter sequences, lowercased; a word's context in a sentence is its first occurrence. Every word gets
+    Words are letter sequences; a word's context in a sentence is its first occurrence. `lowercase` (the entry points
+    pass core.tokenizers.lowercases of the encoder's tokenizer): fold case, as an uncased tokenizer reads the text
+    ("The" and "the" one word); False keeps the case, as a cased tokenizer reads it ("The" and "the" two words, each
+    its own token vectors), as Ethayarajh's code indexes the words by the tokenizer's own strings (bert-base-cased's
+    tokens, spaCy's for ELMo and GPT-2: case kept). Every word gets
     exactly `min_sentences` contexts (the same count for frequent and rare words). Contexts are drawn rarest word
     first, preferring sentences already drawn for other words, so far fewer sentences need encoding (about 2000 for
     1000 words in the bundled corpus, instead of 10000). `pool_option` is the entry point's option that sampled
@@ -84,12 +90,13 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     token's). Without them (the default), every WORD match counts.
     """
     specials = special_pattern(special_tokens)
+    fold = str.lower if lowercase else str
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
     counts: Counter[str] = Counter()
     total = 0
     for sentence in passes():
         total += 1
-        counts.update({match.group().lower() for match in word_matches(sentence, specials)})
+        counts.update({fold(match.group()) for match in word_matches(sentence, specials)})
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
         more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
@@ -107,7 +114,7 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     for index, sentence in enumerate(passes()):
         first = set()
         for match in word_matches(sentence, specials):
-            word = match.group().lower()
+            word = fold(match.group())
             word_id = ids.get(word)
             if word_id is None or word_id in first:
                 continue
@@ -129,25 +136,26 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
             chosen[index].append((word_id, start, end))
     order = sorted(chosen)
     texts = [sentence for index, sentence in enumerate(passes()) if index in chosen]
-    if len(texts) != len(order) or any(texts[i][s:e].lower() != words[w] for i, index in enumerate(order)
+    if len(texts) != len(order) or any(fold(texts[i][s:e]) != words[w] for i, index in enumerate(order)
                                        for w, s, e in chosen[index]):
         raise UserError("the self-similarity source changed while it was read (its three passes differ)")
     return WordContexts(words, texts, [chosen[i] for i in order], num_candidates, total,
-                        min_sentences)
+                        min_sentences, lowercase)
 
 
 def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
-                    pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = ()) -> WordContexts:
+                    pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True
+                    ) -> WordContexts:
     """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
     `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them
-    (`pool_option`: the entry point's option for `pool`, named when the sample is too small; `special_tokens`: the
-    tokenizer's, as in `word_contexts`)."""
+    (`pool_option`: the entry point's option for `pool`, named when the sample is too small; `special_tokens`,
+    `lowercase`: the tokenizer's, as in `word_contexts`)."""
     if pool:
         sentences = sample_texts(iter_texts(source, column), pool, seed)
         return word_contexts(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None,
-                             special_tokens)
+                             special_tokens, lowercase)
     return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed,
-                         special_tokens=special_tokens)
+                         special_tokens=special_tokens, lowercase=lowercase)
 
 
 # ---------------------------------------------------------------- static vectors

@@ -67,13 +67,15 @@ class PositionProbe(LinearProbes):
         self.contributions.reset()
 
     def report(self) -> dict:
-        """position_probe.json: per layer the accuracy, top contributing dims, and each outlier dim's rank."""
+        """position_probe.json: per layer the accuracy, top contributing dims, and each outlier dim's rank, each rank with
+        its ties (metrics.contributions.rank_dims)."""
         spec, top_k = self.spec, self.hparams.top_k
         layers = []
         for i, (layer, accuracy, chosen) in enumerate(zip(spec.layers, self.accuracy_of("encoder"), self.selection())):
             ranking = rank_dims(self.results["contributions"][i], spec.outlier_dims, top_k)
             layers.append({"layer": layer, "accuracy": accuracy, **self.control_columns(i), **chosen,
                            "top_contribution_dims": ranking["top_dims"],
+                           "top_contribution_ranks": ranking["top_ranks"], "top_contribution_ties": ranking["top_ties"],
                            "mean_contribution": ranking["mean_contribution"],
                            "outlier_dims": {str(d): v for d, v in ranking["dims"].items()}})
         return {

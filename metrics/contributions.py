@@ -4,7 +4,7 @@
     contributions.update(features, weight, positions)   # features [layers, tokens, hidden],
                                                         # weight [layers, hidden, positions], positions [tokens]
     result = contributions.compute()                    # .mean [layers, hidden], .by_position [layers, positions, hidden]
-    ranking = rank_dims(result.mean[layer], dims=[5, 17])   # rank (1 = largest) and contribution of chosen dims
+    ranking = rank_dims(result.mean[layer], dims=[5, 17])   # rank (1 = largest), ties and contribution of chosen dims
 
 The contribution of neuron i to a token's prediction is c(i) = |w_i * v_i|, with v the token's hidden vector and w the
 probe's weight row for the token's gold position (Luo et al. 2021, §3). `mean` averages c over all tokens,
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from metrics.base import Metric
-from metrics.ranks import rank_by_magnitude
+from metrics.ranks import rank_by_magnitude, ties_by_magnitude
 
 
 @dataclass
@@ -112,18 +112,24 @@ class LayerAccuracy(Metric):
 
 
 def rank_dims(contribution: Tensor, dims: Sequence[int] = (), top_k: int = 10) -> dict:
-    """Rank the neurons of one layer's contribution vector [hidden] (rank 1 = largest; ties share a rank).
+    """Rank the neurons of one layer's contribution vector [hidden] as metrics.ranks does: rank = 1 + the number of
+    strictly larger contributions (1 = largest), ties = the number of other neurons of exactly the same contribution (a
+    neuron of rank r with t ties shares ranks r..r+t with them: all-zero contributions of an untrained probe are rank 1,
+    hidden - 1 ties).
 
-    Returns {"top_dims": the top_k dims, largest first, "mean_contribution": mean over all neurons,
-    "dims": {dim: {"rank", "contribution", "mean_contribution"}}} for the chosen `dims`.
+    Returns {"top_dims": the top_k dims, largest first (ties broken by the lower index: a listed dim with ties is one
+    pick among them), "top_ranks", "top_ties": theirs, "mean_contribution": mean over all neurons,
+    "dims": {dim: {"rank", "ties", "contribution", "mean_contribution"}}} for the chosen `dims`.
     """
     contribution = contribution.detach().double().cpu()
-    order = torch.argsort(contribution, descending=True, stable=True)
-    ranks = rank_by_magnitude(contribution)  # 1 + the number of strictly larger contributions
+    order = torch.argsort(contribution, descending=True, stable=True)[:top_k]
+    ranks, ties = rank_by_magnitude(contribution), ties_by_magnitude(contribution)  # c(i) >= 0: |c| is c
     mean = float(contribution.mean())
     return {
-        "top_dims": order[:top_k].tolist(),
+        "top_dims": order.tolist(),
+        "top_ranks": ranks[order].tolist(),
+        "top_ties": ties[order].tolist(),
         "mean_contribution": mean,
-        "dims": {int(d): {"rank": int(ranks[d]), "contribution": float(contribution[d]), "mean_contribution": mean}
-                 for d in dims},
+        "dims": {int(d): {"rank": int(ranks[d]), "ties": int(ties[d]), "contribution": float(contribution[d]),
+                          "mean_contribution": mean} for d in dims},
     }

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from core.norms import norm_affine
-from metrics.ranks import rank_by_magnitude, strictly_top, ties_by_magnitude
+from metrics.ranks import rank_by_magnitude, ranked, strictly_top, ties_by_magnitude
 
 
 def trace_origins(model: nn.Module, dims: list[int]) -> dict:
@@ -132,11 +132,6 @@ def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:
                      (f" (tied across the top-{top} edge in {edge[0]} gains, {edge[1]} biases)" if any(edge) else ""))
         lines[d] = "; ".join(parts)
     return lines
-
-
-def ranked(rank: int, ties: int) -> str:
-    """'rank 2', or 'rank 1, tied with 383 other dims' (ranks 1-384 shared)."""
-    return f"rank {rank}" + (f", tied with {ties} other dim{'s' if ties > 1 else ''}" if ties else "")
 
 
 def where(entry: dict) -> str:

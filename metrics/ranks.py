@@ -4,7 +4,7 @@
     ties_by_magnitude(torch.tensor([1.0, -1.0, 0.5]))     # tensor([1, 1, 0]): other entries of the same |value|
 
 A dimension of rank r with t ties shares ranks r..r+t with them (all-ones LayerNorm gains: rank 1, hidden - 1 ties):
-it is strictly among the top k only when r + t <= k (`strictly_top`).
+it is strictly among the top k only when r + t <= k (`strictly_top`); `ranked(1, 383)` says so in words.
 """
 
 from __future__ import annotations
@@ -28,3 +28,8 @@ def strictly_top(rank: int, ties: int, k: int) -> bool:
     """Whether a dimension of `rank` (1 + the entries strictly larger) with `ties` equal ones is among the top `k`
     whichever way its ties are broken."""
     return rank + ties <= k
+
+
+def ranked(rank: int, ties: int) -> str:
+    """'rank 2', or 'rank 1, tied with 383 other dims' (ranks 1-384 shared)."""
+    return f"rank {rank}" + (f", tied with {ties} other dim{'s' if ties > 1 else ''}" if ties else "")

@@ -670,3 +670,31 @@ def test_sts_sentences_are_cleaned_and_one_with_nothing_visible_is_refused(tmp_p
     invisible = write(tmp_path / "invisible.jsonl", [*STS[:3], ("\u200b\u2060", "A man plays.", 2.0)])
     with pytest.raises(UserError, match=r"pair 3 has an empty sentence \(nothing visible in it\)"):
         read_sts(str(invisible))
+
+
+@pytest.mark.parametrize("kind, words, case", [
+    # cased (RoBERTa's byte-level BPE): "The" (lines 1, 3) and "the" (line 2 only) are two words; "the" is too rare
+    ("roberta", ["The", "cat", "dog", "ran", "sat"], "as written (a cased tokenizer: 'The' and 'the' are two words)"),
+    # uncased (BERT's lowercasing WordPiece): one word "the", in lines 1-3
+    ("bert", ["cat", "dog", "ran", "sat", "the"], "lowercased (the tokenizer lowercases)"),
+])
+def test_self_similarity_words_keep_their_case_unless_the_tokenizer_lowercases(kind, words, case, tmp_path, bert_tok,
+                                                                              roberta_tok):
+    """Ethayarajh's words are the tokenizer's own strings (his code indexes bert-base-cased's tokens, case kept): a
+    cased model's "The" and "the" are not pooled, an uncased model's are. The words qualifying in 2 of these 4
+    lines, by hand."""
+    data = tmp_path / "case.txt"
+    lines = ["The dog ran", "the dog sat", "The cat ran", "a cat sat"]
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    encoder = save_tiny_encoder(tmp_path / kind, kind, bert_tok if kind == "bert" else roberta_tok)
+    out = tmp_path / "out"
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "5",
+                         "--min_sentences", "2", "--no_progress", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "self_similarity.json").read_text())
+    assert sorted(report["words"]) == words and report["num_candidates"] == 5 and report["word_case"] == case
+    contexts = source_contexts(str(data), None, 0, 5, 2, seed=0, lowercase=kind == "bert")  # the same words
+    assert sorted(contexts.words) == words
+    word = "The" if kind == "roberta" else "the"  # cased: lines 1 and 3 exactly; uncased: 2 of lines 1-3, any case
+    texts = sorted(contexts.sentences[i][s:e] for i, row in enumerate(contexts.spans) for w, s, e in row
+                   if contexts.words[w] == word)
+    assert len(texts) == 2 and (texts == ["The", "The"] if kind == "roberta" else {t.lower() for t in texts} == {"the"})

@@ -200,8 +200,12 @@ def direct_probe(hidden: torch.Tensor, weight: torch.Tensor, top_k: int = 3) -> 
     accuracy = (torch.einsum("lnh,lhp->lnp", tokens, weight).argmax(-1) == positions).double().mean(1)
     contribution = (weight[:, :, positions].transpose(1, 2) * tokens).abs().mean(1)  # [layers, hidden]
     order = contribution.argsort(dim=1, descending=True, stable=True)[:, :top_k]
+    top = contribution.gather(1, order)  # [layers, top_k]
+    ranks = 1 + (contribution[:, None, :] > top[:, :, None]).sum(2)  # 1 + the neurons of strictly larger c(i)
+    ties = (contribution[:, None, :] == top[:, :, None]).sum(2) - 1  # the others of exactly the same c(i)
     return [{"accuracy": float(accuracy[layer]), "top_dims": order[layer].tolist(),
-             "top_values": contribution[layer, order[layer]].tolist(),
+             "top_values": contribution[layer, order[layer]].tolist(), "top_ranks": ranks[layer].tolist(),
+             "top_ties": ties[layer].tolist(),
              "mean_contribution": float(contribution[layer].mean())} for layer in range(layers)]
 
 
@@ -304,6 +308,8 @@ def check_probe(row: dict, prefix: str, expected: list[dict]) -> None:
         assert row[f"{key}/accuracy"] == pytest.approx(want["accuracy"], abs=1e-9)
         assert [row[f"{key}/top{i}_dim"] for i in (1, 2, 3)] == want["top_dims"]
         assert [row[f"{key}/top{i}_contribution"] for i in (1, 2, 3)] == pytest.approx(want["top_values"], rel=1e-5)
+        assert [row[f"{key}/top{i}_rank"] for i in (1, 2, 3)] == want["top_ranks"]
+        assert [row[f"{key}/top{i}_ties"] for i in (1, 2, 3)] == want["top_ties"]
         assert row[f"{key}/mean_contribution"] == pytest.approx(want["mean_contribution"], rel=1e-5)
 
 
@@ -423,7 +429,7 @@ def test_sinks_and_magnitudes_equal_a_direct_computation(single):
     outliers (OutlierStatistics) of each captured step and of the validation, against the eager attention and the
     hidden states of the same batches, by hand."""
     run, recorder, _ = single
-    special = (0, 2)  # the tiny RoBERTa's <s> and </s> (pad 1 is not one)
+    special = (0, 2, 4)  # the trained tokenizer's <s>, </s> and <mask> (pad 1 and <unk> 3 are not counted)
     stages = [("", step, [recorder.attention[step]], [recorder.ids[step]], recorder.train[step][0])
               for step in (0, 2, 4)]
     stages.append(("val_", VAL_STEP, recorder.val_attention, recorder.val_ids,
@@ -960,6 +966,62 @@ def test_csv_logger_gets_the_statistics_of_a_direct_computation(corpus, cache, t
     for step, (hidden, weight) in recorder.train.items():
         check_outliers(outliers[step], "outliers", direct_outliers(hidden, False), lists=False)
         check_probe(probe[step], "position_probe", direct_probe(hidden, weight))
+
+
+def test_special_token_mass_counts_the_special_tokens_of_the_datas_tokenizer(cache, tmp_path, roberta_tok):
+    """The live sinks' special tokens are the training data's tokenizer's (trainer.datamodule.tokenizer), by the rule
+    of `analyze.py outliers`: a token added as special, written in the text (which the config's bos / eos / cls / sep
+    ids never name), and <mask> count; [UNK] and the pad do not. The logged mass equals the eager attention's mass on
+    exactly those ids, by hand, and the logger's hyperparameters say which ids and where they came from."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    roberta_tok.save_pretrained(tmp_path / "plain")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "plain")
+    tokenizer.add_tokens(["<mark>"], special_tokens=True)  # special, yet not among all_special_ids
+    tokenizer.save_pretrained(tmp_path / "tok")
+    mark = tokenizer.convert_tokens_to_ids("<mark>")
+    expected = sorted([tokenizer.convert_tokens_to_ids(t) for t in ("<s>", "</s>", "<mask>")] + [mark])  # by hand
+    corpus = tmp_path / "marked.txt"
+    corpus.write_text("\n".join(f"{s[:len(s) // 2]} <mark> {s[len(s) // 2:]}" for s in corpus_sentences(30)) + "\n",
+                      encoding="utf-8")
+    Recorder.made.clear()
+    root = tmp_path / "run"
+    assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(), "--data.tokenizer", str(tmp_path / "tok"),
+                                    "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.warmup_steps", "1",
+                                    "--model.decay_steps", "2", logger="csv")) == 0
+    (recorder,) = Recorder.made
+    (hparams,) = root.rglob("hparams.yaml")
+    setting = yaml.safe_load(hparams.read_text())
+    assert setting["sinks/special_token_ids"] == expected
+    assert setting["sinks/special_tokens"] == tokenizer.convert_ids_to_tokens(expected)
+    assert setting["sinks/special_tokens_from"].startswith("the training data's tokenizer")
+    stages = [("", 0, [recorder.attention[0]], recorder.ids[0]),
+              ("val_", 1, recorder.val_attention, torch.cat(recorder.val_ids))]
+    for prefix, step, records, ids in stages:
+        assert (ids == mark).any()  # the planted token is in the batches the mass is taken over
+        rows = csv_rows(root, f"{prefix}sinks_by_layer/layer_1/sink_share")
+        probabilities = [torch.cat([r["probabilities"][layer] for r in records]) for layer in range(LAYERS - 1)]
+        wanted = direct_sinks(probabilities, ids, tuple(expected))
+        for layer, want in enumerate(wanted, 1):
+            assert rows[step][f"{prefix}sinks_by_layer/layer_{layer}/special_token_mass"] == pytest.approx(
+                want["special_token_mass"], abs=1e-5), (prefix, layer)
+
+
+def test_without_a_tokenizer_the_sinks_take_the_configs_ids_and_say_so():
+    """No datamodule tokenizer to reach (a model fitted on bare dataloaders): the config's bos / eos / cls / sep ids,
+    its pad left out, and the setting says that added special tokens are not counted."""
+    from types import SimpleNamespace
+
+    from transformers import RobertaConfig
+
+    from callbacks.attention_geometry import sink_special_ids
+
+    config = RobertaConfig(pad_token_id=1, bos_token_id=0, eos_token_id=2, sep_token_id=1)  # sep = pad: left out
+    for trainer in (SimpleNamespace(datamodule=None), SimpleNamespace(datamodule=SimpleNamespace(tokenizer=None))):
+        ids, setting = sink_special_ids(trainer, config)
+        assert ids == setting["sinks/special_token_ids"] == [0, 2]
+        assert "added special tokens are not counted" in setting["sinks/special_tokens_from"]
 
 
 class FlakyCSVLogger(CSVLogger):

@@ -35,8 +35,8 @@ def test_isoscore_star_with_too_few_sentences_says_what_it_needs_once(tiny, tmp_
     _, _, sentences = tiny  # 30 sentences, each with tokens: 30 random tokens, fewer than one mini-batch of 250
     report, warnings = isotropy(tiny, tmp_path, capsys)
     expected = (f"IsoScore* not computed ('-'): --minibatches 4 of --minibatch 250 tokens need 1000 sentences with a "
-                f"token (one random token each), got {sentences}; lower --minibatch or give more sentences "
-                "(--max_sentences)")
+                f"token (one random token each), got {sentences}; lower --minibatch or give --data with more sentences "
+                f"(all {sentences} of its sentences are read)")  # --max_sentences 0: the source is what limits it
     assert warnings == [f"warning: {expected}"]  # one line, once (not once per variant or layer)
     assert report["isoscore_star_warning"] == expected and report["num_minibatches"] == 0
     assert all(row["raw"]["isoscore_star"] is None for row in report["layers"])
@@ -48,10 +48,32 @@ def test_isoscore_star_over_fewer_mini_batches_than_asked_says_so(tiny, tmp_path
     batches = sentences // 8  # 3 whole mini-batches of 8 of the 30 random tokens
     assert report["num_minibatches"] == batches < 4
     assert warnings == [f"warning: IsoScore* averaged over {batches} mini-batches, not 4: --minibatches 4 of "
-                        f"--minibatch 8 tokens need 32 sentences with a token (one random token each), got {sentences}"]
+                        f"--minibatch 8 tokens need 32 sentences with a token (one random token each), got {sentences}; "
+                        f"lower --minibatch or give --data with more sentences (all {sentences} of its sentences are "
+                        "read)"]
     assert all(row["raw"]["isoscore_star"] is not None for row in report["layers"])
     report, warnings = isotropy(tiny, tmp_path / "enough", capsys, "--minibatch", "7")  # 4 x 7 = 28 <= 30: all
     assert report["num_minibatches"] == 4 and "isoscore_star_warning" not in report and warnings == []
+
+
+@pytest.mark.parametrize("argv, sampled, advice", [
+    # 2 x --num_pairs = 10 of the 30 sentences: --num_pairs caps the sample, more sentences would not help
+    (["--num_pairs", "5"], 10, "raise --num_pairs (the sample is one random token from each of 2 x --num_pairs = 10 "
+                               "sentences)"),
+    # --max_sentences 12 of the 30, under 2 x 1000: --max_sentences caps it
+    (["--max_sentences", "12"], 12, "give more sentences (--max_sentences 12)"),
+    # all 30 sentences = 2 x --num_pairs 15: both caps bind, raising one alone would not help
+    (["--num_pairs", "15"], 30, "raise --num_pairs (the sample is one random token from each of 2 x --num_pairs = 30 "
+                                "sentences) and give --data with more sentences (all 30 of its sentences are read)"),
+])
+def test_isoscore_star_advice_names_the_cap_that_limits_the_sample(tiny, tmp_path, capsys, argv, sampled, advice):
+    """IsoScore*'s tokens are one random token from each of min(2 x --num_pairs, sentences read) sentences: the advice
+    names whichever of --num_pairs, --max_sentences and the source's size is the smaller (it said --max_sentences even
+    where --num_pairs held the sample down)."""
+    report, warnings = isotropy(tiny, tmp_path, capsys, *argv)
+    expected = (f"IsoScore* not computed ('-'): --minibatches 4 of --minibatch 250 tokens need 1000 sentences with a "
+                f"token (one random token each), got {sampled}; lower --minibatch or {advice}")
+    assert warnings == [f"warning: {expected}"] and report["isoscore_star_warning"] == expected
 
 
 def test_anisotropy_from_fewer_pairs_than_asked_says_so_once(tiny, tmp_path, capsys):

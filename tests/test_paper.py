@@ -138,7 +138,8 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
     assert "Outliers (§3) detected on 51 sentences of SST-2 and 40 sentences of QQP" in markdown
     words = summary["figure6"]["sst2"]["words"]
     assert (f"SST-2: 4 words of the {words['num_candidates']} that occur in at least 3 of its 60 sentences, 3 contexts "
-            f"each ({words['num_sentences']} sentences encoded)") in markdown
+            f"each ({words['num_sentences']} sentences encoded; words lowercased (the tokenizer lowercases))") in markdown
+    assert words["word_case"] == "lowercased (the tokenizer lowercases)"  # the tiny BERT's uncased WordPiece
     # each report equals the single subcommand run on the same data with the same clipping
     single = tmp_path / "single"
     assert analyze.main(["anisotropy", *map(str, common), "--data", str(stand_ins["sst2"]), "--clip", expected_clip,

@@ -200,6 +200,18 @@ def test_probe_recovers_planted_position_and_contributions_single_out_its_dimens
             assert entry["outlier_dims"][str(dim)]["rank"] == 1
             assert entry["outlier_dims"][str(dim)]["contribution"] == pytest.approx(contribution, rel=1e-6)
             assert entry["outlier_dims"][str(dim)]["contribution"] > 3 * entry["mean_contribution"]
+            assert entry["outlier_dims"][str(dim)]["ties"] == 0 and entry["top_contribution_ranks"][0] == 1
+
+    # planted ties in the contributions the report ranks: layer 2's planted dim tied with dim 0 at the top
+    planted = model.results["contributions"].clone()
+    planted[2, 0] = planted[2, PLANTED[2]]
+    model.results["contributions"] = planted
+    entry = model.report()["layers"][2]
+    lower = int((planted[2] < planted[2, PLANTED[2]]).sum())  # every other dim is smaller (by hand: none larger)
+    assert lower == planted.shape[1] - 2
+    assert entry["top_contribution_dims"][:2] == sorted([0, PLANTED[2]])  # the tie: lower index first
+    assert entry["top_contribution_ranks"][:3] == [1, 1, 3] and entry["top_contribution_ties"][:2] == [1, 1]
+    assert entry["outlier_dims"][str(PLANTED[2])]["rank"] == 1 and entry["outlier_dims"][str(PLANTED[2])]["ties"] == 1
 
 
 def hand_outlier_dims(features: torch.Tensor, min_share: float = 0.2) -> list[list[int]]:

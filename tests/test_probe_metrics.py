@@ -113,3 +113,47 @@ def test_ddp_two_processes_equal_one(tmp_path):
         correct += (predicted == positions[keep]).sum(1).double()
         total += int(keep.sum())
     torch.testing.assert_close(synced["accuracy"], correct / total)
+
+
+def test_contribution_ranks_come_with_their_ties_by_hand():
+    """Planted contributions with ties (metrics.ranks' rule, as the LayerNorm ranks): rank = 1 + the neurons of strictly
+    larger c(i), ties = the others of exactly the same c(i); the top list breaks ties by the lower index, and paper.md
+    says each tie in words."""
+    from analyses.paper_report import outlier_ranks_cell, probe_row, top_dims_cell
+
+    # one layer, two tokens at positions 0 and 1, v = 1: c(i) = mean_t |w_{pos_t, i}| = [3, 3, 1, 0, 2, 1]
+    weight = torch.tensor([[3.0, -3.0, 1.0, 0.0, 2.0, -1.0], [3.0, 3.0, 1.0, 0.0, -2.0, 1.0]]).T[None]  # [1, 6, 2]
+    metric = Contributions(1, 6, 2)
+    metric.update(torch.ones(1, 2, 6), weight, torch.tensor([0, 1]))
+    ranking = rank_dims(metric.compute().mean[0], dims=[1, 2, 3, 5], top_k=4)
+    # by hand: 3 at dims 0, 1 (rank 1, 1 tie each); 2 at dim 4 (rank 3); 1 at dims 2, 5 (rank 4, 1 tie); 0 at dim 3 (6)
+    assert ranking["top_dims"] == [0, 1, 4, 2]  # dim 2 before its tie, dim 5: the lower index
+    assert ranking["top_ranks"] == [1, 1, 3, 4] and ranking["top_ties"] == [1, 1, 0, 1]
+    assert {d: (v["rank"], v["ties"]) for d, v in ranking["dims"].items()} == {1: (1, 1), 2: (4, 1), 3: (6, 0),
+                                                                               5: (4, 1)}
+    untrained = rank_dims(torch.zeros(6), dims=[4], top_k=2)  # a zero probe: every neuron tied at rank 1
+    assert untrained["top_ranks"] == [1, 1] and untrained["top_ties"] == [5, 5]
+    assert untrained["dims"][4] == {"rank": 1, "ties": 5, "contribution": 0.0, "mean_contribution": 0.0}
+
+    row = probe_row({"layer": 1, "accuracy": 0.5, "top_contribution_dims": ranking["top_dims"],
+                     "top_contribution_ties": ranking["top_ties"],
+                     "outlier_dims": {str(d): v for d, v in ranking["dims"].items()}})
+    assert top_dims_cell(row) == "0 (tied with 1), 1 (tied with 1), 4, 2 (tied with 1)"
+    assert outlier_ranks_cell(row) == ("1: rank 1, tied with 1 other dim; 2: rank 4, tied with 1 other dim; "
+                                       "3: rank 6; 5: rank 4, tied with 1 other dim")
+
+
+def test_probe_py_says_which_layers_show_tied_top_dims(capsys, tmp_path):
+    """The terminal table shows 3 top dims per layer: a layer whose shown dims have ties is named below it."""
+    import probe
+
+    row = {"accuracy": 0.5, "top_contribution_dims": [4, 1, 2, 0]}
+    report = {"encoder": "e", "source": "s", "special_tokens": "counted",
+              "baselines": {"majority": 0.1, "chance": 0.1},
+              "layers": [{**row, "layer": 0, "top_contribution_ties": [0, 0, 0, 5]},  # a tie past the shown 3: not said
+                         {**row, "layer": 1, "top_contribution_ties": [0, 1, 1, 0]},
+                         {**row, "layer": 2, "top_contribution_ties": [3, 3, 3, 3]}]}
+    probe.print_summary(report, tmp_path)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tied")]
+    assert lines == ["tied contributions among the top dims of layers 1, 2: ties broken by the lower dim "
+                     "(top_contribution_ranks, top_contribution_ties in position_probe.json)"]

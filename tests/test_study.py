@@ -382,4 +382,5 @@ def test_a_shipped_study_draws_every_isoscore_star_mini_batch_it_asks_for(name, 
                                 moments_of=lambda variant: (points.mean(0), torch.eye(4).expand(1, 4, 4)))
     _, _, batches = minibatch_isoscores(reference, RAW, args.seed, args.zeta, args.minibatch, asked)
     assert batches == asked
-    assert minibatch_shortfall(batches, args.minibatch, asked, sampled) is None
+    assert minibatch_shortfall(batches, args.minibatch, asked, sampled, sampled, args.num_pairs,
+                               args.max_sentences) is None
