@@ -58,7 +58,8 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
         masked_lm.config.update(labels)
         model = install_recorded(AutoModelForSequenceClassification.from_config(masked_lm.config))
         model.base_model.load_state_dict(masked_lm.base_model.state_dict())
-        initialise_new(model, set(), seed)
+        base = {id(parameter) for parameter in model.base_model.parameters()}  # the MLM has no classifier head
+        initialise_new(model, {name for name, parameter in model.named_parameters() if id(parameter) not in base}, seed)
         return model, tokenizer
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -83,18 +84,17 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
 
 
 def initialise_new(model, missing: set[str], seed: int) -> None:
-    """Draw the classifier's new weights from a generator of their own seeded with `seed`: every parameter outside
-    the encoder (the head, always new: a fine-tuned source's head is not kept) and the encoder's `missing` ones, in
-    module order, as transformers' BERT init draws them (normal(0, initializer_range), biases 0, LayerNorms 1 and 0).
-    from_config (a .ckpt) and from_pretrained (an export) consume the global generator differently, so without this
-    one seed gave two heads."""
-    encoder = {id(parameter) for parameter in model.base_model.parameters()}
+    """Draw the classifier's weights its source lacks (`missing`, named as in `model.named_parameters()`: the new
+    head, a pooler; a fine-tuned source's head of the same size is kept, as transformers keeps it) from a generator of
+    their own seeded with `seed`, in module order, as transformers' BERT init draws them (normal(0, initializer_range),
+    biases 0, LayerNorms 1 and 0). from_config (a .ckpt) and from_pretrained (an export) consume the global generator
+    differently, so without this one seed gave two heads."""
     generator = torch.Generator().manual_seed(seed)
     std = getattr(model.config, "initializer_range", 0.02)
     with torch.no_grad():
         for prefix, module in model.named_modules():
             for name, parameter in module.named_parameters(recurse=False):
-                if id(parameter) in encoder and f"{prefix}.{name}".lstrip(".") not in missing:
+                if f"{prefix}.{name}".lstrip(".") not in missing:
                     continue
                 if isinstance(module, torch.nn.LayerNorm) or name == "bias":
                     parameter.fill_(1.0 if isinstance(module, torch.nn.LayerNorm) and name == "weight" else 0.0)

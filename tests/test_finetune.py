@@ -599,3 +599,18 @@ def test_the_new_head_depends_on_the_seed_alone_whether_from_a_checkpoint_or_its
             os.environ["PL_GLOBAL_SEED"] = previous
     for key, value in heads[ckpt, 4].items():
         torch.testing.assert_close(built[key], value, rtol=0, atol=0, msg=key)
+    # a fine-tuned source keeps its head when the classes fit it (as transformers keeps it); another size is redrawn
+    model, tokenizer = load_classifier(str(tmp_path / "export"), ["a", "b", "c"], 3)
+    with torch.no_grad():
+        model.classifier.out_proj.weight.add_(1.0)  # a trained head: no draw of any seed gives it
+    model.save_pretrained(tmp_path / "finetuned")
+    tokenizer.save_pretrained(tmp_path / "finetuned")
+    trained = {key: value for key, value in model.state_dict().items() if key.startswith("classifier.")}
+    kept = head(tmp_path / "finetuned", 4)
+    for key, value in trained.items():
+        torch.testing.assert_close(kept[key], value, rtol=0, atol=0, msg=key)
+    resized, _ = load_classifier(str(tmp_path / "finetuned"), ["a", "b"], 4)
+    generator = torch.Generator().manual_seed(4)  # only out_proj is of another size: it alone is drawn
+    torch.testing.assert_close(resized.classifier.out_proj.weight, torch.empty(2, 32).normal_(0.0, std, generator=generator),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(resized.classifier.dense.weight, trained["classifier.dense.weight"], rtol=0, atol=0)
