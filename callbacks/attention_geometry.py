@@ -64,8 +64,8 @@ from callbacks.outlier_statistics import pair_positions, pair_seed
 from core.errors import UserError
 from core.families import is_causal, rotary_queries_keys
 from core.models import attention_projections, find_encoder
-from core.tokenizers import sink_ids
 from core.step_figures import over_steps_figure
+from core.tokenizers import sink_ids
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
 from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
 from metrics.summary import over_layers
