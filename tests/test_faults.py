@@ -1245,6 +1245,10 @@ FAULT_ROW_TESTS = {
         "test_io.py::test_a_later_run_removes_the_staging_directory_of_a_killed_run_and_no_live_one",
         "test_mlm.py::test_a_cache_build_removes_the_staging_directory_a_killed_build_left_and_not_a_live_ones",
     ],
+    "a probe run (probe.py, `analyze.py paper`'s probes) killed while its features streamed from a memory-mapped file "
+    "(over `--data.max_memory_gb`: gigabytes)": [
+        "test_probe.py::test_a_killed_runs_memory_mapped_features_directory_is_removed_by_the_next_run_and_no_live_ones",
+    ],
 }
 
 
