@@ -786,6 +786,12 @@ ERROR_ROW_TESTS = {
     ("train.py", "an unknown key in a config file or on the command line"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "an option that picks a list item by its index (`--trainer.callbacks[0].init_args.every_n_steps 5`, "
+                 "`--trainer.callbacks.0.every_n_steps 5`; jsonargparse takes no index)"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_refusals.py::test_did_you_mean_never_names_the_option_given",
+        "test_train_inputs.py::test_a_dotted_callback_option_changes_the_last_callback_and_a_later_config_any_one",
+    ],
     ("train.py", "a config file that is not UTF-8"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
         "test_fuzz.py::test_train_checkpoints_and_configs",
