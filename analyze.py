@@ -222,7 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
-        sub.add_argument("--static", default=None, help="GloVe-format text file: a static-vector STS baseline")
+        sub.add_argument("--static", default=None, help="GloVe-format text file: a static-vector STS baseline (the "
+                         "mean of the sentence's word vectors, each word looked up as written, case included: SentEval's "
+                         "bag-of-words GloVe baseline; GloVe 840B is cased)")
+        sub.add_argument("--static_lowercase", action="store_true", help="ours, not SentEval's: look the --static "
+                         "words up lowercased, each file word lowercased and its first case variant kept (default: off, "
+                         "as written)")
     for sub in (selfsim, everything, paper):
         sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
         sub.add_argument("--min_sentences", type=int, default=10,

@@ -87,7 +87,7 @@ def run_sts(args, rank: int, world: int) -> dict:
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")  # Su et al. whiten sentences
     report = {**run_header(args, encoder, reference), "unscored": unscored, "score_range": list(args.score_range),
-              **semantic.sts(setting, pairs, reference.variants, args.static)}
+              **semantic.sts(setting, pairs, reference.variants, args.static, args.static_lowercase)}
     return publish(args, rank, "sts", report, encoder)
 
 
@@ -124,7 +124,8 @@ def run_all(args, rank: int, world: int) -> dict:
         fitted = refit_on_sentences(setting, reference, pair_sentences(pairs))  # --normalize on sentences
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, fitted), "data": name,
                                                          "unscored": unscored,
-                                                         **semantic.sts(setting, pairs, fitted.variants, args.static)}
+                                                         **semantic.sts(setting, pairs, fitted.variants, args.static,
+                                                                        args.static_lowercase)}
     summary = summarise(reports, notes)
     figures = {file: make for name in reports if name != "outliers"
                for file, make in figures_of(name, reports[name], encoder.short_name).items()}

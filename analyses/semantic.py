@@ -113,9 +113,11 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
     return report
 
 
-def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static: str | None = None) -> dict:
+def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static: str | None = None,
+        static_lowercase: bool = False) -> dict:
     """Spearman x 100 between the cosine of mean-pooled sentence embeddings (padding excluded) and the gold
-    scores, per layer and variant; optionally the same for averaged static word vectors (GloVe format)."""
+    scores, per layer and variant; optionally the same for averaged static word vectors (GloVe format; words as
+    written, or lowercased with `static_lowercase`: ours)."""
     texts = [s for pair in pairs for s in (pair.sentence1, pair.sentence2)]
 
     def vectors_of(rows, batch):
@@ -139,16 +141,21 @@ def sts(setting: Setting, pairs: list[StsPair], variants: list[Variant], static:
                                       "is the same in every layer (the sentences' vectors do not differ: does "
                                       "--max_length leave only the special tokens?)")
     report["layers"] = per_layer(per_variant, setting.encoder.num_hidden_states)
-    report["static_baseline"] = static_baseline(pairs, gold, static, setting.progress) if static else None
+    report["static_baseline"] = static_baseline(pairs, gold, static, setting.progress, static_lowercase) \
+        if static else None
     return report
 
 
-def static_baseline(pairs: list[StsPair], gold: Tensor, path: str, progress: bool = False) -> dict:
-    """Spearman x 100 of averaged static word vectors (the paper's GloVe row), with the word coverage."""
-    vocabulary = set().union(*(sentence_words(p.sentence1) | sentence_words(p.sentence2) for p in pairs))
-    vectors, dim = read_static_vectors(path, vocabulary, progress)
-    a = torch.stack([static_sentence_vector(p.sentence1, vectors, dim) for p in pairs])
-    b = torch.stack([static_sentence_vector(p.sentence2, vectors, dim) for p in pairs])
+def static_baseline(pairs: list[StsPair], gold: Tensor, path: str, progress: bool = False,
+                    lowercase: bool = False) -> dict:
+    """Spearman x 100 of averaged static word vectors (the paper's GloVe row: SentEval's bag of words, each word
+    looked up as written; `lowercase`: lowercased, ours), with the word coverage and the case used."""
+    vocabulary = set().union(*(sentence_words(p.sentence1, lowercase) | sentence_words(p.sentence2, lowercase)
+                               for p in pairs))
+    vectors, dim = read_static_vectors(path, vocabulary, progress, lowercase)
+    a = torch.stack([static_sentence_vector(p.sentence1, vectors, dim, lowercase) for p in pairs])
+    b = torch.stack([static_sentence_vector(p.sentence2, vectors, dim, lowercase) for p in pairs])
     rho = 100 * spearman(cosine(a, b), gold)
     return {"file": str(path), "spearman": number(rho), "dim": dim,
-            "word_coverage": round(len(vectors) / max(len(vocabulary), 1), 6)}
+            "word_coverage": round(len(vectors) / max(len(vocabulary), 1), 6),
+            "word_case": "lowercased (--static_lowercase, ours)" if lowercase else "as written (SentEval's lookup)"}

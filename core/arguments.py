@@ -21,7 +21,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """An argparse parser whose error is one line (no usage), an unknown option with the closest one."""
 
     def error(self, message: str):
-        unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
+        unknown = re.search(r"unrecognized arguments: (--[^\s=]+)", message)
         if unknown:
             options = _options(self)
             close = difflib.get_close_matches(unknown.group(1), sorted(options - {unknown.group(1)}), n=1)

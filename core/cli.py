@@ -10,6 +10,9 @@ weights-only checkpoints, and the run directory's lock.
 
     python train.py fit --config c.yaml      # c.yaml: `model: {hiden_size: 32}` →
     train.py: error: unknown option 'model.hiden_size' (did you mean 'model.hidden_size'?)
+    python train.py fit --config c.yaml --trainer.callbacks[0].init_args.every_n_steps 5   # no index taken →
+    train.py: error: --trainer.callbacks[0].init_args.every_n_steps: an option takes no index (...); the no-index form
+    (the last callback) and docs/live-statistics.md's "Changing one callback's arguments" (any other one)
 
 Lightning's banner ("GPU available ...", "Seed set to 0", its tips) is held back while the arguments are parsed and
 checked and the data is prepared: it prints once they pass, and not at all when they do not, so an error is the only
@@ -54,13 +57,16 @@ class OneLineParser(LightningArgumentParser):
 def parse_error_line(message: str, parser) -> str:
     """One line for a jsonargparse error: an unknown key with the closest valid one, else the message's first line
     with its indented details folded in."""
+    indexed = indexed_option_line(message)
+    if indexed:
+        return indexed
     nested = re.search(r"Parser key \"([\w.]+)\".*?class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message,
                        re.S)
     if nested:
         group, class_path, option = nested.groups()
         return unknown_key(f"{group}.{option}", [f"{group}.{name}" for name in init_arguments(class_path)])
     unknown = (re.search(r"does not accept (?:option|nested key) '([\w.]+)'", message)
-               or re.search(r"unrecognized arguments: --([\w.]+)", message)
+               or re.search(r"unrecognized arguments: --([^\s=]+)", message)
                or re.search(r"Key \"([\w.]+)\" is not expected", message))
     if unknown:
         return unknown_key(unknown.group(1), valid_keys(parser))
@@ -92,7 +98,31 @@ def bad_value_line(message: str) -> str | None:
     return f"--{key}: " + re.sub(r"<class '(\w+)'>", r"\1", detail)
 
 
+CALLBACK_DOCS = "docs/live-statistics.md, \"Changing one callback's arguments\""
+
+
+def indexed_option_line(message: str) -> str | None:
+    """One line for an option that picks a list item by its index (`--trainer.callbacks[0].init_args.every_n_steps`,
+    `--trainer.callbacks.0.every_n_steps`), which jsonargparse does not take: what is wrong and the form that works (a
+    dotted option without the index changes the list's last item; any other one needs the whole list)."""
+    flat = re.search(r"unrecognized arguments: --([\w.]+)\[(\d+)\]((?:\.[\w.]+)?)", message)
+    nested = re.search(r"Parser key \"([\w.]+)\":.*?(?:unrecognized arguments: --|Option ')(\d+)((?:\.[\w.]+)?)[=' \n]",
+                       message + "\n", re.S)
+    found = flat or nested
+    if not found:
+        return None
+    key, index, rest = found.groups()
+    given = f"--{key}[{index}]{rest}" if flat else f"--{key}.{index}{rest}"
+    line = f"{given}: an option takes no index (it cannot pick one item of a list)"
+    if key.rsplit(".", 1)[-1] != "callbacks":
+        return f"{line}; give --{key} its whole value (a list with all its items, here or in a config file)"
+    return (f"{line}; --{key}{rest or '.init_args.NAME'} VALUE (no index) changes the last callback, and another one is "
+            f"changed by a YAML file of your own holding the whole list, given as a later --config ({CALLBACK_DOCS})")
+
+
 def unknown_key(key: str, candidates: list[str]) -> str:
+    """"unknown option 'KEY'", with the closest of `candidates` (never KEY itself: no help) when one is close."""
+    candidates = [candidate for candidate in candidates if candidate != key]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:  # the last part alone: a typo in a group name
         tail = difflib.get_close_matches(key.rsplit(".", 1)[-1], [c.rsplit(".", 1)[-1] for c in candidates], n=1)

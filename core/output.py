@@ -6,7 +6,7 @@
         ...                                                    # that this one does not write again are removed
     # a staging directory is named .staging-<host>-<pid>-<random> (new_stage): one a killed run left (its pid gone from
     # this host) is removed by the next staged_output (or new_stage) into the same directory, with a warning; a live
-    # run's never
+    # run's never; new_stage(cache, FEATURES) names the probes' memory-mapped features (.features-<host>-<pid>-*) alike
     with atomic_file("runs/x/checkpoints/last.ckpt", keep_previous="runs/x/checkpoints/previous.ckpt") as handle:
         torch.save(state, handle)                          # the old last.ckpt becomes previous.ckpt
     check_writable("runs/x")                               # fail before a long computation, leave nothing behind
@@ -33,7 +33,9 @@ from core.errors import UserError
 
 OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
 STAGING = ".staging-"  # a staging directory's prefix: .staging-<host>-<pid>-<mkdtemp's random part>
-STAGE_NAME = re.compile(r"\.staging-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[a-z0-9_]+")
+FEATURES = ".features-"  # the probes' memory-mapped features (datamodules/features.py): .features-<host>-<pid>-<random>
+KINDS = {STAGING: "the staging directory", FEATURES: "the memory-mapped features directory"}  # prefix: what it is
+STAGE_NAME = re.compile(r"(?P<prefix>\.staging-|\.features-)(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[a-z0-9_]+")
 
 
 @contextlib.contextmanager
@@ -72,15 +74,18 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
         remove_empty(created)
 
 
-def new_stage(parent: str | os.PathLike) -> Path:
-    """A new staging directory in `parent` (created with its parents), named .staging-<host>-<pid>-<random>; the
-    staging directories that killed runs left in `parent` are removed first (remove_stale_stages). staged_output's,
-    and the block and tokenizer caches' (datamodules/blocks.py), whose finished directory is then renamed into
-    place."""
+def new_stage(parent: str | os.PathLike, prefix: str = STAGING) -> Path:
+    """A new staging directory in `parent` (created with its parents), named <prefix><host>-<pid>-<random>; the
+    directories of that prefix that killed runs left in `parent` are removed first (remove_stale_stages). With
+    STAGING: staged_output's, and the block and tokenizer caches' (datamodules/blocks.py), whose finished directory is
+    then renamed into place; with FEATURES: the probes' memory-mapped features (datamodules/features.py), removed by
+    their extractor's close() or at exit."""
+    if prefix not in KINDS:
+        raise ValueError(f"unknown staging prefix {prefix!r}: one of {sorted(KINDS)}")
     parent = Path(parent)
-    remove_stale_stages(parent)
+    remove_stale_stages(parent, prefix)
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{STAGING}{host_tag()}-{os.getpid()}-", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host_tag()}-{os.getpid()}-", dir=parent))
 
 
 def host_tag() -> str:
@@ -102,14 +107,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_stages(output: Path) -> list[Path]:
-    """Remove the staging directories in `output` that a run on this host left when it was killed (its pid, in the
-    directory's name, no longer running), one warning line each on stderr naming it and its size; the removed ones.
-    A live run's staging directory (its pid running, this process's own included), another host's (its pid cannot be
-    checked from here) and one whose name does not say its pid (an earlier version's) are left as they are."""
-    removed = []
+def remove_stale_stages(output: Path, prefix: str = STAGING) -> list[Path]:
+    """Remove the directories named <prefix>* (new_stage's) in `output` that a run on this host left when it was
+    killed (its pid, in the directory's name, no longer running), one warning line each on stderr naming it and its
+    size; the removed ones. A live run's (its pid running, this process's own included), another host's (its pid
+    cannot be checked from here) and one whose name does not say its pid (an earlier version's) are left as they
+    are."""
+    removed, kind = [], KINDS[prefix]
     try:
-        candidates = sorted(path for path in output.iterdir() if path.name.startswith(STAGING))
+        candidates = sorted(path for path in output.iterdir() if path.name.startswith(prefix))
     except OSError:  # not there (yet), or not a directory: nothing staged in it
         return removed
     for path in candidates:
@@ -123,10 +129,10 @@ def remove_stale_stages(output: Path) -> list[Path]:
         except FileNotFoundError:  # another run removed it first
             continue
         except OSError as error:
-            print(f"warning: cannot remove {path}, the staging directory a killed run (pid {match['pid']}) left: "
+            print(f"warning: cannot remove {path}, {kind} a killed run (pid {match['pid']}) left: "
                   f"{error.strerror or error}", file=sys.stderr)
             continue
-        print(f"warning: removed {path} ({human_bytes(size)}), the staging directory of a run that ended without "
+        print(f"warning: removed {path} ({human_bytes(size)}), {kind} of a run that ended without "
               f"finishing (pid {match['pid']} on {match['host']}, no longer running)", file=sys.stderr)
         removed.append(path)
     return removed

@@ -10,7 +10,9 @@
 The encoders run exactly once per sentence in total, over all splits sorted by length (little padding); each batch's
 rows are routed to their split's FeatureStore. Within `max_memory_gb`: float32 when all splits' features fit it,
 else float16 (half the bytes; hidden states keep ~3 significant digits); a split stays in memory while the running
-total fits, and the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit.
+total fits, and the splits beyond it go to a memory-mapped file (with one warning), removed by `close()` or at exit;
+its directory, `<cache_root>/.features-<host>-<pid>-*` (core.output.new_stage), is removed by the next extraction into
+the same cache root when the run that made it was killed (its pid no longer running; a live run's stays).
 An SST-2-size position probe (0.7M tokens × 13 layers × 768) is ~14 GiB in float16, twice that with the random
 twin's slots (the default): it streams from disk.
 Slots: the first encoder's layers, then the next encoder's (the random-init twin's), then the first encoder's again
@@ -35,6 +37,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from core.output import FEATURES, new_stage
 from datamodules.splits import SPLITS
 from lightning_modules.encoder import FrozenEncoder, in_text_specials
 from metrics.neuron_stats import NeuronStatistics
@@ -273,9 +276,8 @@ class FeatureExtractor:
         streamed = [split for split in SPLITS if split not in paths]
         if not streamed:
             return paths, dtype
-        root = Path(self.cache_root or tempfile.gettempdir())
-        root.mkdir(parents=True, exist_ok=True)
-        directory = Path(tempfile.mkdtemp(prefix=".features-", dir=root))
+        # .features-<host>-<pid>-*: one a killed run left here (its pid gone) is removed first, a live run's never
+        directory = new_stage(self.cache_root or tempfile.gettempdir(), FEATURES)
         self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
         sizes = ", ".join(f"{split} {nbytes[split] / GIB:.2f}" for split in SPLITS)
         warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB in float16 ({sizes}), over "

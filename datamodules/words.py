@@ -6,7 +6,9 @@ STS baseline of §4.3).
     contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0,
                                special_tokens=special_strings(tokenizer),   # "unk" of a literal "<unk>" is no word
                                lowercase=lowercases(tokenizer))             # "The" and "the": one word only if uncased
-    vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`
+    vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`;
+    static_sentence_vector("The cat sat.", vectors, dim)   # words looked up as written ("The" is not "the": SentEval's
+                                                           # bag of words over a cased GloVe); lowercase=True: ours
 """
 
 from __future__ import annotations
@@ -161,9 +163,14 @@ def source_contexts(source: str, column: str | None, pool: int, num_words: int, 
 # ---------------------------------------------------------------- static vectors
 
 
-def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False) -> tuple[dict[str, Tensor], int]:
+def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False,
+                        lowercase: bool = False) -> tuple[dict[str, Tensor], int]:
     """Vectors of the `vocabulary` words from a GloVe-format text file (`word v1 ... vd` a line; a word2vec header
-    line `count dim` is skipped), streamed so only those words are kept."""
+    line `count dim` is skipped), streamed so only those words are kept.
+
+    A file's word is matched as written, case included (SentEval's get_wordvec, whose bag-of-words GloVe baseline STS
+    papers report; a word written twice: its last line, as there). With `lowercase` (ours, not SentEval's) each file
+    word is lowercased and the first of its case variants kept (GloVe 840B is cased, most frequent first)."""
     from tqdm.auto import tqdm
 
     file = Path(path)
@@ -184,8 +191,9 @@ def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False)
                 dim = len(fields) - 1
             elif len(fields) - 1 < dim:
                 raise UserError(f"{path}:{number}: {len(fields) - 1} values, expected {dim} as on the first line")
-            word = " ".join(fields[:-dim]).lower()  # a few GloVe 840B words contain spaces
-            if word in vocabulary and word not in vectors:
+            word = " ".join(fields[:-dim])  # a few GloVe 840B words contain spaces
+            word = word.lower() if lowercase else word
+            if word in vocabulary and not (lowercase and word in vectors):
                 try:
                     vectors[word] = torch.tensor([float(v) for v in fields[-dim:]])
                 except ValueError:
@@ -197,11 +205,17 @@ def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False)
     return vectors, dim
 
 
-def static_sentence_vector(sentence: str, vectors: dict[str, Tensor], dim: int) -> Tensor:
-    """Mean of the static vectors of the sentence's words (zero when none is known): [dim]."""
-    known = [vectors[w] for w in (m.group().lower() for m in WORD.finditer(sentence)) if w in vectors]
+def static_sentence_vector(sentence: str, vectors: dict[str, Tensor], dim: int, lowercase: bool = False) -> Tensor:
+    """Mean of the static vectors of the sentence's words, each as written ("The" and "the" two words; `lowercase`:
+    lowercased, ours), every occurrence counted; zero when none is known (SentEval's bag of words): [dim]."""
+    known = [vectors[w] for w in words_of(sentence, lowercase) if w in vectors]
     return torch.stack(known).mean(0) if known else torch.zeros(dim)
 
 
-def sentence_words(sentence: str) -> set[str]:
-    return {match.group().lower() for match in WORD.finditer(sentence)}
+def sentence_words(sentence: str, lowercase: bool = False) -> set[str]:
+    """The sentence's distinct words (WORD), as written or, with `lowercase`, lowercased."""
+    return set(words_of(sentence, lowercase))
+
+
+def words_of(sentence: str, lowercase: bool = False) -> list[str]:
+    return [match.group().lower() if lowercase else match.group() for match in WORD.finditer(sentence)]

@@ -367,12 +367,22 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
                for line in data["glove"].read_text().splitlines()}
 
     def bag(sentence):
-        return torch.stack([vectors[w] for w in (t.strip(".,").lower() for t in sentence.split()) if w in vectors]).mean(0)
+        return torch.stack([vectors[w] for w in (t.strip(".,") for t in sentence.split()) if w in vectors]).mean(0)
 
     static = [cos(bag(a), bag(b)).item() for a, b, _ in STS]
     baseline = report["static_baseline"]
     assert baseline["spearman"] == pytest.approx(100 * spearmanr(static, [s for _, _, s in STS]).statistic, abs=1e-4)
-    assert 0 < baseline["word_coverage"] < 1
+    assert 0 < baseline["word_coverage"] < 1 and baseline["word_case"] == "as written (SentEval's lookup)"
+    lowered = run("sts", "--data", data["sts"], "--static", data["glove"], "--static_lowercase", "--batch_size", 8,
+                  "--output_dir", tmp_path / "lower")["static_baseline"]  # ours: "The" finds the file's "the"
+
+    def lower_bag(sentence):
+        return torch.stack([vectors[w] for w in (t.strip(".,").lower() for t in sentence.split()) if w in vectors]).mean(0)
+
+    static = [cos(lower_bag(a), lower_bag(b)).item() for a, b, _ in STS]
+    assert lowered["spearman"] == pytest.approx(100 * spearmanr(static, [s for _, _, s in STS]).statistic, abs=1e-4)
+    assert lowered["word_case"] == "lowercased (--static_lowercase, ours)"
+    assert lowered["word_coverage"] > baseline["word_coverage"]
 
 
 @pytest.mark.slow

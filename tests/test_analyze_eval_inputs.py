@@ -341,6 +341,28 @@ def test_senteval_sts_files_and_static_vectors(tmp_path):
         read_sts("stsb")  # the preset is a `datasets` name (offline here)
 
 
+def test_static_vectors_are_looked_up_as_written_and_lowercased_only_when_asked(tmp_path):
+    """SentEval's bag-of-words baseline (get_wordvec + batcher) looks each word up with its case as written: with a
+    cased file holding "The" and "the" (different vectors), a sentence's vector is the mean of its words' exact-case
+    vectors, every occurrence counted, unknown words left out; a word written twice in the file takes its last line,
+    as there. --static_lowercase (ours) lowercases both sides and keeps the file's first case variant."""
+    from datamodules.words import sentence_words, static_sentence_vector
+
+    (tmp_path / "vectors.txt").write_text("The 1 0 0\nthe 0 2 0\ncat 0 0 4\nCat 8 8 8\nsat 3 3 3\nsat 6 0 6\n",
+                                          encoding="utf-8")
+    sentence = "The cat saw the cat."
+    assert sentence_words(sentence) == {"The", "cat", "saw", "the"}
+    vectors, dim = read_static_vectors(str(tmp_path / "vectors.txt"), sentence_words(sentence) | {"sat"})
+    assert dim == 3 and set(vectors) == {"The", "the", "cat", "sat"} and vectors["sat"].tolist() == [6.0, 0.0, 6.0]
+    by_hand = torch.tensor([(1 + 0 + 0 + 0) / 4, (0 + 0 + 2 + 0) / 4, (0 + 4 + 0 + 4) / 4])  # The, cat, the, cat
+    assert torch.equal(static_sentence_vector(sentence, vectors, dim), by_hand)
+    lowered, _ = read_static_vectors(str(tmp_path / "vectors.txt"), sentence_words(sentence, lowercase=True),
+                                     lowercase=True)
+    assert set(lowered) == {"the", "cat"}
+    by_hand = torch.tensor([(1 + 0 + 1 + 0) / 4, 0.0, (0 + 4 + 0 + 4) / 4])  # "the" is The's line, the first variant
+    assert torch.equal(static_sentence_vector(sentence, lowered, dim, lowercase=True), by_hand)
+
+
 def test_pair_and_vector_files_with_a_byte_order_mark_read_as_without(tmp_path):
     """Each release format written by an editor that adds a UTF-8 BOM (Notepad, Excel) reads exactly as without it: the
     BOM is not glued to the first sentence, WiC word, SICK header column or vector word."""

@@ -786,6 +786,12 @@ ERROR_ROW_TESTS = {
     ("train.py", "an unknown key in a config file or on the command line"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "an option that picks a list item by its index (`--trainer.callbacks[0].init_args.every_n_steps 5`, "
+                 "`--trainer.callbacks.0.every_n_steps 5`; jsonargparse takes no index)"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+        "test_refusals.py::test_did_you_mean_never_names_the_option_given",
+        "test_train_inputs.py::test_a_dotted_callback_option_changes_the_last_callback_and_a_later_config_any_one",
+    ],
     ("train.py", "a config file that is not UTF-8"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
         "test_fuzz.py::test_train_checkpoints_and_configs",
@@ -1244,6 +1250,10 @@ FAULT_ROW_TESTS = {
     "`<cache_dir>/blocks/`)": [
         "test_io.py::test_a_later_run_removes_the_staging_directory_of_a_killed_run_and_no_live_one",
         "test_mlm.py::test_a_cache_build_removes_the_staging_directory_a_killed_build_left_and_not_a_live_ones",
+    ],
+    "a probe run (probe.py, `analyze.py paper`'s probes) killed while its features streamed from a memory-mapped file "
+    "(over `--data.max_memory_gb`: gigabytes)": [
+        "test_probe.py::test_a_killed_runs_memory_mapped_features_directory_is_removed_by_the_next_run_and_no_live_ones",
     ],
 }
 

@@ -409,6 +409,48 @@ def test_features_over_the_memory_budget_go_float16_then_stream_from_disk_with_t
         assert not cache.exists()  # the memory-mapped cache goes with close() (probe.py calls it) or at exit
 
 
+def test_a_killed_runs_memory_mapped_features_directory_is_removed_by_the_next_run_and_no_live_ones(tmp_path,
+                                                                                                       capsys):
+    """The memory-mapped features live in <cache_root>/.features-<host>-<pid>-* (core.output.new_stage): one a killed
+    run left (its pid, of a process that has exited, no longer running) is removed by the next run that streams
+    features into that cache root, with one warning line naming it and its size; a live run's (this process's, and
+    another live process's) stays. This run's own directory carries its pid and goes with close(), as before."""
+    import os
+    import subprocess
+    import sys
+
+    from core.output import STAGE_NAME, host_tag
+    from datamodules.features import FeatureExtractor
+
+    exited = subprocess.Popen(["true"])
+    exited.wait(timeout=30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        planted = {}
+        for whose, pid in (("dead", exited.pid), ("this", os.getpid()), ("other live", alive.pid)):
+            directory = tmp_path / f".features-{host_tag()}-{pid}-k2j4_x9q"
+            directory.mkdir()
+            (directory / "train.npy").write_bytes(b"x" * 3072)
+            planted[whose] = directory
+        extractor = FeatureExtractor(layers=[0], max_memory_gb=1e-9, cache_root=tmp_path)
+        with pytest.warns(UserWarning, match="from a memory-mapped file"):
+            paths, dtype = extractor.store_paths({"train": 10, "val": 2, "test": 2})
+        assert not planted["dead"].exists()
+        assert all((planted[whose] / "train.npy").stat().st_size == 3072 for whose in ("this", "other live"))
+        own = paths["train"].parent
+        assert own.parent == tmp_path and own.is_dir() and set(paths.values()) == {own / f"{s}.npy" for s in SPLITS}
+        assert STAGE_NAME.fullmatch(own.name)["prefix"] == ".features-"
+        assert STAGE_NAME.fullmatch(own.name)["pid"] == str(os.getpid())
+        assert capsys.readouterr().err.splitlines() == [
+            f"warning: removed {planted['dead']} (3.0 KiB), the memory-mapped features directory of a run that ended "
+            f"without finishing (pid {exited.pid} on {host_tag()}, no longer running)"]
+        extractor.close()
+        assert sorted(path.name for path in tmp_path.iterdir()) == sorted(planted[w].name for w in ("this", "other live"))
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+
+
 def test_positions_beyond_max_positions_are_dropped_and_counted(tmp_path, bert_tok):
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
     texts = corpus_sentences(30, start=900)

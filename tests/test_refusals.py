@@ -121,6 +121,12 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
                                                     "gated, not of softmax"),
         "a corpus too small for the global batch (found in prepare_data)": (
             ("--data.global_batch_size", "64"), "55 training blocks make no full global batch of 64"),
+        "an index into the callbacks list": (
+            ("--trainer.callbacks[0].init_args.every_n_steps", "5"),
+            "--trainer.callbacks[0].init_args.every_n_steps: an option takes no index (it cannot pick one item of a "
+            "list); --trainer.callbacks.init_args.every_n_steps VALUE (no index) changes the last callback, and another "
+            "one is changed by a YAML file of your own holding the whole list, given as a later --config "
+            "(docs/live-statistics.md, \"Changing one callback's arguments\")"),
     }
 
 
@@ -132,7 +138,7 @@ TRAIN_CASES = [
     "a checkpoint whose weights do not fit", "a fresh start over an earlier run", "a config file that is not UTF-8",
     "a corpus whose texts are all empty", "an unknown attention variant", "a clipped softmax gamma above 0",
     "a clipped softmax zeta below 1", "a gate parameter with softmax attention",
-    "a corpus too small for the global batch (found in prepare_data)"]
+    "a corpus too small for the global batch (found in prepare_data)", "an index into the callbacks list"]
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES)
@@ -381,6 +387,31 @@ def test_an_unknown_analyze_option_is_one_line_with_the_closest(encoder, sentenc
     assert exited.value.code == 2
     assert stderr_lines(capfd) == ["analyze.py: error: unknown option --no_progress for this subcommand (another "
                                    "subcommand takes it; analyze.py <subcommand> --help lists each one's options)"]
+
+
+def test_did_you_mean_never_names_the_option_given(encoder, sentences_file, capfd):
+    """The rewording of an unknown option (core.cli.unknown_key, LightningCLI's; core.arguments, argparse's) names the
+    closest other option, never the one given (a key cut short at a '[' once read 'unknown option
+    'trainer.callbacks' (did you mean 'trainer.callbacks'?)'): for every key of a list, the hint is difflib's closest
+    among the others; and an argparse option with an index is named whole, with the option it is close to."""
+    import difflib
+    import re
+
+    from core.cli import unknown_key
+
+    candidates = ["trainer.callbacks", "trainer.max_steps", "trainer.log_every_n_steps", "model.lr", "model.end_lr",
+                  "data.corpus", "data.cache_dir"]
+    for key in candidates:
+        hint = re.fullmatch(rf"unknown option '{re.escape(key)}'(?: \(did you mean '(.+)'\?\))?",
+                            unknown_key(key, candidates))
+        others = [candidate for candidate in candidates if candidate != key]
+        assert hint and hint.group(1) != key
+        assert hint.group(1) in (difflib.get_close_matches(key, others, n=1) or [None, *others])
+    assert unknown_key("model.lr", ["model.lr"]) == "unknown option 'model.lr'"
+    with pytest.raises(SystemExit) as exited:
+        analyze.main(["outliers", "--encoder[0]", str(encoder), "--data", str(sentences_file)])
+    assert exited.value.code == 2
+    assert stderr_lines(capfd) == ["analyze.py: error: unknown option --encoder[0] (did you mean --encoder?)"]
 
 
 # ---- the quieter ones: warnings, and a run directory without export/ --------------------------------------------------

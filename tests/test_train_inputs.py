@@ -397,6 +397,12 @@ def test_a_dotted_callback_option_changes_the_last_callback_and_a_later_config_a
         assert [(path, args["every_n_steps"]) for path, args in got] == expected({0: 10})
         for (path, args), item in zip(got, configured, strict=True):  # every other argument as the config has it
             assert all(args[key] == value for key, value in item["init_args"].items() if key != "every_n_steps"), path
-    assert train.cli_main(["fit", "--config", str(root / "configs" / "pretrain" / "tiny.yaml"), index.split()[0],
-                           "10", "--print_config"]) == 2
-    assert "unknown option '0.every_n_steps'" in capsys.readouterr().err
+    bracket = re.search(r"`(--trainer\.callbacks\[0\][^`]*)`", section).group(1)
+    for option in (index.split()[0], bracket.split()[0]):  # refused, pointing at this section and the no-index form
+        assert train.cli_main(["fit", "--config", str(root / "configs" / "pretrain" / "tiny.yaml"), option, "10",
+                               "--print_config"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"train.py: error: {option}: an option takes no index (it cannot pick one item of a list); "
+            "--trainer.callbacks.every_n_steps VALUE (no index) changes the last callback, and another one is changed by "
+            "a YAML file of your own holding the whole list, given as a later --config (docs/live-statistics.md, "
+            "\"Changing one callback's arguments\")"]
