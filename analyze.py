@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from analyses.options import (
     INTERVENE_HELP,
@@ -293,6 +294,10 @@ def validate(args) -> None:
             print(f"note: --clip {note}", file=sys.stderr)
     if hasattr(args, "score_range"):
         args.score_range = parse_range(args.score_range)
+    if getattr(args, "static", None) is not None and not Path(args.static).is_file():  # before the encoder and sets
+        raise UserError(f"static vectors file not found: {args.static}")
+    if getattr(args, "static_lowercase", False) and getattr(args, "static", None) is None:
+        raise UserError("--static_lowercase looks up the words of --static: give --static FILE")
     check_magnitude_arguments(args)
     if getattr(args, "device", None) is not None:
         from core.trainer_checks import check_device

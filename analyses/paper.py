@@ -158,7 +158,8 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         args.data = name
         reference = reference_of(args, setting, pair_sentences(pairs), fit="sentences")
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
-                                                         **semantic.sts(setting, pairs, reference.variants)}
+                                                         **semantic.sts(setting, pairs, reference.variants, args.static,
+                                                                        args.static_lowercase)}
     return reports, found.statistics, clip
 
 

@@ -1072,6 +1072,9 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "STS: `--score_range` upside down"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
+    ("analyze.py", "static vectors: the file missing, or `--static_lowercase` without it (before the encoder loads)"): [
+        "test_paper.py::test_paper_refuses_bad_input_before_writing",
+    ],
     ("analyze.py", "static vectors: ragged lines"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],

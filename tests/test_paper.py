@@ -9,11 +9,14 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
+from scipy.stats import spearmanr
 
 import analyze
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import sample_texts
 from datamodules.words import WORD
+from tests.test_analyze_eval import STS
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -66,11 +69,17 @@ def document_counts(texts: list[str]) -> dict[str, int]:
 def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tmp_path, capsys):
     common = ["--encoder", stand_ins["encoder"], "--no_progress", "--seed", "1", "--max_sentences", "40"]
     out = tmp_path / "paper"
+    words = sorted({w.strip(".,") for a, b, _ in STS for w in f"{a} {b}".split()} - {"guitar"})  # one word unknown
+    generator = torch.Generator().manual_seed(0)
+    vectors = {word: torch.randn(5, generator=generator, dtype=torch.float64) for word in words}
+    glove = tmp_path / "glove.txt"
+    glove.write_text("".join(f"{w} {' '.join(f'{v:.17g}' for v in vectors[w].tolist())}\n" for w in words),
+                     encoding="utf-8")
     code = analyze.main(["paper", *map(str, common), "--num_words", "4", "--min_sentences", "3", "--sst2",
                          str(stand_ins["sst2"]), "--qqp", str(stand_ins["qqp"]), "--outlier_sentences", "51",
                          "--wic", str(stand_ins["wic_splits"]), "--sts", str(stand_ins["sts"]), "--imdb",
                          str(stand_ins["imdb"]), "--sst5", str(stand_ins["sst5"]), "--epochs", "2",
-                         "--output_dir", str(out)])
+                         "--static", str(glove), "--output_dir", str(out)])
     assert code == 0
     summary = json.loads((out / "paper.json").read_text())
     outliers = json.loads((out / "outliers" / "outliers.json").read_text())
@@ -97,6 +106,13 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
     reports = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json") if path.stem != "paper"}
     assert {name for name in reports} == {"anisotropy_sst2", "self_similarity_sst2", "anisotropy_qqp",
                                           "self_similarity_qqp", "wic", "sts_sts"}
+    # --static: the STS sets' static-vector baseline (SentEval's bag of words, by hand here)
+    def bag(sentence):
+        return torch.stack([vectors[w] for w in (t.strip(".,") for t in sentence.split()) if w in vectors]).mean(0)
+
+    static = [torch.nn.functional.cosine_similarity(bag(a), bag(b), dim=0).item() for a, b, _ in STS]
+    assert reports["sts_sts"]["static_baseline"]["spearman"] == pytest.approx(
+        100 * spearmanr(static, [score for _, _, score in STS]).statistic, abs=1e-4)
     for name, report in reports.items():
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
         assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
@@ -208,6 +224,8 @@ def test_paper_refuses_bad_input_before_writing(stand_ins, tmp_path, capfd):
                           (["--sts", "stsb", "none"], "--sts: none cannot be combined with other sets (got: stsb none)"),
                           (["--clip", "9:1"], "--clip layer 9 is outside the model's layers 0..3"),
                           (["--wic", stand_ins["sts"]], "is not in WiC format"),
+                          (["--static", tmp_path / "missing.vec"], f"static vectors file not found: {tmp_path / 'missing.vec'}"),
+                          (["--static_lowercase"], "--static_lowercase looks up the words of --static: give --static"),
                           (["--sst2", unlabelled], f"no label column 'label' in {unlabelled} (columns: ['text']); the "
                            "paper's classifier on --sst2 reads its labels from it (or --sst2 none)")):
         code = analyze.main(["paper", "--encoder", str(stand_ins["encoder"]), "--no_progress", "--num_words", "4",
