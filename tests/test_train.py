@@ -289,7 +289,8 @@ def test_two_process_streaming_run_resumes_exactly(corpus, cache, tmp_path):
 def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp_path):
     """1 process × batch 8; 1 × 4 × 2 micro-batches; 2 DDP processes × 4 with the fast recipe's DDP settings (static
     graph, configs/pretrain/roberta-base-fast.yaml): the same losses and weights."""
-    no_dropout = ("--model.dropout", "0.0", "--trainer.max_steps", "4")
+    no_dropout = ("--model.dropout", "0.0", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+                  "--trainer.limit_val_batches", "2")  # a validation at the last step, where a checkpoint is saved
     one, accumulated, ddp = tmp_path / "one", tmp_path / "accumulated", tmp_path / "ddp"
     assert fit(one, corpus, cache, *no_dropout) == 0
     assert fit(accumulated, corpus, cache, *no_dropout, "--data.batch_size", "4") == 0  # 2 micro-batches a step
@@ -312,6 +313,10 @@ def test_two_process_ddp_matches_one_process_and_accumulation(corpus, cache, tmp
         weights = checkpoint(other)["state_dict"]
         for name, value in checkpoint(one)["state_dict"].items():
             torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # the step-4 checkpoint holds the validation run after it was first saved (saved again on every rank), and the
+        # validation loss over both ranks' shards equals one process's
+        step, loss = checkpoint(other)["callbacks"]["RunSummary"]["val"]
+        assert step == 4 and math.isclose(loss, checkpoint(one)["callbacks"]["RunSummary"]["val"][1], rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("extra, message", [
