@@ -122,18 +122,35 @@ class PretrainCheckpoint(ModelCheckpoint):
             raise self._stop
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        """A validation right after a periodic save of its step (val_check_interval and every_n_train_steps meeting, as
-        at the last step of every config): that step's checkpoints are saved again, now holding the validation (its
-        loss, the live statistics' state, the summary's reading) that Lightning ran after saving them; a resume or a
-        re-run of the finished run reads it, and analyze.py trajectory reports it at its step."""
+        """A validation right after a save of its step (val_check_interval and every_n_train_steps meeting, as at the
+        last step of every config; a SIGTERM's last.ckpt): the checkpoints saved then are saved again, now holding the
+        validation (its loss, the live statistics' state, the summary's reading) that Lightning ran after saving them;
+        a resume or a re-run of the finished run reads it, and analyze.py trajectory reports it at its step. Only what
+        was saved is saved again: a SIGTERM's step gets no periodic checkpoint, and a monitored top-k's entry of the
+        step competes once, with this validation's value."""
+        saved_before = self._last_global_step_saved == trainer.global_step  # (not by this validation's own save)
         super().on_validation_end(trainer, pl_module)
-        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or \
-                self._last_global_step_saved != trainer.global_step or trainer.global_step == 0:
+        if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or not saved_before or \
+                trainer.global_step == 0:
             return
         candidates = self._monitor_candidates(trainer)
+        topk = self._topk_saved if self._topk_saved and self._topk_saved[0] == trainer.global_step else None
         self._last_global_step_saved = -1  # ModelCheckpoint saves a step once: this step again
-        self._save_topk_checkpoint(trainer, candidates)
+        if topk is not None:
+            self.best_k_models.pop(topk[1], None)  # its stale value (the validation before) leaves the top k
+            self._save_topk_checkpoint(trainer, candidates)
+            if self._topk_saved[1] != topk[1] and topk[1] not in self.best_k_models:  # a name with the metric in it
+                self._remove_checkpoint(trainer, topk[1])
         self._save_last_checkpoint(trainer, candidates)
+        self._last_global_step_saved = trainer.global_step
+
+    _topk_saved: tuple[int, str] | None = None  # (step, path) of the last periodic (top-k) save
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates) -> None:
+        before = self._last_global_step_saved
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        if self._last_global_step_saved == trainer.global_step != before:
+            self._topk_saved = (trainer.global_step, self._last_checkpoint_saved)
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)

@@ -674,3 +674,35 @@ def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseli
     # position 1, a full stop last; batches of token vectors train the probe long enough to find it), far below PE
     assert len(nope) == 5 and max(nope) <= majority + 0.05, (nope, majority)  # 5 layers: embeddings + 4
     assert min(with_pe) >= majority + 0.15 and max(with_pe) >= 4 * max(nope), (with_pe, nope)
+
+
+@pytest.mark.slow
+def test_a_validation_after_a_sigterm_save_adds_no_periodic_checkpoint_off_its_grid(corpus, cache, tmp_path):
+    """A SIGTERM after step 3 saves last.ckpt only (periodic checkpoints every 4 steps); the validation due after step
+    3 (val_check_interval 3) then saves last.ckpt again with its loss, and no epoch=*-step=3.ckpt beside it: before, the
+    re-save wrote a periodic checkpoint at a step off --checkpoint.every_n_train_steps (a trajectory point too many)."""
+    root = tmp_path / "run"
+    term = json.dumps({"class_path": "tests.test_one_run.TermAt", "init_args": {"step": 3}})
+    assert fit(root, corpus, cache, "--trainer.val_check_interval", "3", "--checkpoint.every_n_train_steps", "4",
+               "--checkpoint.save_top_k", "-1", "--trainer.max_steps", "6", "--trainer.callbacks+", term) == 143
+    assert sorted(path.name for path in (root / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "previous.ckpt"]
+    logged = {int(row["step"]) + 1: float(row["val/loss"]) for row in metrics(root) if row.get("val/loss")}
+    saved = checkpoint(root)
+    assert saved["global_step"] == 3 and sorted(logged) == [3]
+    assert saved["callbacks"]["RunSummary"]["val"] == [3, pytest.approx(logged[3], rel=1e-6)]
+
+
+@pytest.mark.slow
+def test_a_monitored_top_k_keeps_the_best_by_each_checkpoints_own_validation(corpus, cache, tmp_path):
+    """--checkpoint.monitor val/loss --checkpoint.save_top_k 2: a step's checkpoint saved before its validation and
+    again after it competes once, with its own validation's loss; the two kept are the two best of the validations
+    at steps 2, 4, 6 (computed from the logged losses). Before, its stale entry stayed in the top k, and the re-save
+    dropped a kept checkpoint for it."""
+    root = tmp_path / "run"
+    assert fit(root, corpus, cache, "--trainer.val_check_interval", "2", "--checkpoint.monitor", "val/loss",
+               "--checkpoint.save_top_k", "2", "--trainer.max_steps", "6") == 0
+    logged = {int(row["step"]) + 1: float(row["val/loss"]) for row in metrics(root) if row.get("val/loss")}
+    assert sorted(logged) == [2, 4, 6]
+    kept = sorted(torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+                  for path in (root / "checkpoints").glob("epoch=*-step=*.ckpt"))
+    assert kept == sorted(sorted(logged, key=logged.get)[:2])
