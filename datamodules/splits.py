@@ -16,6 +16,7 @@ ordered (`sort_labels`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,7 +118,8 @@ def _sample(texts: list[str], labels: list, limit: int, seed: int) -> tuple[list
 
 
 def normalise_label(value):
-    """A label as an int when it is one (1, "1", 1.0, "1.0", True, "True"), else a stripped string; None when missing.
+    """A label as an int when it is one (1, "1", 1.0, "1.0", True, "True"), else a stripped string; None when missing
+    (None, an empty cell, a float column's NaN).
     "1.0" is how a csv writes the float 1.0 (pandas' float columns) that JSON, parquet and datasets give as 1.0: the
     class 1 in every format, and the same class as a "1" of the same column. Likewise a boolean: JSON's true, a
     parquet or datasets bool and a csv's True / true / TRUE (pandas, Spark, R write them so) are the class 1, false the
@@ -129,6 +131,8 @@ def normalise_label(value):
     if isinstance(value, int):
         return value
     if isinstance(value, float):
+        if math.isnan(value):  # a parquet or datasets float column's missing label
+            return None
         return int(value) if value.is_integer() else str(value)
     text = str(value).strip()
     if not text:

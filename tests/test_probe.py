@@ -577,6 +577,19 @@ def test_a_boolean_label_is_the_class_1_or_0_whether_the_file_is_csv_jsonl_or_pa
     assert fixed.set_classes({split: by_hand for split in SPLITS})[0] == [0, 1]
 
 
+def test_a_missing_label_of_a_float_column_is_no_label_not_the_class_nan(tmp_path):
+    """A parquet (or datasets) float label column holds a missing label as NaN: that row has no label, refused as a
+    csv's empty cell is (row 2 by hand); before, NaN was the text class 'nan', a third class of a two-class task."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    columns = tmp_path / "f.parquet"
+    parquet.write_table(pa.table({"text": ["fine words", "no label here", "more words"],
+                                  "label": pa.array([1.0, float("nan"), 0.0], pa.float64())}), columns)
+    with pytest.raises(UserError, match=r"row 2 has no label"):
+        ClassificationDataModule(source=str(columns), encoder="unused").read_split(str(columns), None)
+
+
 def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(tmp_path, bert_tok):
     """The paper's batches: `batch_size` token vectors from several sentences, reshuffled every epoch, every training
     token once per epoch; the loader serves them `steps_per_block` at a time, each batch's rows in its own place."""
