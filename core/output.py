@@ -123,8 +123,8 @@ def remove_stale_stages(output: Path, prefix: str = STAGING) -> list[Path]:
         if not match or match["host"] != host_tag() or pid_alive(int(match["pid"])) or path.is_symlink() \
                 or not path.is_dir():
             continue
-        size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
-        try:
+        try:  # another run cleaning the same directory may remove files (or all of it) under us
+            size = sum(file.lstat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
             shutil.rmtree(path)
         except FileNotFoundError:  # another run removed it first
             continue

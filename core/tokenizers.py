@@ -130,7 +130,8 @@ def special_ids(tokenizer, unknown: bool = True) -> list[int]:
         added = ()
     ids |= {index for index, token in added if getattr(token, "special", False)}
     unk = getattr(tokenizer, "unk_token_id", None)
-    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "pad", "mask")}
+    # not pad: a tokenizer that pads with its unk (some Llama exports) still writes [UNK] for an unknown word
+    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "mask")}
     if not unknown and unk not in roles:
         ids.discard(unk)
     return sorted(int(i) for i in ids if i is not None)

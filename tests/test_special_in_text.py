@@ -385,3 +385,20 @@ def test_a_decoders_unknown_token_that_is_also_its_eos_is_special_and_the_sinks_
         for name in named:
             mass[name] += float(keys[:, inputs["input_ids"][0] == bert_tok.convert_tokens_to_ids(name)].sum())
     assert layer["special_token_mass_by_token"] == pytest.approx({n: m / pairs for n, m in mass.items()}, abs=1e-5)
+
+
+def test_an_unknown_token_that_is_only_the_pad_stays_a_word(minilm_path):
+    """A tokenizer that pads with its unk (some Llama exports): [UNK] written for an unknown word is still that word
+    for --exclude_special (its pad role never shows in the text: padding is masked), while an unk that is also the eos
+    (GPT-2's <|endoftext|>) is special."""
+    from transformers import AutoTokenizer
+
+    from core.tokenizers import special_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    named = set(tokenizer.all_special_ids)
+    tokenizer.pad_token = tokenizer.unk_token
+    assert tokenizer.pad_token_id == tokenizer.unk_token_id
+    assert special_ids(tokenizer, unknown=False) == sorted(named - {tokenizer.unk_token_id})
+    tokenizer.eos_token = tokenizer.unk_token
+    assert special_ids(tokenizer, unknown=False) == sorted(named | {tokenizer.unk_token_id})
