@@ -30,7 +30,7 @@ from core.tokenizers import readable_token, sink_ids
 from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
-from metrics.sinks import EPSILON, AttentionSinks
+from metrics.sinks import EPSILON, AttentionSinks, token_kinds
 
 QUERIES = "the counted tokens (padding never; special tokens unless --exclude_special)"
 MARKERS = ("##", "Ġ", "▁", "Ċ")  # subword markers stripped before the punctuation test (WordPiece, BPE, spm)
@@ -88,10 +88,7 @@ class Magnitudes:
 
     def kinds(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] long: each token's index in special_ids (padding is not one), -1 for the others."""
-        kinds = torch.full_like(input_ids, -1)
-        for index, token in enumerate(self.special_ids):
-            kinds[input_ids == token] = index
-        return kinds
+        return token_kinds(input_ids, self.special_ids)
 
     def update(self, batch: EncodedBatch) -> None:
         self.massive.update(batch.hidden_states, batch.mask, batch.input_ids)

@@ -67,7 +67,7 @@ from core.models import attention_projections, find_encoder
 from core.step_figures import over_steps_figure
 from core.tokenizers import sink_ids
 from metrics.attention import NAMES, QueryKeyGeometry, project_heads
-from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass
+from metrics.sinks import EPSILON, AttentionSinks, attention_key_mass, token_kinds
 from metrics.summary import over_layers
 
 PREFIX = {"train": "attention", "val": "val_attention"}
@@ -215,11 +215,7 @@ class AttentionGeometry(LiveCallback):
         metric = self.sink_metrics[stage]
         if metric.device != masses.device:
             metric.to(masses.device)
-        kinds = None
-        if input_ids is not None and self.special_ids:
-            kinds = torch.full_like(input_ids, -1)
-            for index, token in enumerate(self.special_ids):
-                kinds[input_ids == token] = index
+        kinds = token_kinds(input_ids, self.special_ids) if input_ids is not None and self.special_ids else None
         metric.update(masses, mask, kinds)
 
     def finish_sinks(self, stage: str, trainer, step: int) -> None:

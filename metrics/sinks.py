@@ -4,6 +4,7 @@ sail-sg/Attention-Sink): heads that put much of every query's attention on the f
     mass = key_attention(probs, query_mask)          # probs [batch, heads, seq, seq] -> [batch, heads, seq]
     mass = attention_key_mass(queries, keys, key_mask, query_mask)   # the same from queries and keys (live)
     sinks = AttentionSinks(num_layers=6, num_heads=12, epsilon=0.3, num_kinds=2)
+    kinds = token_kinds(input_ids, special_ids)      # [batch, seq]: each token's index in special_ids, -1 if none
     sinks.update(masses, query_mask, kinds)          # masses [layers, batch, heads, seq]; kinds [batch, seq] long
     sinks.compute()   # {"sink_share" [layers], "first_token_mass" [layers], "first_token_mass_by_head" [layers, heads],
                       #  "special_mass" [layers, kinds], "num_sequences"}
@@ -61,6 +62,16 @@ def attention_key_mass(queries: Tensor, keys: Tensor, key_mask: Tensor, query_ma
         probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).nan_to_num_(0.0)
         total += torch.einsum("bhqk,bq->bhk", probs, weight[:, start:start + chunk])
     return total / weight.sum(1).clamp_min(1)[:, None, None]
+
+
+def token_kinds(input_ids: Tensor, special_ids: list[int]) -> Tensor:
+    """[batch, seq] long: each token's index in `special_ids` (sorted, distinct), -1 for any other token; one pass
+    whatever the number of special ids (a hub tokenizer's hundreds of reserved tokens)."""
+    if not special_ids:
+        return torch.full_like(input_ids, -1)
+    ids = torch.tensor(special_ids, dtype=input_ids.dtype, device=input_ids.device)
+    index = torch.searchsorted(ids, input_ids).clamp_max(len(special_ids) - 1)
+    return torch.where(ids[index] == input_ids, index, torch.full_like(input_ids, -1))
 
 
 class AttentionSinks(Metric):
