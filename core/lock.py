@@ -15,7 +15,6 @@ host, or when it is this SLURM job's own (a requeued job); a lock of another hos
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
@@ -24,14 +23,9 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.output import missing_directories, pid_alive, remove_empty, write_error
+from core.output import flock, missing_directories, pid_alive, remove_empty, same_file, write_error
 
 LOCK_NAME = ".run.lock"
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: the pid/host check alone
-    fcntl = None
 
 
 class RunLock:
@@ -64,7 +58,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as error:
                 raise UserError(f"cannot write to output directory {self.directory}: {error.strerror}") from None
-            held = _flock(fd)
+            held = flock(fd)
             if held is False:  # a live process holds it (give one that has just taken it a moment to write)
                 owner = _read(fd)
                 for _ in range(10):
@@ -74,7 +68,7 @@ class RunLock:
                     owner = _read(fd)
                 os.close(fd)
                 raise UserError(in_use(self.directory, owner))
-            if not _same_file(fd, self.path):
+            if not same_file(fd, self.path):
                 os.close(fd)
                 continue
             owner = _read(fd)
@@ -102,33 +96,11 @@ class RunLock:
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
-            if _same_file(self._fd, self.path):
+            if same_file(self._fd, self.path):
                 self.path.unlink()
         os.close(self._fd)
         self._fd = None
         remove_empty(self._created)
-
-
-def _flock(fd: int) -> bool | None:
-    """True: locked; False: held by another process; None: this filesystem has no flock."""
-    if fcntl is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError as error:
-        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return None
-        raise
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
-    except OSError:
-        return False
 
 
 def _read(fd: int) -> dict:

@@ -4,6 +4,9 @@
         write_json(stage / "report.json", report)
     with staged_output("runs/x", owner="outliers") as stage:   # and the files an earlier `outliers` run wrote there
         ...                                                    # that this one does not write again are removed
+    # (runs writing into one directory at once take turns: the .written_by record is changed under a flock);
+    # staged_output(export, owner="export", legacy=export_weights): an export made before the record existed has its
+    # transformers weight files (export_weights) cleaned as if it had recorded them
     # a staging directory is named .staging-<host>-<pid>-<random> (new_stage): one a killed run left (its pid gone from
     # this host) is removed by the next staged_output (or new_stage) into the same directory, with a warning; a live
     # run's never; new_stage(cache, FEATURES) names the probes' memory-mapped features (.features-<host>-<pid>-*) alike
@@ -25,13 +28,21 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks
+    fcntl = None
+
 OWNERS = ".written_by"  # in an output directory: {relative file: the `owner` (a command) that last wrote it}
+OWNERS_LOCK = ".written_by.lock"  # beside it, flock-ed while a run reads, changes and writes the record (owners_lock)
+WEIGHTS = {"model.safetensors": ".safetensors", "pytorch_model.bin": ".bin"}  # transformers' single weight files and
+# the suffix of the shards their index (<name>.index.json) names
 STAGING = ".staging-"  # a staging directory's prefix: .staging-<host>-<pid>-<mkdtemp's random part>
 FEATURES = ".features-"  # the probes' memory-mapped features (datamodules/features.py): .features-<host>-<pid>-<random>
 KINDS = {STAGING: "the staging directory", FEATURES: "the memory-mapped features directory"}  # prefix: what it is
@@ -39,7 +50,8 @@ STAGE_NAME = re.compile(r"(?P<prefix>\.staging-|\.features-)(?P<host>[A-Za-z0-9.
 
 
 @contextlib.contextmanager
-def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: str | None = None) -> Iterator[Path]:
+def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: str | None = None,
+                  legacy: Callable[[Path], set[str]] | None = None) -> Iterator[Path]:
     """Yield a staging directory whose files move into `output_dir` only if the block succeeds.
 
     The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
@@ -47,7 +59,11 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     `os.replace`. With `owner` (e.g. analyze.py's subcommand), the files an earlier run of that owner wrote into
     `output_dir` and this run does not write again are removed once the new ones are in place (`remove_stale`): a
     second `outliers` run on a model without a position table leaves no position_embeddings.png of the first model
-    beside its report, a second `all` with fewer --sts sets no sts_<set>.json of the first.
+    beside its report, a second `all` with fewer --sts sets no sts_<set>.json of the first. The files move in and the
+    record changes under `owners_lock`: runs writing into one directory at once take turns, and none loses another's
+    record. `legacy`: a function of `output_dir` naming (relative paths) the files an earlier run of `owner` wrote
+    there before the record existed (`export_weights`); read before the new files land (they may replace the index
+    that names them), and taken as that owner's only while the record names no file of `owner`.
     """
     output = Path(output_dir)
     created = missing_directories(output)
@@ -59,12 +75,14 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     try:
         yield stage
         written = [path.relative_to(stage) for path in sorted(stage.rglob("*")) if path.is_file()]
-        for name in written:
-            target = output / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(stage / name, target)
-        if owner is not None:
-            remove_stale(output, owner, {name.as_posix() for name in written})
+        with owners_lock(output) if owner is not None else contextlib.nullcontext():
+            earlier = legacy(output) if legacy is not None and owner is not None else set()
+            for name in written:
+                target = output / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(stage / name, target)
+            if owner is not None:
+                remove_stale(output, owner, {name.as_posix() for name in written}, earlier)
     except Exception as error:  # an OSError, or a writer's own error around a full disk (torch.save, safetensors)
         if not isinstance(error, OSError) and not disk_full(error):
             raise
@@ -138,11 +156,13 @@ def remove_stale_stages(output: Path, prefix: str = STAGING) -> list[Path]:
     return removed
 
 
-def remove_stale(output: Path, owner: str, written: set[str]) -> None:
+def remove_stale(output: Path, owner: str, written: set[str], legacy: set[str] = frozenset()) -> None:
     """Remove the files of `output` that `owner` wrote last time (its OWNERS record) and not this time (`written`,
     relative paths), and the directories they leave empty; then record `written` as `owner`'s. A file another owner
     wrote since is that owner's, never removed here; a record that is not this format, or names a path outside
-    `output`, removes nothing."""
+    `output`, removes nothing. `legacy`: files taken as `owner`'s last time when the record names none of `owner`'s
+    (a run made before the record existed) and no other owner's. Called under `owners_lock(output)`
+    (staged_output)."""
     record = output / OWNERS
     try:
         owners = json.loads(record.read_text(encoding="utf-8"))
@@ -150,6 +170,8 @@ def remove_stale(output: Path, owner: str, written: set[str]) -> None:
         owners = {}
     if not isinstance(owners, dict):
         owners = {}
+    if owner not in owners.values():
+        owners.update({name: owner for name in legacy if name not in owners})
     root = output.resolve()
     for name, wrote in list(owners.items()):
         if wrote != owner or name in written:
@@ -165,6 +187,79 @@ def remove_stale(output: Path, owner: str, written: set[str]) -> None:
     owners.update(dict.fromkeys(sorted(written), owner))
     with atomic_file(record) as handle:
         handle.write((json.dumps(owners, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def export_weights(directory: Path) -> set[str]:
+    """The weight files of a transformers export in `directory` that from_pretrained would load, by name: the single
+    files (model.safetensors, pytorch_model.bin), their indexes (<name>.index.json) and the shards an index names in
+    its weight_map, each a plain file name in `directory` with the index's own suffix (.safetensors, .bin). Nothing
+    else: no path into or out of `directory`, no file of another kind an index may name, no shard no index names
+    (pytorch_model-mine.bin), no other file of the user's. An export made before the OWNERS record existed cleans
+    these (staged_output's `legacy`): a re-export in another shard layout then leaves no old shard or single file
+    that transformers would load instead of, or beside, the new weights."""
+    found = set()
+    for single, suffix in WEIGHTS.items():
+        index = f"{single}.index.json"
+        found.update(name for name in (single, index) if (directory / name).is_file())
+        try:
+            weight_map = json.loads((directory / index).read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError):  # none, unreadable, not an object
+            continue
+        if isinstance(weight_map, dict):
+            found.update(name for name in weight_map.values() if isinstance(name, str) and name.endswith(suffix)
+                         and name != suffix and Path(name).name == name and "\\" not in name
+                         and (directory / name).is_file())
+    return found
+
+
+@contextlib.contextmanager
+def owners_lock(output: Path) -> Iterator[None]:
+    """Hold the lock of `output`'s OWNERS record: an exclusive flock(2) on OWNERS_LOCK beside it, waited for, so that
+    runs writing into one directory at once read, change and write the record one after the other. The lock file is
+    removed while still held; a run that opened it meanwhile finds it gone once it gets the lock, and takes a new one.
+    Where the filesystem has no flock, nothing is locked (as core/lock.py's RunLock)."""
+    path = output / OWNERS_LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            held = flock(fd, wait=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        if held is None or same_file(fd, path):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if held is None or same_file(fd, path):
+                path.unlink()
+        os.close(fd)
+
+
+def flock(fd: int, wait: bool = False) -> bool | None:
+    """Take an exclusive flock(2) on `fd`, waiting for it with `wait`. True: locked; False: held by another process
+    (without `wait`); None: this filesystem (or system) has no flock."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as error:
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether the open `fd` is the file `path` names now (not one removed or replaced since it was opened)."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
 
 
 def missing_directories(path: str | os.PathLike) -> list[Path]:

@@ -369,6 +369,43 @@ def test_a_second_run_of_an_owner_removes_what_its_first_wrote_and_not_others_fi
     assert (target / "outliers.json").exists() and json.loads((target / OWNERS).read_text())["summary.json"] == "all"
 
 
+RECORD_WRITER = """
+import sys, time
+from pathlib import Path
+from core.output import staged_output
+target, name, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+while not (target / "go").exists():  # both writers start together
+    time.sleep(0.001)
+for index in range(count):
+    with staged_output(target, owner=f"{name}-{index}") as stage:
+        (stage / f"{name}-{index}.json").write_text(name)
+"""
+
+
+def test_two_runs_writing_into_one_directory_at_once_lose_none_of_each_others_records(tmp_path):
+    """Two processes, each running 60 staged_output calls of its own owners into one directory at the same time: the
+    .written_by record names all 120 files with their owners (read, changed and written under a lock; before, a run
+    that read the record while the other wrote it dropped the other's entries, and that run's files were never
+    cleaned), and the lock file is not left behind."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.output import OWNERS
+
+    target, count = tmp_path / "out", 60
+    target.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    writers = [subprocess.Popen([sys.executable, "-c", RECORD_WRITER, str(target), name, str(count)], cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)}) for name in ("a", "b")]
+    (target / "go").write_text("")
+    assert [writer.wait(timeout=120) for writer in writers] == [0, 0]
+    expected = {f"{name}-{index}.json": f"{name}-{index}" for name in ("a", "b") for index in range(count)}
+    assert json.loads((target / OWNERS).read_text()) == expected
+    assert sorted(path.name for path in target.iterdir()) == sorted([*expected, OWNERS, "go"])
+
+
 @pytest.mark.parametrize("module", ["classify", "finetune"])
 def test_the_label_column_is_not_taken_for_the_text_column(tmp_path, module):
     """A csv's labels are strings too: with --data.label_column stars, a csv of body and stars has one text column

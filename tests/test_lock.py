@@ -86,7 +86,7 @@ def test_without_flock_a_dead_pid_or_this_slurm_jobs_lock_is_stale_and_another_h
                                                                                           capsys):
     from core import lock as locking
 
-    monkeypatch.setattr(locking, "_flock", lambda fd: None)  # a filesystem without flock
+    monkeypatch.setattr(locking, "flock", lambda fd: None)  # a filesystem without flock
     root = tmp_path / "run"
     root.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
