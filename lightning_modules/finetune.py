@@ -28,7 +28,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
-from core.output import staged_output, write_json
+from core.output import export_weights, staged_output, write_json
 from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import default_encoder, resolve_model_dir
 from lightning_modules.loading import check_is_encoder, load_failure
@@ -305,7 +305,8 @@ class FineTuneModule(TrainingModule):
     @rank_zero_only
     def write_outputs(self, root: Path, data) -> None:
         """export/ (config.json, model.safetensors, the tokenizer files) and finetune.json, each whole or absent."""
-        with staged_output(root / "export", "the export", owner="export") as stage, quiet_transformers():  # no bar
+        with staged_output(root / "export", "the export", owner="export", legacy=export_weights) as stage, \
+                quiet_transformers():  # no bar (an earlier export's weight files that this one does not write go)
             self.model.save_pretrained(stage)
             self.tokenizer.save_pretrained(stage)
         with staged_output(root) as stage:

@@ -43,7 +43,7 @@ from torchmetrics import MeanMetric
 
 from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
-from core.output import staged_output
+from core.output import export_weights, staged_output
 from lightning_modules.arms import arm_of, lm_head, model_classes, resolve_arm
 from lightning_modules.attention import attention_settings, install_attention
 from lightning_modules.rotary import install_sdpa
@@ -424,8 +424,10 @@ def export(module: MLMModule, tokenizer, directory: Path) -> None:
         model = copy.deepcopy(model).cpu()
         model.resize_token_embeddings(module.vocab_size, mean_resizing=False)
     # owner: the files an earlier export wrote there and this one does not (another shard layout: a stale
-    # model.safetensors beside a new index is what transformers would load) are removed
-    with staged_output(directory, "the export", owner="export") as stage, quiet_transformers():  # no bar: one shard
+    # model.safetensors beside a new index is what transformers would load) are removed; legacy: of an export made
+    # before the record existed, its transformers weight files alone (core.output.export_weights)
+    with staged_output(directory, "the export", owner="export", legacy=export_weights) as stage, \
+            quiet_transformers():  # no bar: one shard
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         umask = os.umask(0)

@@ -631,3 +631,61 @@ def test_a_re_export_of_another_shard_layout_leaves_no_stale_shard_that_transfor
             assert "model.safetensors.index.json" in files and len(files) >= 3 and "model.safetensors" not in files
         else:
             assert files == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("legacy", ["single", "sharded"])
+def test_a_re_export_over_an_export_made_before_the_record_removes_its_weights_and_none_of_the_users_files(
+        bpe, tmp_path, monkeypatch, legacy):
+    """An export made before the .written_by record existed (one whose record is gone), in one layout, plus an older
+    transformers' pytorch_model.bin; then an export in the other layout. Its weight files that transformers would load
+    go: the single files, the old index and the shards it names (before, a legacy model.safetensors stayed beside the
+    new index and was what transformers loaded). The user's files stay: a note, weights no index names
+    (pytorch_model-mine.bin, mine.safetensors), a non-weight file and paths out of the directory that the old index
+    names. Expected: the files of the same export into an empty directory, plus the user's; the weights loaded are
+    the new model's, tensor by tensor."""
+    import json
+    from functools import partialmethod
+
+    from transformers import PreTrainedModel, RobertaForMaskedLM
+
+    from core.output import OWNERS
+    from lightning_modules.mlm import export
+
+    sharded = partialmethod(PreTrainedModel.save_pretrained, max_shard_size="100KB")
+    modules = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        modules.append(MLMModule(**TINY).eval())
+    directory, clean = tmp_path / "export", tmp_path / "clean"
+    with monkeypatch.context() as patch:
+        if legacy == "sharded":
+            patch.setattr(PreTrainedModel, "save_pretrained", sharded)
+        export(modules[0], bpe, directory)
+    (directory / OWNERS).unlink()  # as an export made before the record existed
+    torch.save(modules[0].model.state_dict(), directory / "pytorch_model.bin")
+    outside = tmp_path / "outside.safetensors"
+    user = {"notes.txt": b"mine", "pytorch_model-mine.bin": b"mine", "mine.safetensors": b"mine"}
+    for name, content in [*user.items(), ("../outside.safetensors", b"mine")]:
+        (directory / name).write_bytes(content)
+    index = directory / "model.safetensors.index.json"
+    if legacy == "sharded":
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        assert len(shards) >= 2 and all((directory / shard).is_file() for shard in shards)
+        record = json.loads(index.read_text())
+        record["weight_map"].update({"a": "notes.txt", "b": "../outside.safetensors", "c": str(outside)})
+        index.write_text(json.dumps(record))
+    with monkeypatch.context() as patch:
+        if legacy == "single":
+            patch.setattr(PreTrainedModel, "save_pretrained", sharded)
+        export(modules[1], bpe, directory)
+        export(modules[1], bpe, clean)
+    expected = sorted([*(path.name for path in clean.iterdir()), *user])
+    assert sorted(path.name for path in directory.iterdir()) == expected
+    assert ("model.safetensors" in expected) == (legacy == "sharded") and "pytorch_model.bin" not in expected
+    assert all((directory / name).read_bytes() == content for name, content in user.items())
+    assert outside.read_bytes() == b"mine"
+    loaded = RobertaForMaskedLM.from_pretrained(directory).state_dict()
+    weights = modules[1].model.state_dict()
+    assert len([key for key in weights if key in loaded]) > 10
+    for key in (key for key in weights if key in loaded):
+        torch.testing.assert_close(loaded[key], weights[key], rtol=0, atol=0, msg=key)
