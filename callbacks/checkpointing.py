@@ -5,16 +5,19 @@
     ... --checkpoint.sigterm_every_n_steps 10    # several processes: the ranks agree every 10 steps (the default)
 
 Checkpoints go to <default_root_dir>/checkpoints (last.ckpt every --checkpoint.every_n_train_steps and at the end),
-written atomically (a kill mid-write keeps the previous one), the last.ckpt before kept as previous.ckpt; they are
-read weights-only, and --ckpt_path last falls back to previous.ckpt (saying so) when last.ckpt cannot be read.
+written atomically (a kill mid-write keeps the previous one), the last.ckpt of the step before kept as previous.ckpt
+(a step's re-save after its validation replaces last.ckpt in place); they are read weights-only, and --ckpt_path last
+falls back to previous.ckpt (saying so) when last.ckpt cannot be read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -127,7 +130,8 @@ class PretrainCheckpoint(ModelCheckpoint):
         validation (its loss, the live statistics' state, the summary's reading) that Lightning ran after saving them;
         a resume or a re-run of the finished run reads it, and analyze.py trajectory reports it at its step. Only what
         was saved is saved again: a SIGTERM's step gets no periodic checkpoint, and a monitored top-k's entry of the
-        step competes once, with this validation's value."""
+        step competes once, with this validation's value. last.ckpt is replaced in place (still written then
+        renamed): previous.ckpt stays the checkpoint of the step before, not this step's before its validation."""
         saved_before = self._last_global_step_saved == trainer.global_step  # (not by this validation's own save)
         super().on_validation_end(trainer, pl_module)
         if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or not saved_before or \
@@ -141,7 +145,9 @@ class PretrainCheckpoint(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
             if self._topk_saved[1] != topk[1] and topk[1] not in self.best_k_models:  # a name with the metric in it
                 self._remove_checkpoint(trainer, topk[1])
-        self._save_last_checkpoint(trainer, candidates)
+        io = trainer.strategy.checkpoint_io
+        with io.same_step() if isinstance(io, AtomicCheckpointIO) else contextlib.nullcontext():
+            self._save_last_checkpoint(trainer, candidates)
         self._last_global_step_saved = trainer.global_step
 
     _topk_saved: tuple[int, str] | None = None  # (step, path) of the last periodic (top-k) save
@@ -179,7 +185,8 @@ def _no_broadcast() -> None:
 class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
     """torch.save into a temporary file beside the checkpoint, fsync, os.replace: a kill or a full disk mid-write
     leaves the previous checkpoint in place and loadable; with `keep_previous`, the last.ckpt it replaces stays as
-    previous.ckpt beside it (a last.ckpt corrupted later, on disk or by hand, then resumes from the one before).
+    previous.ckpt beside it (a last.ckpt corrupted later, on disk or by hand, then resumes from the one before),
+    except inside `same_step` (the same step saved again: previous.ckpt stays the step before's).
     Reading is weights-only (core/safe_load.py).
 
     Lightning's own `_atomic_save` builds the whole file in memory, writes it under the system temp directory and
@@ -191,6 +198,18 @@ class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
     def __init__(self, keep_previous: bool = True) -> None:
         super().__init__()
         self.keep_previous = keep_previous
+        self._same_step = False
+
+    @contextlib.contextmanager
+    def same_step(self) -> Iterator[None]:
+        """Saves of last.ckpt inside replace it without keeping it as previous.ckpt: a step saved again (after its
+        validation) keeps the step before as previous.ckpt. The new file is still written and renamed onto last.ckpt,
+        so a whole last.ckpt is there at every moment, previous.ckpt unchanged beside it."""
+        self._same_step = True
+        try:
+            yield
+        finally:
+            self._same_step = False
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec transaction
@@ -198,7 +217,8 @@ class AtomicCheckpointIO(WeightsOnlyCheckpointIO):
         path = Path(path)
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
             stale.unlink(missing_ok=True)
-        previous = path.with_name(PREVIOUS) if self.keep_previous and path.name == LAST else None
+        rotate = self.keep_previous and path.name == LAST and not self._same_step
+        previous = path.with_name(PREVIOUS) if rotate else None
         kept = "the one saved before is kept (resume with --ckpt_path last once there is room)" if path.exists() \
             else "no checkpoint of this run was saved before"
         try:

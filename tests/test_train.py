@@ -475,9 +475,12 @@ def test_a_checkpoint_of_a_step_a_validation_follows_holds_that_validation_and_r
     """Lightning saves a step's checkpoints before the validation after that step (every_n_train_steps and
     val_check_interval meet, as at every config's last step): they held the validation before, so a re-run of the
     finished run summed up a stale loss and analyze.py trajectory paired each checkpoint with the previous validation.
-    Each checkpoint holds the validation of its own step (the loss the logger got, logged at the step before), and a
-    run extended from the 4-step run's last.ckpt logs and ends as the straight 6-step run, bit for bit."""
+    Each checkpoint holds the validation of its own step (the loss the logger got, logged at the step before),
+    previous.ckpt is step 4's (the re-save of step 6 replaces last.ckpt without rotating it), and a run extended from
+    the 4-step run's last.ckpt logs and ends as the straight 6-step run, bit for bit."""
     aligned = ("--trainer.val_check_interval", "2", "--checkpoint.save_top_k", "-1", "--trainer.log_every_n_steps", "2")
+    from callbacks.checkpointing import resume_target
+
     straight, extended = tmp_path / "straight", tmp_path / "extended"
     assert fit(straight, corpus, cache, *aligned, "--trainer.max_steps", "6") == 0
     logged = {int(row["step"]) + 1: float(row["val/loss"]) for row in metrics(straight) if row.get("val/loss")}
@@ -489,6 +492,14 @@ def test_a_checkpoint_of_a_step_a_validation_follows_holds_that_validation_and_r
         assert saved["val_loss"] == {"value": pytest.approx(logged[step], rel=1e-6), "step": step}, path.name
         assert saved["callbacks"]["RunSummary"]["val"] == [step, pytest.approx(logged[step], rel=1e-6)], path.name
     assert sorted(torch.load(p, map_location="cpu", weights_only=True)["global_step"] for p in periodic) == [2, 4, 6]
+    # previous.ckpt is the checkpoint of the step before (4, with its own validation), not step 6 before its
+    # validation (what the re-save's rotation left); a torn last.ckpt still resumes from it
+    previous = torch.load(straight / "checkpoints" / "previous.ckpt", map_location="cpu", weights_only=True)
+    assert previous["global_step"] == 4 and previous["val_loss"] == {"value": pytest.approx(logged[4], rel=1e-6),
+                                                                     "step": 4}
+    torn = shutil.copytree(straight / "checkpoints", tmp_path / "torn")
+    (torn / "last.ckpt").write_bytes((torn / "last.ckpt").read_bytes()[:1000])
+    assert resume_target(torn / "last.ckpt") == torn / "previous.ckpt"
 
     assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "4") == 0
     assert fit(extended, corpus, cache, *aligned, "--trainer.max_steps", "6", "--ckpt_path", "last") == 0
