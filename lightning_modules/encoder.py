@@ -37,7 +37,7 @@ from core.capture import HiddenStateCapture
 from core.families import is_causal, output_projection
 from core.models import hidden_state_sites, model_max_length, position_embedding, quiet_transformers, short_name
 from core.sources import check_hub, local_path
-from core.tokenizers import special_ids, vocab_limit
+from core.tokenizers import special_ids, truncating_right, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import (
     check_loading,
@@ -316,7 +316,8 @@ class FrozenEncoder(nn.Module):
         encoded = tokenizer(list(texts), truncation=False, **options)
         long_rows = [i for i, ids in enumerate(encoded["input_ids"]) if len(ids) > max_length]
         if long_rows:
-            cut = tokenizer([texts[i] for i in long_rows], truncation=True, max_length=max_length, **options)
+            with truncating_right(tokenizer):  # a sentence's start is kept, whatever the tokenizer's own side
+                cut = tokenizer([texts[i] for i in long_rows], truncation=True, max_length=max_length, **options)
             for key in encoded:
                 for row, value in zip(long_rows, cut[key]):
                     encoded[key][row] = value

@@ -69,3 +69,40 @@ def test_a_left_padding_bos_only_llama_with_grouped_queries_and_a_bf16_config_is
             alone = torch.stack(direct(input_ids=ids, output_hidden_states=True).hidden_states)[:, 0]
         torch.testing.assert_close(batch.hidden_states[:, row, :length], alone, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pooled[:, row], alone.mean(1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tokenizer_that_truncates_on_the_left_still_reads_each_sentence_from_its_start(bert_tok, tmp_path):
+    """A tokenizer saved with truncation_side left (chat models' often are) would keep a long sentence's end: the
+    encoder, and fine-tuning, cut the end instead, as a right-truncating tokenizer does, and the report's `covered`
+    characters are those read; the tokenizer's own side is left as it was."""
+    import csv
+
+    from transformers import AutoTokenizer
+
+    from datamodules.finetune import FineTuneDataModule
+    from tests.tiny import corpus_sentences
+
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    AutoTokenizer.from_pretrained(path, truncation_side="left").save_pretrained(path)
+    encoder = load_encoder(str(path), device="cpu")
+    tokenizer = encoder.tokenizer
+    assert tokenizer.truncation_side == "left"
+    texts = corpus_sentences(12, start=40)
+    inputs, truncated = encoder.tokenize(texts, max_length=8, offsets=True)
+    kept = bert_tok(texts, truncation=True, max_length=8, return_offsets_mapping=True)  # right-truncating: the start
+    assert truncated == sum(len(ids) > 8 for ids in bert_tok(texts)["input_ids"]) > 0
+    for row, (ids, offsets) in enumerate(zip(kept["input_ids"], kept["offset_mapping"], strict=True)):
+        assert inputs["input_ids"][row, :len(ids)].tolist() == ids
+        assert inputs["covered"][row] == (max(end for _, end in offsets) if len(ids) == 8 else len(texts[row]))
+    assert tokenizer.truncation_side == "left"
+
+    data = tmp_path / "labelled.csv"
+    with open(data, "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["text", "label"], *([text, row % 2] for row, text in enumerate(texts * 3))])
+    module = FineTuneDataModule(source=str(data), max_length=8)
+    with pytest.warns(UserWarning, match="were truncated"):
+        module.attach(tokenizer)
+    for split in ("train", "val", "test"):
+        expected = bert_tok([text for text, _ in module.splits.texts[split]], truncation=True, max_length=8)
+        assert module.sets[split].encoded["input_ids"] == expected["input_ids"]
+    assert tokenizer.truncation_side == "left"
