@@ -46,8 +46,9 @@ class Family:
 
     model_type: str
     causal: bool  # each token sees only itself and the tokens before it
-    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" |
-    # "ALiBi biases (no table)" (BLOOM, MPT) | "relative biases (no table)" (DeBERTa) | "no absolute table"
+    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" (XGLM) |
+    # "fixed sinusoids (a frozen table)" (DistilBERT's sinusoidal_pos_embds) | "ALiBi biases (no table)" (BLOOM, MPT) |
+    # "relative biases (no table)" (DeBERTa) | "no absolute table"
     norms: str  # "post-LN" | "pre-LN"
     last_layer: str  # what hidden_states[L] is
 

@@ -174,6 +174,8 @@ def model_family(model: nn.Module) -> families.Family:
     table = position_embedding(model)
     if table is not None:
         positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
+        if getattr(config, "sinusoidal_pos_embds", False):  # DistilBERT's option: a frozen table of sinusoids
+            positions = "fixed sinusoids (a frozen table)"
     elif families.is_rotary(model):
         positions = "rotary (RoPE)"
     elif families.is_sinusoidal(model):

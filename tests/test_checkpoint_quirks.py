@@ -106,3 +106,20 @@ def test_a_tokenizer_that_truncates_on_the_left_still_reads_each_sentence_from_i
         expected = bert_tok([text for text, _ in module.splits.texts[split]], truncation=True, max_length=8)
         assert module.sets[split].encoded["input_ids"] == expected["input_ids"]
     assert tokenizer.truncation_side == "left"
+
+
+@pytest.mark.parametrize("sinusoidal", [True, False])
+def test_a_distilbert_with_sinusoidal_positions_is_named_a_table_of_fixed_sinusoids(bert_tok, sinusoidal):
+    """DistilBERT's sinusoidal_pos_embds: its position table holds Vaswani et al.'s sinusoids (checked against the
+    formula), frozen; the report's family says so instead of `learned table`."""
+    from transformers import DistilBertModel
+
+    from core.models import model_family
+    from tests.tiny import HIDDEN, tiny_config
+
+    model = DistilBertModel(tiny_config("distilbert", len(bert_tok), sinusoidal_pos_embds=sinusoidal))
+    table = model.embeddings.position_embeddings.weight.detach()
+    angles = torch.arange(MAX_POSITIONS)[:, None] / 10000 ** (torch.arange(0, HIDDEN, 2) / HIDDEN)  # [positions, d/2]
+    formula = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin at even dims, cos at odd ones
+    assert torch.allclose(table, formula, atol=1e-5) is sinusoidal
+    assert model_family(model).positions == ("fixed sinusoids (a frozen table)" if sinusoidal else "learned table")
