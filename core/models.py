@@ -224,7 +224,7 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
         head = getattr(masked_lm, name, None)
         if isinstance(head, nn.Module):
             projection = families.output_projection(masked_lm)  # OPT-350m's head reads project_out's output
-            return head if projection is None else lambda hidden: head(projection(hidden))
+            return head if projection is None else nn.Sequential(projection, head)
     transform, decoder = getattr(masked_lm, "head", None), getattr(masked_lm, "decoder", None)
     if isinstance(transform, nn.Module) and isinstance(decoder, nn.Linear):  # ModernBertForMaskedLM
         return lambda hidden: decoder(transform(hidden))

@@ -32,10 +32,16 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from core.errors import UserError
 from core.capture import HiddenStateCapture
+from core.errors import UserError
 from core.families import is_causal, output_projection
-from core.models import hidden_state_sites, model_max_length, position_embedding, quiet_transformers, short_name
+from core.models import (
+    hidden_state_sites,
+    model_max_length,
+    position_embedding,
+    quiet_transformers,
+    short_name,
+)
 from core.sources import check_hub, local_path
 from core.tokenizers import special_ids, truncating_right, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained

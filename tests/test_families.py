@@ -245,7 +245,8 @@ def test_opt_350m_post_ln_with_project_out_reads_layer_l_before_the_projection_a
     family = report["model_family"]
     assert family["norms"] == "post-LN" and "before decoder.project_out (to width 16)" in family["last_layer"]
     entries = report["origins"]["layer_norms"][str(PLANTED)]  # each layer's two LayerNorms, post-LN
-    assert {(entry["layer"], entry["placement"]) for entry in entries} == {(l, "post") for l in range(1, LAYERS + 1)}
+    assert {(entry["layer"], entry["placement"]) for entry in entries} == {(layer, "post")
+                                                                           for layer in range(1, LAYERS + 1)}
 
     encoder = load_encoder(str(path), device="cpu", masked_lm=True)
     inputs, _ = encoder.tokenize(sentences[:6], 24)
