@@ -1,7 +1,8 @@
-"""Quirks of real checkpoints that default-built tiny models lack, each against a direct float32 computation: a
-config.json that records bfloat16 / float16 (real Llama, Qwen, Pythia, OPT checkpoints do; transformers 5 then loads
-the weights in that dtype unless told otherwise), a Llama tokenizer that pads on the left, adds `<s>` only, has no pad
-token and a model_max_length of 1e30, grouped-query attention with an explicit head_dim, sharded safetensors.
+"""Quirks of real checkpoints that default-built tiny models lack, each against a direct computation: a config.json
+that records bfloat16 / float16 (real Llama, Qwen, Pythia, OPT checkpoints do; transformers 5 then loads the weights in
+that dtype unless told otherwise), a Llama tokenizer that pads on the left, adds `<s>` only, has no pad token and a
+model_max_length of 1e30, grouped-query attention with an explicit head_dim, sharded safetensors, a tokenizer that
+truncates on the left, DistilBERT's sinusoidal position table. OPT-350m (post-LN, project_out): tests/test_families.py.
 
     .venv/bin/pytest tests/test_checkpoint_quirks.py -q
 """
