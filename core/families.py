@@ -5,13 +5,15 @@ OPT) and rotary encoders (ModernBERT, RoFormer).
     decoder_stack(model)       # Stack(blocks, final_norm) of a model whose layers sit in one flat list, or None
     hidden_state_sites(model)  # [(module, "input" | "output")]: where hidden_states[0..L] are read, by hooks
     position_table(model)      # (nn.Embedding, first row a token uses) of an absolute table, or None
+    output_projection(model)   # a Linear after the stack to another width (OPT-350m's project_out), or None
     norm_placement(model, norm)   # (hidden-state layers, placement) of a LayerNorm / RMSNorm
     rotary_queries_keys(model) # (q, k) -> (q, k) rotated as the model's attention does (RoFormer), or None
 
 Layers follow transformers' `hidden_states`: 0 is the input of the first transformer layer (the embedding output),
 l the output of layer l for l < L; for models with a final norm (GPT-2's ln_f, Llama's norm, GPT-NeoX's and OPT's
 final_layer_norm, ModernBERT's final_norm) layer L is the last layer's output after that norm (transformers replaces
-the last entry with `last_hidden_state`). BERT-family encoders (post-LN: every layer ends in its LayerNorm) have no
+the last entry with `last_hidden_state`), except that a projection after the stack to another width (OPT-350m's
+`project_out`) is not a layer: layer L is its input (`output_projection`). BERT-family encoders (post-LN: every layer ends in its LayerNorm) have no
 final norm: layer L is the last layer's output. docs/families.md has the table.
 """
 
@@ -26,6 +28,7 @@ from core.norms import feeding_norms, norm_affine
 BLOCK_LISTS = ("h", "layers", "layer", "blocks")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer / MPT
 FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_norm", "final_layernorm", "norm_f")  # ... Phi, MPT
 POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2; OPT (offset 2). BERT's embeddings.position_embeddings: models.py
+OUTPUT_PROJECTIONS = ("project_out",)  # OPT-350m: hidden size -> word_embed_proj_dim after the last layer
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class Family:
 
     model_type: str
     causal: bool  # each token sees only itself and the tokens before it
-    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" |
-    # "ALiBi biases (no table)" (BLOOM, MPT) | "relative biases (no table)" (DeBERTa) | "no absolute table"
+    positions: str  # "learned table" | "zero table (no positions)" | "rotary (RoPE)" | "fixed sinusoids" (XGLM) |
+    # "fixed sinusoids (a frozen table)" (DistilBERT's sinusoidal_pos_embds) | "ALiBi biases (no table)" (BLOOM, MPT) |
+    # "relative biases (no table)" (DeBERTa) | "no absolute table"
     norms: str  # "post-LN" | "pre-LN"
     last_layer: str  # what hidden_states[L] is
 
@@ -125,6 +129,15 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]] | None:
     blocks = list(stack.blocks)
     last = (stack.final_norm, "output") if stack.final_norm is not None else (blocks[-1], "output")
     return [(blocks[0], "input"), *((block, "output") for block in blocks[:-1]), last]
+
+
+def output_projection(model: nn.Module) -> nn.Linear | None:
+    """The Linear after a decoder stack (and its final norm, if any) that maps the hidden size to another width:
+    OPT-350m's `decoder.project_out` (1024 -> word_embed_proj_dim 512, what its LM head reads); None without one.
+    transformers' last hidden state is its output; the stack's own last state is its input (hidden_state_sites[L])."""
+    stack = decoder_stack(model)
+    projections = [getattr(stack.container, name, None) for name in OUTPUT_PROJECTIONS] if stack is not None else []
+    return next((p for p in projections if isinstance(p, nn.Linear)), None)
 
 
 def position_table(model: nn.Module) -> tuple[nn.Embedding, int] | None:

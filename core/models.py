@@ -174,6 +174,8 @@ def model_family(model: nn.Module) -> families.Family:
     table = position_embedding(model)
     if table is not None:
         positions = "learned table" if table.weight.detach().any() else "zero table (no positions)"
+        if getattr(config, "sinusoidal_pos_embds", False):  # DistilBERT's option: a frozen table of sinusoids
+            positions = "fixed sinusoids (a frozen table)"
     elif families.is_rotary(model):
         positions = "rotary (RoPE)"
     elif families.is_sinusoidal(model):
@@ -187,6 +189,9 @@ def model_family(model: nn.Module) -> families.Family:
         last = f"layer L's output after the final norm ({families.name_of(model, stack.final_norm)})"
     else:
         last = "layer L's output"
+    projection = families.output_projection(model)
+    if projection is not None:  # OPT-350m: transformers' last hidden state is project_out's, of another width
+        last += f", before {families.name_of(model, projection)} (to width {projection.out_features})"
     norms = "pre-LN" if families.pre_norm(model) else "post-LN"
     return families.Family(config.model_type, families.is_causal(config), positions, norms, last)
 
@@ -211,14 +216,15 @@ def token_type_embedding(model: nn.Module) -> nn.Embedding | None:
 
 def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
     """The LM head of a transformers masked-LM (or causal-LM) model as a function hidden [..., hidden] -> logits
-    [..., vocab rows]: `lm_head` (RoBERTa and its kin; GPT-2, Llama, OPT), `cls` (BERT, RoFormer), `predictions`
-    (ALBERT), `embed_out` (GPT-NeoX), ModernBERT's head -> decoder, DistilBERT's vocab_transform -> activation ->
-    vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions -> generator_lm_head; None for a layout not
-    among these (or a bare encoder)."""
+    [..., vocab rows]: `lm_head` (RoBERTa and its kin; GPT-2, Llama, OPT: OPT-350m's after its `project_out`), `cls`
+    (BERT, RoFormer), `predictions` (ALBERT), `embed_out` (GPT-NeoX), ModernBERT's head -> decoder, DistilBERT's
+    vocab_transform -> activation -> vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions ->
+    generator_lm_head; None for a layout not among these (or a bare encoder)."""
     for name in ("lm_head", "cls", "predictions", "embed_out"):
         head = getattr(masked_lm, name, None)
         if isinstance(head, nn.Module):
-            return head
+            projection = families.output_projection(masked_lm)  # OPT-350m's head reads project_out's output
+            return head if projection is None else nn.Sequential(projection, head)
     transform, decoder = getattr(masked_lm, "head", None), getattr(masked_lm, "decoder", None)
     if isinstance(transform, nn.Module) and isinstance(decoder, nn.Linear):  # ModernBertForMaskedLM
         return lambda hidden: decoder(transform(hidden))

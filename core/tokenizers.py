@@ -6,10 +6,12 @@
     boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
     special_strings(tokenizer); special_ids(tokenizer)   # every special token (added ones marked special too)
     readable_token(tokenizer, "Ġs")                     # ' s': the text one token stands for, for people
+    with truncating_right(tokenizer): tokenizer(texts, truncation=True, max_length=n)   # keeps each text's start
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 import warnings
@@ -54,6 +56,19 @@ def load_tokenizer(source: str | Path, mask: bool = True, pad: bool = True):
     if pad:
         add_own_pad(tokenizer, source)
     return tokenizer
+
+
+@contextlib.contextmanager
+def truncating_right(tokenizer):
+    """Within: `tokenizer` cuts a long text at its end, keeping its start, whatever its own `truncation_side` (a chat
+    model's tokenizer may say left, and a tokenizer.json's truncation direction sets it): every sentence is read from
+    its first token, as the paper reads it. Restored on exit."""
+    side = getattr(tokenizer, "truncation_side", "right")
+    tokenizer.truncation_side = "right"
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.truncation_side = side
 
 
 def add_own_pad(tokenizer, source) -> None:

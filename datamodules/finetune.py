@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
+from core.tokenizers import truncating_right
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockSampler, ResumableLoader
 from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
@@ -237,7 +238,8 @@ class FineTuneDataModule(pl.LightningDataModule):
         for split in SPLITS:
             texts = self.splits.texts[split]
             pairs = [pair for _, pair in texts] if h.text_pair_column is not None else None
-            encoded = tokenizer([text for text, _ in texts], pairs, truncation=True, max_length=h.max_length)
+            with truncating_right(tokenizer):  # an example's start is kept, whatever the tokenizer's own side
+                encoded = tokenizer([text for text, _ in texts], pairs, truncation=True, max_length=h.max_length)
             self.truncated[split] = count_truncated(tokenizer, texts, encoded["input_ids"], h.max_length)
             self.labels[split] = torch.tensor([index[label] for label in self.splits.labels[split]], dtype=torch.long)
             self.sets[split] = Examples(dict(encoded), self.labels[split], tokenizer.pad_token_id or 0)

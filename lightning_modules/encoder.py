@@ -32,11 +32,18 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from core.capture import HiddenStateCapture
 from core.errors import UserError
-from core.families import is_causal
-from core.models import model_max_length, position_embedding, quiet_transformers, short_name
+from core.families import is_causal, output_projection
+from core.models import (
+    hidden_state_sites,
+    model_max_length,
+    position_embedding,
+    quiet_transformers,
+    short_name,
+)
 from core.sources import check_hub, local_path
-from core.tokenizers import special_ids, vocab_limit
+from core.tokenizers import special_ids, truncating_right, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import (
     check_loading,
@@ -204,6 +211,8 @@ class FrozenEncoder(nn.Module):
         if "output_hidden_states" not in parameters and not takes_kwargs:
             raise UserError(f"{name} cannot return hidden states (its forward takes no output_hidden_states)")
         self._attention = False  # within attention_weights()
+        # [the site of layer L] when transformers' last hidden state is a projection's output (OPT-350m), else None
+        self._last_site = [hidden_state_sites(model)[-1]] if output_projection(model) is not None else None
         self.masked_lm: nn.Module | None = None  # the model with its MLM head (attach_head), sharing `model`'s weights
         self.head_note = "not loaded with its MLM head"
         self.causal_lm: nn.Module | None = None  # a causal model with its LM head (attach_head), sharing the weights
@@ -246,18 +255,21 @@ class FrozenEncoder(nn.Module):
             inputs["output_attentions"] = True
         if "use_cache" in self._forward_keys:  # a decoder keeps no key-value cache of a batch it reads once
             inputs["use_cache"] = False
-        output = self.model(**inputs, output_hidden_states=True, return_dict=True)
+        capture = HiddenStateCapture(self._last_site, [0]) if self._last_site else contextlib.nullcontext()
+        with capture:  # OPT-350m: layer L is the stack's last state, project_out's input (core.families)
+            output = self.model(**inputs, output_hidden_states=True, return_dict=True)
         if getattr(output, "hidden_states", None) is None:
             raise UserError(f"{self.name} returned no hidden states")
-        if len({state.shape[-1] for state in output.hidden_states}) > 1:  # OPT-350m's project_out on the last one
+        states = (*output.hidden_states[:-1], capture.stack()[0]) if self._last_site else output.hidden_states
+        if len({state.shape[-1] for state in states}) > 1:  # a projection after the last layer, not OPT-350m's
             raise UserError(f"{self.name}: its hidden states have different widths "
-                            f"({sorted({state.shape[-1] for state in output.hidden_states})}: a projection after the "
+                            f"({sorted({state.shape[-1] for state in states})}: a projection after the "
                             "last layer), so its layers cannot be compared")
         mask = inputs["attention_mask"].bool()
         if self.exclude_special:
             added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
             mask &= ~(added | in_text).to(device)
-        batch = EncodedBatch(torch.stack(output.hidden_states), mask, inputs["input_ids"], inputs["attention_mask"],
+        batch = EncodedBatch(torch.stack(states), mask, inputs["input_ids"], inputs["attention_mask"],
                              num_special_in_text=int(in_text.sum()))
         if self._attention:
             attentions = getattr(output, "attentions", None)
@@ -310,7 +322,8 @@ class FrozenEncoder(nn.Module):
         encoded = tokenizer(list(texts), truncation=False, **options)
         long_rows = [i for i, ids in enumerate(encoded["input_ids"]) if len(ids) > max_length]
         if long_rows:
-            cut = tokenizer([texts[i] for i in long_rows], truncation=True, max_length=max_length, **options)
+            with truncating_right(tokenizer):  # a sentence's start is kept, whatever the tokenizer's own side
+                cut = tokenizer([texts[i] for i in long_rows], truncation=True, max_length=max_length, **options)
             for key in encoded:
                 for row, value in zip(long_rows, cut[key]):
                     encoded[key][row] = value

@@ -72,7 +72,9 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
         raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
     try:
         with quiet_transformers():  # the new head's "newly initialized" report is expected here
-            model, info = load_pretrained(AutoModelForSequenceClassification, source, **labels,
+            # float32 weights whatever config.json records (a bfloat16 / float16 checkpoint loads in its own dtype
+            # otherwise): the trainer's precision decides what the forward computes in, as for a .ckpt
+            model, info = load_pretrained(AutoModelForSequenceClassification, source, **labels, dtype=torch.float32,
                                           ignore_mismatched_sizes=True, output_loading_info=True)
     except UserError:
         raise

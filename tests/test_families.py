@@ -23,7 +23,7 @@ from core.norms import is_norm
 from lightning_modules.encoder import load_encoder
 from lightning_modules.pooling import mean_pool
 from metrics.outliers import OutlierRule
-from tests.tiny import LAYERS, MAX_POSITIONS, corpus_sentences
+from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, corpus_sentences
 from tests.tiny_families import DECODERS, FAMILIES, decoder_tokenizer, save_tiny_family
 
 PLANTED = 7  # the dimension every test plants an outlier on
@@ -206,11 +206,63 @@ def test_hook_capture_of_the_live_callbacks_reads_transformers_hidden_states(kin
             attention_projections(model)
 
 
-def test_a_model_whose_last_hidden_state_has_another_width_is_one_line(decoder_tok, texts, tmp_path, capsys):
-    """OPT-350m projects its last state to word_embed_proj_dim: its layers cannot be compared, and it says so."""
-    path = save_tiny_family(tmp_path / "opt", "opt", decoder_tok, word_embed_proj_dim=16)
+def test_opt_350m_post_ln_with_project_out_reads_layer_l_before_the_projection_and_its_lm_loss_after_it(
+        decoder_tok, texts, tmp_path, capsys, monkeypatch):
+    """OPT-350m: post-LN (do_layer_norm_before false, no final norm) and project_out (hidden 32 -> 16 here) after the
+    last layer, which transformers' last hidden state is. Layer L is project_out's input, the stack's last state, as
+    the live hooks read it; the LM head reads project_out's output, so the next-token loss is the model's own."""
+    from transformers import OPTForCausalLM
+
+    from core import families
+    from lightning_modules.interventions import next_token_loss
+    from tests.tiny import save_planted
+    from tests.tiny_families import family_config
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(family_config("opt", len(decoder_tok), word_embed_proj_dim=16, do_layer_norm_before=False))
+    path = save_planted(model, decoder_tok, tmp_path / "opt350m", plant=plant)
+    sentences, data = texts
     out = tmp_path / "report"
-    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(texts[1]),
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data), "--output_dir",
+                         str(out), "--max_length", "24", "--no_attention_sinks"]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    model.eval()
+    kept = []  # project_out's input: the last layer's output (no final norm in a post-LN OPT)
+    handle = model.model.decoder.project_out.register_forward_pre_hook(lambda module, args: kept.append(args[0][0]))
+    with torch.no_grad():
+        states = [model.model(**decoder_tok(text, truncation=True, max_length=24, return_tensors="pt"),
+                              output_hidden_states=True).hidden_states for text in sentences]
+    handle.remove()
+    assert {state.shape[-1] for state in states[0]} == {16, HIDDEN}  # transformers' own: the last one projected
+    tokens = torch.cat([torch.stack([*(layer[0] for layer in state[:-1]), last]) for state, last in zip(states, kept)],
+                       dim=1)  # [layers, tokens, hidden]
+    assert report["num_tokens"] == tokens.shape[1]
+    for row, layer in zip(report["layers"], tokens, strict=True):
+        shares = torch.bincount(layer.argmax(-1), minlength=HIDDEN).double() / layer.shape[0]
+        assert (row["argmax_dim"], row["argmax_share"]) == (int(shares.argmax()), pytest.approx(float(shares.max())))
+        assert row["max_abs"] == pytest.approx(float(layer.abs().max()), rel=1e-5)
+    assert PLANTED in report["persistent_dims"]
+    family = report["model_family"]
+    assert family["norms"] == "post-LN" and "before decoder.project_out (to width 16)" in family["last_layer"]
+    entries = report["origins"]["layer_norms"][str(PLANTED)]  # each layer's two LayerNorms, post-LN
+    assert {(entry["layer"], entry["placement"]) for entry in entries} == {(layer, "post")
+                                                                           for layer in range(1, LAYERS + 1)}
+
+    encoder = load_encoder(str(path), device="cpu", masked_lm=True)
+    inputs, _ = encoder.tokenize(sentences[:6], 24)
+    batch = encoder(**inputs)
+    total, count = next_token_loss(encoder, batch.hidden_states[-1], batch.input_ids, batch.attention_mask)
+    own = []  # transformers' own loss, sentence by sentence, weighted by its targets
+    for text in sentences[:6]:
+        ids = decoder_tok(text, truncation=True, max_length=24, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            own.append((model(input_ids=ids, labels=ids).loss, ids.shape[1] - 1))
+    assert int(count) == sum(n for _, n in own)
+    assert float(total / count) == pytest.approx(sum(float(loss) * n for loss, n in own) / int(count), rel=1e-5)
+
+    monkeypatch.setattr(families, "OUTPUT_PROJECTIONS", ())  # a projection this project does not know: one line
+    out = tmp_path / "unknown"
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
                          "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"analyze.py outliers: error: {path}: its hidden states have different widths ([16, 32]: a projection after "

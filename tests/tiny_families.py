@@ -1,6 +1,7 @@
 """Tiny random decoders (GPT-2, Llama, GPT-NeoX, OPT) and rotary encoders (ModernBERT, RoFormer) for unit tests.
 
     tokenizer = decoder_tokenizer(tmp_path)                     # byte-level BPE of the corpus, eos but no pad token
+    tokenizer = llama_tokenizer(tmp_path)                       # Llama's: <s> only, left padding, model_max_length 1e30
     path = save_tiny_family(tmp_path / "gpt2", "gpt2", tokenizer, plant=lambda model: ...)
 """
 
@@ -67,3 +68,24 @@ def save_tiny_family(directory: Path, kind: str, tokenizer, plant: Callable | No
     torch.manual_seed(seed)
     return save_planted(AutoModel.from_config(family_config(kind, len(tokenizer), **overrides)), tokenizer, directory,
                         plant)
+
+
+def llama_tokenizer(directory: Path, vocab_size: int = 600):
+    """A Llama-style tokenizer as real Llama checkpoints ship one: SentencePiece-like BPE (Metaspace) of the corpus,
+    `<unk>` `<s>` `</s>` = 0 1 2, adds `<s>` only (no `</s>`), no pad token, padding_side left, and a
+    model_max_length of 1e30 ("no limit": the model's config says how long an input may be)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.train_from_iterator(corpus_sentences(2000), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], min_frequency=1))
+    model = json.loads(backend.to_str())["model"]
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
+    tokenizer = LlamaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True, padding_side="left",
+                               model_max_length=int(1e30))
+    tokenizer.save_pretrained(directory)
+    return tokenizer
