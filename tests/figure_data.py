@@ -54,8 +54,9 @@ def panels(fig) -> list[dict]:
     return out
 
 
-def same(drawn: tuple, x, y, rtol: float = 1e-6) -> None:
-    """A drawn line (x, y) against the values it should show (None where nothing is drawn: NaN)."""
+def same(drawn: tuple, x, y, rtol: float = 1e-6, atol: float = 1e-12) -> None:
+    """A drawn line (x, y) against the values it should show (None where nothing is drawn: NaN); `atol` for values
+    compared with a report's, rounded to 6 decimals when written."""
     np.testing.assert_allclose(drawn[0], np.asarray(x, dtype=float))
     np.testing.assert_allclose(drawn[1], np.asarray([np.nan if v is None else v for v in y], dtype=float), rtol=rtol,
-                               atol=1e-12)
+                               atol=atol)
