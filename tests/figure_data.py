@@ -60,3 +60,9 @@ def same(drawn: tuple, x, y, rtol: float = 1e-6, atol: float = 1e-12) -> None:
     np.testing.assert_allclose(drawn[0], np.asarray(x, dtype=float))
     np.testing.assert_allclose(drawn[1], np.asarray([np.nan if v is None else v for v in y], dtype=float), rtol=rtol,
                                atol=atol)
+
+
+def same_band(drawn: dict, expected: dict, atol: float = 1e-12) -> None:
+    """A drawn band {x: (low, high)} against the bounds it should shade at each x."""
+    assert sorted(drawn) == sorted(expected), (sorted(drawn), sorted(expected))
+    np.testing.assert_allclose([drawn[x] for x in expected], list(expected.values()), rtol=1e-6, atol=atol)
