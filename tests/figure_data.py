@@ -28,8 +28,8 @@ def saved_figures(monkeypatch, *modules) -> dict:
 
 def panels(fig) -> list[dict]:
     """The figure's data panels in order (colour bars and switched-off axes left out): the title (line breaks as
-    spaces), the solid lines by label {label: (x, y)}, the dashed lines in drawing order [(label, x, y)], and the
-    shaded bands in drawing order [{x: (low, high)}]."""
+    spaces), the solid lines by label {label: (x, y)}, the dashed lines in drawing order [(label, x, y)], the shaded
+    bands in drawing order [{x: (low, high)}] and the images' arrays (heatmaps)."""
     out = []
     for ax in fig.axes:
         if hasattr(ax, "_colorbar") or not ax.axison:
@@ -50,7 +50,8 @@ def panels(fig) -> list[dict]:
                     for x, y in path.vertices:
                         at[float(x)].append(float(y))
                 bands.append({x: (min(ys), max(ys)) for x, ys in at.items()})
-        out.append({"title": ax.get_title().replace("\n", " "), "lines": lines, "dashed": dashed, "bands": bands})
+        out.append({"title": ax.get_title().replace("\n", " "), "lines": lines, "dashed": dashed, "bands": bands,
+                    "images": [np.asarray(image.get_array()) for image in ax.get_images()]})
     return out
 
 
