@@ -213,6 +213,31 @@ def check_report_figures(saved: dict, name: str, report: dict) -> None:
                     same(panel["lines"][f"layer {layer}"], range(1, len(sigma) + 1), [max(v, 1e-4) for v in sigma])
 
 
+TABLE_COLUMNS = {"anisotropy": [("", ())], "self_similarity": [("self-sim", ("self_similarity",)),
+                                                                 ("adjusted", ("adjusted",))],
+                 "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
+                              ("top-1 energy", ("corpus_energy_top1",)), ("seq top-1", ("sequence_energy_top1",))],
+                 "wic": [("accuracy", ("accuracy",))], "sts": [("Spearman", ())]}
+
+
+def check_printed_table(printed: str, name: str, report: dict) -> None:
+    """The terminal table a subcommand prints: a row per layer, a column per measure and variant, each value of the
+    report to 3 decimals (STS's Spearman x 100 to 2), '-' where it has none."""
+    kind = "sts" if name.startswith("sts") else name
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name.replace('_', ' ')} of "))
+    columns = [(f"{label} {key}".strip(), key, path) for label, path in TABLE_COLUMNS[kind] for key in report["variants"]]
+    assert lines[start + 1].split() == " ".join(["layer", *(header for header, _, _ in columns)]).split()
+    digits = 2 if kind == "sts" else 3
+    for line, row in zip(lines[start + 2:], report["layers"], strict=False):
+        shown = [str(row["layer"])]
+        for _, key, path in columns:
+            value = values({"layers": [row]}, key, *path)[0]
+            shown.append("-" if value is None else f"{value:.{digits}f}")
+        assert line.split() == shown, (name, line)
+    assert len(lines) >= start + 2 + len(report["layers"])
+
+
 def check_summary_figure(saved: dict, summary: dict) -> None:
     """summary.png: a panel per measure of summary.json's figure6_layers, a line per variant."""
     rows = summary["figure6_layers"]
@@ -227,7 +252,7 @@ def check_summary_figure(saved: dict, summary: dict) -> None:
 
 @pytest.mark.slow
 def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computation(data, direct, tmp_path,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, capsys):
     saved = saved_figures(monkeypatch, session)
     args = ["--data", data["sentences"], "--max_sentences", 0, "--batch_size", 7, "--seed", 3]
     report = run("anisotropy", *args, "--normalize", "whiten", "--output_dir", tmp_path / "a")
@@ -246,6 +271,7 @@ def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computat
         np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=atol, err_msg=key)
     assert (tmp_path / "a" / "anisotropy.png").read_bytes()[:4] == b"\x89PNG"
     check_report_figures(saved, "anisotropy", report)
+    check_printed_table(capsys.readouterr().out, "anisotropy", report)
 
 
 @pytest.mark.slow
@@ -267,7 +293,8 @@ def test_anisotropy_subsamples_2x_num_pairs_sentences_and_standardizes_like_a_di
 
 
 @pytest.mark.slow
-def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(data, direct, tmp_path, monkeypatch):
+def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(data, direct, tmp_path, monkeypatch,
+                                                                                capsys):
     saved = saved_figures(monkeypatch, session)
     report = run("isotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "whiten",
                  "--minibatch", 8, "--output_dir", tmp_path / "i")
@@ -313,10 +340,11 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
     assert all((tmp_path / "i" / name).read_bytes()[:4] == b"\x89PNG" for name in saved)
     assert all(row["raw"]["isoscore_star"] is not None for row in report["layers"])  # its panel has lines here
     check_report_figures(saved, "isotropy", report)
+    check_printed_table(capsys.readouterr().out, "isotropy", report)
 
 
 @pytest.mark.slow
-def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
+def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path, capsys):
     """Self-similarity of every pair of a word's contexts, adjusted by the paper's anisotropy protocol on the same
     source: equal to `analyze.py anisotropy` run directly on 2 x --num_pairs random sentences of --data (raw and the
     same given clipping), and for the standardisation fitted on the self-similarity's tokens, to a direct
@@ -351,6 +379,7 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
         np.testing.assert_allclose(values(report, key, "self_similarity"), similarity.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "anisotropy"), baseline.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
+    check_printed_table(capsys.readouterr().out, "self_similarity", report)
 
 
 def direct_wic(direct, transforms: dict) -> tuple[dict, torch.Tensor]:
@@ -364,7 +393,7 @@ def direct_wic(direct, transforms: dict) -> tuple[dict, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path):
+def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path, capsys):
     report = run("wic", "--data", data["wic"], "--normalize", "standardize", "--output_dir", tmp_path / "w")
     assert report["num_pairs"] == 8 and report["num_scored"] == 8
     assert report["skipped"]["count"] == 1 and report["skipped"]["examples"][0]["index"] == 8
@@ -387,6 +416,7 @@ def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, dire
                 best = (accuracies[t], layer, report["thresholds"][t])
         found = report["best" if key == "raw" else f"best_{key}"]
         assert (found["accuracy"], found["layer"], found["threshold"]) == (pytest.approx(best[0]), best[1], best[2])
+    check_printed_table(capsys.readouterr().out, "wic", report)
 
 
 def direct_sts(direct, transforms: dict) -> dict[str, torch.Tensor]:
@@ -408,7 +438,7 @@ def sentence_fit(direct, how: str):
 
 
 @pytest.mark.slow
-def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path):
+def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path, capsys):
     # Standardisation fit on the 16 pooled sentences (whitening them would map 16 points in 384 dimensions to a
     # simplex; test_analyze_eval_inputs checks sentence whitening on a tiny encoder with more sentences than dims).
     report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3, "--normalize",
@@ -441,6 +471,7 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
     assert lowered["spearman"] == pytest.approx(100 * spearmanr(static, [s for _, _, s in STS]).statistic, abs=1e-4)
     assert lowered["word_case"] == "lowercased (--static_lowercase, ours)"
     assert lowered["word_coverage"] > baseline["word_coverage"]
+    check_printed_table(capsys.readouterr().out, "sts", report)  # the first run's: the report above
 
 
 @pytest.mark.slow

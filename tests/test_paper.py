@@ -16,9 +16,9 @@ import analyze
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import sample_texts
 from datamodules.words import WORD
+from tests.figure_data import panels, same, saved_figures
 from tests.test_analyze_eval import STS
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
-from tests.figure_data import panels, same, saved_figures
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
 
