@@ -14,9 +14,11 @@ from scipy.stats import spearmanr
 from transformers import AutoModel, AutoTokenizer
 
 import analyze
+from analyses import session
 from datamodules.text import sample_texts
 from datamodules.words import word_contexts
 from metrics.isotropy import isoscore_star
+from tests.figure_data import panels, same, saved_figures
 from tests.test_geometry import isoscore_reference, one_thread
 from tests.tiny import corpus_sentences
 
@@ -173,8 +175,85 @@ def values(report: dict, key: str, *path: str) -> list:
     return out
 
 
+def check_layer_lines(panel: dict, report: dict, *path: str) -> None:
+    """A per-layer panel of a report's figure draws one line per variant of the report, its value in each layer (none
+    where the report has no value in any layer: IsoScore* of too few sentences, whose panel says so instead)."""
+    if all(value is None for key in report["variants"] for value in values(report, key, *path)):
+        assert panel["lines"] == {}, panel["title"]
+        return
+    assert sorted(panel["lines"]) == sorted(report["variants"]), panel["title"]
+    for key in report["variants"]:
+        same(panel["lines"][key], [row["layer"] for row in report["layers"]], values(report, key, *path))
+
+
+FIGURE_PANELS = {"anisotropy": [()], "isotropy": [("isoscore",), ("isoscore_star",), ("sequence_energy_top1",)],
+                 "self_similarity": [("self_similarity",), ("adjusted",)], "wic": [("accuracy",)], "sts": [()]}
+
+
+def check_report_figures(saved: dict, name: str, report: dict) -> None:
+    """The figures of one evaluation report draw its values: each panel its per-layer lines (the paper's Figure 6 for
+    this subcommand), WiC's and STS's baseline as a dashed line, and isotropy's spectra of each layer."""
+    kind = "sts" if name.startswith("sts") else name
+    drawn = panels(saved[f"{name}.png"])
+    assert len(drawn) == len(FIGURE_PANELS[kind]), name
+    for panel, path in zip(drawn, FIGURE_PANELS[kind]):
+        check_layer_lines(panel, report, *path)
+    if kind in ("wic", "sts"):
+        baseline, label = ((report["baseline"], "all true") if kind == "wic" else
+                           (report["static_baseline"]["spearman"], "static vectors"))
+        ((drawn_label, _, level),) = drawn[0]["dashed"]
+        assert drawn_label.startswith(label) and level.tolist() == pytest.approx([baseline] * 2), name
+    if kind == "isotropy":
+        for figure, key in (("spectrum.png", "corpus_spectra"), ("sequence_spectrum.png", "sequence_spectra")):
+            spectra, drawn = report[key], panels(saved[figure])
+            assert [panel["title"] for panel in drawn] == list(spectra)  # one panel per variant
+            for panel, per_layer in zip(drawn, spectra.values()):
+                assert list(panel["lines"]) == [f"layer {layer}" for layer in range(len(per_layer))]
+                for layer, sigma in enumerate(per_layer):  # normalised singular values, zeroed ones at the floor
+                    same(panel["lines"][f"layer {layer}"], range(1, len(sigma) + 1), [max(v, 1e-4) for v in sigma])
+
+
+TABLE_COLUMNS = {"anisotropy": [("", ())], "self_similarity": [("self-sim", ("self_similarity",)),
+                                                                 ("adjusted", ("adjusted",))],
+                 "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
+                              ("top-1 energy", ("corpus_energy_top1",)), ("seq top-1", ("sequence_energy_top1",))],
+                 "wic": [("accuracy", ("accuracy",))], "sts": [("Spearman", ())]}
+
+
+def check_printed_table(printed: str, name: str, report: dict) -> None:
+    """The terminal table a subcommand prints: a row per layer, a column per measure and variant, each value of the
+    report to 3 decimals (STS's Spearman x 100 to 2), '-' where it has none."""
+    kind = "sts" if name.startswith("sts") else name
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name.replace('_', ' ')} of "))
+    columns = [(f"{label} {key}".strip(), key, path) for label, path in TABLE_COLUMNS[kind] for key in report["variants"]]
+    assert lines[start + 1].split() == " ".join(["layer", *(header for header, _, _ in columns)]).split()
+    digits = 2 if kind == "sts" else 3
+    for line, row in zip(lines[start + 2:], report["layers"], strict=False):
+        shown = [str(row["layer"])]
+        for _, key, path in columns:
+            value = values({"layers": [row]}, key, *path)[0]
+            shown.append("-" if value is None else f"{value:.{digits}f}")
+        assert line.split() == shown, (name, line)
+    assert len(lines) >= start + 2 + len(report["layers"])
+
+
+def check_summary_figure(saved: dict, summary: dict) -> None:
+    """summary.png: a panel per measure of summary.json's figure6_layers, a line per variant."""
+    rows = summary["figure6_layers"]
+    measures = [measure for measure in rows[0] if measure != "layer"]
+    drawn = panels(saved["summary.png"])
+    assert len(drawn) == len(measures) == 6  # anisotropy, self-similarity, adjusted, IsoScore, WiC, STS
+    for panel, measure in zip(drawn, measures):
+        assert sorted(panel["lines"]) == sorted(summary["variants"]), measure
+        for key in summary["variants"]:
+            same(panel["lines"][key], [row["layer"] for row in rows], [row[measure][key] for row in rows])
+
+
 @pytest.mark.slow
-def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computation(data, direct, tmp_path):
+def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computation(data, direct, tmp_path,
+                                                                                   monkeypatch, capsys):
+    saved = saved_figures(monkeypatch, session)
     args = ["--data", data["sentences"], "--max_sentences", 0, "--batch_size", 7, "--seed", 3]
     report = run("anisotropy", *args, "--normalize", "whiten", "--output_dir", tmp_path / "a")
     outliers = run("outliers", *args, "--output_dir", tmp_path / "o")
@@ -191,6 +270,8 @@ def test_anisotropy_and_clip_auto_match_the_outlier_report_and_a_direct_computat
     for key, atol in (("raw", 2e-5), ("clipped", 2e-5), ("whitened", 1e-3)):
         np.testing.assert_allclose(values(report, key), expected[key].numpy(), atol=atol, err_msg=key)
     assert (tmp_path / "a" / "anisotropy.png").read_bytes()[:4] == b"\x89PNG"
+    check_report_figures(saved, "anisotropy", report)
+    check_printed_table(capsys.readouterr().out, "anisotropy", report)
 
 
 @pytest.mark.slow
@@ -212,7 +293,9 @@ def test_anisotropy_subsamples_2x_num_pairs_sentences_and_standardizes_like_a_di
 
 
 @pytest.mark.slow
-def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(data, direct, tmp_path):
+def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(data, direct, tmp_path, monkeypatch,
+                                                                                capsys):
+    saved = saved_figures(monkeypatch, session)
     report = run("isotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "whiten",
                  "--minibatch", 8, "--output_dir", tmp_path / "i")
     tokens = torch.cat([direct(text)[0] for text in data["sentence_list"]], dim=1)  # [layers, N, hidden]
@@ -253,12 +336,15 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
         full = torch.cov(tokens[layer].T, correction=0)
         star = torch.stack([isoscore_star(sample[layer, order[i:i + 8]], 0.2, full) for i in range(0, 32, 8)])
         assert row["raw"]["isoscore_star"] == pytest.approx(star.mean().item(), abs=1e-4)
-    for name in ("isotropy.png", "spectrum.png", "sequence_spectrum.png"):
-        assert (tmp_path / "i" / name).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(saved) == ["isotropy.png", "sequence_spectrum.png", "spectrum.png"]
+    assert all((tmp_path / "i" / name).read_bytes()[:4] == b"\x89PNG" for name in saved)
+    assert all(row["raw"]["isoscore_star"] is not None for row in report["layers"])  # its panel has lines here
+    check_report_figures(saved, "isotropy", report)
+    check_printed_table(capsys.readouterr().out, "isotropy", report)
 
 
 @pytest.mark.slow
-def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
+def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path, capsys):
     """Self-similarity of every pair of a word's contexts, adjusted by the paper's anisotropy protocol on the same
     source: equal to `analyze.py anisotropy` run directly on 2 x --num_pairs random sentences of --data (raw and the
     same given clipping), and for the standardisation fitted on the self-similarity's tokens, to a direct
@@ -293,6 +379,7 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path):
         np.testing.assert_allclose(values(report, key, "self_similarity"), similarity.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "anisotropy"), baseline.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
+    check_printed_table(capsys.readouterr().out, "self_similarity", report)
 
 
 def direct_wic(direct, transforms: dict) -> tuple[dict, torch.Tensor]:
@@ -306,7 +393,7 @@ def direct_wic(direct, transforms: dict) -> tuple[dict, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path):
+def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, direct, tmp_path, capsys):
     report = run("wic", "--data", data["wic"], "--normalize", "standardize", "--output_dir", tmp_path / "w")
     assert report["num_pairs"] == 8 and report["num_scored"] == 8
     assert report["skipped"]["count"] == 1 and report["skipped"]["examples"][0]["index"] == 8
@@ -329,6 +416,7 @@ def test_wic_matches_a_threshold_loop_and_counts_the_misplaced_target(data, dire
                 best = (accuracies[t], layer, report["thresholds"][t])
         found = report["best" if key == "raw" else f"best_{key}"]
         assert (found["accuracy"], found["layer"], found["threshold"]) == (pytest.approx(best[0]), best[1], best[2])
+    check_printed_table(capsys.readouterr().out, "wic", report)
 
 
 def direct_sts(direct, transforms: dict) -> dict[str, torch.Tensor]:
@@ -350,7 +438,7 @@ def sentence_fit(direct, how: str):
 
 
 @pytest.mark.slow
-def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path):
+def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseline(data, direct, tmp_path, capsys):
     # Standardisation fit on the 16 pooled sentences (whitening them would map 16 points in 384 dimensions to a
     # simplex; test_analyze_eval_inputs checks sentence whitening on a tiny encoder with more sentences than dims).
     report = run("sts", "--data", data["sts"], "--static", data["glove"], "--batch_size", 3, "--normalize",
@@ -383,10 +471,12 @@ def test_sts_matches_scipy_spearman_of_mean_pooled_cosines_and_the_static_baseli
     assert lowered["spearman"] == pytest.approx(100 * spearmanr(static, [s for _, _, s in STS]).statistic, abs=1e-4)
     assert lowered["word_case"] == "lowercased (--static_lowercase, ours)"
     assert lowered["word_coverage"] > baseline["word_coverage"]
+    check_printed_table(capsys.readouterr().out, "sts", report)  # the first run's: the report above
 
 
 @pytest.mark.slow
-def test_all_writes_the_summary_and_equals_the_single_subcommands(data, direct, tmp_path):
+def test_all_writes_the_summary_and_equals_the_single_subcommands(data, direct, tmp_path, monkeypatch):
+    saved = saved_figures(monkeypatch, session)
     common = ["--no_progress", "--max_length", str(MAX_LENGTH), "--data", str(data["sentences"]), "--max_sentences",
               "0", "--num_words", "6", "--min_sentences", "3"]
     assert analyze.main(["all", *common[:-4], "--pool_sentences", "0", *common[-4:], "--wic", str(data["wic"]),
@@ -395,9 +485,11 @@ def test_all_writes_the_summary_and_equals_the_single_subcommands(data, direct, 
     out = tmp_path / "all"
     summary = json.loads((out / "summary.json").read_text())
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(saved) == sorted(p.name for p in out.glob("*.png"))  # every figure written, and read back here
+    assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in saved)
     for name in ("anisotropy", "isotropy", "self_similarity", "wic", "sts_sts"):
-        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG" and (out / "mean_vectors.png").exists()
+        check_report_figures(saved, name, reports[name])
+    check_summary_figure(saved, summary)
     detected = sorted(reports["outliers"]["persistent_dims"])
     assert summary["clipped_dims"] == detected == reports["wic"]["clipped_dims"]
     single = run("anisotropy", "--data", data["sentences"], "--max_sentences", 0, "--normalize", "standardize",

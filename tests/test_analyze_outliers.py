@@ -16,6 +16,7 @@ from transformers import AutoModel, AutoTokenizer
 import analyze
 from analyses import session
 from datamodules.text import sample_texts
+from tests.figure_data import panels, same, saved_figures
 from tests.tiny import LAYERS, MAX_POSITIONS, corpus_sentences, free_port, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,30 @@ def test_a_token_reads_as_the_text_it_stands_for(roberta_tok):
         ["' s'", "'Ġs'", "-"]  # an older report without `text`: its raw token
 
 
-def test_magnitudes_in_the_report_equal_a_direct_computation(tmp_path, bert_tok):
+def check_magnitudes_figure(drawn: list[dict], report: dict) -> None:
+    """magnitudes.png against outliers.json (whose numbers the test checks against the model's own): per layer, the
+    3 largest peaks |x| with the median |x| and the massive rule's level (ratio x median); the kurtosis per token and
+    per sequence; the attention sinks (none at layer 0)."""
+    rows, layers = report["layers"], range(len(report["layers"]))
+    ratio = report["massive_rule"]["ratio"]
+    peaks, kurtosis, sinks = drawn
+    expected = {**{f"top {i + 1} peak |x|": [abs(row["massive_activations"]["top"][i]["value"]) for row in rows]
+                   for i in range(3)},
+                "median |x|": [row["massive_activations"]["median_abs"] for row in rows],
+                f"massive from (x {ratio:g} median)": [ratio * row["massive_activations"]["median_abs"] for row in rows]}
+    assert list(peaks["lines"]) == list(expected)
+    for name, values in expected.items():
+        same(peaks["lines"][name], layers, values)
+    assert list(kurtosis["lines"]) == ["per token, mean (ours)", "per sequence (Bondarenko et al.)"]
+    same(kurtosis["lines"]["per token, mean (ours)"], layers, [row["kurtosis_mean"] for row in rows])
+    same(kurtosis["lines"]["per sequence (Bondarenko et al.)"], layers, [row["kurtosis_sequence"] for row in rows])
+    for name, key in (("share of heads that are sinks", "sink_share"), ("attention on the first token",
+                                                                        "first_token_mass"),
+                      ("attention on special tokens", "special_token_mass")):
+        same(sinks["lines"][name], layers, [None] + [row["attention_sinks"][key] for row in rows[1:]])
+
+
+def test_magnitudes_in_the_report_equal_a_direct_computation(tmp_path, bert_tok, monkeypatch):
     """massive_activations, magnitude_outliers, kurtosis_sequence / inf_norm_sequence and attention_sinks of
     outliers.json against the tiny model's own hidden states and eager attention weights, computed here by hand."""
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=plant_bias)
@@ -169,10 +193,12 @@ def test_magnitudes_in_the_report_equal_a_direct_computation(tmp_path, bert_tok)
     first = torch.stack([a[:, :, :, 0] for a in output.attentions])  # [layers, batch, heads, queries]
     per_head = (first * mask[None, :, None, :]).sum(-1) / mask.sum(1)[None, :, None]  # mean over real queries
     epsilon = float(per_head[1].flatten().median()) + 1e-4  # a share strictly between 0 and 1 in layer 2
+    saved = saved_figures(monkeypatch, session)
     assert run("--encoder", encoder, "--data", data, "--output_dir", tmp_path / "out", "--max_sentences", 0,
                "--sink_epsilon", epsilon, "--batch_size", 5) == 0
     report = json.loads((tmp_path / "out" / "outliers.json").read_text())
     assert (tmp_path / "out" / "magnitudes.png").read_bytes()[:4] == b"\x89PNG"
+    check_magnitudes_figure(panels(saved["magnitudes.png"]), report)
     sep, cls = bert_tok.sep_token_id, bert_tok.cls_token_id
     for layer, row in enumerate(report["layers"]):
         hidden = output.hidden_states[layer]  # [batch, seq, hidden]

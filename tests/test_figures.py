@@ -176,6 +176,22 @@ def test_the_live_layer_by_step_image_holds_the_history_it_is_given():
         np.testing.assert_allclose(np.asarray(ax.get_images()[0].get_array()), expected, rtol=1e-6)
 
 
+def test_the_live_attention_image_draws_each_layers_history():
+    """AttentionGeometry's image (logged beside its scalars): a panel per statistic, a line per layer through the
+    values of its history rows (step, stage, layer, one value per statistic) at their steps."""
+    from callbacks.attention_geometry import NAMES, AttentionGeometry
+    from tests.figure_data import panels, same
+
+    rows = [[step, "train", layer, *(k + layer / 10 + step / 1000 for k in range(len(NAMES)))]
+            for step in (0, 20, 40) for layer in (1, 2)]
+    drawn = panels(AttentionGeometry.figure("train", rows, [1, 2]))
+    assert len(drawn) == len(NAMES)
+    for k, panel in enumerate(drawn):
+        assert list(panel["lines"]) == ["layer 1", "layer 2"]
+        for layer in (1, 2):
+            same(panel["lines"][f"layer {layer}"], [0, 20, 40], [k + layer / 10 + step / 1000 for step in (0, 20, 40)])
+
+
 def test_the_figures_draw_the_values_they_are_given():
     """The drawn data read back from the artists against the inputs: each layer's bars and outlier dots
     (mean_vectors_figure), each series' and baseline's line (accuracy_by_layer_figure), the heatmap's cells."""

@@ -20,6 +20,7 @@ from core.errors import UserError
 from datamodules.masking import MaskCollator
 from lightning_modules.interventions import Intervention, check_intervention, intervene
 from metrics.controls import control_summary, empirical_p_value
+from tests.figure_data import panels, same, saved_figures
 from tests.tiny import (
     HIDDEN,
     LAYERS,
@@ -164,7 +165,11 @@ def data_file(tmp_path: Path, count: int, start: int = 0) -> Path:
     return path
 
 
-def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok):
+def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monkeypatch):
+    from analyses import session
+
+    saved = saved_figures(monkeypatch, session)
+
     def plant(model):  # dim 7 carries a large bias in every LayerNorm: the max of every token vector, every layer
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
@@ -188,6 +193,35 @@ def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok):
     assert len(drawn) == 9 and all(len(d) == len(report["dims"]) and not set(d) & set(report["tracked_dims"])
                                    for d in drawn)
     assert (out / "intervene.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_intervention_figure(panels(saved["intervene.png"]), report)
+
+
+def check_intervention_figure(drawn: list[dict], report: dict) -> None:
+    """intervene.png, read back against intervene.json: a panel per statistic the report has (the dims' summed share,
+    anisotropy, kurtosis, max |activation|), the unmodified model's line and each intervention's, and around the
+    latter the band of its random-dim controls: before + their mean effect, ± their sd, per layer."""
+    layers, dims = list(range(LAYERS + 1)), report["dims"]
+
+    def per_layer(entry: dict, key: str) -> list:
+        if key == "outlier_share":  # the summed share of the dims, per layer
+            return [sum(entry["stats"]["share"][str(d)][layer] for d in dims) for layer in layers]
+        return entry["stats"][key]
+
+    keys = ["outlier_share", "anisotropy", "kurtosis", "max_abs"]  # no STS, probe: not asked for here
+    assert len(drawn) == len(keys) and all(report["baseline"]["tasks"][key] is None for key in ("sts", "probe"))
+    for panel, key in zip(drawn, keys):
+        before = per_layer(report["baseline"], key)
+        assert sorted(panel["lines"]) == sorted(["before (unmodified)", *(f"after {name}" for name in
+                                                                          report["interventions"])]), key
+        same(panel["lines"]["before (unmodified)"], layers, before, atol=1e-6)
+        for name, entry in report["interventions"].items():
+            same(panel["lines"][f"after {name}"], layers, per_layer(entry, key), atol=1e-6)
+        (band,) = panel["bands"]  # the one intervention's controls
+        controls = report["interventions"]["layernorm_zero"]["controls"][key]
+        for layer in layers:
+            centre = before[layer] + controls["mean"][layer]
+            assert band[layer] == pytest.approx((centre - controls["sd"][layer], centre + controls["sd"][layer]),
+                                                abs=1e-5), (key, layer)
 
 
 def test_probe_reports_the_sentences_it_used_and_warns_once_about_dropped_positions(tmp_path, bert_tok, recwarn):

@@ -14,6 +14,7 @@ from analyses import outliers, session
 from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers, persistent_dims, robust_z
 from metrics.ranks import rank_by_magnitude
+from tests.figure_data import panels, same, saved_figures
 from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
 
 PE_DIM, LATE_DIM, LATE_LAYER = 5, 17, 2  # LATE_DIM is planted in the LayerNorm that writes hidden state 2
@@ -46,8 +47,9 @@ def run(encoder, data, out, *extra) -> dict:
     return json.loads((out / "outliers.json").read_text())
 
 
-def test_planted_outliers_found_in_right_layers_and_traced(planted, sentences_file, tmp_path):
+def test_planted_outliers_found_in_right_layers_and_traced(planted, sentences_file, tmp_path, monkeypatch):
     kind, path = planted
+    saved = saved_figures(monkeypatch, session)
     report = run(path, sentences_file, tmp_path / "out")
     layers = report["layers"]
     assert [layer["layer"] for layer in layers] == list(range(LAYERS + 1))
@@ -73,6 +75,28 @@ def test_planted_outliers_found_in_right_layers_and_traced(planted, sentences_fi
     assert planted_norm["bias_rank"] == 1 and planted_norm["layer"] == LATE_LAYER and planted_norm["bias"] == -8.0
     assert late["embeddings.LayerNorm"]["bias_rank"] > 1
     assert report["num_tokens"] == direct_token_count(path, sentences_file)
+    check_position_rows_figure(panels(saved["position_embeddings.png"]), path, 0 if kind == "bert" else 2,
+                               report["persistent_dims"])
+
+
+def check_position_rows_figure(drawn: list[dict], path, offset: int, dims: list[int]) -> None:
+    """position_embeddings.png (the paper's Figures 3-4) against the position table read from the saved model: the
+    rows a token can use (RoBERTa's: after the padding offset) as a heatmap with the outlier dims marked, and below
+    each outlier dim's value and the mean |value| of all dims against the position."""
+    from transformers import AutoModel
+
+    rows = AutoModel.from_pretrained(path).embeddings.position_embeddings.weight.detach()[offset:].double()
+    heatmap, curves = drawn
+    (image,) = heatmap["images"]
+    np.testing.assert_allclose(image, rows.numpy(), rtol=1e-6)
+    assert PE_DIM in dims and sorted(x[0] for _, x, _ in heatmap["dashed"]) == sorted(dims)  # the marked dims
+    positions = range(rows.shape[0])
+    assert list(curves["lines"]) == [f"dim {d}" for d in dims[:6]]
+    for d in dims[:6]:
+        same(curves["lines"][f"dim {d}"], positions, rows[:, d].tolist())
+    ((label, x, y),) = curves["dashed"]
+    assert label == "mean |value| of all dims"
+    same((x, y), positions, rows.abs().mean(1).tolist())
 
 
 def direct_token_count(path, sentences_file) -> int:

@@ -16,6 +16,7 @@ import analyze
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import sample_texts
 from datamodules.words import WORD
+from tests.figure_data import panels, same, saved_figures
 from tests.test_analyze_eval import STS
 from tests.test_analyze_eval_inputs import PLANTED, plant, write_sts, write_wic
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
@@ -66,7 +67,10 @@ def document_counts(texts: list[str]) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tmp_path, capsys):
+def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tmp_path, capsys, monkeypatch):
+    from analyses import paper
+
+    saved = saved_figures(monkeypatch, paper)
     common = ["--encoder", stand_ins["encoder"], "--no_progress", "--seed", "1", "--max_sentences", "40"]
     out = tmp_path / "paper"
     words = sorted({w.strip(".,") for a, b, _ in STS for w in f"{a} {b}".split()} - {"guitar"})  # one word unknown
@@ -201,6 +205,18 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
                    "position_probe/outlier_contributions.png", "anisotropy_sst2.png", "wic.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG", figure
         assert figure.split("/")[-1] in markdown or figure in ("anisotropy_sst2.png", "wic.png")
+    # Figure 6 as drawn: per set, the anisotropy and the adjusted self-similarity (self-similarity minus the same
+    # layer's anisotropy, subtracted here) per layer, raw and clipped
+    drawn = panels(saved["figure6.png"])
+    assert [panel["title"] for panel in drawn] == ["anisotropy (sst2)", "self-similarity - anisotropy (sst2)",
+                                                   "anisotropy (qqp)", "self-similarity - anisotropy (qqp)"]
+    for index, name in enumerate(("sst2", "qqp")):
+        anisotropy, selfsim = reports[f"anisotropy_{name}"]["layers"], reports[f"self_similarity_{name}"]["layers"]
+        for key in ("raw", "clipped"):
+            same(drawn[2 * index]["lines"][key], range(LAYERS + 1), [row[key] for row in anisotropy])
+            same(drawn[2 * index + 1]["lines"][key], range(LAYERS + 1),
+                 [own[key]["self_similarity"] - row[key] for own, row in zip(selfsim, anisotropy)], atol=2e-6)
+        assert sorted(drawn[2 * index]["lines"]) == sorted(drawn[2 * index + 1]["lines"]) == ["clipped", "raw"]
 
 
 def paper_keys(rows: list[dict], paper_rows: list[dict]) -> list[dict]:

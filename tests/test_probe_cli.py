@@ -21,6 +21,7 @@ from lightning_modules.linear_probes import FeatureSpec
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.neuron_stats import NeuronStatistics
 from metrics.outliers import detect_outliers, persistent_dims
+from tests.figure_data import panels, same, saved_figures
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +48,21 @@ def direct_hidden(model_path: str, texts: list[str], max_length: int) -> list[to
     return out
 
 
+def check_accuracy_figure(drawn: list[dict], series: dict, baselines: dict) -> None:
+    """accuracy_by_layer.png: a line per series, the test accuracies computed directly, and the baselines dashed."""
+    (panel,) = drawn
+    assert list(panel["lines"]) == list(series)
+    for name, values in series.items():
+        same(panel["lines"][name], range(len(values)), values)
+    assert [(label.split(" (")[0], y.tolist()) for label, _, y in panel["dashed"]] == \
+        [(name, pytest.approx([value] * 2)) for name, value in baselines.items()]
+
+
 @pytest.mark.slow
-def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path, capsys):
+def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path, capsys, monkeypatch):
+    from lightning_modules import probes
+
+    saved = saved_figures(monkeypatch, probes)
     texts = corpus_sentences(40, start=3000)
     data = tmp_path / "s.txt"
     data.write_text("\n".join(texts) + "\n", encoding="utf-8")
@@ -100,9 +114,31 @@ def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tm
         for dim, entry in row["outlier_dims"].items():
             assert entry["rank"] == 1 + int((vector > vector[int(dim)]).sum())
             assert entry["mean_contribution"] == pytest.approx(float(vector.mean()), rel=1e-5)
-    for name in ("accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position.png",
-                 "outlier_contributions.png"):
-        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    # the figures, read back: accuracies and contributions as computed directly above
+    assert sorted(saved) == sorted(p.name for p in out.glob("*.png")) == sorted(
+        ["accuracy_by_layer.png", "contributions_by_layer.png", "contributions_by_position.png",
+         "outlier_contributions.png"])
+    check_accuracy_figure(panels(saved["accuracy_by_layer.png"]), {
+        "encoder": accuracy[:7].tolist(), "random-init encoder": accuracy[7:14].tolist(),
+        "control task (Hewitt & Liang)": accuracy[14:].tolist(),
+        "selectivity (task - control)": (accuracy[:7] - accuracy[14:]).tolist()},
+        {"majority": float((positions == majority).double().mean()),
+         "chance": 1 / dm.stores["train"].labels.unique().numel()})
+    (layers_image,) = panels(saved["contributions_by_layer.png"])[0]["images"]  # [layer, dim]
+    np.testing.assert_allclose(layers_image, c.mean(1).numpy(), rtol=1e-4, atol=1e-7)
+    seen = int(positions.max()) + 1  # the positions the test sentences hold: [layer][position, dim]
+    drawn = panels(saved["contributions_by_position.png"])
+    assert [panel["title"] for panel in drawn] == [f"layer {layer}" for layer in range(7)]
+    for layer, panel in enumerate(drawn):
+        (image,) = panel["images"]
+        expected = torch.stack([c[layer, positions == p].mean(0) for p in range(seen)])
+        np.testing.assert_allclose(image, expected.numpy(), rtol=1e-4, atol=1e-7)
+    (panel,) = panels(saved["outlier_contributions.png"])
+    outliers = report["outlier_dims"][:8]
+    assert outliers and list(panel["lines"]) == [*(f"dim {d}" for d in outliers), "mean over neurons"]
+    for d in outliers:
+        same(panel["lines"][f"dim {d}"], range(7), c.mean(1)[:, d].tolist(), rtol=1e-4)
+    same(panel["lines"]["mean over neurons"], range(7), c.mean(1).mean(1).tolist(), rtol=1e-4)
     printed = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(printed) if line.split()[:2] == ["layer", "accuracy"])
     assert printed[header].split()[-2:] == ["control", "selectivity"]
@@ -114,7 +150,10 @@ def test_position_probe_cli_on_minilm_matches_direct_computation(minilm_path, tm
 
 
 @pytest.mark.slow
-def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path):
+def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_path, monkeypatch):
+    from lightning_modules import probes
+
+    saved = saved_figures(monkeypatch, probes)
     texts = corpus_sentences(60, start=4000)
     median = sorted(map(len, texts))[30]
     data = tmp_path / "labelled.csv"
@@ -156,6 +195,11 @@ def test_classifier_cli_on_minilm_matches_direct_computation(minilm_path, tmp_pa
     majority = torch.bincount(dm.stores["train"].labels, minlength=2).argmax()
     assert report["majority_baseline"] == pytest.approx(float((labels == majority).double().mean()))
     assert (out / "accuracy_by_layer.png").read_bytes()[:4] == b"\x89PNG"
+    check_accuracy_figure(panels(saved["accuracy_by_layer.png"]), {
+        "encoder": accuracy[:7].tolist(), "encoder, outliers clipped": accuracy[14:21].tolist(),
+        "random-init encoder": accuracy[7:14].tolist(), "control task (Hewitt & Liang)": accuracy[21:].tolist(),
+        "selectivity (task - control)": (accuracy[:7] - accuracy[21:]).tolist()},
+        {"majority": float((labels == majority).double().mean()), "chance": 0.5})  # both classes in training
 
 
 def test_fast_dev_run_reports_the_one_test_batch(tmp_path, bert_tok):

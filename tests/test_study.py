@@ -18,7 +18,10 @@ import yaml
 
 import analyze
 import study
+from analyses import session
+from analyses.null import STATISTICS, SUMMARIES
 from analyses.study import ARM_FILE, flat
+from tests.figure_data import panels, same, same_band, saved_figures
 from tests.tiny import corpus_sentences, reports_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -54,17 +57,53 @@ def write_study(folder: Path, corpus: Path, cache: Path, sentences: Path, **base
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus, cache) -> tuple[Path, Path, Path, dict]:
+def finished(tmp_path_factory, corpus, cache) -> tuple[Path, Path, Path, dict, dict]:
     """The tiny study run once (--max_steps 4 over the config's 6, --seeds 0 1): (study file, output dir, sentences,
-    study.json)."""
+    study.json, {file name: figure} of the figures it wrote)."""
     root = tmp_path_factory.mktemp("study")
     sentences = root / "sentences.txt"
     sentences.write_text("\n".join(corpus_sentences(40, start=300)) + "\n", encoding="utf-8")
     config = write_study(root / "config", corpus, cache, sentences)
     output = root / "out"
-    assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
-                       "1"]) == 0
-    return config, output, sentences, json.loads((output / "study.json").read_text())
+    with pytest.MonkeyPatch.context() as patch:
+        saved = saved_figures(patch, session)
+        assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
+                           "1"]) == 0
+    return config, output, sentences, json.loads((output / "study.json").read_text()), saved
+
+
+def check_study_figure(drawn: list[dict], report: dict) -> None:
+    """study.png against study.json: a panel per statistic (and the validation loss), a line per arm through the mean
+    over seeds at each checkpoint that has one, shaded from the lowest to the highest seed's value; for the verdict's
+    statistics a dashed line per arm at (1 + margin) x the mean of the seeds' nulls."""
+    def points(arm: dict, get) -> list[tuple[int, dict]]:
+        kept = [(point["step"], get(point)) for point in arm["checkpoints"]]
+        return [(step, entry) for step, entry in kept
+                if entry["mean"] is not None and any(v is not None for v in entry["seeds"].values())]
+
+    getters = [lambda point, key=key: point["summary"][key] for key in SUMMARIES]
+    if any(points(arm, lambda point: point["val_loss"]) for arm in report["arms"]):
+        getters.append(lambda point: point["val_loss"])
+    assert len(drawn) == len(getters)
+    margin = report["null"]["margin"]
+    for panel, get, key in zip(drawn, getters, [*SUMMARIES, "val_loss"]):
+        if not any(points(arm, get) for arm in report["arms"]):  # nothing to draw: the panel says so instead
+            assert panel["lines"] == {}, key
+            continue
+        assert list(panel["lines"]) == [arm["arm"] for arm in report["arms"]], key
+        for arm, band in zip(report["arms"], panel["bands"], strict=True):
+            kept = points(arm, get)
+            same(panel["lines"][arm["arm"]], [step for step, _ in kept], [entry["mean"] for _, entry in kept])
+            seeds = {step: [v for v in entry["seeds"].values() if v is not None] for step, entry in kept}
+            same_band(band, {step: (min(values), max(values)) for step, values in seeds.items()})
+        if key in STATISTICS:
+            for arm, (_, x, y) in zip(report["arms"], panel["dashed"], strict=True):
+                nulls = [(point["step"], [entry["null"] for entry in point["null"][key]["seeds"].values()
+                                          if entry["null"]]) for point in arm["checkpoints"]]
+                same((x, y), [step for step, values in nulls if values],
+                     [(1 + margin) * sum(values) / len(values) for _, values in nulls if values])
+        else:
+            assert panel["dashed"] == [], key
 
 
 def steps_on_disk(run_dir: Path) -> list[int]:
@@ -84,8 +123,9 @@ def logged_val_losses(logs: Path, position_embeddings: bool, seed: int) -> list[
 
 @pytest.mark.slow
 def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(finished, tmp_path):
-    config, output, sentences, report = finished
+    config, output, sentences, report, saved = finished
     assert (output / "study.png").read_bytes()[:4] == b"\x89PNG"
+    check_study_figure(panels(saved["study.png"]), report)
     assert report["labels"] == ["baseline/seed0", "baseline/seed1", "nope/seed0", "nope/seed1"]
     assert report["seeds"] == [0, 1] and [arm["arm"] for arm in report["arms"]] == ["baseline", "nope"]
     for run in report["runs"]:
@@ -186,7 +226,7 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
 
 @pytest.mark.slow
 def test_a_rerun_skips_finished_runs_and_refuses_changed_settings(finished, capsys, tmp_path):
-    config, output, _, report = finished
+    config, output, _, report, _ = finished
     stamps = {path: path.stat().st_mtime_ns for path in output.rglob("*.ckpt")}
     assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
                        "1"]) == 0

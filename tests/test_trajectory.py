@@ -15,6 +15,8 @@ import torch
 
 import analyze
 import train
+from analyses import session
+from tests.figure_data import panels, same, saved_figures
 from tests.tiny import corpus_sentences, save_tiny_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -34,6 +36,49 @@ def tiny_run(root: Path, corpus, cache, *extra: str) -> None:
         "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1", *extra]) == 0
 
 
+TRAJECTORY_PANELS = ("argmax_share", "argmin_share", "kurtosis_mean", "max_abs", "anisotropy", "isoscore_star")
+
+
+def check_trajectory_figure(drawn: list[dict], report: dict) -> None:
+    """trajectory.png against trajectory.json: a panel per statistic, a line per layer through its value at each
+    checkpoint's step."""
+    points = report["checkpoints"]
+    steps = [point["step"] for point in points]
+    assert len(drawn) == len(TRAJECTORY_PANELS)
+    for panel, key in zip(drawn, TRAJECTORY_PANELS):
+        layers = range(len(points[0]["layers"]))
+        assert list(panel["lines"]) == [f"layer {layer}" for layer in layers], key
+        for layer in layers:
+            same(panel["lines"][f"layer {layer}"], steps, [point["layers"][layer][key] for point in points],
+                 atol=1e-6)
+
+
+def check_runs_figure(drawn: list[dict], report: dict) -> None:
+    """The figure of several runs against their report: a line per run through a number per checkpoint, written out
+    here: the dominant dim's share of the max or the min, kurtosis and max |activation|, each the max over layers
+    1..L; anisotropy and IsoScore*, the mean over them; the validation loss where a run's checkpoints record it."""
+    def summary(point: dict, key: str) -> float:
+        rows = point["layers"][1:]
+        if key == "top_share":
+            return max(max(row["argmax_share"], row["argmin_share"]) for row in rows)
+        values = [row[key] for row in rows]
+        return max(values) if key in ("kurtosis_mean", "max_abs") else sum(values) / len(values)
+
+    keys = ("top_share", "kurtosis_mean", "max_abs", "anisotropy", "isoscore_star")
+    validated = [run for run in report["runs"] if any(p["val_loss"] is not None for p in run["checkpoints"])]
+    assert len(drawn) == len(keys) + bool(validated)
+    for panel, key in zip(drawn, keys):
+        assert list(panel["lines"]) == report["labels"], key
+        for run in report["runs"]:
+            same(panel["lines"][run["label"]], [p["step"] for p in run["checkpoints"]],
+                 [summary(p, key) for p in run["checkpoints"]], atol=1e-6)
+    if validated:
+        assert list(drawn[-1]["lines"]) == [run["label"] for run in validated]
+        for run in validated:
+            kept = [p for p in run["checkpoints"] if p["val_loss"] is not None]
+            same(drawn[-1]["lines"][run["label"]], [p["step"] for p in kept], [p["val_loss"] for p in kept])
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
     """A tiny run with a checkpoint every 2 steps, all kept (--checkpoint.save_top_k -1): steps 2, 4, 6, and
@@ -46,8 +91,9 @@ def run(tmp_path_factory, corpus, cache) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run, tmp_path):
+def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run, tmp_path, monkeypatch):
     root, sentences = run
+    saved = saved_figures(monkeypatch, session)
     checkpoints = root / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == [
         "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt", "previous.ckpt"]
@@ -55,6 +101,7 @@ def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run,
                          "--output_dir", str(tmp_path / "t")]) == 0
     report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
     assert (tmp_path / "t" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
+    check_trajectory_figure(panels(saved["trajectory.png"]), report)
     assert report["run"] == str(root) and report["data"] == str(sentences) and report["num_sentences"] == 40
     points = report["checkpoints"]  # last.ckpt and previous.ckpt repeat steps 6 and 4: one point per step
     assert [(p["step"], Path(p["path"]).name) for p in points] == [
@@ -208,13 +255,15 @@ def validate_directly(checkpoint_path: Path) -> float:
 
 
 @pytest.mark.slow
-def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_path):
+def test_several_runs_together_each_equal_its_own_trajectory(run, nope_run, tmp_path, monkeypatch):
     root, sentences = run
+    saved = saved_figures(monkeypatch, session)
     common = ["--data", str(sentences), *COMMON]
     assert analyze.main(["trajectory", "--run", f"pe={root}", "--run", str(nope_run), *common,
                          "--output_dir", str(tmp_path / "both")]) == 0
     both = json.loads((tmp_path / "both" / "trajectory.json").read_text())
     assert (tmp_path / "both" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
+    check_runs_figure(panels(saved["trajectory.png"]), both)
     assert both["labels"] == ["pe", "nope"] and [r["label"] for r in both["runs"]] == ["pe", "nope"]
     for label, directory, report in zip(("pe", "nope"), (root, nope_run), both["runs"], strict=True):
         assert analyze.main(["trajectory", "--run", f"{label}={directory}", *common,
