@@ -7,7 +7,9 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import statistics
 from pathlib import Path
@@ -57,19 +59,20 @@ def write_study(folder: Path, corpus: Path, cache: Path, sentences: Path, **base
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus, cache) -> tuple[Path, Path, Path, dict, dict]:
+def finished(tmp_path_factory, corpus, cache) -> tuple[Path, Path, Path, dict, dict, str]:
     """The tiny study run once (--max_steps 4 over the config's 6, --seeds 0 1): (study file, output dir, sentences,
-    study.json, {file name: figure} of the figures it wrote)."""
+    study.json, {file name: figure} of the figures it wrote, what it printed)."""
     root = tmp_path_factory.mktemp("study")
     sentences = root / "sentences.txt"
     sentences.write_text("\n".join(corpus_sentences(40, start=300)) + "\n", encoding="utf-8")
     config = write_study(root / "config", corpus, cache, sentences)
     output = root / "out"
-    with pytest.MonkeyPatch.context() as patch:
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         saved = saved_figures(patch, session)
         assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
                            "1"]) == 0
-    return config, output, sentences, json.loads((output / "study.json").read_text()), saved
+    return config, output, sentences, json.loads((output / "study.json").read_text()), saved, printed.getvalue()
 
 
 def check_study_figure(drawn: list[dict], report: dict) -> None:
@@ -106,6 +109,42 @@ def check_study_figure(drawn: list[dict], report: dict) -> None:
             assert panel["dashed"] == [], key
 
 
+def check_printed_study(printed: str, report: dict) -> None:
+    """The summary study.py prints last, against study.json: a row per arm and checkpoint (each verdict statistic's
+    mean over seeds to 3 significant digits ± its sd to 2, the count of seeds beyond the null out of the seeds, the
+    validation loss to 4 digits, '-' where there is none); then per arm its verdict at the last step every seed reached:
+    each statistic 'beyond the null in k of n seeds', k counted from the seeds' own flags."""
+    def shown(entry: dict, digits: int = 3) -> str:
+        if entry["mean"] is None:
+            return "-"
+        return format(entry["mean"], f".{digits}g") + ("" if entry["sd"] is None else "±" + format(entry["sd"], ".2g"))
+
+    keys = list(STATISTICS)
+    lines = printed.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.split()[:2] == ["arm", "step"])  # the last study printed
+    assert lines[start].split() == ["arm", "step", *(word for key in keys for word in (key, "(beyond)")), "val", "loss"]
+    rows = [(arm, point) for arm in report["arms"] for point in arm["checkpoints"]]
+    for line, (arm, point) in zip(lines[start + 1:], rows, strict=False):
+        cells = [arm["arm"], str(point["step"])]
+        for key in keys:
+            flags = [entry["beyond"] for entry in point["null"][key]["seeds"].values()]
+            cells += [shown(point["summary"][key]), f"({sum(flags)}/{len(point['seeds'])})"]
+        assert line.split() == [*cells, shown(point["val_loss"], 4)], line
+    end = start + 1 + len(rows)
+    assert lines[end:end + 2] == ["", f"verdicts (margin {report['null']['margin']:g}; docs/study.md):"]
+    verdicts = lines[end + 2:end + 2 + len(report["arms"])]
+    assert len(verdicts) == len(report["arms"])
+    for line, arm in zip(verdicts, report["arms"]):
+        complete = [point for point in arm["checkpoints"] if len(point["seeds"]) == len(arm["seeds"])]
+        if not complete:
+            assert line == f"  {arm['arm']}: no step every seed reached"
+            continue
+        final, seeds = complete[-1], len(arm["seeds"])
+        said = {key: sum(entry["beyond"] for entry in final["null"][key]["seeds"].values()) for key in keys}
+        assert line == f"  {arm['arm']} at step {final['step']}: " + "; ".join(
+            f"{key} beyond the null in {said[key]} of {seeds} seed{'s' if seeds != 1 else ''}" for key in keys)
+
+
 def steps_on_disk(run_dir: Path) -> list[int]:
     return sorted({torch.load(path, map_location="cpu", weights_only=True)["global_step"]
                    for path in (run_dir / "checkpoints").glob("*.ckpt")})
@@ -123,9 +162,10 @@ def logged_val_losses(logs: Path, position_embeddings: bool, seed: int) -> list[
 
 @pytest.mark.slow
 def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(finished, tmp_path):
-    config, output, sentences, report, saved = finished
+    config, output, sentences, report, saved, printed = finished
     assert (output / "study.png").read_bytes()[:4] == b"\x89PNG"
     check_study_figure(panels(saved["study.png"]), report)
+    check_printed_study(printed, report)
     assert report["labels"] == ["baseline/seed0", "baseline/seed1", "nope/seed0", "nope/seed1"]
     assert report["seeds"] == [0, 1] and [arm["arm"] for arm in report["arms"]] == ["baseline", "nope"]
     for run in report["runs"]:
@@ -226,7 +266,7 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
 
 @pytest.mark.slow
 def test_a_rerun_skips_finished_runs_and_refuses_changed_settings(finished, capsys, tmp_path):
-    config, output, _, report, _ = finished
+    config, output, _, report, _, _ = finished
     stamps = {path: path.stat().st_mtime_ns for path in output.rglob("*.ckpt")}
     assert study.main(["--config", str(config), "--output_dir", str(output), "--max_steps", "4", "--seeds", "0",
                        "1"]) == 0
