@@ -165,7 +165,7 @@ def data_file(tmp_path: Path, count: int, start: int = 0) -> Path:
     return path
 
 
-def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monkeypatch):
+def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monkeypatch, capsys):
     from analyses import session
 
     saved = saved_figures(monkeypatch, session)
@@ -194,6 +194,67 @@ def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monk
                                    for d in drawn)
     assert (out / "intervene.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     check_intervention_figure(panels(saved["intervene.png"]), report)
+    check_printed_table(capsys.readouterr().out, report)
+
+
+TABLE = {"outlier_share": "summed share of the dims", "kurtosis": "kurtosis (per token, mean)",
+         "max_abs": "max |activation|", "anisotropy": "anisotropy", "sts": "STS Spearman x 100",
+         "probe": "position probe accuracy", "mlm_loss": "MLM loss", "lm_loss": "next-token loss (ours)"}
+HEADERS = ["intervention", "metric", "before", "after", "effect", "controls mean ± sd", "p"]
+
+
+def check_printed_table(printed: str, report: dict) -> None:
+    """The table `analyze.py intervene` prints, read by its columns' offsets, against intervene.json: a row per
+    intervention and metric it has an effect for (the name on its first row only); before: the unmodified model's mean
+    over layers 1..L (a loss: the loss), by hand from its per-layer values (the dims' shares summed); after: before +
+    the effect, within the rounding of the intervened model's own mean; effect, controls' mean ± sd and p; 3 decimals,
+    effects signed, '-' where there is none."""
+    def shown(value, sign: bool = True) -> str:
+        if value is None:
+            return "-"
+        text = "+0.000" if round(value, 3) == 0 else f"{value:+.3f}"
+        return text if sign else text.lstrip("+")
+
+    def mean(entry: dict, key: str) -> float | None:
+        if key in ("mlm_loss", "lm_loss"):
+            return entry["tasks"][key]
+        if key == "outlier_share":
+            values = [sum(entry["stats"]["share"][str(d)][layer] for d in report["dims"])
+                      for layer in range(1, report["num_layers"] + 1)]
+        else:
+            values = [v for v in (entry["stats"].get(key) or entry["tasks"][key] or [])[1:] if v is not None]
+        return sum(values) / len(values) if values else None
+
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == HEADERS[:2])
+    offsets = [0]
+    for before_it, header in zip(HEADERS, HEADERS[1:]):
+        offsets.append(lines[start].index(header, offsets[-1] + len(before_it)))
+    expected = []
+    for name, entry in report["interventions"].items():
+        if "skipped" in entry:
+            continue
+        first = name
+        for key, label in TABLE.items():
+            effect_key = key if key.endswith("loss") else f"{key}_mean"
+            if effect_key not in entry["effects"]:
+                continue
+            before, effect = mean(report["baseline"], key), entry["effects"][effect_key]
+            controls = entry.get("controls", {}).get(effect_key)
+            spread = "-" if controls is None else shown(controls["mean"]) + (
+                "" if controls["sd"] is None else f" ± {controls['sd']:.3f}")
+            p = "-" if controls is None or controls["p_value"] is None else f"{controls['p_value']:.3f}"
+            after = None if before is None or effect is None else before + effect
+            expected.append(([first, label + (" " + ",".join(map(str, report["dims"])) if key == "outlier_share" else ""),
+                              shown(before, False), shown(after, False), shown(effect), spread, p],
+                             mean(entry, key)))
+            first = ""
+    assert expected
+    for line, (cells, own) in zip(lines[start + 1:], expected, strict=False):
+        read = [line[a:b].strip() for a, b in zip(offsets, [*offsets[1:], None])]
+        assert read == cells, line
+        if own is not None:  # after: the intervened model's own value, to the table's rounding
+            assert float(read[3]) == pytest.approx(own, abs=5e-4 + 1e-6), line
 
 
 def check_intervention_figure(drawn: list[dict], report: dict) -> None:
@@ -268,13 +329,14 @@ def hand_mlm_loss(model, tokenizer, texts: list[str]) -> tuple[float, int]:
     return total / count, count
 
 
-def test_mlm_loss_equals_a_hand_loop_with_the_same_masks(tmp_path, roberta_tok):
+def test_mlm_loss_equals_a_hand_loop_with_the_same_masks(tmp_path, roberta_tok, capsys):
     encoder = save_tiny_encoder(tmp_path / "roberta", "roberta", roberta_tok, masked_lm=True)
     digest = hashlib.sha256((encoder / "model.safetensors").read_bytes()).hexdigest()
     data, out = data_file(tmp_path, 14, start=50), tmp_path / "out"
     assert run("--encoder", encoder, "--data", data, "--max_sentences", 0, "--interventions", "position_mean",
                "--batch_size", 5, "--num_pairs", 7, "--max_length", 40, "--output_dir", out) == 0
     report = json.loads((out / "intervene.json").read_text())
+    check_printed_table(capsys.readouterr().out, report)
     tokenizer, model = AutoTokenizer.from_pretrained(encoder), AutoModelForMaskedLM.from_pretrained(encoder).eval()
     texts = corpus_sentences(14, start=50)
     loss, count = hand_mlm_loss(model, tokenizer, texts)
@@ -377,6 +439,7 @@ def test_minilm_end_to_end_baseline_equals_the_other_analyses(minilm_path, tmp_p
                "--sts", sts, "--probe", "--probe_sentences", 100, "--probe_epochs", 1, "--output_dir", out) == 0
     report = json.loads((out / "intervene.json").read_text())
     printed = capsys.readouterr().out
+    check_printed_table(printed, report)
     for analysis, extra in (("outliers", []), ("anisotropy", ["--clip", "none", "--num_pairs", 20]),
                             ("sts", ["--clip", "none"])):
         argv = [analysis, "--no_progress", *map(str, common), *map(str, extra), "--output_dir", str(tmp_path / analysis)]
