@@ -12,6 +12,7 @@ import math
 import operator
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RATIO = re.compile(r"^RATIO (\S+) (\S+) target (<=|>=)(\S+)$")
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+(<=|>=)(\S+)\s+(ok|MISSED)$")
 OPS = {"<=": operator.le, ">=": operator.ge}
+PER_ROUND = re.compile(r"^METRIC (\S+)_per_round ([^\n]+)$", re.M)
+SINGLE = re.compile(r"^(?:RATIO|METRIC) (\S+) (-?[\d.]+(?:e[-+]?\d+)?)(?:\s|$)", re.M)  # a number, not a word
 GPU_METRIC = re.compile(r"^METRIC (fast_seq\d+_\w+?_(?:tokens_per_s|mfu|sync_warnings)) (\S+)", re.M)
 
 
@@ -36,6 +39,7 @@ def test_bench_smoke_runs_every_script_and_tabulates_what_each_printed():
     sections = re.split(r"^== (\S+)[^\n]*\n", out[:table_at], flags=re.M)[1:]
     printed = dict(zip(sections[::2], sections[1::2]))
     assert sorted(printed) == sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    assert sum(map(medians_of_rounds, printed.values())) > 0
     expected = []
     for script, text in printed.items():
         ratios = [RATIO.match(line).groups() for line in text.splitlines() if RATIO.match(line)]
@@ -65,6 +69,22 @@ def test_bench_smoke_runs_every_script_and_tabulates_what_each_printed():
     assert all(gpu[f"{name}_mfu"] < 1 for name in names if with_mfu)  # a utilisation: a share of the peak
     measured = {row.split()[1] for row in out[table_at:].splitlines() if row.startswith("bench_train ")}
     assert set(gpu) <= measured  # the runner's measurement table lists them too
+
+
+def medians_of_rounds(text: str) -> int:
+    """A script's RATIO (or single METRIC) named like one of its `<name>_per_round` lines (or `<name>_ratio`) is the
+    median of those rounds; both printed to 3 decimals, so equal for an odd count of rounds, within 0.001 for an even
+    one (the mean of the two middle ones, each rounded). Returns how many it checked."""
+    single = {match.group(1): float(match.group(2)) for match in SINGLE.finditer(text)}
+    checked = 0
+    for match in PER_ROUND.finditer(text):
+        name, rounds = match.group(1), [float(value) for value in match.group(2).split()]
+        value = single.get(name, single.get(f"{name}_ratio"))
+        if value is not None:
+            assert abs(value - statistics.median(rounds)) <= (len(rounds) % 2 == 0) * 1e-3 + 1e-9, \
+                (name, value, rounds)
+            checked += 1
+    return checked
 
 
 def _bench_train():
