@@ -245,8 +245,8 @@ def check_printed_table(printed: str, report: dict) -> None:
                 "" if controls["sd"] is None else f" ± {controls['sd']:.3f}")
             p = "-" if controls is None or controls["p_value"] is None else f"{controls['p_value']:.3f}"
             after = None if before is None or effect is None else before + effect
-            expected.append(([first, label + (" " + ",".join(map(str, report["dims"])) if key == "outlier_share" else ""),
-                              shown(before, False), shown(after, False), shown(effect), spread, p],
+            dims = " " + ",".join(map(str, report["dims"])) if key == "outlier_share" else ""
+            expected.append(([first, label + dims, shown(before, False), shown(after, False), shown(effect), spread, p],
                              mean(entry, key)))
             first = ""
     assert expected
