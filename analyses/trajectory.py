@@ -41,7 +41,7 @@ from analyses.session import collectively, finish, open_encoder, read_sentences,
 from core.errors import UserError, library_line, warn_once
 from core.models import model_family
 from core.output import check_writable
-from core.sources import local_path
+from core.sources import cannot_load, local_path
 from core.step_figures import over_steps_figure
 from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
@@ -132,7 +132,7 @@ def architecture(source: str) -> dict:
     try:
         config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {source!r}: {library_line(error)}") from None
+        raise cannot_load("encoder", source, library_line(error)) from None
     return {"model_type": config.model_type, **{key: getattr(config, key, None) for key in keys}}
 
 

@@ -8,6 +8,8 @@
     short_name("runs/x/export")           # "x": a readable name for a model path
     check_hub("bert-base-uncased", "encoder")   # before a hub id or datasets name is fetched: offline (no network
                                           # and no HF_HUB_OFFLINE) it is one line in at most 3 s, not minutes of retries
+    raise cannot_load("encoder", "bert-base-uncased", reason)   # "cannot load encoder 'bert-base-uncased' (offline:
+                                          # HF_HUB_OFFLINE is set): <reason>": the note only for a hub name, flag set
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def looks_local(source: str | os.PathLike) -> bool:
 
 
 OFFLINE_FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+# the flags in the order each library reads them: huggingface_hub (so transformers: models, tokenizers) the first of
+# HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE that is set and not empty; datasets HF_DATASETS_OFFLINE when it is set at all,
+# else huggingface_hub's rule
+HUB_FLAGS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+DATASETS_FLAGS = ("HF_DATASETS_OFFLINE", *HUB_FLAGS)
 HUB = "https://huggingface.co"
 _answered: dict[str, bool] = {}  # the hub's reachability, asked once per process
 
@@ -60,9 +67,37 @@ def short_name(source: str) -> str:
     return str(source)
 
 
-def hub_offline() -> bool:
-    """Whether the Hugging Face libraries are told to stay offline (they read their local cache, without retries)."""
-    return any(os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on") for flag in OFFLINE_FLAGS)
+def _true(value: str | None) -> bool:
+    return (value or "").upper() in ("1", "TRUE", "YES", "ON")  # the libraries' own test (no stripping)
+
+
+def offline_flags(what: str = "encoder") -> list[str]:
+    """The variables that tell the library fetching `what` ("dataset": datasets; anything else: transformers) to stay
+    offline, as it reads them: none when the one it goes by is unset or false; else that one and any later one that is
+    true too (it would take over were that one unset)."""
+    chain = DATASETS_FLAGS if what == "dataset" else HUB_FLAGS
+    for index, flag in enumerate(chain):
+        value = os.environ.get(flag)
+        if value is None or (value == "" and flag in HUB_FLAGS):  # datasets goes by HF_DATASETS_OFFLINE="" (false)
+            continue
+        return [later for later in chain[index:] if _true(os.environ.get(later))] if _true(value) else []
+    return []
+
+
+def hub_offline(what: str = "encoder") -> bool:
+    """Whether the library fetching `what` is told to stay offline (it reads its local cache, without retries)."""
+    return bool(offline_flags(what))
+
+
+def cannot_load(what: str, source: str | os.PathLike, reason: str) -> UserError:
+    """The one line when `what` ("encoder", "tokenizer", "dataset") named by `source` does not load: "cannot load
+    what 'source': reason", and for a hub name while the library fetching it is told to stay offline, the variables
+    that tell it so, " (offline: HF_HUB_OFFLINE is set)", before the reason (the library's own line then says only
+    that the files are not in its cache)."""
+    flags = [] if looks_local(source) else offline_flags(what)
+    named = ", ".join(flags[:-1]) + " and " + flags[-1] if len(flags) > 1 else "".join(flags)
+    note = f" (offline: {named} {'is' if len(flags) == 1 else 'are'} set)" if flags else ""
+    return UserError(f"cannot load {what} {os.fspath(source)!r}{note}: {reason}")
 
 
 def reachable(url: str, timeout: float = 3.0) -> bool:
@@ -86,9 +121,10 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
 
 def check_hub(source: str | os.PathLike, what: str) -> None:
     """Before `source`, a hub id or datasets name (not local_path's), is fetched: unless the libraries are told to stay
-    offline (HF_HUB_OFFLINE and the like: they read their cache), the hub (HF_ENDPOINT) must accept a connection
-    within 3 s; else one line saying what to do, instead of the libraries' minutes of retries."""
-    if hub_offline():
+    offline (HF_HUB_OFFLINE and the like, as `offline_flags` reads them: they read their cache), the hub (HF_ENDPOINT)
+    must accept a connection within 3 s; else one line saying what to do, instead of the libraries' minutes of
+    retries."""
+    if hub_offline(what):
         return
     endpoint = os.environ.get("HF_ENDPOINT") or HUB
     if endpoint not in _answered:

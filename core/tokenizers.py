@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 from core.errors import UserError, library_line
-from core.sources import check_hub, local_path
+from core.sources import cannot_load, check_hub, local_path
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
 
@@ -46,7 +46,7 @@ def load_tokenizer(source: str | Path, mask: bool = True, pad: bool = True):
             tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source),
                                                       trust_remote_code=False)
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
-        raise UserError(f"cannot load tokenizer {str(source)!r}: {library_line(error)}") from None
+        raise cannot_load("tokenizer", source, library_line(error)) from None
     name_special_tokens(tokenizer, source)
     if mask and tokenizer.mask_token_id is None:
         raise UserError(f"tokenizer {source} has no mask token, needed for MLM; name it: "

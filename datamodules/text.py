@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line, warn_once
-from core.sources import check_hub, hub_offline, looks_local
+from core.sources import cannot_load, check_hub, looks_local
 from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates, text_value
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
@@ -378,8 +378,7 @@ def _open_datasets(name: str, config: str | None, local: bool):
             errors.append(f"{type(error).__name__}: {first_line(error)}")
             continue
         return loaded, list(loaded)
-    offline = " (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set)" if hub_offline() else ""
-    raise UserError(f"cannot load dataset {name!r}{offline}: {errors[-1]}")
+    raise cannot_load("dataset", name, errors[-1])
 
 
 def _datasets_records(name: str, config: str | None, split: str | None, local: bool) -> Iterator[dict]:

@@ -42,7 +42,7 @@ from core.models import (
     quiet_transformers,
     short_name,
 )
-from core.sources import check_hub, local_path
+from core.sources import cannot_load, check_hub, local_path
 from core.tokenizers import special_ids, truncating_right, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import (
@@ -152,7 +152,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     except UserError:
         raise
     except Exception as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its weights')}") from None
+        raise cannot_load("encoder", source, load_failure(error, 'its weights')) from None
     head, info = split_head(model, info, "LM head" if causal else "MLM head") if masked_lm else (None, info)
     base = model.base_model if masked_lm else model
     check_loading(source, info, base, allow_random_weights, allow_option)

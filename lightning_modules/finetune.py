@@ -29,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
 from core.output import export_weights, staged_output, write_json
+from core.sources import cannot_load
 from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import default_encoder, resolve_model_dir
 from lightning_modules.loading import check_is_encoder, load_failure
@@ -64,12 +65,12 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its config')}") from None
+        raise cannot_load("encoder", encoder, load_failure(error, 'its config')) from None
     check_is_encoder(config, encoder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except Exception as error:
-        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its tokenizer')}") from None
+        raise cannot_load("encoder", encoder, load_failure(error, 'its tokenizer')) from None
     try:
         with quiet_transformers():  # the new head's "newly initialized" report is expected here
             # float32 weights whatever config.json records (a bfloat16 / float16 checkpoint loads in its own dtype
@@ -79,7 +80,7 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
     except UserError:
         raise
     except Exception as error:
-        raise UserError(f"cannot load encoder {encoder!r}: {load_failure(error, 'its weights')}") from None
+        raise cannot_load("encoder", encoder, load_failure(error, 'its weights')) from None
     missing = set(info.get("missing_keys", ())) | {key[0] for key in info.get("mismatched_keys", ())}
     initialise_new(model, missing, seed)
     return model, tokenizer

@@ -20,6 +20,7 @@ from torch import nn
 
 from core.errors import REMOTE_CODE, UserError, library_line
 from core.models import check_layer_groups, mlm_head
+from core.sources import cannot_load
 from core.tokenizers import check_tokenizer_files
 
 
@@ -117,7 +118,7 @@ def checked_config(model_dir: str, source):
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {library_line(error)}") from None
+        raise cannot_load("encoder", source, library_line(error)) from None
     check_is_encoder(config, source, decoders=True)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
@@ -133,4 +134,4 @@ def tokenizer_of(model_dir: str, source):
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as error:
-        raise UserError(f"cannot load encoder {str(source)!r}: {load_failure(error, 'its tokenizer')}") from None
+        raise cannot_load("encoder", source, load_failure(error, 'its tokenizer')) from None
