@@ -11,9 +11,12 @@ printed by train.py after the fit.
       validation   loss 6.338 at step 200
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 
-Without a validation the reading is the last live capture of training: "the last live capture, at training step 100
-(every 100 steps)", or after a run shorter than the captures' every_n_steps "the last live capture, at step 0 (the
-model before its first update; no capture after it: every_n_steps 100 >= the run's 50 steps)".
+A run that never validated says why, as its settings tell: "validation   not run (--trainer.limit_val_batches 0)", or
+"not run (the run ended before its first validation was due: --trainer.val_check_interval 500,
+--trainer.check_val_every_n_epoch null)". Without a validation the reading is the last live capture of training: "the
+last live capture, at training step 100 (every 100 steps)", or after a run shorter than the captures' every_n_steps
+"the last live capture, at step 0 (the model before its first update; no capture after it: every_n_steps 100 >= the
+run's 50 steps)".
 
 RunSummary (a callback train.py adds) keeps the last validation loss with its step, in the checkpoints too, so that a
 re-run of a finished run reports the same; the reading is OutlierStatistics' `last` (kept in its checkpoint state).
@@ -57,7 +60,7 @@ def run_summary(trainer) -> dict:
     summary = {"step": trainer.global_step, "run_dir": str(root),
                "export": str(root / "export") if (root / "export" / "config.json").is_file() else None,
                "checkpoint": str(last) if last is not None and last.is_file() else None,
-               "wandb": None, "validation": None, "outliers": None}
+               "wandb": None, "validation": None, "no_validation": None, "outliers": None}
     for logger in trainer.loggers:
         if isinstance(logger, AutoWandbLogger):
             started = logger.mode is not None and logger in real_loggers(trainer)
@@ -69,7 +72,19 @@ def run_summary(trainer) -> dict:
             summary["validation"] = {"step": callback.val[0], "loss": callback.val[1]}
         if type(callback).__name__ == "OutlierStatistics" and getattr(callback, "last", None):
             summary["outliers"] = {**callback.last, "every_n_steps": callback.every_n_steps}
+    if summary["validation"] is None:
+        summary["no_validation"] = why_no_validation(trainer)
     return summary
+
+
+def why_no_validation(trainer) -> str:
+    """Why a run never validated, from its settings: validation turned off, or a schedule the run ended
+    before (its validation data are never empty: the data module refuses a run without a validation block)."""
+    if trainer.limit_val_batches == 0:
+        return "--trainer.limit_val_batches 0"
+    every = trainer.check_val_every_n_epoch
+    return (f"the run ended before its first validation was due: --trainer.val_check_interval "
+            f"{trainer.val_check_interval}, --trainer.check_val_every_n_epoch {'null' if every is None else every}")
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -91,7 +106,8 @@ def summary_lines(summary: dict) -> list[str]:
     else:
         lines.append("  W&B          off: it could not start or failed (see the warning above)")
     val = summary["validation"]
-    lines.append("  validation   " + (f"loss {val['loss']:.4g} at step {val['step']}" if val else "none run"))
+    lines.append("  validation   " + (f"loss {val['loss']:.4g} at step {val['step']}" if val else
+                                      f"not run ({summary['no_validation']})"))
     reading = summary["outliers"]
     if reading is None:
         lines.append("  outliers     no live outlier statistics in this run (callbacks.outlier_statistics)")

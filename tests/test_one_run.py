@@ -116,24 +116,42 @@ def test_the_summary_names_the_run_files_and_the_last_capture(stopped_resumed_re
     assert again["validation"] == summary["validation"] and again["outliers"] == summary["outliers"]
 
 
+NO_VALIDATION = {  # settings that leave a run without validation, and the reason its summary gives
+    "off": (["--trainer.limit_val_batches", "0"], "--trainer.limit_val_batches 0"),
+    "not due": (["--trainer.val_check_interval", "1000", "--trainer.check_val_every_n_epoch", "null"],
+                "the run ended before its first validation was due: --trainer.val_check_interval 1000, "
+                "--trainer.check_val_every_n_epoch null"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("every", [STEPS + 4, 4])
+@pytest.mark.parametrize("every, validation", [(STEPS + 4, "off"), (4, "not due"), (4, "at the end")])
 def test_the_summary_says_which_training_capture_its_outliers_are_and_that_step_0_was_the_only_one(
-        every, tmp_path, corpus, cache, capsys):
+        every, validation, tmp_path, corpus, cache, capsys):
     """Without validation captures the reading is the last training capture. The run's capture steps, computed from
     its schedule (optimizer steps 0..STEPS-1 divisible by every_n_steps), give the step the line names; a run shorter
     than every_n_steps captured step 0 alone, and the line says so (it read 'training step 0' before, easily taken for
-    the outliers at the start of training), with the numbers that explain it."""
+    the outliers at the start of training), with the numbers that explain it. The validation line is the loss the run
+    logged, or, for a run that logged none, the setting that kept it from validating (it read 'none run' before)."""
     spec = {"class_path": "callbacks.outlier_statistics.OutlierStatistics",
             "init_args": {"every_n_steps": every, "image_every_n_steps": 0, "on_validation": False}}
     root = tmp_path / "run"
-    assert train.cli_main(tiny_args(root, corpus, cache, "--trainer.callbacks+", json.dumps(spec), logger="csv")) == 0
+    settings, reason = NO_VALIDATION.get(validation, ([], None))
+    assert train.cli_main(tiny_args(root, corpus, cache, "--trainer.callbacks+", json.dumps(spec), *settings,
+                                    logger="csv")) == 0
     captures = [step for step in range(STEPS) if step % every == 0]
     (metrics,) = root.rglob("metrics.csv")  # the captures the run logged: the schedule's
     with metrics.open(encoding="utf-8") as handle:
-        logged = sorted({int(row["step"]) for row in csv.DictReader(handle) if row.get("outliers_by_layer/num_tokens")})
+        rows = list(csv.DictReader(handle))
+    logged = sorted({int(row["step"]) for row in rows if row.get("outliers_by_layer/num_tokens")})
     assert logged == captures
-    line = summary_of(capsys.readouterr().out)["outliers"]
+    summary = summary_of(capsys.readouterr().out)
+    losses = [float(row["val/loss"]) for row in rows if row.get("val/loss")]
+    if reason is None:
+        assert len(losses) == 1 and summary["validation"] == f"loss {losses[0]:.4g} at step {STEPS}"
+    else:
+        assert losses == [] and summary["validation"] == f"not run ({reason})"
+    line = summary["outliers"]
     said = line.split(": persistent dims")[0]
     if captures == [0]:
         assert said == (f"the last live capture, at step 0 (the model before its first update; no capture after it: "
