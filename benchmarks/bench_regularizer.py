@@ -154,7 +154,7 @@ def compare(name: str, make_args, steps: int, rounds: int) -> tuple[float, dict]
                   f"{timer.cpu_s:8.2f} s CPU" + (f"  C0 {c0.seconds[0]:.2f} s ({c0.tokens} tokens)" if c0.seconds
                                                   and not cheap else ""), flush=True)
     ratios = [a.wall_s / b.wall_s for (a, _), (b, _) in zip(results[True], results[False])]
-    print(f"METRIC {name}_ratio_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"METRIC {name}_per_round {' '.join(f'{r:.3f}' for r in ratios)}")
     step = statistics.median(t.wall_s for t, _ in results[True]) / steps
     first = results[True][0][1]
     return statistics.median(ratios), {"step_s": step, "c0_s": first.seconds[0], "c0_tokens": first.tokens}
@@ -217,11 +217,11 @@ def main() -> None:
             corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
             small = {"model": QUICK["model"], "data": QUICK["data"]}
             encoder = str(save_tiny_encoder(tmp / "bert", "bert", bert_tokenizer(tmp / "tokenizer")))
-        mlm, _ = compare("istar_tiny_mlm", lambda tag: mlm_args(tmp / f"mlm-{tag}", tmp / "cache", small, corpus),
-                         args.steps, args.rounds)
+        mlm, _ = compare("istar_step_time_tiny_mlm",  # named as its RATIO line: METRIC <name>_per_round
+                         lambda tag: mlm_args(tmp / f"mlm-{tag}", tmp / "cache", small, corpus), args.steps, args.rounds)
         data = labelled_file(tmp / "labelled.csv", 400 if args.smoke else 4000)
         minilm_steps = max(2, args.steps // 3)
-        finetune, measured = compare("istar_minilm_finetune",
+        finetune, measured = compare("istar_step_time_minilm_finetune",
                                      lambda tag: finetune_args(tmp / f"ft-{tag}", data, encoder, args.smoke),
                                      minilm_steps, args.rounds)
     epoch_steps = (320 if args.smoke else 3200) // (8 if args.smoke else 32)
