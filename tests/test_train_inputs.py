@@ -70,7 +70,7 @@ def test_a_tokenizer_that_cannot_be_used_is_one_line_exit_2_and_writes_nothing(c
         f"cannot load tokenizer '{empty}': ")  # then transformers' first line
     hub_id = "no-such-org/no-such-tokenizer"  # hub-shaped, no such local directory: asked of the (offline) hub
     assert rejected(root, corpus, cache, capsys, "--data.tokenizer", hub_id).startswith(
-        f"cannot load tokenizer '{hub_id}': ")
+        f"cannot load tokenizer '{hub_id}' (offline: ")  # the flags that say so (tests/test_offline.py)
     save_tokenizer_without_mask(no_mask)
     assert rejected(root, corpus, cache, capsys, "--data.tokenizer", str(no_mask)) == \
         f"tokenizer {no_mask} has no mask token, needed for MLM; name it: " \
