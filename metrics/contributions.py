@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from metrics.base import Metric
-from metrics.ranks import rank_by_magnitude, ties_by_magnitude
+from metrics.ranks import ranks_and_ties
 
 
 @dataclass
@@ -123,7 +123,7 @@ def rank_dims(contribution: Tensor, dims: Sequence[int] = (), top_k: int = 10) -
     """
     contribution = contribution.detach().double().cpu()
     order = torch.argsort(contribution, descending=True, stable=True)[:top_k]
-    ranks, ties = rank_by_magnitude(contribution), ties_by_magnitude(contribution)  # c(i) >= 0: |c| is c
+    ranks, ties = ranks_and_ties(contribution)  # c(i) >= 0: |c| is c
     mean = float(contribution.mean())
     return {
         "top_dims": order.tolist(),
