@@ -24,7 +24,14 @@ from collections.abc import Callable
 
 from pytorch_lightning.loggers import TensorBoardLogger, WandbLogger
 
-from callbacks.wandb_logging import LoggingWarning, _first_line, _safely, _tensorboard, real_loggers
+from callbacks.wandb_logging import (
+    LoggingWarning,
+    _first_line,
+    _safely,
+    _tensorboard,
+    image_loggers,
+    real_loggers,
+)
 from core.figures import figure_array
 
 
@@ -44,8 +51,8 @@ class FigureWorker:
 
     def submit(self, trainer, key: str, make: Callable, step: int) -> None:
         """Queue `make()` (a matplotlib Figure from copied data) to be drawn and logged under `key` at `step`."""
-        loggers = real_loggers(trainer)
-        if not any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in loggers):
+        loggers = image_loggers(trainer)
+        if not loggers:
             return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._work, name="live-figures", daemon=True)

@@ -306,8 +306,15 @@ def log_settings(trainer, values: Mapping[str, Any]) -> None:
         _safely(logger, "settings", logger.log_hyperparams, dict(values))
 
 
+def image_loggers(trainer) -> list:
+    """The real loggers that keep images: TensorBoard, and W&B unless its run is disabled (WANDB_MODE=disabled keeps
+    nothing: a figure drawn and encoded for it is work thrown away)."""
+    return [logger for logger in real_loggers(trainer) if isinstance(logger, TensorBoardLogger) or
+            isinstance(logger, WandbLogger) and getattr(logger.experiment, "disabled", False) is not True]
+
+
 def wants_images(trainer) -> bool:
-    return any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in real_loggers(trainer))
+    return bool(image_loggers(trainer))
 
 
 @rank_zero_only
