@@ -24,7 +24,7 @@ log_scalars / log_figure / log_table / log_summary / log_settings / define_step_
 it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
 TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B; settings to every
 logger's hyperparameters. Rank zero only. A logger that raises is warned
-about once and skipped from then on.
+about once and skipped from then on. `image_loggers` are those that keep images (a disabled W&B run keeps nothing).
 """
 
 from __future__ import annotations
