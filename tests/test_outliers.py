@@ -13,7 +13,7 @@ import analyze
 from analyses import outliers, session
 from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers, persistent_dims, robust_z
-from metrics.ranks import rank_by_magnitude, ranks_and_ties, ties_by_magnitude
+from metrics.ranks import rank_by_magnitude
 from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
 
 PE_DIM, LATE_DIM, LATE_LAYER = 5, 17, 2  # LATE_DIM is planted in the LayerNorm that writes hidden state 2
@@ -151,6 +151,8 @@ def test_ranks_and_ties_by_sorting_equal_the_direct_comparison_of_every_pair():
     """The one-sort ranks and ties equal the [hidden, hidden] comparison they replace (rank = 1 + the strictly larger
     |values|, ties = the others of the same |value|) on planted ties of both signs, -0.0, +-inf and NaN (rank 1, ties
     -1, no effect on the others), in every float width; and by hand on a small vector."""
+    from metrics.ranks import ranks_and_ties, ties_by_magnitude
+
     def direct(values):
         magnitude = values.abs()
         return ((magnitude[None, :] > magnitude[:, None]).sum(1) + 1,
