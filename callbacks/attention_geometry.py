@@ -123,6 +123,7 @@ class AttentionGeometry(LiveCallback):
         self.sinks, self.sink_epsilon = sinks, sink_epsilon
         self.sink_metrics: dict[str, AttentionSinks] = {}
         self.special_ids: list[int] = []
+        self._special: Tensor | None = None  # special_ids as a tensor on the captured ids' device, made once
         self.attention_layers: list[int] = []
         self.projections: list = []  # (query Linear, key Linear, heads) of each watched layer
         self.history: list[list] = []  # [step, stage, layer, *NAMES values] per capture: the images; in checkpoints
@@ -162,6 +163,7 @@ class AttentionGeometry(LiveCallback):
                                            for name in (prefix, by_layer(prefix))])
         if self.sinks:
             self.special_ids, setting = sink_special_ids(trainer, find_encoder(pl_module).config)
+            self._special = None
             logs.log_settings(trainer, setting)
             for stage in SINKS:
                 self.sink_metrics[stage] = AttentionSinks(len(self.attention_layers), heads, self.sink_epsilon,
@@ -195,6 +197,8 @@ class AttentionGeometry(LiveCallback):
         pairs = pair_positions(seq, self.pairs_per_sequence, key, hidden.device)
         rows = pair_positions(seq, self.queries_per_sequence, key + 1, hidden.device)[0]
         masses = []
+        real = torch.ones(hidden.shape[1:3], dtype=torch.bool, device=hidden.device) if mask is None \
+            else mask.to(hidden.device).bool()  # the sinks' counted queries and keys
         with torch.no_grad():
             for index, (query, query_bias, key_weight, key_bias, heads) in enumerate(weights):
                 queries = project_heads(hidden[index], query.to(hidden.device),
@@ -204,8 +208,6 @@ class AttentionGeometry(LiveCallback):
                 attended = self.rotate(queries, keys) if self.rotate is not None else None
                 geometry.update(index, queries, keys, mask, pairs, rows, self.causal, attended)
                 if self.sink_metrics:
-                    real = torch.ones(hidden.shape[1:3], dtype=torch.bool, device=hidden.device) if mask is None \
-                        else mask.to(hidden.device).bool()
                     masses.append(attention_key_mass(*(attended or (queries, keys)), real, real, causal=self.causal))
             if masses:
                 self.update_sinks(stage, torch.stack(masses), real, captured.input_ids)
@@ -215,7 +217,11 @@ class AttentionGeometry(LiveCallback):
         metric = self.sink_metrics[stage]
         if metric.device != masses.device:
             metric.to(masses.device)
-        kinds = token_kinds(input_ids, self.special_ids) if input_ids is not None and self.special_ids else None
+        kinds = None
+        if input_ids is not None and self.special_ids:
+            if self._special is None or self._special.device != input_ids.device:
+                self._special = torch.tensor(self.special_ids, dtype=input_ids.dtype, device=input_ids.device)
+            kinds = token_kinds(input_ids, self._special)
         metric.update(masses, mask, kinds)
 
     def finish_sinks(self, stage: str, trainer, step: int) -> None:

@@ -24,7 +24,7 @@ log_scalars / log_figure / log_table / log_summary / log_settings / define_step_
 it can take: scalars to every logger (CSV, TensorBoard, W&B), lists beside them to W&B only; figures to W&B and
 TensorBoard; tables to W&B (as a markdown text to TensorBoard); summaries and step metrics to W&B; settings to every
 logger's hyperparameters. Rank zero only. A logger that raises is warned
-about once and skipped from then on.
+about once and skipped from then on. `image_loggers` are those that keep images (a disabled W&B run keeps nothing).
 """
 
 from __future__ import annotations
@@ -306,8 +306,15 @@ def log_settings(trainer, values: Mapping[str, Any]) -> None:
         _safely(logger, "settings", logger.log_hyperparams, dict(values))
 
 
+def image_loggers(trainer) -> list:
+    """The real loggers that keep images: TensorBoard, and W&B unless its run is disabled (WANDB_MODE=disabled keeps
+    nothing: a figure drawn and encoded for it is work thrown away)."""
+    return [logger for logger in real_loggers(trainer) if isinstance(logger, TensorBoardLogger) or
+            isinstance(logger, WandbLogger) and getattr(logger.experiment, "disabled", False) is not True]
+
+
 def wants_images(trainer) -> bool:
-    return any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in real_loggers(trainer))
+    return bool(image_loggers(trainer))
 
 
 @rank_zero_only

@@ -46,8 +46,8 @@ def attention_entropy(queries: Tensor, keys: Tensor, mask: Tensor, rows: Tensor,
                       ) -> tuple[Tensor, Tensor]:
     """The normalised attention entropy of the queries at positions `rows` [m] of each sequence: queries, keys
     [batch, seq, heads, head_dim], mask [batch, seq] bool (the keys and queries that exist) -> (sum over the counted
-    queries [heads] float64, their number). A query counts when its position holds a token and it has at least 2
-    keys (`causal`: the tokens at and before its position)."""
+    queries [heads] float64, their number: a 0-dim tensor, no wait for the device). A query counts when its position
+    holds a token and it has at least 2 keys (`causal`: the tokens at and before its position)."""
     picked = queries[:, rows]  # [batch, m, heads, d]
     scores = torch.einsum("bmhd,bshd->bhms", picked, keys) / math.sqrt(queries.shape[-1])
     visible = mask[:, None, :].expand(-1, len(rows), -1)  # [batch, m, seq]
@@ -59,7 +59,7 @@ def attention_entropy(queries: Tensor, keys: Tensor, mask: Tensor, rows: Tensor,
     counted = mask[:, rows] & (length >= 2)  # [batch, m]
     normalised = entropy / length.clamp_min(2).log().to(entropy)[:, None, :]
     total = (normalised * counted[:, None, :]).sum((0, 2), dtype=torch.float64)
-    return total, int(counted.sum())
+    return total, counted.sum()
 
 
 class QueryKeyGeometry(Metric):

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from core.norms import norm_affine
-from metrics.ranks import rank_by_magnitude, ranked, strictly_top, ties_by_magnitude
+from metrics.ranks import ranked, ranks_and_ties, strictly_top
 
 
 def trace_origins(model: nn.Module, dims: list[int]) -> dict:
@@ -37,7 +37,7 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     report: dict = {"position_embeddings": None, "position_embeddings_note": note, "layer_norms": {}}
     if table is not None:
         row_max, row_min = table.argmax(1), table.argmin(1)  # [positions]
-        column_rank, column_ties = rank_by_magnitude(table.mean(0)), ties_by_magnitude(table.mean(0))
+        column_rank, column_ties = ranks_and_ties(table.mean(0))
         report["position_embeddings"] = {
             "num_positions": int(table.shape[0]),
             "dims": {
@@ -77,11 +77,6 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
         report["layer_norms"][str(d)] = entries
     report["hidden_size"] = model.config.hidden_size
     return report
-
-
-def ranks_and_ties(values: Tensor) -> tuple[Tensor, Tensor]:
-    """(rank [hidden], ties [hidden]) by magnitude (metrics.ranks)."""
-    return rank_by_magnitude(values), ties_by_magnitude(values)
 
 
 def norms_note(model: nn.Module, norms: list) -> str:

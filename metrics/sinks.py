@@ -27,6 +27,7 @@ process's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -64,12 +65,14 @@ def attention_key_mass(queries: Tensor, keys: Tensor, key_mask: Tensor, query_ma
     return total / weight.sum(1).clamp_min(1)[:, None, None]
 
 
-def token_kinds(input_ids: Tensor, special_ids: list[int]) -> Tensor:
-    """[batch, seq] long: each token's index in `special_ids` (sorted, distinct), -1 for any other token; one pass
-    whatever the number of special ids (a hub tokenizer's hundreds of reserved tokens)."""
-    if not special_ids:
+def token_kinds(input_ids: Tensor, special_ids: Sequence[int] | Tensor) -> Tensor:
+    """[batch, seq] long: each token's index in `special_ids` (sorted, distinct; a tensor of them, on the ids' device,
+    saves a copy to the device per call), -1 for any other token; one pass whatever the number of special ids (a hub
+    tokenizer's hundreds of reserved tokens)."""
+    if len(special_ids) == 0:
         return torch.full_like(input_ids, -1)
-    ids = torch.tensor(special_ids, dtype=input_ids.dtype, device=input_ids.device)
+    ids = special_ids.to(input_ids) if isinstance(special_ids, Tensor) else \
+        torch.tensor(special_ids, dtype=input_ids.dtype, device=input_ids.device)
     index = torch.searchsorted(ids, input_ids).clamp_max(len(special_ids) - 1)
     return torch.where(ids[index] == input_ids, index, torch.full_like(input_ids, -1))
 

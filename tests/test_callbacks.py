@@ -758,6 +758,42 @@ def test_sanity_check_is_skipped_and_tensorboard_gets_scalars_and_images(corpus,
     assert "outliers_by_layer/table/text_summary" in events.Tags()["tensors"]
 
 
+def test_no_figure_is_drawn_for_a_disabled_wandb_run_and_tensorboard_beside_it_still_gets_it(tmp_path, monkeypatch):
+    """WANDB_MODE=disabled keeps nothing: a live figure is neither made nor encoded for it alone (its maker is never
+    called), and once a TensorBoard logger sits beside it the same figure is made once and TensorBoard holds it."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from callbacks.media import FIGURES
+    from callbacks.wandb_logging import wants_images
+    from core.figures import heatmap_figure
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    disabled = AutoWandbLogger(save_dir=str(tmp_path))
+    made = []
+
+    def make():
+        made.append(1)
+        return heatmap_figure(np.arange(6.0).reshape(2, 3), "dimension", "layer")
+
+    class Trainer:
+        loggers, is_global_zero, global_step = [disabled], True, 0
+
+    FIGURES.submit(Trainer, "outliers/by_layer", make, 4)
+    FIGURES.flush(Trainer)
+    assert disabled.mode == "disabled" and made == [] and not wants_images(Trainer)
+    Trainer.loggers = [disabled, TensorBoardLogger(str(tmp_path / "tb"))]
+    FIGURES.submit(Trainer, "outliers/by_layer", make, 4)
+    FIGURES.flush(Trainer)
+    assert made == [1] and wants_images(Trainer)
+    Trainer.loggers[1].experiment.flush()
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent),
+                              size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("outliers/by_layer")] == [4]
+    disabled.finalize("success")
+
+
 def test_fast_dev_run_neither_crashes_nor_logs(corpus, cache, tmp_path):
     root = tmp_path / "run"
     assert train.cli_main(tiny_args(root, corpus, cache, *callbacks(every=1, images=1, record=False),

@@ -171,6 +171,36 @@ def test_rank_by_magnitude():
     assert rank_by_magnitude(torch.tensor([0.5, -3.0, 2.0, -0.1])).tolist() == [3, 1, 2, 4]
 
 
+def test_ranks_and_ties_by_sorting_equal_the_direct_comparison_of_every_pair():
+    """The one-sort ranks and ties equal the [hidden, hidden] comparison they replace (rank = 1 + the strictly larger
+    |values|, ties = the others of the same |value|) on planted ties of both signs, -0.0, +-inf and NaN (rank 1, ties
+    -1, no effect on the others), in every float width; and by hand on a small vector."""
+    from metrics.ranks import ranks_and_ties, ties_by_magnitude
+
+    def direct(values):
+        magnitude = values.abs()
+        return ((magnitude[None, :] > magnitude[:, None]).sum(1) + 1,
+                (magnitude[None, :] == magnitude[:, None]).sum(1) - 1)
+
+    nan, inf = float("nan"), float("inf")
+    rank, ties = ranks_and_ties(torch.tensor([2.0, nan, -2.0, 0.5, inf, -0.0, 0.0, nan, -inf]))
+    assert rank.tolist() == [3, 1, 3, 5, 1, 6, 6, 1, 1] and ties.tolist() == [1, -1, 1, 0, 1, 1, 1, -1, 1]
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for size in (1, 2, 7, 64, 129):
+            values = torch.randint(-3, 4, (size,), generator=generator).to(dtype) / 2  # few distinct |values|: ties
+            pick = torch.rand(size, generator=generator)
+            values[pick < 0.1] = nan
+            values[(pick > 0.9) & (pick < 0.95)] = inf
+            values[pick > 0.95] = -inf
+            values[(pick > 0.4) & (pick < 0.5)] = -0.0
+            want_rank, want_ties = direct(values)
+            rank, ties = ranks_and_ties(values)
+            assert torch.equal(rank, want_rank) and torch.equal(ties, want_ties), (dtype, size)
+            assert torch.equal(rank_by_magnitude(values), want_rank) and torch.equal(ties_by_magnitude(values), want_ties)
+    assert ranks_and_ties(torch.tensor([]))[0].numel() == 0
+
+
 def test_mean_vectors_figure_plots_each_layers_mean_and_marks_the_outliers(tmp_path, bert_tok, sentences_file):
     import matplotlib.pyplot as plt
     from transformers import AutoModel
