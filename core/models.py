@@ -230,8 +230,7 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
         if isinstance(head, nn.Module):
             projection = families.output_projection(masked_lm)  # OPT-350m's head reads project_out's output
             head = head if projection is None else nn.Sequential(projection, head)
-            transform = logit_transform(getattr(masked_lm, "config", None))
-            return head if transform is None else lambda hidden: transform(head(hidden))
+            return transformed(head, logit_transform(getattr(masked_lm, "config", None)))
     transform, decoder = getattr(masked_lm, "head", None), getattr(masked_lm, "decoder", None)
     if isinstance(transform, nn.Module) and isinstance(decoder, nn.Linear):  # ModernBertForMaskedLM
         return lambda hidden: decoder(transform(hidden))
@@ -244,6 +243,12 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
     if isinstance(predictions, nn.Module) and isinstance(head, nn.Module):
         return lambda hidden: head(predictions(hidden))
     return None
+
+
+def transformed(head: Callable[[Tensor], Tensor], transform: Callable[[Tensor], Tensor] | None
+                ) -> Callable[[Tensor], Tensor]:
+    """`head`, followed by `transform` when there is one."""
+    return head if transform is None else lambda hidden: transform(head(hidden))
 
 
 def logit_transform(config) -> Callable[[Tensor], Tensor] | None:

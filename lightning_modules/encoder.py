@@ -289,14 +289,19 @@ class FrozenEncoder(nn.Module):
         """Within: every batch also holds `attention_mass` (EncodedBatch), from the model's own attention
         probabilities (output_attentions). SDPA and flash attention compute none, so the model runs with transformers'
         eager attention meanwhile (the same softmax(q k^T / sqrt(d) + mask); its hidden states differ from SDPA's by
-        float rounding); an implementation that returns its weights (eager, this project's clipped softmax) is kept.
-        The implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every
-        layer at once, [layers, batch, heads, seq, seq]."""
+        float rounding); an implementation that returns its weights (eager, this project's clipped softmax) is kept; a
+        model transformers cannot switch (Falcon) is NoFullAttention: no sinks rather than wrong ones. The
+        implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every layer
+        at once, [layers, batch, heads, seq, seq]."""
         config = self.model.config
         previous = getattr(config, "_attn_implementation", None)
         switch = previous not in (None, "eager", CLIPPED)
         if switch:
             self.model.set_attn_implementation("eager")
+            if getattr(config, "_attn_implementation", None) != "eager":  # transformers declined, with a warning
+                raise NoFullAttention(f"transformers cannot switch {type(self.model).__name__} to eager attention once "
+                                      f"loaded, and the weights it returns under {previous!r} come from a mask built "
+                                      "for SDPA, not its attention (Falcon)")
         self._attention = True
         try:
             yield self

@@ -40,6 +40,9 @@ def configs(vocab: int) -> dict:
         "deberta-v2": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
                                           position_buckets=16, pos_att_type=["c2p", "p2c"],
                                           norm_rel_ebd="layer_norm", share_att_key=True), relative),
+        "deberta-v2-conv": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
+                                               position_buckets=16, norm_rel_ebd="layer_norm", type_vocab_size=0,
+                                               conv_kernel_size=3), relative),  # deberta-v2-xlarge / xxlarge
         "megatron-bert": (tf.MegatronBertConfig(**common), table),  # pre-LN layers, a final norm: encoder.ln
         "xlm-roberta-xl": (tf.XLMRobertaXLConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
         "mpnet": (tf.MPNetConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
@@ -66,6 +69,9 @@ def configs(vocab: int) -> dict:
         "starcoder2": (tf.Starcoder2Config(**grouped), rotary),
         "falcon": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
                                    num_attention_heads=2, max_position_embeddings=POSITIONS, **ids), rotary),
+        "falcon-rw": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                                      num_attention_heads=2, max_position_embeddings=POSITIONS, alibi=True,
+                                      parallel_attn=False, bias=True, **ids), alibi),  # falcon-rw-1b
         "bloom": (tf.BloomConfig(vocab_size=vocab, hidden_size=WIDTH, n_layer=DEPTH, n_head=2, **ids), alibi),
         "mpt": (tf.MptConfig(vocab_size=vocab, d_model=WIDTH, n_layers=DEPTH, n_heads=2, max_seq_len=POSITIONS,
                              **ids), alibi),
@@ -136,13 +142,58 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
                for name, _, module in norms]
     named = {name for name, module in model.named_modules()  # OLMo-2's query and key norms are as wide, not hidden
              if type(module).__name__.endswith(("LayerNorm", "RMSNorm")) and not name.endswith(("q_norm", "k_norm"))
-             and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)}
+             and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)
+             and not (kind.startswith("deberta-v2") and name == "encoder.LayerNorm")}  # of its relative positions
     with torch.no_grad(), intervene(model, Intervention("layernorm_zero", dims=tuple(dims))):
         model(input_ids=torch.tensor([[5, 9, 14, 7]]))
     for handle in handles:
         handle.remove()
     assert norms and {name for name, _, _ in norms} == named and set(outputs) == named
     assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
+
+
+def test_deberta_v2_norms_are_traced_at_the_hidden_states_they_write(saved):
+    """DeBERTa-v2 xlarge / xxlarge add a convolution after layer 1, whose LayerNorm writes hidden_states[1]; the
+    encoder's own LayerNorm normalises the relative-position embeddings and writes no hidden state: each traced norm
+    whose output is one of transformers' hidden states is traced at that layer, and that norm is not traced."""
+    model = AutoModel.from_pretrained(saved["deberta-v2-conv"]).eval()
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
+               for name, module in model.named_modules() if type(module).__name__.endswith("LayerNorm")]
+    with torch.no_grad():
+        states = model(input_ids=torch.tensor([[5, 9, 14, 7, 21]]), output_hidden_states=True).hidden_states
+    for handle in handles:
+        handle.remove()
+    writes = {name: [layer for layer, state in enumerate(states)
+                     if out.shape == state.shape and torch.allclose(out, state)] for name, out in outputs.items()}
+    traced = {name: layers for name, layers, _ in layer_norms(model)}
+    assert writes["encoder.LayerNorm"] == [] and "encoder.LayerNorm" not in traced
+    assert writes["encoder.conv.LayerNorm"] == traced["encoder.conv.LayerNorm"] == [1]
+    assert all(traced[name] == layers for name, layers in writes.items() if layers)
+    assert len(traced) == len(outputs) - 1  # every other norm is traced
+
+
+def test_falcon_sinks_are_not_measured_rather_than_wrong(saved, tmp_path):
+    """transformers cannot switch Falcon's attention to eager once loaded with SDPA, and the weights it then returns
+    (output_attentions) are not its attention: `outliers` measures no sinks and says why, as for Longformer."""
+    import json
+
+    import analyze
+
+    ids = torch.tensor([[5, 9, 14, 7, 21]])
+    with torch.no_grad():
+        under_sdpa = AutoModel.from_pretrained(saved["falcon"]).eval()(input_ids=ids, output_attentions=True)
+        eager = AutoModel.from_pretrained(saved["falcon"], attn_implementation="eager").eval()(
+            input_ids=ids, output_attentions=True)
+    assert float(eager.attentions[0][0, :, 0, 1:].abs().max()) == 0.0  # causal: the first query sees itself only
+    assert float(under_sdpa.attentions[0][0, :, 0, 1:].min()) > 0.0  # what the sinks would have read
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="attention sinks not measured: transformers cannot switch FalconModel"):
+        assert analyze.main(["outliers", "--no_progress", "--encoder", str(saved["falcon"]), "--data", str(data),
+                             "--output_dir", str(tmp_path / "out"), "--max_length", "24"]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
