@@ -305,3 +305,26 @@ def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
     with pytest.raises(UserError, match="is a 'rwkv' model whose config names no attention heads"):
         load_encoder(str(path), device="cpu")
 
+
+
+def test_a_multimodal_model_is_one_line_that_says_so(roberta_tok, tmp_path, capsys):
+    """Gemma 3 from 4B (Gemma3ForConditionalGeneration) names its heads in text_config, not at the top of its config:
+    it is refused as the multimodal model it is, not as one without attention, with nothing written."""
+    import transformers as tf
+
+    import analyze
+
+    text = tf.Gemma3TextConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32)
+    vision = tf.SiglipVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision)
+    assert not getattr(config, "num_attention_heads", None) and config.get_text_config().num_attention_heads == 2
+    config.save_pretrained(tmp_path / "gemma3")
+    roberta_tok.save_pretrained(tmp_path / "gemma3")
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(tmp_path / "gemma3"), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out")]) == 2
+    assert "is a 'gemma3' multimodal model (its language model's config is its text_config)" in \
+        capsys.readouterr().err and not (tmp_path / "out").exists()
