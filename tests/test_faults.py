@@ -1004,6 +1004,10 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "an encoder-decoder model (T5, BART)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
     ],
+    ("analyze.py", "a multimodal model (Gemma 3 from 4B, Llama 4, Mistral 3, Qwen2.5-VL: the language model's config "
+                   "is its `text_config`)"): [
+        "test_more_families.py::test_a_multimodal_model_is_one_line_that_says_so",
+    ],
     ("analyze.py, probe.py, train.py", "a model without attention heads (RWKV, Mamba)"): [
         "test_more_families.py::test_a_model_without_attention_is_one_line",
     ],
