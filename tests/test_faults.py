@@ -526,6 +526,7 @@ ERROR_ROW_TESTS = {
     ],
     ('analyze.py', 'intervene: a position intervention on a model without an absolute position table (rotary, relative, none)'): [
         'test_intervene_families.py::test_what_a_family_cannot_take_is_one_line_and_writes_nothing',
+        'test_more_families.py::test_position_interventions_name_what_a_family_has_instead_of_a_table',
     ],
     ('analyze.py', "intervene: a position intervention on a model whose table is all zeros (this project's no-PE models)"): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',

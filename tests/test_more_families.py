@@ -152,6 +152,25 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
     assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
 
 
+@pytest.mark.parametrize("kind, instead", [("bloom", "ALiBi position biases inside attention"),
+                                            ("falcon-rw", "ALiBi position biases inside attention"),
+                                            ("deberta-v2", "relative position biases inside attention"),
+                                            ("xglm", "fixed sinusoidal positions")])
+def test_position_interventions_name_what_a_family_has_instead_of_a_table(kind, instead, saved, tmp_path, capsys):
+    """A family without an absolute table is refused in one line that names what it has, before anything is written."""
+    import analyze
+    from core.models import position_embedding
+
+    assert position_embedding(AutoModel.from_pretrained(saved[kind])) is None
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["intervene", "--no_progress", "--encoder", str(saved[kind]), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out"), "--interventions", "position_mean"]) == 2
+    assert f"position_mean needs an absolute position-embedding table, and {saved[kind]} has none ({instead})" in \
+        capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_deberta_v2_norms_are_traced_at_the_hidden_states_they_write(saved):
     """DeBERTa-v2 xlarge / xxlarge add a convolution after layer 1, whose LayerNorm writes hidden_states[1]; the
     encoder's own LayerNorm normalises the relative-position embeddings and writes no hidden state: each traced norm
