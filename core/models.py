@@ -142,6 +142,11 @@ def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, 
     if getattr(base_model(encoder), "embeddings_project", None) is not None:
         raise UserError(f"cannot read the attention of {name}: its layers read a projection of the embedding output, "
                         "not the hidden states")
+    relative_bias = getattr(getattr(base_model(encoder), "encoder", None), "relative_attention_bias", None)  # MPNet's
+    if families.attention_biases(encoder) == "relative" or isinstance(relative_bias, nn.Module):
+        raise UserError(f"cannot read the attention of {name}: its attention scores add relative-position terms to "
+                        "the queries' and keys' products (DeBERTa's disentangled attention, MPNet's relative bias), "
+                        "so queries and keys alone do not give its attention")
     found = []
     for number, layer in enumerate(layers, 1):
         attention = getattr(layer, "attention", None)

@@ -881,6 +881,7 @@ ERROR_ROW_TESTS = {
     ("a Trainer with AttentionGeometry",
      "a model whose attention cannot be read (its queries and keys are no projection of the hidden states)"): [
         "test_callbacks.py::test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_line",
+        "test_more_families.py::test_attention_geometry_of_relative_position_biases_is_one_line_that_says_why",
     ],
     ('train.py', '`--trainer.max_steps` or `--trainer.max_epochs` below -1'): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',

@@ -171,6 +171,27 @@ def test_position_interventions_name_what_a_family_has_instead_of_a_table(kind, 
         capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+def test_attention_geometry_of_relative_position_biases_is_one_line_that_says_why(saved):
+    """DeBERTa and MPNet add relative-position terms to q k^T: MPNet's attention weights are not the softmax of its
+    queries' and keys' products (computed here from its first layer's projections of hidden_states[0]), so the live
+    AttentionGeometry, which reads queries and keys, refuses both and says why."""
+    from core.errors import UserError
+    from core.models import attention_projections
+
+    model = AutoModel.from_pretrained(saved["mpnet"], attn_implementation="eager").eval()
+    with torch.no_grad():
+        output = model(input_ids=torch.tensor([[0, 9, 14, 7, 21, 2]]), output_hidden_states=True,
+                       output_attentions=True)
+        attention = model.encoder.layer[0].attention.attn
+        queries, keys = (projection(output.hidden_states[0]).view(1, 6, 2, WIDTH // 2).transpose(1, 2)
+                         for projection in (attention.q, attention.k))
+        products = (queries @ keys.transpose(-1, -2) / (WIDTH // 2) ** 0.5).softmax(-1)
+    assert not torch.allclose(products, output.attentions[0], atol=1e-3)
+    for kind in ("mpnet", "deberta-v2"):
+        with pytest.raises(UserError, match="add relative-position terms to the queries' and keys' products"):
+            attention_projections(AutoModel.from_pretrained(saved[kind]))
+
+
 def test_deberta_v2_norms_are_traced_at_the_hidden_states_they_write(saved):
     """DeBERTa-v2 xlarge / xxlarge add a convolution after layer 1, whose LayerNorm writes hidden_states[1]; the
     encoder's own LayerNorm normalises the relative-position embeddings and writes no hidden state: each traced norm
