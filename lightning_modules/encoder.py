@@ -103,7 +103,8 @@ def resolve_model_dir(source: str | Path) -> str:
 
 
 class NoFullAttention(UserError):
-    """The model's attention weights are not a [batch, heads, seq, seq] matrix: the attention sinks cannot be read."""
+    """The model's attention weights are not a [batch, heads, seq, seq] matrix, or there are none (BigBird's after
+    its fall-back to full attention), or they are not its attention (Falcon's): the attention sinks cannot be read."""
 
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -273,9 +274,11 @@ class FrozenEncoder(nn.Module):
                              num_special_in_text=int(in_text.sum()))
         if self._attention:
             attentions = getattr(output, "attentions", None)
-            if not attentions or any(weights is None for weights in attentions):
-                raise UserError(f"{self.name} returns no attention weights (its attention implementation "
-                                f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none)")
+            if not attentions or any(weights is None for weights in attentions):  # BigBird once it falls back
+                raise NoFullAttention(f"{self.name} returns no attention weights (its attention implementation "
+                                      f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none; "
+                                      "BigBird's once a sentence too short for block-sparse attention switches it to "
+                                      "full attention)")
             seq = input_ids.shape[1]
             if any(tuple(weights.shape[-2:]) != (seq, seq) for weights in attentions):
                 raise NoFullAttention(f"{self.name} returns attention weights of shape "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModel
+from transformers import AutoModel, AutoTokenizer
 
 from core.capture import HiddenStateCapture
 from core.models import hidden_state_sites, layer_norms, model_family
@@ -49,6 +49,7 @@ def configs(vocab: int) -> dict:
         "electra": (tf.ElectraConfig(**common, embedding_size=8), table),
         "esm": (tf.EsmConfig(**common, position_embedding_type="rotary", mask_token_id=3), rotary),
         "big_bird": (tf.BigBirdConfig(**common, attention_type="original_full"), table),
+        "big_bird-sparse": (tf.BigBirdConfig(**common, block_size=8, num_random_blocks=3), table),  # google's: 64, 3
         "gpt_neo": (tf.GPTNeoConfig(vocab_size=vocab, hidden_size=WIDTH, num_layers=DEPTH, num_heads=2,
                                     intermediate_size=32, max_position_embeddings=POSITIONS,
                                     attention_types=[[["global", "local"], 1]], window_size=4, **ids), table),
@@ -329,6 +330,28 @@ def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_
     assert "Longformer's windowed" in report["attention_sinks_note"]
     assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
     assert report["num_tokens"] == sum(min(len(roberta_tok(text)["input_ids"]), 24) for text in TEXTS)
+
+
+def test_block_sparse_bigbird_is_read_and_its_missing_attention_weights_are_said(saved, tmp_path):
+    """BigBird's released checkpoints are block-sparse; a sentence shorter than its sparse pattern (704 tokens for
+    google's) switches it to full attention, after which transformers returns no attention weights: `outliers` reads
+    the hidden states and says why the sinks are not measured, instead of failing."""
+    import json
+
+    import analyze
+
+    model = AutoModel.from_pretrained(saved["big_bird-sparse"]).eval()
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[5, 9, 14, 7, 21]]), output_attentions=True).attentions == ()
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="attention sinks not measured: .* returns no attention weights"):
+        assert analyze.main(["outliers", "--no_progress", "--encoder", str(saved["big_bird-sparse"]), "--data",
+                             str(data), "--output_dir", str(tmp_path / "out"), "--max_length", "24"]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
+    assert report["num_tokens"] == sum(min(len(AutoTokenizer.from_pretrained(saved["big_bird-sparse"])(text)[
+        "input_ids"]), 24) for text in TEXTS)
 
 
 def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
