@@ -155,8 +155,11 @@ def position_table(model: nn.Module) -> tuple[nn.Embedding, int] | None:
 
 def is_rotary(model: nn.Module) -> bool:
     """Rotary position embeddings inside attention: a `*Rotary*` module (Llama, Qwen, GPT-NeoX, ModernBERT) or
-    RoFormer's rotary sinusoids (config.rotary_value)."""
+    RoFormer's rotary sinusoids (config.rotary_value); not when the config asks for ALiBi (Falcon builds its rotary
+    module whatever `alibi` says, and with alibi true its attention never applies it: falcon-rw-1b)."""
     config = getattr(model, "config", None)
+    if getattr(config, "alibi", False):
+        return False
     return hasattr(config, "rotary_value") or any("Rotary" in type(m).__name__ for m in model.modules())
 
 

@@ -22,6 +22,7 @@ import contextlib
 import re
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from core import families
@@ -73,7 +74,7 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Where hidden_states[0..L] are read by hooks, as (module, "input" | "output"): BERT's layout the outputs of
     `encoder_layers` (layer 0: of the embeddings' projection to the hidden size when there is one: ELECTRA's and
-    RoFormer's `embeddings_project`); a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's
+    RoFormer's `embeddings_project`; layer 1: of DeBERTa-v2's `encoder.conv` when there is one); a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's
     input, the layers' outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
@@ -89,6 +90,9 @@ def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     project = getattr(base_model(find_encoder(model) or model), "embeddings_project", None)
     if isinstance(project, nn.Module):
         modules[0] = project
+    conv = getattr(layer_stack(model), "conv", None)
+    if isinstance(conv, nn.Module):  # DeBERTa-v2 xlarge / xxlarge: a convolution after layer 1 writes hidden_states[1]
+        modules[1] = conv
     return [(module, "output") for module in modules]
 
 
@@ -138,6 +142,11 @@ def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, 
     if getattr(base_model(encoder), "embeddings_project", None) is not None:
         raise UserError(f"cannot read the attention of {name}: its layers read a projection of the embedding output, "
                         "not the hidden states")
+    relative_bias = getattr(getattr(base_model(encoder), "encoder", None), "relative_attention_bias", None)  # MPNet's
+    if families.attention_biases(encoder) == "relative" or isinstance(relative_bias, nn.Module):
+        raise UserError(f"cannot read the attention of {name}: its attention scores add relative-position terms to "
+                        "the queries' and keys' products (DeBERTa's disentangled attention, MPNet's relative bias), "
+                        "so queries and keys alone do not give its attention")
     found = []
     for number, layer in enumerate(layers, 1):
         attention = getattr(layer, "attention", None)
@@ -219,12 +228,14 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
     [..., vocab rows]: `lm_head` (RoBERTa and its kin; GPT-2, Llama, OPT: OPT-350m's after its `project_out`), `cls`
     (BERT, RoFormer), `predictions` (ALBERT), `embed_out` (GPT-NeoX), ModernBERT's head -> decoder, DistilBERT's
     vocab_transform -> activation -> vocab_layer_norm -> vocab_projector, ELECTRA's generator_predictions ->
-    generator_lm_head; None for a layout not among these (or a bare encoder)."""
+    generator_lm_head; None for a layout not among these (or a bare encoder). What the model does to the head's
+    output before its loss is done too (logit_transform: Gemma 2's soft-capping)."""
     for name in ("lm_head", "cls", "predictions", "embed_out"):
         head = getattr(masked_lm, name, None)
         if isinstance(head, nn.Module):
             projection = families.output_projection(masked_lm)  # OPT-350m's head reads project_out's output
-            return head if projection is None else nn.Sequential(projection, head)
+            head = head if projection is None else nn.Sequential(projection, head)
+            return transformed(head, logit_transform(getattr(masked_lm, "config", None)))
     transform, decoder = getattr(masked_lm, "head", None), getattr(masked_lm, "decoder", None)
     if isinstance(transform, nn.Module) and isinstance(decoder, nn.Linear):  # ModernBertForMaskedLM
         return lambda hidden: decoder(transform(hidden))
@@ -236,6 +247,27 @@ def mlm_head(masked_lm: nn.Module) -> Callable[[Tensor], Tensor] | None:
     predictions, head = getattr(masked_lm, "generator_predictions", None), getattr(masked_lm, "generator_lm_head", None)
     if isinstance(predictions, nn.Module) and isinstance(head, nn.Module):
         return lambda hidden: head(predictions(hidden))
+    return None
+
+
+def transformed(head: Callable[[Tensor], Tensor], transform: Callable[[Tensor], Tensor] | None
+                ) -> Callable[[Tensor], Tensor]:
+    """`head`, followed by `transform` when there is one."""
+    return head if transform is None else lambda hidden: transform(head(hidden))
+
+
+def logit_transform(config) -> Callable[[Tensor], Tensor] | None:
+    """What a causal LM does to its head's logits before its loss, named in its config: Gemma 2's (and Gemma 3's, when
+    set) `final_logit_softcapping` c (c * tanh(logits / c)), Cohere's `logit_scale` (times it), Granite's
+    `logits_scaling` (divided by it); None when none is named."""
+    cap, scale, divisor = (getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale",
+                                                                     "logits_scaling"))
+    if cap:
+        return lambda logits: torch.tanh(logits / cap) * cap
+    if isinstance(scale, (int, float)) and scale != 1:
+        return lambda logits: logits * scale
+    if isinstance(divisor, (int, float)) and divisor not in (0, 1):
+        return lambda logits: logits / divisor
     return None
 
 
@@ -305,14 +337,20 @@ def position_rows(model: nn.Module) -> tuple[Tensor | None, str]:
 
 def written_layers(model: nn.Module, name: str) -> list[int]:
     """The hidden-state layers the module `name` writes: [l] for a module of transformer layer l - 1 (BERT's
-    encoder.layer.{l-1}, DistilBERT's transformer.layer.{l-1}), [0] outside the layers, and every layer that runs
-    the group for ALBERT's shared encoder.albert_layer_groups.{g} (layer i uses group i // (layers / groups))."""
+    encoder.layer.{l-1}, DistilBERT's transformer.layer.{l-1}), [0] for one of the embeddings, every layer that runs
+    the group for ALBERT's shared encoder.albert_layer_groups.{g} (layer i uses group i // (layers / groups)), [1] for
+    DeBERTa-v2's `encoder.conv` (it writes hidden_states[1]: hidden_state_sites), and [] for anything else, which
+    writes no hidden state (DeBERTa-v2's `encoder.LayerNorm` normalises its relative-position embeddings)."""
     group = re.search(r"layer_groups\.(\d+)\.", name + ".")
     if group:
         layers, groups = model.config.num_hidden_layers, model.config.num_hidden_groups
         return [i + 1 for i in range(layers) if int(i / (layers / groups)) == int(group.group(1))]
     match = re.search(r"layers?\.(\d+)\.", name + ".")
-    return [int(match.group(1)) + 1 if match else 0]
+    if match:
+        return [int(match.group(1)) + 1]
+    if re.search(r"(^|\.)encoder\.conv\.", name):
+        return [1]
+    return [0] if "embed" in name else []
 
 
 QUERY_KEY_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm", "q_ln", "k_ln")
@@ -323,14 +361,16 @@ def layer_norms(model: nn.Module) -> list[tuple[str, list[int], nn.Module]]:
     hidden size, in model order. In a decoder stack the layers are those of core.families.norm_placement (a pre-LN
     norm inside layer l: [l]; the final norm: [L]); norms of a head outside the model's body are left out, and so are
     the norms of queries and keys (OLMo-2's `q_norm` over all heads is as wide as the hidden size, but its dims are a
-    projection's, not the hidden state's)."""
+    projection's, not the hidden state's) and norms that write no hidden state (DeBERTa-v2's `encoder.LayerNorm` of
+    its relative-position embeddings: written_layers)."""
     hidden = model.config.hidden_size
     found = []
     for name, module in model.named_modules():
         if is_norm(module, hidden) and name.rsplit(".", 1)[-1] not in QUERY_KEY_NORMS:
             placed = families.norm_placement(model, module)
-            if placed is None or placed[0]:
-                found.append((name, placed[0] if placed is not None else written_layers(model, name), module))
+            written = placed[0] if placed is not None else written_layers(model, name)
+            if written:
+                found.append((name, written, module))
     return found
 
 

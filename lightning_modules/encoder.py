@@ -103,7 +103,8 @@ def resolve_model_dir(source: str | Path) -> str:
 
 
 class NoFullAttention(UserError):
-    """The model's attention weights are not a [batch, heads, seq, seq] matrix: the attention sinks cannot be read."""
+    """The model's attention weights are not a [batch, heads, seq, seq] matrix, or there are none (BigBird's after
+    its fall-back to full attention), or they are not its attention (Falcon's): the attention sinks cannot be read."""
 
 
 def load_encoder(source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -273,9 +274,11 @@ class FrozenEncoder(nn.Module):
                              num_special_in_text=int(in_text.sum()))
         if self._attention:
             attentions = getattr(output, "attentions", None)
-            if not attentions or any(weights is None for weights in attentions):
-                raise UserError(f"{self.name} returns no attention weights (its attention implementation "
-                                f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none)")
+            if not attentions or any(weights is None for weights in attentions):  # BigBird once it falls back
+                raise NoFullAttention(f"{self.name} returns no attention weights (its attention implementation "
+                                      f"{getattr(self.model.config, '_attn_implementation', None)!r} computes none; "
+                                      "BigBird's once a sentence too short for block-sparse attention switches it to "
+                                      "full attention)")
             seq = input_ids.shape[1]
             if any(tuple(weights.shape[-2:]) != (seq, seq) for weights in attentions):
                 raise NoFullAttention(f"{self.name} returns attention weights of shape "
@@ -289,14 +292,19 @@ class FrozenEncoder(nn.Module):
         """Within: every batch also holds `attention_mass` (EncodedBatch), from the model's own attention
         probabilities (output_attentions). SDPA and flash attention compute none, so the model runs with transformers'
         eager attention meanwhile (the same softmax(q k^T / sqrt(d) + mask); its hidden states differ from SDPA's by
-        float rounding); an implementation that returns its weights (eager, this project's clipped softmax) is kept.
-        The implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every
-        layer at once, [layers, batch, heads, seq, seq]."""
+        float rounding); an implementation that returns its weights (eager, this project's clipped softmax) is kept; a
+        model transformers cannot switch (Falcon) is NoFullAttention: no sinks rather than wrong ones. The
+        implementation is restored on exit, on an error too. Memory: a batch's attention probabilities of every layer
+        at once, [layers, batch, heads, seq, seq]."""
         config = self.model.config
         previous = getattr(config, "_attn_implementation", None)
         switch = previous not in (None, "eager", CLIPPED)
         if switch:
             self.model.set_attn_implementation("eager")
+            if getattr(config, "_attn_implementation", None) != "eager":  # transformers declined, with a warning
+                raise NoFullAttention(f"transformers cannot switch {type(self.model).__name__} to eager attention once "
+                                      f"loaded, and the weights it returns under {previous!r} come from a mask built "
+                                      "for SDPA, not its attention (Falcon)")
         self._attention = True
         try:
             yield self

@@ -97,8 +97,10 @@ def check_intervention(model: nn.Module, name: str, what: str = "the model") -> 
             raise UserError(f"{name} needs an absolute position-embedding table, and {what} has rotary positions "
                             "(RoPE rotates queries and keys inside attention): there is no table to intervene on")
         if table is None:
-            raise UserError(f"{name} needs an absolute position-embedding table, and {what} has none (relative "
-                            "positions, or none)")
+            biases = families.attention_biases(model)  # ALiBi (BLOOM, MPT, Falcon-RW) or relative (DeBERTa)
+            how = (f"{biases} position biases inside attention" if biases else "fixed sinusoidal positions"
+                   if families.is_sinusoidal(model) else "relative positions, or none")
+            raise UserError(f"{name} needs an absolute position-embedding table, and {what} has none ({how})")
         if not table.weight.detach().any():
             raise UserError(f"{name} needs an absolute position-embedding table, and that of {what} is all zeros "
                             "(trained without positional embeddings): there is no position information to remove")

@@ -101,6 +101,9 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
                         "models are analysed")
     if decoder and not decoders:
         raise UserError(f"{source} is a {config.model_type!r} model, not a BERT-family (masked-LM) encoder")
+    if config.get_text_config() is not config:  # Gemma 3 from 4B, Llama 4, Mistral 3, Qwen2.5-VL
+        raise UserError(f"{source} is a {config.model_type!r} multimodal model (its language model's config is its "
+                        "text_config): only text encoders and decoder-only models are analysed")
     if not getattr(config, "num_attention_heads", None):
         raise UserError(f"{source} is a {config.model_type!r} model whose config names no attention heads "
                         "(num_attention_heads: a recurrent or state-space model has none): only transformers are analysed")

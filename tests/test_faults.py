@@ -526,6 +526,7 @@ ERROR_ROW_TESTS = {
     ],
     ('analyze.py', 'intervene: a position intervention on a model without an absolute position table (rotary, relative, none)'): [
         'test_intervene_families.py::test_what_a_family_cannot_take_is_one_line_and_writes_nothing',
+        'test_more_families.py::test_position_interventions_name_what_a_family_has_instead_of_a_table',
     ],
     ('analyze.py', "intervene: a position intervention on a model whose table is all zeros (this project's no-PE models)"): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
@@ -880,6 +881,7 @@ ERROR_ROW_TESTS = {
     ("a Trainer with AttentionGeometry",
      "a model whose attention cannot be read (its queries and keys are no projection of the hidden states)"): [
         "test_callbacks.py::test_a_model_whose_attention_cannot_be_read_is_refused_at_setup_with_one_line",
+        "test_more_families.py::test_attention_geometry_of_relative_position_biases_is_one_line_that_says_why",
     ],
     ('train.py', '`--trainer.max_steps` or `--trainer.max_epochs` below -1'): [
         'test_lightning_refusals.py::test_train_refuses_the_trainers_options_in_one_line_and_writes_nothing',
@@ -1003,6 +1005,10 @@ ERROR_ROW_TESTS = {
     ],
     ("analyze.py", "an encoder-decoder model (T5, BART)"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",
+    ],
+    ("analyze.py", "a multimodal model (Gemma 3 from 4B, Llama 4, Mistral 3, Qwen2.5-VL: the language model's config "
+                   "is its `text_config`)"): [
+        "test_more_families.py::test_a_multimodal_model_is_one_line_that_says_so",
     ],
     ("analyze.py, probe.py, train.py", "a model without attention heads (RWKV, Mamba)"): [
         "test_more_families.py::test_a_model_without_attention_is_one_line",

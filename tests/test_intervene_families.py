@@ -126,6 +126,27 @@ def test_lm_heads_of_gpt_neox_and_modernbert_give_the_models_own_logits():
             torch.testing.assert_close(logits, model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("kind, setting", [("Gemma2", dict(final_logit_softcapping=2.0, head_dim=8)),
+                                           ("Cohere", dict(logit_scale=0.25)), ("Granite", dict(logits_scaling=4.0))])
+def test_lm_heads_transform_their_logits_as_the_model_does(kind, setting):
+    """Gemma 2 soft-caps its logits (c * tanh(logits / c)), Cohere scales them, Granite divides them: the head
+    core.models.mlm_head reads (and the next-token loss of `intervene` with it) gives the model's own logits, which
+    its bare lm_head does not."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = getattr(tf, f"{kind}Config")(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, intermediate_size=32, **setting)
+    model = getattr(tf, f"{kind}ForCausalLM")(config).eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits well beyond the cap
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+        logits = model(input_ids=ids).logits
+        torch.testing.assert_close(mlm_head(model)(hidden), logits)
+        assert not torch.allclose(model.lm_head(hidden), logits, atol=1e-2)
+
+
 def hand_next_token_loss(model, tokenizer, texts: list[str], max_length: int) -> tuple[float, int]:
     """Each sentence alone (no padding), transformers' own causal-LM loss (labels = the input ids: it shifts them),
     weighted by its number of predicted tokens."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModel
+from transformers import AutoModel, AutoTokenizer
 
 from core.capture import HiddenStateCapture
 from core.models import hidden_state_sites, layer_norms, model_family
@@ -40,12 +40,16 @@ def configs(vocab: int) -> dict:
         "deberta-v2": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
                                           position_buckets=16, pos_att_type=["c2p", "p2c"],
                                           norm_rel_ebd="layer_norm", share_att_key=True), relative),
+        "deberta-v2-conv": (tf.DebertaV2Config(**common, relative_attention=True, position_biased_input=False,
+                                               position_buckets=16, norm_rel_ebd="layer_norm", type_vocab_size=0,
+                                               conv_kernel_size=3), relative),  # deberta-v2-xlarge / xxlarge
         "megatron-bert": (tf.MegatronBertConfig(**common), table),  # pre-LN layers, a final norm: encoder.ln
         "xlm-roberta-xl": (tf.XLMRobertaXLConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
         "mpnet": (tf.MPNetConfig(**{**common, "max_position_embeddings": POSITIONS + 2}), table),
         "electra": (tf.ElectraConfig(**common, embedding_size=8), table),
         "esm": (tf.EsmConfig(**common, position_embedding_type="rotary", mask_token_id=3), rotary),
         "big_bird": (tf.BigBirdConfig(**common, attention_type="original_full"), table),
+        "big_bird-sparse": (tf.BigBirdConfig(**common, block_size=8, num_random_blocks=3), table),  # google's: 64, 3
         "gpt_neo": (tf.GPTNeoConfig(vocab_size=vocab, hidden_size=WIDTH, num_layers=DEPTH, num_heads=2,
                                     intermediate_size=32, max_position_embeddings=POSITIONS,
                                     attention_types=[[["global", "local"], 1]], window_size=4, **ids), table),
@@ -66,6 +70,9 @@ def configs(vocab: int) -> dict:
         "starcoder2": (tf.Starcoder2Config(**grouped), rotary),
         "falcon": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
                                    num_attention_heads=2, max_position_embeddings=POSITIONS, **ids), rotary),
+        "falcon-rw": (tf.FalconConfig(vocab_size=vocab, hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                                      num_attention_heads=2, max_position_embeddings=POSITIONS, alibi=True,
+                                      parallel_attn=False, bias=True, **ids), alibi),  # falcon-rw-1b
         "bloom": (tf.BloomConfig(vocab_size=vocab, hidden_size=WIDTH, n_layer=DEPTH, n_head=2, **ids), alibi),
         "mpt": (tf.MptConfig(vocab_size=vocab, d_model=WIDTH, n_layers=DEPTH, n_heads=2, max_seq_len=POSITIONS,
                              **ids), alibi),
@@ -136,13 +143,98 @@ def test_layernorm_zero_reaches_every_norm(kind, saved):
                for name, _, module in norms]
     named = {name for name, module in model.named_modules()  # OLMo-2's query and key norms are as wide, not hidden
              if type(module).__name__.endswith(("LayerNorm", "RMSNorm")) and not name.endswith(("q_norm", "k_norm"))
-             and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)}
+             and tuple(getattr(module, "weight", torch.ones(WIDTH)).shape) == (WIDTH,)
+             and not (kind.startswith("deberta-v2") and name == "encoder.LayerNorm")}  # of its relative positions
     with torch.no_grad(), intervene(model, Intervention("layernorm_zero", dims=tuple(dims))):
         model(input_ids=torch.tensor([[5, 9, 14, 7]]))
     for handle in handles:
         handle.remove()
     assert norms and {name for name, _, _ in norms} == named and set(outputs) == named
     assert all(float(out[..., dims].abs().max()) == 0.0 and float(out.abs().max()) > 0 for out in outputs.values())
+
+
+@pytest.mark.parametrize("kind, instead", [("bloom", "ALiBi position biases inside attention"),
+                                            ("falcon-rw", "ALiBi position biases inside attention"),
+                                            ("deberta-v2", "relative position biases inside attention"),
+                                            ("xglm", "fixed sinusoidal positions")])
+def test_position_interventions_name_what_a_family_has_instead_of_a_table(kind, instead, saved, tmp_path, capsys):
+    """A family without an absolute table is refused in one line that names what it has, before anything is written."""
+    import analyze
+    from core.models import position_embedding
+
+    assert position_embedding(AutoModel.from_pretrained(saved[kind])) is None
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["intervene", "--no_progress", "--encoder", str(saved[kind]), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out"), "--interventions", "position_mean"]) == 2
+    assert f"position_mean needs an absolute position-embedding table, and {saved[kind]} has none ({instead})" in \
+        capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_attention_geometry_of_relative_position_biases_is_one_line_that_says_why(saved):
+    """DeBERTa and MPNet add relative-position terms to q k^T: MPNet's attention weights are not the softmax of its
+    queries' and keys' products (computed here from its first layer's projections of hidden_states[0]), so the live
+    AttentionGeometry, which reads queries and keys, refuses both and says why."""
+    from core.errors import UserError
+    from core.models import attention_projections
+
+    model = AutoModel.from_pretrained(saved["mpnet"], attn_implementation="eager").eval()
+    with torch.no_grad():
+        output = model(input_ids=torch.tensor([[0, 9, 14, 7, 21, 2]]), output_hidden_states=True,
+                       output_attentions=True)
+        attention = model.encoder.layer[0].attention.attn
+        queries, keys = (projection(output.hidden_states[0]).view(1, 6, 2, WIDTH // 2).transpose(1, 2)
+                         for projection in (attention.q, attention.k))
+        products = (queries @ keys.transpose(-1, -2) / (WIDTH // 2) ** 0.5).softmax(-1)
+    assert not torch.allclose(products, output.attentions[0], atol=1e-3)
+    for kind in ("mpnet", "deberta-v2"):
+        with pytest.raises(UserError, match="add relative-position terms to the queries' and keys' products"):
+            attention_projections(AutoModel.from_pretrained(saved[kind]))
+
+
+def test_deberta_v2_norms_are_traced_at_the_hidden_states_they_write(saved):
+    """DeBERTa-v2 xlarge / xxlarge add a convolution after layer 1, whose LayerNorm writes hidden_states[1]; the
+    encoder's own LayerNorm normalises the relative-position embeddings and writes no hidden state: each traced norm
+    whose output is one of transformers' hidden states is traced at that layer, and that norm is not traced."""
+    model = AutoModel.from_pretrained(saved["deberta-v2-conv"]).eval()
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out))
+               for name, module in model.named_modules() if type(module).__name__.endswith("LayerNorm")]
+    with torch.no_grad():
+        states = model(input_ids=torch.tensor([[5, 9, 14, 7, 21]]), output_hidden_states=True).hidden_states
+    for handle in handles:
+        handle.remove()
+    writes = {name: [layer for layer, state in enumerate(states)
+                     if out.shape == state.shape and torch.allclose(out, state)] for name, out in outputs.items()}
+    traced = {name: layers for name, layers, _ in layer_norms(model)}
+    assert writes["encoder.LayerNorm"] == [] and "encoder.LayerNorm" not in traced
+    assert writes["encoder.conv.LayerNorm"] == traced["encoder.conv.LayerNorm"] == [1]
+    assert all(traced[name] == layers for name, layers in writes.items() if layers)
+    assert len(traced) == len(outputs) - 1  # every other norm is traced
+
+
+def test_falcon_sinks_are_not_measured_rather_than_wrong(saved, tmp_path):
+    """transformers cannot switch Falcon's attention to eager once loaded with SDPA, and the weights it then returns
+    (output_attentions) are not its attention: `outliers` measures no sinks and says why, as for Longformer."""
+    import json
+
+    import analyze
+
+    ids = torch.tensor([[5, 9, 14, 7, 21]])
+    with torch.no_grad():
+        under_sdpa = AutoModel.from_pretrained(saved["falcon"]).eval()(input_ids=ids, output_attentions=True)
+        eager = AutoModel.from_pretrained(saved["falcon"], attn_implementation="eager").eval()(
+            input_ids=ids, output_attentions=True)
+    assert float(eager.attentions[0][0, :, 0, 1:].abs().max()) == 0.0  # causal: the first query sees itself only
+    assert float(under_sdpa.attentions[0][0, :, 0, 1:].min()) > 0.0  # what the sinks would have read
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="attention sinks not measured: transformers cannot switch FalconModel"):
+        assert analyze.main(["outliers", "--no_progress", "--encoder", str(saved["falcon"]), "--data", str(data),
+                             "--output_dir", str(tmp_path / "out"), "--max_length", "24"]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -240,6 +332,28 @@ def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_
     assert report["num_tokens"] == sum(min(len(roberta_tok(text)["input_ids"]), 24) for text in TEXTS)
 
 
+def test_block_sparse_bigbird_is_read_and_its_missing_attention_weights_are_said(saved, tmp_path):
+    """BigBird's released checkpoints are block-sparse; a sentence shorter than its sparse pattern (704 tokens for
+    google's) switches it to full attention, after which transformers returns no attention weights: `outliers` reads
+    the hidden states and says why the sinks are not measured, instead of failing."""
+    import json
+
+    import analyze
+
+    model = AutoModel.from_pretrained(saved["big_bird-sparse"]).eval()
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[5, 9, 14, 7, 21]]), output_attentions=True).attentions == ()
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="attention sinks not measured: .* returns no attention weights"):
+        assert analyze.main(["outliers", "--no_progress", "--encoder", str(saved["big_bird-sparse"]), "--data",
+                             str(data), "--output_dir", str(tmp_path / "out"), "--max_length", "24"]) == 0
+    report = json.loads((tmp_path / "out" / "outliers.json").read_text())
+    assert [row["attention_sinks"] for row in report["layers"]] == [None] * (DEPTH + 1)
+    assert report["num_tokens"] == sum(min(len(AutoTokenizer.from_pretrained(saved["big_bird-sparse"])(text)[
+        "input_ids"]), 24) for text in TEXTS)
+
+
 def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
     """RWKV (recurrent) has a block list and norms, but no attention: it is refused before anything is read."""
     import transformers as tf
@@ -254,3 +368,26 @@ def test_a_model_without_attention_is_one_line(roberta_tok, tmp_path):
     with pytest.raises(UserError, match="is a 'rwkv' model whose config names no attention heads"):
         load_encoder(str(path), device="cpu")
 
+
+
+def test_a_multimodal_model_is_one_line_that_says_so(roberta_tok, tmp_path, capsys):
+    """Gemma 3 from 4B (Gemma3ForConditionalGeneration) names its heads in text_config, not at the top of its config:
+    it is refused as the multimodal model it is, not as one without attention, with nothing written."""
+    import transformers as tf
+
+    import analyze
+
+    text = tf.Gemma3TextConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32)
+    vision = tf.SiglipVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision)
+    assert not getattr(config, "num_attention_heads", None) and config.get_text_config().num_attention_heads == 2
+    config.save_pretrained(tmp_path / "gemma3")
+    roberta_tok.save_pretrained(tmp_path / "gemma3")
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(tmp_path / "gemma3"), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out")]) == 2
+    assert "is a 'gemma3' multimodal model (its language model's config is its text_config)" in \
+        capsys.readouterr().err and not (tmp_path / "out").exists()
