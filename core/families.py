@@ -13,8 +13,8 @@ Layers follow transformers' `hidden_states`: 0 is the input of the first transfo
 l the output of layer l for l < L; for models with a final norm (GPT-2's ln_f, Llama's norm, GPT-NeoX's and OPT's
 final_layer_norm, ModernBERT's final_norm) layer L is the last layer's output after that norm (transformers replaces
 the last entry with `last_hidden_state`), except that a projection after the stack to another width (OPT-350m's
-`project_out`) is not a layer: layer L is its input (`output_projection`). BERT-family encoders (post-LN: every layer ends in its LayerNorm) have no
-final norm: layer L is the last layer's output. docs/families.md has the table.
+`project_out`) is not a layer: layer L is its input (`output_projection`). BERT-family encoders (post-LN: every
+layer ends in its LayerNorm) have no final norm: layer L is the last layer's output. docs/families.md has the table.
 """
 
 from __future__ import annotations

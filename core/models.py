@@ -74,8 +74,9 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 def hidden_state_sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Where hidden_states[0..L] are read by hooks, as (module, "input" | "output"): BERT's layout the outputs of
     `encoder_layers` (layer 0: of the embeddings' projection to the hidden size when there is one: ELECTRA's and
-    RoFormer's `embeddings_project`; layer 1: of DeBERTa-v2's `encoder.conv` when there is one); a decoder stack (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's
-    input, the layers' outputs and the final norm's (core/families.py), as transformers' `hidden_states` holds them."""
+    RoFormer's `embeddings_project`; layer 1: of DeBERTa-v2's `encoder.conv` when there is one); a decoder stack
+    (GPT-2, Llama, GPT-NeoX, OPT, ModernBERT) the first layer's input, the layers' outputs and the final norm's
+    (core/families.py), as transformers' `hidden_states` holds them."""
     sites = families.hidden_state_sites(find_encoder(model) or model)
     if sites is not None:
         return sites
