@@ -58,7 +58,10 @@ def attention_entropy(queries: Tensor, keys: Tensor, mask: Tensor, rows: Tensor,
     length = visible.sum(-1)  # [batch, m]
     counted = mask[:, rows] & (length >= 2)  # [batch, m]
     normalised = entropy / length.clamp_min(2).log().to(entropy)[:, None, :]
-    total = (normalised * counted[:, None, :]).sum((0, 2), dtype=torch.float64)
+    # a query without a key (a sequence without a token; causal, before the first) has softmax nan: left out, as
+    # nan x 0 would still make the layer's sum nan
+    normalised = torch.where(counted[:, None, :], normalised, torch.zeros_like(normalised))
+    total = normalised.sum((0, 2), dtype=torch.float64)
     return total, counted.sum()
 
 

@@ -54,6 +54,13 @@ class MagnitudeRule:
             return tokens.new_full((*tokens.shape[:-1], 1), self.threshold)
         return tokens.pow(2).mean(-1, keepdim=True).sqrt_().mul_(self.threshold)
 
+    def exceeds(self, tokens: Tensor) -> Tensor:
+        """tokens [..., hidden] -> bool [..., hidden]: the components past the threshold, as `describe` says: |x_d| >=
+        threshold for int8 (LLM.int8's "magnitude of at least 6": a bf16 or fp16 activation can be 6.0 exactly),
+        |x_d| > threshold x RMS for rms."""
+        magnitude, limit = tokens.abs(), self.limit(tokens)
+        return magnitude >= limit if self.rule == "int8" else magnitude > limit
+
     def outliers(self, above: Tensor, num_tokens: int) -> list[list[tuple[int, float]]]:
         """Per layer, the (dimension, share of tokens above the threshold) that reach min_share, largest first."""
         shares = above.double() / max(num_tokens, 1)
@@ -99,7 +106,7 @@ class MagnitudeCounts(Metric):
             tokens = (values[mask.bool()] if mask is not None else values.flatten(0, 1)) if values.dim() == 3 \
                 else values
             tokens = tokens.float()
-            self.above[layer] += (tokens.abs() > self.rule.limit(tokens)).sum(0)
+            self.above[layer] += self.rule.exceeds(tokens).sum(0)
         self.count += tokens.shape[0]
 
     def compute(self) -> tuple[Tensor, int]:

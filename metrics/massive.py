@@ -133,6 +133,28 @@ def better(candidate: Tensor, current: Tensor) -> Tensor:
     return larger | tie & earlier
 
 
+def batch_peaks(magnitude: Tensor, input_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """magnitude [batch, seq, hidden] (|x|, -1 where not counted), input_ids [batch, seq] or None -> per dimension
+    [hidden] the largest |x|, and the (row, position, token id) holding it, ties broken as across batches and ranks
+    (`better`): the smaller position, then the smaller token id, then the earlier row. (torch's max picks any of
+    equal values, and by row first: a batch of 2 and 2 batches of 1 named different tokens.)"""
+    batch, seq, hidden = magnitude.shape
+    flat = magnitude.flatten(0, 1)  # [batch * seq, hidden]
+    largest = flat.amax(0)
+    rows, dims = (flat == largest).nonzero(as_tuple=True)  # every entry at its dimension's largest |x|: few
+    ids = input_ids.to(rows.device).flatten()[rows] if input_ids is not None else torch.full_like(rows, -1)
+    keys = (rows % seq, ids, rows)  # position, token id, row (row-major: the earlier sequence)
+    chosen = torch.ones_like(rows, dtype=torch.bool)
+    for key in keys:  # lexicographic: keep the smallest of each key among those still tied
+        best = torch.full((hidden,), torch.iinfo(torch.long).max, dtype=torch.long, device=rows.device)
+        best.scatter_reduce_(0, dims[chosen], key[chosen].long(), "amin")
+        chosen &= key.long() == best[dims]
+    picked = rows.new_empty(hidden)
+    picked[dims[chosen]] = rows[chosen]
+    token = input_ids.to(rows.device).flatten()[picked] if input_ids is not None else torch.full_like(picked, -1)
+    return largest, picked // seq, picked % seq, token
+
+
 class MassiveActivations(Metric):
     """Each dimension's peak |activation| with its position and token, and a histogram of |x| per layer."""
 
@@ -165,10 +187,8 @@ class MassiveActivations(Metric):
             bins = torch.log10(magnitude[mask].clamp_min(1e-30)).sub_(LOW_DECADE).mul_(BINS_PER_DECADE).floor_()
             bins = bins.add_(1).clamp_(0, NUM_BINS - 1).long().flatten()
             self.histogram[layer] += torch.bincount(bins, minlength=NUM_BINS)
-            largest, flat = magnitude.masked_fill_(~mask[:, :, None], -1.0).flatten(0, 1).max(0)  # [hidden]
-            row, position = flat // seq, flat % seq
+            largest, row, position, token = batch_peaks(magnitude.masked_fill_(~mask[:, :, None], -1.0), input_ids)
             signed = values[row, position, torch.arange(hidden, device=values.device)].double()
-            token = input_ids.to(row.device)[row, position] if input_ids is not None else torch.full_like(row, -1)
             found.append(torch.stack([largest.double(), signed, position.double(), token.double()], -1))
         found = torch.stack(found)  # [layers, hidden, 4]
         self.peak = torch.where(better(found, self.peak)[..., None], found, self.peak)

@@ -17,9 +17,11 @@
   per-layer form such as 1-10:896,10-17:678. `ClipRequest.rule(num_layers)` says which rule applied and why.
 - Whitening (Su, Cao, Liu & Ou, "Whitening Sentence Representations for Better Semantics and Faster Retrieval",
   2021): x -> (x - mu) U Lambda^{-1/2}, with mu and the covariance U Lambda U^T estimated per layer from the vectors
-  the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); directions
-  whose variance is below 1e-6 of the largest are dropped (mapped to 0): the covariance is accumulated from
-  float32 hidden states, so smaller variances are rounding noise (e.g. LayerNorm's null direction).
+  the protocol compares (token vectors; for STS, as in the paper, mean-pooled sentence embeddings); what is
+  constant up to float32 rounding is dropped (mapped to 0): a dimension by standardisation's rule (below), then a
+  principal direction v whose variance is at most 1e-5 x v^T diag(C) v, the variance of the dimensions it lives on
+  (e.g. LayerNorm's null direction). Never relative to the largest direction: a massive activation's variance, 1e5
+  times the others', would drop genuine ordinary directions.
 - Standardisation (Timkey & van Schijndel, "All Bark and No Bite: Rogue Dimensions in Transformer Language Models
   Obscure Representational Quality", EMNLP 2021): x -> (x - mu) / sigma per dimension; a dimension constant up to
   float32 rounding (e.g. a last-layer LayerNorm weight near 0) is mapped to 0, as dividing by its rounding noise
@@ -287,13 +289,29 @@ class Affine(Variant):
         return new_mean, matrix.transpose(1, 2) @ cov @ matrix
 
 
-def whitening(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
+def whitening(stats: CovarianceResult, tolerance: float = 1e-6, direction_tolerance: float = 1e-5) -> Affine:
     """Su et al. (2021) whitening from per-layer statistics (of tokens or sentence embeddings): the transformed
-    vectors have identity covariance (on the directions that carry variance)."""
-    eigenvalues, vectors = eigh(stats.cov.double())  # ascending, [layers, hidden], [layers, h, h]
-    floor = tolerance * eigenvalues[:, -1:].clamp_min(1e-300)
-    scale = torch.where(eigenvalues > floor, eigenvalues.clamp_min(1e-300).rsqrt(), torch.zeros_like(eigenvalues))
-    return Affine("whitened", stats.mean, vectors * scale.unsqueeze(1))
+    vectors have identity covariance (on the directions that carry variance).
+
+    Rounding, not the largest direction, sets what is dropped (mapped to 0), as for `standardization`: first each
+    dimension constant up to float32 rounding (standardization's rule, `tolerance`), then each principal direction v
+    whose variance is at most `direction_tolerance` x v^T diag(C) v, the variance its dimensions would give it
+    uncorrelated: the float32 rounding of the streamed covariance is relative to the dimensions a direction lives on,
+    and puts LayerNorm's null direction, or a rank-deficient fit's, at 1e-8 to 5e-7 of it (30 x below 1e-5 at
+    768 dims and 8192 tokens a batch). A massive activation's variance (Sun et al. 2024: ~1e5 times the others') then
+    drops none of the ordinary directions, as a floor of 1e-6 of the largest eigenvalue did."""
+    cov = stats.cov.double()
+    variance = torch.diagonal(cov, dim1=1, dim2=2).clamp_min(0)  # [layers, hidden]
+    varies = variance > (tolerance * stats.mean.double().abs().clamp_min(1.0)) ** 2  # standardization's rule
+    matrix = torch.zeros_like(cov)  # columns of the dropped directions (and of constant dims) stay 0
+    for layer in range(cov.shape[0]):  # the eigenproblem of the dims that vary: sizes differ by layer
+        dims = varies[layer].nonzero().flatten()
+        eigenvalues, vectors = eigh(cov[layer][dims][:, dims])  # ascending
+        own = vectors.pow(2).mul(variance[layer, dims].unsqueeze(1)).sum(0)  # v_k^T diag(C) v_k
+        scale = torch.where(eigenvalues > direction_tolerance * own, eigenvalues.clamp_min(1e-300).rsqrt(),
+                            torch.zeros_like(eigenvalues))
+        matrix[layer, dims, :len(dims)] = vectors * scale
+    return Affine("whitened", stats.mean, matrix)
 
 
 def standardization(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:

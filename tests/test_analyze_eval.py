@@ -132,8 +132,7 @@ def clipping(dims: list[int]):
 def fitted(vectors: torch.Tensor, how: str):
     """The normalisation `how` estimated on materialised vectors [layers, N, hidden] in float64, as docs/analyses.md states
     it: standardize (x - mu) / sigma, a dimension with sigma <= 1e-6 x max(|mu|, 1) (constant up to float32 rounding)
-    mapped to 0; whiten (x - mu) U Lambda^-1/2, directions of variance below 1e-6 of the layer's largest mapped to 0.
-    Returns x [layers, ..., hidden] -> transformed."""
+    mapped to 0; whiten (x - mu) U Lambda^-1/2 (`whitening_matrix`). Returns x [layers, ..., hidden] -> transformed."""
     layers, _, hidden = vectors.shape
     mean = vectors.mean(1)
     cov = torch.stack([torch.cov(layer.T, correction=0) for layer in vectors])
@@ -142,13 +141,24 @@ def fitted(vectors: torch.Tensor, how: str):
         keep = variance.sqrt() > 1e-6 * mean.abs().clamp_min(1)
         matrix = torch.diag_embed(torch.where(keep, variance.clamp_min(1e-300).rsqrt(), 0.0))
     else:
-        eigenvalues, rotation = one_thread(torch.linalg.eigh, cov)
-        keep = eigenvalues > 1e-6 * eigenvalues[:, -1:]
-        matrix = rotation * torch.where(keep, eigenvalues.clamp_min(1e-300).rsqrt(), 0.0).unsqueeze(1)
+        matrix = torch.stack([whitening_matrix(c, m) for c, m in zip(cov, mean)])
 
     def transform(x: torch.Tensor) -> torch.Tensor:
         return torch.bmm(x.reshape(layers, -1, hidden) - mean.unsqueeze(1), matrix).reshape(x.shape)
     return transform
+
+
+def whitening_matrix(cov: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Su et al.'s U Lambda^-1/2 of one layer's float64 covariance [hidden, hidden], as docs/analyses.md states it: a
+    dimension with sigma <= 1e-6 x max(|mu|, 1) left out (its row 0), then the principal directions v of the others
+    with variance <= 1e-5 x v^T diag(C) v mapped to 0 (zero columns)."""
+    variance = cov.diagonal()
+    dims = (variance.sqrt() > 1e-6 * mean.abs().clamp_min(1)).nonzero().flatten()
+    eigenvalues, rotation = one_thread(torch.linalg.eigh, cov[dims][:, dims])
+    keep = eigenvalues > 1e-5 * (rotation.pow(2) * variance[dims].unsqueeze(1)).sum(0)
+    matrix = torch.zeros_like(cov)
+    matrix[dims.unsqueeze(1), torch.arange(int(keep.sum()))] = rotation[:, keep] * eigenvalues[keep].rsqrt()
+    return matrix
 
 
 def token_matrix(encode, texts: list[str]) -> torch.Tensor:
@@ -312,12 +322,9 @@ def test_isotropy_matches_the_isoscore_algorithm_and_svd_on_materialised_tokens(
             clipped[:, dims] = 0
         assert row["clipped"]["isoscore"] == pytest.approx(isoscore_reference(clipped), abs=1e-4)
         mean = points.mean(0)
-        eigenvalues, vectors = (t.numpy() for t in one_thread(torch.linalg.eigh, torch.from_numpy(
-            np.cov(points.T, bias=True))))
-        keep = eigenvalues > 1e-6 * eigenvalues[-1]
-        whitened = (points - mean) @ vectors[:, keep] / np.sqrt(eigenvalues[keep])
-        assert row["whitened"]["isoscore"] == pytest.approx(isoscore_reference(
-            np.pad(whitened, ((0, 0), (0, (~keep).sum())))), abs=1e-3)
+        matrix = whitening_matrix(torch.from_numpy(np.cov(points.T, bias=True)), torch.from_numpy(mean)).numpy()
+        whitened = (points - mean) @ matrix  # dropped directions: zero columns
+        assert row["whitened"]["isoscore"] == pytest.approx(isoscore_reference(whitened), abs=1e-3)
         sigma = one_thread(torch.linalg.svdvals, tokens[layer])  # the corpus-wide token matrix
         np.testing.assert_allclose(report["corpus_spectra"]["raw"][layer][:20], (sigma / sigma[0])[:20].numpy(),
                                    atol=1e-5)

@@ -72,3 +72,19 @@ def test_query_key_geometry_equals_the_eager_attention_of_a_padded_batch(kind):
         for name, value in expected.items():
             assert result[name][layer].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), (layer, name)
     assert ((0 < result["entropy"]) & (result["entropy"] <= 1)).all()
+
+
+def test_attention_entropy_leaves_out_a_sequence_without_tokens():
+    """A sequence with no counted token (an empty text with --exclude_special) has queries without keys: their
+    softmax is nan, which made the layer's entropy nan for good. The entropy is that of the other sequences alone,
+    computed by hand from their softmax."""
+    from metrics.attention import attention_entropy
+
+    generator = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(2, 2, 4, 1, 8, generator=generator)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1] = False
+    total, counted = attention_entropy(queries, keys, mask, torch.arange(4))
+    probs = (queries[0, :, 0] @ keys[0, :, 0].T / 8 ** 0.5).softmax(-1)
+    by_hand = -(probs * probs.log()).sum(-1) / torch.tensor(4.0).log()
+    assert int(counted) == 4 and float(total) == pytest.approx(float(by_hand.sum()), rel=1e-5)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.stats import rankdata, spearmanr
 
-from metrics.geometry import Covariance, MeanCosine, SelfSimilarity, TokenSample
+from metrics.geometry import Covariance, MeanCosine, SelfSimilarity, TokenSample, cosine
 from metrics.isotropy import IsoScoreStar, isoscore, isoscore_star, spectrum, spectrum_of_moments
 from metrics.similarity import PairCosine, average_ranks, pearson, spearman, threshold_accuracy
 from metrics.transforms import Clipping, keep_mask, standardization, whitening, zero_dims
@@ -305,6 +305,49 @@ def test_whitening_gives_identity_covariance_and_standardisation_unit_variance()
             direct_cov = torch.cov(transformed[layer].T, correction=0)
             torch.testing.assert_close(cov[layer], direct_cov, rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(mean[layer], transformed[layer].mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_whitening_beside_a_massive_activation_keeps_every_ordinary_direction():
+    """A massive activation (Sun et al. 2024: |x| ~ 3000 at each sentence's first token) has variance ~3.6e5, 1e5 times
+    the ordinary directions' (1 .. 1e-2). A floor relative to the largest eigenvalue dropped every ordinary direction
+    below 0.36; the streamed float32 covariance knows them to 1e-5, so whitening must give them unit variance and the
+    cosines of float64 whitening (Su et al.: (x - mu) U Lambda^-1/2 of the exact covariance). What is rounding is still
+    dropped: LayerNorm's null direction, and a dimension constant up to float32 rounding."""
+    generator = torch.Generator().manual_seed(21)
+    hidden, seq, sentences = 16, 25, 200
+    rotation = torch.linalg.qr(torch.randn(hidden - 1, hidden - 1, generator=generator, dtype=torch.float64))[0]
+    spread = torch.logspace(0, -2, hidden - 1, dtype=torch.float64).sqrt()
+    exact = torch.zeros(sentences, seq, hidden, dtype=torch.float64)
+    exact[..., 1:] = (torch.randn(sentences, seq, hidden - 1, generator=generator, dtype=torch.float64) * spread) \
+        @ rotation.T
+    exact[:, 0, 0] = 3000 + torch.randn(sentences, generator=generator, dtype=torch.float64)
+    exact[:, 1:, 0] = 0.1 * torch.randn(sentences, seq - 1, generator=generator, dtype=torch.float64)
+    tokens = exact.float().reshape(1, -1, hidden)
+    metric = Covariance(1, hidden)
+    for chunk in tokens.split(500, dim=1):
+        metric.update(chunk)
+    whitened = whitening(metric.compute()).apply(tokens)[0].double()
+    torch.testing.assert_close(torch.cov(whitened.T, correction=0), torch.eye(hidden, dtype=torch.float64), rtol=0,
+                               atol=1e-4)
+    flat = tokens[0].double()  # the float32 values, whitened in float64 from their exact covariance
+    eigenvalues, vectors = torch.linalg.eigh(torch.cov(flat.T, correction=0))
+    reference = (flat - flat.mean(0)) @ (vectors * eigenvalues.rsqrt())
+    first, second = torch.arange(0, 400, 2), torch.arange(1, 400, 2)
+    torch.testing.assert_close(cosine(whitened[first], whitened[second]), cosine(reference[first], reference[second]),
+                               rtol=0, atol=1e-4)
+    norm = torch.nn.LayerNorm(hidden - 1)  # its outputs' null direction (sum of (y - bias) / gain is 0) is rounding
+    norm.weight.data = 0.5 + torch.rand(hidden - 1, generator=generator)
+    with torch.no_grad():
+        normed = norm(torch.randn(1, 4000, hidden - 1, generator=generator) * 3 + 20 * torch.eye(hidden - 1)[5])
+    normed = torch.cat([normed[..., :2], torch.full((1, 4000, 1), 0.75), normed[..., 2:]], -1)  # dim 2: constant
+    metric = Covariance(1, hidden)
+    metric.update(normed)
+    matrix = whitening(metric.compute()).matrix[0]
+    assert int((matrix.abs().sum(0) > 0).sum()) == hidden - 2 and matrix[2].abs().max() == 0
+    whitened = whitening(metric.compute()).apply(normed)[0].double()
+    columns = matrix.abs().sum(0) > 0
+    kept = torch.cov(whitened[:, columns].T, correction=0)
+    torch.testing.assert_close(kept, torch.eye(hidden - 2, dtype=torch.float64), rtol=0, atol=1e-4)
 
 
 def test_standardisation_maps_a_dimension_constant_up_to_rounding_to_zero():

@@ -179,6 +179,51 @@ def test_int8_rule_is_a_fixed_threshold_of_six():
     assert found[3] == pytest.approx(float(expected[3]), abs=1e-6) and found[3] >= 0.08  # the planted 8%, and noise
 
 
+def test_int8_rule_counts_exactly_six_and_rms_rule_stays_strict():
+    """LLM.int8's "magnitude of at least 6" (the rule's own description: >=): a bf16 / fp16 activation can be 6.0
+    exactly; the rms rule keeps its strict >, checked against the formula computed by hand."""
+    tokens = torch.zeros(1, 50, 4)
+    tokens[0, :, 0] = 6.0  # exactly the threshold, in every token
+    tokens[0, :, 1] = -6.0
+    tokens[0, :, 2] = 5.999  # just below
+    rule = MagnitudeRule("int8")
+    counts = MagnitudeCounts(1, 4, rule)
+    counts.update(tokens.bfloat16())
+    above, total = counts.compute()
+    assert above[0].tolist() == [50, 50, 50 if torch.tensor(5.999).bfloat16() == 6 else 0, 0] and total == 50
+    assert [d for d, _ in rule.outliers(above, total)[0]][:2] == [0, 1]
+    flat = torch.ones(1, 10, 16)  # RMS 1: |x| = 4 is exactly 4 RMS, not above it
+    flat[0, :, 3] = 4.0
+    rms = MagnitudeRule()
+    by_hand = (flat.abs() > 4 * flat.pow(2).mean(-1, keepdim=True).sqrt()).sum(1)
+    counts = MagnitudeCounts(1, 16, rms)
+    counts.update(flat)
+    assert torch.equal(counts.compute()[0], by_hand)
+
+
+def test_massive_peak_ties_go_to_the_smaller_position_whatever_the_batching():
+    """Two tokens share a dimension's largest |x| (bf16 massive activations at the first token and a delimiter tie
+    often): the docstring's rule (the smaller position, then the smaller token id) picks the same one in one batch,
+    one sentence per batch in either order, and (test_ddp_two_processes_equal_one) across ranks."""
+    hidden = torch.randn(1, 3, 6, 4, generator=torch.Generator().manual_seed(5))
+    hidden[0, 0, 3, 1] = 50.0  # sentence 0, position 3, token 7
+    hidden[0, 1, 2, 1] = -50.0  # sentence 1, position 2, token 9: the same |x| at a smaller position
+    hidden[0, 2, 2, 1] = 50.0  # sentence 2, position 2 too, token 8: the smaller token id wins
+    hidden[0, 2, 5, 2] = -80.0  # no tie elsewhere
+    hidden[0, 0, 5, 2] = 70.0
+    ids = torch.tensor([[1, 2, 3, 7, 4, 4], [11, 5, 9, 8, 4, 4], [12, 5, 8, 8, 4, 4]])
+    orders = {"one batch": [[0, 1, 2]], "one at a time": [[0], [1], [2]], "reversed": [[2], [1], [0]],
+              "pairs": [[0, 2], [1]]}
+    for name, batches in orders.items():
+        metric = MassiveActivations(1, 4)
+        for rows in batches:
+            metric.update(hidden[:, rows], None, ids[rows])
+        result = metric.compute()
+        assert (int(result.peak_position[0, 1]), int(result.peak_token[0, 1])) == (2, 8), name
+        assert float(result.peak_value[0, 1]) == 50.0, name
+        assert (int(result.peak_position[0, 2]), float(result.peak_value[0, 2])) == (5, -80.0), name
+
+
 def test_key_mass_from_queries_and_keys_equals_the_softmax_weights():
     generator = torch.Generator().manual_seed(5)
     queries, keys = torch.randn(2, 2, 7, 4, 8, generator=generator).unbind(0)  # [batch, seq, heads, head_dim]
