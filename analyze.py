@@ -1,7 +1,7 @@
 """Analyses of a frozen encoder: outlier neurons, clipping, and the geometry and semantic evaluations.
 
     python analyze.py outliers                                   # packaged MiniLM on the bundled corpus
-    python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
+    python analyze.py outliers --encoder bert-base-uncased --data core/corpus/austen.txt --output_dir runs/bert
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
     python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum

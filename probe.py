@@ -1,9 +1,9 @@
 """Position probes and frozen-encoder sentence classifiers, every layer in one run (LightningCLI).
 
-    python probe.py fit --config configs/probe/position.yaml --data.source data/austen.txt  # MiniLM, bundled corpus
+    python probe.py fit --config configs/probe/position.yaml --data.source core/corpus/austen.txt  # MiniLM, bundled corpus
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased   # SST-2 (the paper's)
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased \\
-        --data.source data/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
+        --data.source core/corpus/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
     python probe.py fit --config configs/probe/sst2.yaml --model.encoder roberta-base --trainer.default_root_dir runs/sst2
     python probe.py fit --config configs/probe/classify.yaml --data.source reviews.csv --data.label_column stars
 
