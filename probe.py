@@ -137,5 +137,13 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:
             dist.destroy_process_group()
 
 
+def main(args: list[str] | None = None) -> int:
+    """posart-probe (setup.cfg's console script, which exits with what this returns): 0 when the run ends, status 2
+    on an input error (cli_main's SystemExit). cli_main itself returns its ProbeCLI, which a console script would
+    print and exit 1 with."""
+    cli_main(args)
+    return 0
+
+
 if __name__ == "__main__":
-    cli_main()
+    sys.exit(main())
