@@ -328,5 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """posart-analyze (setup.cfg's console script): ends as `python analyze.py` does (a closed pipe: status 141)."""
     exit_with(main, quick_under_torchrun=True)
+
+
+if __name__ == "__main__":
+    console()

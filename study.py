@@ -81,5 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """posart-study (setup.cfg's console script): ends as `python study.py` does."""
     exit_with(main)
+
+
+if __name__ == "__main__":
+    console()
