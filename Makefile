@@ -37,8 +37,8 @@ demo-pretrain: venv
 	$(OFFLINE) $(PY) analyze.py outliers --encoder $(RUNS)/tiny-nope --output_dir $(RUNS)/tiny-nope/outliers --no_progress
 	$(PY) analyze.py compare $(RUNS)/tiny-pe/outliers/outliers.json $(RUNS)/tiny-nope/outliers/outliers.json
 	@echo "note: what removing the positional embeddings changes shows in the position probes below (position information is gone without them). The share rule above, read alone, cannot tell an outlier from noise or from a collapsed model at this size: the study's seeds and null do (make study-bb, docs/study.md)"
-	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
-	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.source data/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
+	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-pe --data.source core/corpus/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-pe/position-probe
+	$(OFFLINE) $(PY) probe.py fit --config configs/probe/position.yaml --model.encoder $(RUNS)/tiny-nope --data.source core/corpus/austen.txt --data.max_sentences 1000 --data.exclude_special true --data.progress false --trainer.enable_progress_bar false --trainer.logger false --trainer.default_root_dir $(RUNS)/tiny-nope/position-probe
 
 # The outlier-causes study (docs/study.md): baseline, no PE, clipped softmax, gated attention, causal-learned,
 # causal-none and mlm-rope, 3 seeds each, on 2 CPU cores, then study.json / study.png with the null and a verdict per

@@ -1,7 +1,7 @@
 """Analyses of a frozen encoder: outlier neurons, clipping, and the geometry and semantic evaluations.
 
     python analyze.py outliers                                   # packaged MiniLM on the bundled corpus
-    python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
+    python analyze.py outliers --encoder bert-base-uncased --data core/corpus/austen.txt --output_dir runs/bert
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
     python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
@@ -328,5 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """posart-analyze (setup.cfg's console script): ends as `python analyze.py` does (a closed pipe: status 141)."""
     exit_with(main, quick_under_torchrun=True)
+
+
+if __name__ == "__main__":
+    console()

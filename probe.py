@@ -1,9 +1,9 @@
 """Position probes and frozen-encoder sentence classifiers, every layer in one run (LightningCLI).
 
-    python probe.py fit --config configs/probe/position.yaml --data.source data/austen.txt  # MiniLM, bundled corpus
+    python probe.py fit --config configs/probe/position.yaml --data.source core/corpus/austen.txt  # MiniLM, bundled corpus
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased   # SST-2 (the paper's)
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased \\
-        --data.source data/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
+        --data.source core/corpus/austen.txt --data.max_length 128 --trainer.default_root_dir runs/probe/bert
     python probe.py fit --config configs/probe/sst2.yaml --model.encoder roberta-base --trainer.default_root_dir runs/sst2
     python probe.py fit --config configs/probe/classify.yaml --data.source reviews.csv --data.label_column stars
 
@@ -137,5 +137,13 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:
             dist.destroy_process_group()
 
 
+def main(args: list[str] | None = None) -> int:
+    """posart-probe (setup.cfg's console script, which exits with what this returns): 0 when the run ends, status 2
+    on an input error (cli_main's SystemExit). cli_main itself returns its ProbeCLI, which a console script would
+    print and exit 1 with."""
+    cli_main(args)
+    return 0
+
+
 if __name__ == "__main__":
-    cli_main()
+    sys.exit(main())

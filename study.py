@@ -25,7 +25,9 @@ DEFAULT_STUDY = "configs/study/study.yaml"
 
 
 def study_file(config: str | None) -> Path:
-    """The study file whose arms --help lists: --config as given, the default one beside this program otherwise."""
+    """The study file: --config as given; else configs/study/study.yaml in the working directory, else the clone's
+    beside this program (`python /path/to/clone/study.py` run from elsewhere). A pip install ships no configs/
+    (docs/install.md): there the default names a file that is not there, and main says so in one line."""
     if config is not None:
         return Path(config)
     return Path(DEFAULT_STUDY) if Path(DEFAULT_STUDY).is_file() else Path(__file__).resolve().parent / DEFAULT_STUDY
@@ -38,8 +40,9 @@ def build_parser(config: str | None = None) -> OneLineArgumentParser:
                                    epilog=f"arms of {config or DEFAULT_STUDY} (train.py settings each changes):\n"
                                           f"{arms_help(path)}",
                                    formatter_class=HelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_STUDY, help="the study file: its arms, seeds, recipe "
-                        "and comparison options")
+    parser.add_argument("--config", default=None, help="the study file: its arms, seeds, recipe and comparison "
+                        f"options (default: {DEFAULT_STUDY} in the working directory, else the clone's beside "
+                        "study.py)")
     parser.add_argument("--output_dir", default="runs/study", help="one run directory per arm and seed "
                         "(<arm>/seed<k>), study.json, study.png")
     parser.add_argument("--arms", nargs="+", default=None, help="a subset of the study's arms (below), in this "
@@ -65,14 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     peek.add_argument("--config", default=None)
     args = build_parser(peek.parse_known_args(argv)[0].config).parse_args(argv)
     try:
+        config = study_file(args.config)
+        if args.config is None and not config.is_file():
+            raise UserError(f"no --config given, and no {DEFAULT_STUDY} in the working directory or beside study.py "
+                            "(a pip install ships no configs/: pass --config, e.g. a clone's configs/study/study.yaml)")
         from analyses.study import run_study  # imported after parsing: --help imports no torch
 
-        run_study(args.config, args.output_dir, parse_trajectory, args.arms, args.max_steps, args.seeds)
+        run_study(config, args.output_dir, parse_trajectory, args.arms, args.max_steps, args.seeds)
     except UserError as error:
         print(f"study.py: error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """posart-study (setup.cfg's console script): ends as `python study.py` does."""
     exit_with(main)
+
+
+if __name__ == "__main__":
+    console()

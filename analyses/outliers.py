@@ -1,6 +1,6 @@
 """The outlier analysis (the paper's §3, with our numbers for its rule): per-layer outlier dimensions, persistent ones, and their origins.
 
-    python analyze.py outliers --encoder bert-base-uncased --data data/austen.txt --output_dir runs/bert
+    python analyze.py outliers --encoder bert-base-uncased --data core/corpus/austen.txt --output_dir runs/bert
     python analyze.py outliers --token_frequency     # also: token frequency vs outlier magnitude (ours; Puccetti)
     python analyze.py outliers --massive_rule sun --magnitude_rule int8 --sink_epsilon 0.3   # analyses/magnitudes.py
     report = outliers_report(args, encoder, statistics, num_sentences, num_truncated, magnitudes)   # outliers.json

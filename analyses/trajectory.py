@@ -3,7 +3,7 @@ step order, on the same sentences: when the outliers emerge in our own runs (our
 models and has no trajectories).
 
     python analyze.py trajectory --run runs/pretrain/tiny --output_dir runs/pretrain/tiny/trajectory
-    python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data data/austen.txt --max_sentences 2000 \\
+    python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data core/corpus/austen.txt --max_sentences 2000 \\
         --output_dir runs/trajectory/nope                     # train.py with --checkpoint.save_top_k -1 keeps them all
     python analyze.py trajectory --encoders ckpt_a ckpt_b hub/id-step_20k ... --output_dir D   # any ordered list
     python analyze.py trajectory --run pe=runs/pretrain/tiny --run nope=runs/pretrain/tiny-nope --output_dir D

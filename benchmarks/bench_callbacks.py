@@ -245,7 +245,7 @@ def main() -> None:
         tmp = Path(tmp)
         if args.quick or args.smoke:
             corpus = tmp / "corpus.txt"
-            with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
+            with open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8") as handle:
                 corpus.write_text("".join(handle.readlines()[:200 if args.smoke else 400]), encoding="utf-8")
             config["data"]["corpus"] = str(corpus)
         for mode in args.modes.split(","):

@@ -133,7 +133,7 @@ def finetune_args(root: Path, data: Path, encoder: str | None, smoke: bool) -> l
 
 def labelled_file(path: Path, lines: int) -> Path:
     """Corpus lines labelled dialogue (a quotation mark) or narration, as in docs/finetuning.md's example."""
-    texts = [line.strip() for line in open(ROOT / "data" / "austen.txt", encoding="utf-8") if line.strip()]
+    texts = [line.strip() for line in open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8") if line.strip()]
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["text", "label"])
@@ -171,7 +171,7 @@ def rotated_rounds(arms: tuple[str, ...], extra_args, args) -> tuple[dict, dict,
         corpus, small = None, None
         if args.smoke:
             corpus = tmp / "corpus.txt"
-            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
+            corpus.write_text("".join(open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8").readlines()[:200]))
             small = {"model": QUICK["model"], "data": QUICK["data"]}
         for round_ in range(args.rounds):
             shift = round_ % len(arms)
@@ -214,7 +214,7 @@ def main() -> None:
             from tests.tiny import bert_tokenizer, save_tiny_encoder
 
             corpus = tmp / "corpus.txt"
-            corpus.write_text("".join(open(ROOT / "data" / "austen.txt", encoding="utf-8").readlines()[:200]))
+            corpus.write_text("".join(open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8").readlines()[:200]))
             small = {"model": QUICK["model"], "data": QUICK["data"]}
             encoder = str(save_tiny_encoder(tmp / "bert", "bert", bert_tokenizer(tmp / "tokenizer")))
         mlm, _ = compare("istar_step_time_tiny_mlm",  # named as its RATIO line: METRIC <name>_per_round

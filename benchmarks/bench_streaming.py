@@ -10,7 +10,7 @@ With --data.streaming true every loader worker tokenises its own shard of the te
 workers tokenise in parallel where one could feed at most its own rate. A GPU pretraining roberta-base at ~0.8M
 tokens/s needs that many tokens/s from its loader. Each round times both loaders (the order alternating between
 rounds) from the end of a warm-up (the workers started and their first chunks tokenised) over --batches batches;
-the ratio is the median over rounds of the paired per-round ratio. Corpus: the bundled data/austen.txt (4 MB of
+the ratio is the median over rounds of the paired per-round ratio. Corpus: the bundled core/corpus/austen.txt (4 MB of
 text), a byte-level BPE of 8192 trained on it. Output: `RATIO streaming_N_vs_1_workers <value> target >=<x>` with
 x = 0.75 N (a shared 2-core machine: N <= the free cores), and METRIC lines: tokens/s of each, and the workers a rank
 needs for 0.8M tokens/s at the measured rate per worker.
@@ -79,7 +79,7 @@ def main() -> None:
         args.block_length, args.batches, args.rounds, lines = 128, 8, 1, 2000
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
-        with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
+        with open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8") as handle:
             corpus.write_text("".join(itertools.islice(handle, lines)), encoding="utf-8")
         tokenizer = train_tokenizer(iter_texts(corpus), vocab_size=2048 if args.smoke else 8192)
         results: dict[int, list[float]] = {1: [], args.workers: []}

@@ -226,7 +226,7 @@ def run_cpu_comparison(args) -> None:
         cache = tmp / "cache"
         if args.quick or args.smoke:
             corpus = tmp / "corpus.txt"
-            with open(ROOT / "data" / "austen.txt", encoding="utf-8") as handle:
+            with open(ROOT / "core" / "corpus" / "austen.txt", encoding="utf-8") as handle:
                 corpus.write_text("".join(handle.readlines()[:200 if args.smoke else 400]), encoding="utf-8")
             config["data"]["corpus"] = str(corpus)
         datamodule(config, cache)  # prepare the tokenizer and blocks once, outside the timings

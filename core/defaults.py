@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# the bundled corpus (Jane Austen's novels): every analysis's default --data (datamodules.text)
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "austen.txt"
+# the bundled corpus (Jane Austen's novels; core/corpus/, package data: a wheel install has it too): every entry
+# point's default --data, --data.corpus and --data.source (datamodules.text)
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus" / "austen.txt"
 
 # analyze.py's sentence sample and token pairs (--max_sentences, --num_pairs): the paper's §4.1 anisotropy sample, 1000
 # pairs of random tokens from 2000 random sentences; ours for every other analysis that samples sentences of --data

@@ -1,6 +1,6 @@
 """The one rule that tells a local path from a hub id or a `datasets` name, for models, tokenizers and data alike.
 
-    looks_local("data/austen.txt")        # True: a file suffix this project reads
+    looks_local("core/corpus/austen.txt")        # True: a file suffix this project reads
     looks_local("bert-base-uncased")      # False: a hub id ("name" or "org/name")
     looks_local("glue/sst2")              # False, unless ./glue is a directory here
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it

@@ -1,6 +1,6 @@
 """Tokenise and pack a corpus into full MLM blocks once, cached on disk; the tokenizer is trained once and cached too.
 
-    cache = BlockCache("data/austen.txt", text_column=None, max_texts=None, cache_dir=None)
+    cache = BlockCache("core/corpus/austen.txt", text_column=None, max_texts=None, cache_dir=None)
     tokenizer = cache.tokenizer(vocab_size=4096, tokenizer_texts=1_000_000)   # trained once, then read back
     info = cache.build(tokenizer, block_length=128, val_fraction=0.02, max_val_blocks=128)  # {"train": n, "validation": m}
     blocks = datasets.load_from_disk(cache.blocks_dir(tokenizer, 128, split))

@@ -1,6 +1,6 @@
 """MLM pretraining data: corpus → tokenizer → packed full blocks (cached on disk) → dynamic 15% masking per batch.
 
-    python train.py fit --config configs/pretrain/tiny.yaml                                  # data/austen.txt
+    python train.py fit --config configs/pretrain/tiny.yaml                                  # core/corpus/austen.txt
     python train.py fit --config configs/pretrain/roberta-base.yaml --data.corpus wikitext:wikitext-103-raw-v1:train
     python train.py fit --config ... --data.corpus wikipedia:20220301.en --data.streaming true
 

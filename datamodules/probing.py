@@ -1,7 +1,7 @@
 """Probe data: sentences read and split once, encoded once by the frozen encoder, served as cached features.
 
-    python probe.py fit --config configs/probe/position.yaml --data.source data/austen.txt   # via probe.py
-    dm = PositionDataModule(source="data/austen.txt", encoder="bert-base-uncased")          # from Python
+    python probe.py fit --config configs/probe/position.yaml --data.source core/corpus/austen.txt   # via probe.py
+    dm = PositionDataModule(source="core/corpus/austen.txt", encoder="bert-base-uncased")          # from Python
     dm.prepare_data(); dm.setup("fit")
     dm.spec                                     # FeatureSpec: slots (encoder / random layers), classes, outliers
     features, labels, control = next(iter(dm.train_dataloader()))   # [slots, items, hidden], [items], [items]

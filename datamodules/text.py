@@ -1,6 +1,6 @@
 """Reading the user's text: plain files, csv/tsv/jsonl, `datasets` directories and `datasets` names, lazily.
 
-    texts = iter_texts("data/austen.txt")                  # one sentence a line
+    texts = iter_texts("core/corpus/austen.txt")                  # one sentence a line
     texts = iter_texts("reviews.csv", text_column="review")  # csv / tsv / jsonl with a text column
     texts = iter_texts("wikitext:wikitext-103-raw-v1:validation")  # a `datasets` name[:config][:split]
     sample = sample_texts(texts, limit=2000, seed=0)       # a seeded uniform sample, in corpus order

@@ -1,6 +1,6 @@
 """A byte-level BPE trained on the pretraining corpus, with RoBERTa's special tokens and ids.
 
-    tokenizer = train_tokenizer(iter_texts("data/austen.txt"), vocab_size=8192)   # <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4
+    tokenizer = train_tokenizer(iter_texts("core/corpus/austen.txt"), vocab_size=8192)   # <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4
 
 A trained tokenizer is a transformers `RobertaTokenizer` (fast), so `save_pretrained` writes the files that
 `AutoTokenizer.from_pretrained` reads back, and it adds <s> ... </s> around each text like RoBERTa's. Loading an

@@ -3,7 +3,7 @@
     python probe.py fit --config configs/probe/position.yaml --model.encoder bert-base-uncased --data.source x.txt
     python probe.py fit --config configs/probe/sst2.yaml --model.encoder roberta-base
 
-    model, dm = PositionProbe(), PositionDataModule(source="data/austen.txt")        # from Python
+    model, dm = PositionProbe(), PositionDataModule(source="core/corpus/austen.txt")        # from Python
     trainer.fit(model, datamodule=dm); trainer.test(model, datamodule=dm)
     model.write_outputs("runs/probe")            # position_probe.json, contributions*.npy, figures
 

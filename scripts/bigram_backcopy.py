@@ -5,7 +5,7 @@ train.py pretrains on like any other corpus (docs/study.md, "Finding the recipe"
     python scripts/bigram_backcopy.py --output runs/bb/corpus.txt                  # 60k sequences of 30 symbols
     python train.py fit --config configs/study/base.yaml --data.corpus runs/bb/corpus.txt --data.vocab_size 512
 
-The symbols are the `symbols` most frequent characters of the bundled corpus (data/austen.txt), written as two-letter
+The symbols are the `symbols` most frequent characters of the bundled corpus (core/corpus/austen.txt), written as two-letter
 words (aa, ab, ...) so that the byte-level BPE gives each its own token. Each line is one sequence: its first symbol
 is drawn from the characters' frequencies; after that, a symbol that follows one of the `triggers` most frequent
 symbols copies the symbol before the trigger (the backcopy: a head must look two back, and only there), and every
@@ -63,7 +63,7 @@ def sequences(kept: list[str], pairs: dict[str, Counter], triggers: int, length:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="the corpus file to write (one sequence a line)")
-    parser.add_argument("--source", default=str(ROOT / "data" / "austen.txt"), help="text whose characters give the "
+    parser.add_argument("--source", default=str(ROOT / "core" / "corpus" / "austen.txt"), help="text whose characters give the "
                         "bigram (default: the bundled corpus)")
     parser.add_argument("--symbols", type=int, default=64, help="the most frequent characters kept (default 64)")
     parser.add_argument("--triggers", type=int, default=3, help="trigger symbols: the most frequent ones (default 3)")

@@ -1,7 +1,7 @@
 """Sampling standard deviation of the live statistics that rest on a sample: repeated draws on one fixed model
 (docs/live-statistics.md#sampling).
 
-    python scripts/live_sampling.py                        # packaged MiniLM on data/austen.txt, 128-token blocks
+    python scripts/live_sampling.py                        # packaged MiniLM on core/corpus/austen.txt, 128-token blocks
     python scripts/live_sampling.py --encoder roberta-base --blocks 2048 --batch 16
 
 The corpus is cut into blocks of `--length` tokens, as pretraining packs it, and `--blocks` of them are encoded once,
@@ -60,7 +60,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", default=None, help="hub id or local directory (default: packaged MiniLM)")
-    parser.add_argument("--data", default=str(ROOT / "data" / "austen.txt"))
+    parser.add_argument("--data", default=str(ROOT / "core" / "corpus" / "austen.txt"))
     parser.add_argument("--blocks", type=int, default=1024, help="blocks encoded (default 1024)")
     parser.add_argument("--batch", type=int, default=16, help="sequences of one capture (default 16: tiny.yaml)")
     parser.add_argument("--length", type=int, default=128, help="tokens per block (default 128)")

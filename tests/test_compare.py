@@ -101,26 +101,39 @@ def test_bad_usage_is_one_line(argv, message, tmp_path, capsys, monkeypatch):
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("analyze.py")
 
 
-def test_a_reader_that_stops_early_ends_the_table_quietly(reports, tmp_path):
+@pytest.mark.parametrize("form", ["script", "console"])
+def test_a_reader_that_stops_early_ends_the_table_quietly(form, reports, tmp_path):
     """`analyze.py compare a b | head`: the reader closes the pipe before the table is printed; the process ends with
-    no traceback (exit status 141, as one killed by SIGPIPE), where Python's default is a BrokenPipeError traceback."""
+    no traceback (exit status 141, as one killed by SIGPIPE), where Python's default is a BrokenPipeError traceback.
+    The same for `posart-analyze compare a b | head`: the wrapper pip writes, sys.exit(function()) of setup.cfg's
+    console script."""
+    import configparser
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     _, paths = reports
+    if form == "console":
+        config = configparser.ConfigParser()
+        config.read(Path(analyze.__file__).parent / "setup.cfg")
+        scripts = dict(line.replace(" ", "").split("=") for line in
+                       config["options.entry_points"]["console_scripts"].strip().splitlines())
+        module, function = scripts["posart-analyze"].split(":")
+        program = ["-c", f"import sys; from {module} import {function}; sys.exit({function}())"]
+    else:
+        program = [str(Path(analyze.__file__))]
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is written: the first write fails (EPIPE)
     try:
-        finished = subprocess.run([sys.executable, str(Path(analyze.__file__)), "compare", str(paths["tiny-pe"]),
+        finished = subprocess.run([sys.executable, *program, "compare", str(paths["tiny-pe"]),
                                    str(paths["nope"])], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
                                   env={**os.environ, "PYTHONPATH": str(Path(analyze.__file__).parent)})
     finally:
         os.close(write)
     assert (finished.returncode, finished.stderr) == (141, "")
     # the same command into a reader that stays: the whole table, exit 0
-    whole = subprocess.run([sys.executable, str(Path(analyze.__file__)), "compare", str(paths["tiny-pe"]),
+    whole = subprocess.run([sys.executable, *program, "compare", str(paths["tiny-pe"]),
                             str(paths["nope"])], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": str(Path(analyze.__file__).parent)})
     assert whole.returncode == 0 and whole.stderr == ""

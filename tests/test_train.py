@@ -165,7 +165,7 @@ def test_analyze_outliers_reads_the_no_pe_run(runs, tmp_path):
     import analyze
 
     out = tmp_path / "outliers"
-    code = analyze.main(["outliers", "--encoder", str(runs[False]), "--data", str(ROOT / "data" / "austen.txt"),
+    code = analyze.main(["outliers", "--encoder", str(runs[False]), "--data", str(ROOT / "core" / "corpus" / "austen.txt"),
                          "--max_sentences", "40", "--output_dir", str(out), "--no_progress"])
     report = json.loads((out / "outliers.json").read_text())
     assert code == 0 and report["hidden_size"] == 32 and report["num_layers"] == 2
@@ -668,7 +668,7 @@ def test_tiny_config_without_pe_leaves_the_position_probe_at_the_majority_baseli
                                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
                                "--data.cache_dir", str(tmp_path / "cache")]) == 0
         probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"),
-                        "--model.encoder", str(root), "--data.source", str(ROOT / "data" / "austen.txt"),
+                        "--model.encoder", str(root), "--data.source", str(ROOT / "core" / "corpus" / "austen.txt"),
                         "--data.exclude_special", "true", "--data.max_sentences", "300",
                         "--data.random_baseline", "false", "--data.progress", "false", "--trainer.logger", "false",
                         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root / "probe")])
