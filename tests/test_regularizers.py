@@ -9,11 +9,14 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import train
 from core.errors import UserError
@@ -123,6 +126,46 @@ def test_cosreg_equals_gao_et_als_cosine_matrix_mean_by_a_direct_computation():
     bumped[1][0, 1, 2] -= 1e-6
     numeric = 2 * (direct(bumped[0]) - direct(bumped[1])) / 2e-6
     assert leaf.grad[0, 1, 2].item() == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+
+
+def _cosreg_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a 2-process gloo group: CosReg's term on its half of the batch (rows rank, rank + 2, ...) and the
+    gradient of its states: every rank's term depends on every rank's states (the all-reduce's backward sums the
+    ranks' upstream gradients), so a rank's states get world x their share, which DDP's averaging of the parameters'
+    gradients divides by world again."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        states, mask = planted_states(seed=3)
+        leaf = states[2][rank::world].clone().requires_grad_(True)
+        reg = Regularizer("cosreg", weight=2.0)
+        reg.bind(num_layers=3)
+        term, value = reg([leaf], mask[rank::world])
+        term.backward()
+        torch.save({"term": term.detach(), "value": value, "grad": leaf.grad / world}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cosreg_over_two_processes_equals_one_process_with_the_whole_batch(tmp_path):
+    """CosReg under DDP: the unit-vector sums and token counts are all-reduced before R_cos = ||sum u||^2 / N^2, so each
+    rank's term and statistic are those of the whole batch, and the gradients (DDP-averaged) equal one process's."""
+    from tests.tiny import free_port
+
+    out = str(tmp_path / "cosreg")
+    mp.start_processes(_cosreg_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn", join=True)
+    states, mask = planted_states(seed=3)
+    leaf = states[2].clone().requires_grad_(True)
+    reg = Regularizer("cosreg", weight=2.0)
+    reg.bind(num_layers=3)
+    term, value = reg([leaf], mask)
+    term.backward()
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert got["value"].item() == pytest.approx(value.item(), abs=1e-12)
+        assert got["term"].item() == pytest.approx(term.item(), abs=1e-12)
+        torch.testing.assert_close(got["grad"], leaf.grad[rank::2], rtol=1e-9, atol=1e-12)
 
 
 def labelled_csv(path, count: int = 60):
