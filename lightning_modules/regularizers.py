@@ -17,10 +17,10 @@
   gradient; streamed with metrics.geometry.Covariance). weight > 0 pushes towards isotropy, < 0 away from it.
   Layers default to all transformer layers (1..L).
 - CosReg (Gao et al., "Representation Degeneration Problem in Training Natural Language Generation Models", ICLR
-  2019; the baseline of Rudman & Eickhoff): term = weight x the mean pairwise cosine of the chosen layers' token states
-  (averaged over the layers when several are chosen; metrics/geometry.py's mean_pairwise_cosine: over the N(N - 1)
-  ordered pairs of distinct tokens, ours; the I-STAR authors' baseline divides by N^2, docs/finetuning.md). Default:
-  the last layer.
+  2019; the baseline of Rudman & Eickhoff): term = weight x R_cos of the chosen layers' token states, R_cos = 1/N^2
+  sum_i sum_j cos(h_i, h_j), the mean of the N x N cosine matrix, its diagonal included, as Gao et al. define it and
+  the I-STAR authors' baseline computes it (metrics/geometry.py's cosine_matrix_mean; averaged over the layers when
+  several are chosen). Default: the last layer.
 
 The batch statistic is the micro-batch's over every rank (gathered): each rank's moments (token count, sum, centred
 outer products; for CosReg the sum of unit vectors) are summed over ranks with a differentiable all-reduce, so every rank
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.errors import UserError
-from metrics.geometry import Covariance, mean_pairwise_cosine
+from metrics.geometry import Covariance, cosine_matrix_mean
 from metrics.isotropy import isoscore_star_of_covariance
 
 REGULARIZERS = ("none", "istar", "cosreg")
@@ -147,15 +147,16 @@ class Regularizer:
         return isoscore_star_of_covariance(cov, self.zeta, self.shrinkage)
 
     def _mean_cosine(self, layers: list[Tensor], w: Tensor | None) -> Tensor:
-        """The mean pairwise cosine of each layer's points (w as above) over every rank, averaged over the layers."""
+        """CosReg's R_cos of each layer's points (w as above) over every rank, averaged over the layers: the mean of
+        their N x N cosine matrix, diagonal included (metrics.geometry.cosine_matrix_mean)."""
         rows = []
         for x in layers:
             units = F.normalize(x, dim=-1)  # a zero vector stays zero (cosine 0, as metrics.geometry.cosine)
             units = units if w is None else units * w
             count = w.sum() if w is not None else torch.tensor(float(x.shape[0]), device=x.device)
-            rows.append(torch.cat([units.sum(0), units.pow(2).sum().view(1), count.to(units.dtype).view(1)]))
-        sums = all_reduce(torch.stack(rows).double())  # [layers, hidden + 2]
-        return mean_pairwise_cosine(sums[:, :-2], sums[:, -2], sums[:, -1]).mean()
+            rows.append(torch.cat([units.sum(0), count.to(units.dtype).view(1)]))
+        sums = all_reduce(torch.stack(rows).double())  # [layers, hidden + 1]
+        return cosine_matrix_mean(sums[:, :-1], sums[:, -1]).mean()
 
     # -- the shrinkage covariance C0 --
 

@@ -6,7 +6,8 @@
     selfsim.update(word_ids, vectors)               # word_ids [n], vectors [layers, n, hidden]
     cov = Covariance(13, 768); cov.update(hidden_states, mask)      # [layers, batch, seq, hidden], [batch, seq]
     result = cov.compute()                          # IsoScore(*) and spectra of it: metrics/isotropy.py
-    mean_pairwise_cosine(unit_sum, norm_sum, count) # from sums of unit vectors: self-similarity, CosReg
+    mean_pairwise_cosine(unit_sum, norm_sum, count) # from sums of unit vectors: self-similarity
+    cosine_matrix_mean(unit_sum, count)             # CosReg's R_cos (Gao et al. 2019): the N x N matrix, diagonal in
     sample = TokenSample(2000, 13, 768); sample.update(slots, vectors)   # protocol samples gathered across ranks
     vectors, rows = random_tokens(hidden_states, mask, items, seed)  # one seeded random token of each sentence
     values, pairs = sample_anisotropy(*sample.compute(), seed)      # the paper's anisotropy of such a sample
@@ -81,6 +82,15 @@ def mean_pairwise_cosine(unit_sum: Tensor, norm_sum: Tensor, count: Tensor) -> T
     pairs = count * (count - 1)
     value = (unit_sum.pow(2).sum(-1) - norm_sum) / pairs.clamp_min(1)
     return torch.where(pairs > 0, value, torch.full_like(value, float("nan")))
+
+
+def cosine_matrix_mean(unit_sum: Tensor, count: Tensor) -> Tensor:
+    """CosReg's R_cos (Gao et al. 2019, eq. 4; Rudman & Eickhoff 2024's CosReg baseline): the mean of the n x n cosine
+    matrix of n vectors, its diagonal included, 1/n^2 sum_i sum_j u_i . u_j = ||sum u||^2 / n^2, from the sum of their
+    unit vectors [..., hidden] and n [...] (a zero vector's unit is zero: its row, column and diagonal add 0). It is
+    (n - 1)/n x mean_pairwise_cosine + 1/n for nonzero vectors. nan for no vector. Differentiable."""
+    value = unit_sum.pow(2).sum(-1) / count.pow(2).clamp_min(1)
+    return torch.where(count > 0, value, torch.full_like(value, float("nan")))
 
 
 @dataclass
