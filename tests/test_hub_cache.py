@@ -195,3 +195,24 @@ def test_probe_fit_on_a_hub_id_and_a_datasets_name(offline):
     train, test = [r["label"] for r in sst2_rows(0, 40)], [r["label"] for r in sst2_rows(40, 50)]
     majority = max(set(train), key=train.count)
     assert report["majority_baseline"] == pytest.approx(test.count(majority) / len(test))
+
+
+@pytest.mark.slow
+def test_train_fit_with_a_hub_tokenizer_and_a_datasets_corpus(offline, tmp_path):
+    import yaml
+    from transformers import AutoTokenizer
+
+    import train
+    from tests.test_train import tiny_args
+
+    sources, _, _ = offline
+    args = tiny_args(tmp_path / "run", "tiny-wikitext:tiny-raw-v1:train", tmp_path / "blocks",
+                     "--data.tokenizer", "someorg/tiny-roberta", "--trainer.max_steps", "2")
+    assert train.cli_main(args) == 0
+    source = AutoTokenizer.from_pretrained(sources["roberta"])
+    export = tmp_path / "run" / "export"
+    assert AutoTokenizer.from_pretrained(export).get_vocab() == source.get_vocab()
+    config = json.loads((export / "config.json").read_text())
+    assert config["vocab_size"] == len(source) and config["pad_token_id"] == source.pad_token_id
+    recorded = yaml.safe_load(next((tmp_path / "run").rglob("config.yaml")).read_text())["data"]  # the logger's copy
+    assert (recorded["tokenizer"], recorded["corpus"]) == ("someorg/tiny-roberta", "tiny-wikitext:tiny-raw-v1:train")
