@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -48,9 +49,12 @@ STS_ROWS = [{"split": "test", "sentence1": SENTENCES[i], "sentence2": SENTENCES[
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory, bert_tok):
     """Sources saved with save_pretrained, then cached as the hub leaves them: a BERT as `someorg/tiny-bert` (main)
-    and a RoBERTa as its tag `v2`, a GPT-2 under a legacy id without an org (`tiny-gpt2`, as `bert-base-uncased`);
+    and a RoBERTa as its tag `v2`, a GPT-2 under a legacy id without an org (`tiny-gpt2`, as `bert-base-uncased`), the
+    BERT's weights in safetensors shards and in a pytorch_model.bin;
     datasets: a parquet repo `someorg/tiny-sst2`, a `tiny-glue` with config `sst2`, a `tiny-wikitext` with config
     `tiny-raw-v1`, and the STS-B and WiC presets' own names (mteb/stsbenchmark-sts, super_glue:wic)."""
+    from transformers import AutoModel
+
     root = tmp_path_factory.mktemp("hf")
     sources = {"bert": save_tiny_encoder(root / "src" / "bert", "bert", bert_tok),
                "roberta": save_tiny_encoder(root / "src" / "roberta", "roberta", roberta_tokenizer(root / "rtok")),
@@ -60,6 +64,16 @@ def caches(tmp_path_factory, bert_tok):
                "v2": cache_model(hub, "someorg/tiny-bert", sources["roberta"], ref="v2")}
     cache_model(hub, "someorg/tiny-roberta", sources["roberta"])
     cache_model(hub, "tiny-gpt2", sources["gpt2"])
+    # the weights as bigger and older repositories hold them: safetensors shards with their index, pytorch_model.bin
+    model = AutoModel.from_pretrained(sources["bert"])
+    model.save_pretrained(root / "src" / "sharded", max_shard_size="100KB")
+    bert_tok.save_pretrained(root / "src" / "sharded")
+    cache_model(hub, "someorg/tiny-bert-sharded", root / "src" / "sharded")
+    legacy = root / "src" / "bin"
+    bert_tok.save_pretrained(legacy)
+    shutil.copy(sources["bert"] / "config.json", legacy)
+    torch.save(model.state_dict(), legacy / "pytorch_model.bin")
+    cache_model(hub, "someorg/tiny-bert-bin", legacy)
     splits = {"train": sst2_rows(0, 40), "validation": sst2_rows(40, 50), "test": sst2_rows(50, 60)}
     cache_dataset(data, "someorg/tiny-sst2", splits)
     hidden_labels = [{**row, "label": -1} for row in splits["test"]]  # GLUE's test split: labels hidden (-1)
@@ -91,7 +105,8 @@ def test_hub_ids_load_from_the_cache_with_the_source_models_weights(offline):
 
     sources, commits, root = offline
     text = SENTENCES[3]
-    for repo, source in (("someorg/tiny-bert", "bert"), ("someorg/tiny-roberta", "roberta"), ("tiny-gpt2", "gpt2")):
+    for repo, source in (("someorg/tiny-bert", "bert"), ("someorg/tiny-roberta", "roberta"), ("tiny-gpt2", "gpt2"),
+                         ("someorg/tiny-bert-sharded", "bert"), ("someorg/tiny-bert-bin", "bert")):
         encoder = load_encoder(repo, device="cpu")
         direct = AutoModel.from_pretrained(sources[source]).eval()  # from the saved directory, not the cache
         tokenizer = AutoTokenizer.from_pretrained(sources[source])
@@ -103,6 +118,8 @@ def test_hub_ids_load_from_the_cache_with_the_source_models_weights(offline):
     # the files read are the snapshot of refs/main: its commit's folder, symlinks into blobs/
     snapshot = root / "hub" / "models--someorg--tiny-bert" / "snapshots" / commits["main"]
     assert (snapshot / "model.safetensors").is_symlink()
+    shards = list((root / "hub" / "models--someorg--tiny-bert-sharded").glob("snapshots/*/model-*.safetensors"))
+    assert len(shards) >= 2 and all(shard.is_symlink() for shard in shards)
     from huggingface_hub import try_to_load_from_cache
 
     assert try_to_load_from_cache("someorg/tiny-bert", "config.json") == str(snapshot / "config.json")
