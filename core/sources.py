@@ -76,7 +76,7 @@ def not_found(source: str | os.PathLike, what: str) -> UserError:
     why = ""
     if (len(parts) == 2 and Path(parts[0]).is_dir() and not text.startswith((".", "/", "~"))
             and Path(text).suffix.lower() not in LOCAL_SUFFIXES):
-        why = (f" (read as a local path because ./{parts[0]} is a directory here; to load the hub id {text!r}, run "
+        why = (f" (read as a local path because ./{parts[0]} is a directory here; to load the hub name {text!r}, run "
                "from a directory without it)")
     return UserError(f"{what} path not found: {text}{why}")
 

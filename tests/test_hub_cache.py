@@ -168,8 +168,10 @@ def test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an
     with pytest.raises(UserError) as error:
         load_encoder("someorg/tiny-bert", device="cpu")
     assert str(error.value) == ("encoder path not found: someorg/tiny-bert (read as a local path because ./someorg is "
-                                "a directory here; to load the hub id 'someorg/tiny-bert', run from a directory "
+                                "a directory here; to load the hub name 'someorg/tiny-bert', run from a directory "
                                 "without it)")
+    with pytest.raises(UserError, match=r"^data path not found: someorg/tiny-sst2 \(read as a local path because "):
+        list(iter_records("someorg/tiny-sst2"))
 
 
 def encoder_type(encoder) -> str:
