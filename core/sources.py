@@ -5,7 +5,8 @@
     looks_local("glue/sst2")              # False, unless ./glue is a directory here
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it
                                           # looks local but is not there; None for a hub id or datasets name
-    short_name("runs/x/export")           # "x": a readable name for a model path
+    short_name("runs/x/export")           # "x": a readable name for a model path (".../models--org--x/snapshots/<commit>"
+                                          # of the hub's cache: "x")
     check_hub("bert-base-uncased", "encoder")   # before a hub id or datasets name is fetched: offline (no network
                                           # and no HF_HUB_OFFLINE) it is one line in at most 3 s, not minutes of retries
     raise cannot_load("encoder", "bert-base-uncased", reason)   # "cannot load encoder 'bert-base-uncased' (offline:
@@ -50,18 +51,44 @@ _answered: dict[str, bool] = {}  # the hub's reachability, asked once per proces
 
 def local_path(source: str | os.PathLike, what: str) -> Path | None:
     """The existing local path `source` names (user directory expanded), None when it is a hub id or datasets name;
-    a UserError "`what` path not found: `source`" when it looks local but does not exist."""
+    a UserError "`what` path not found: `source`" when it looks local but does not exist (`not_found`). A hub id with
+    a revision (`org/name@v1.0`) is refused in one line that names the way to pin one: its snapshot directory."""
     if not looks_local(source):
+        text = os.fspath(source)
+        if "@" in text:
+            repo, revision = text.split("@", 1)
+            folder = "--".join(["models", *repo.split("/")])
+            raise UserError(f"{what} {text!r}: a revision after '@' is not read (a hub id loads its main revision); "
+                            f"pin {revision!r} by passing its snapshot directory, e.g. "
+                            f"$HF_HUB_CACHE/{folder}/snapshots/<commit> (refs/{revision} there holds the commit)")
         return None
     path = Path(os.fspath(source)).expanduser()
     if not path.exists():
-        raise UserError(f"{what} path not found: {os.fspath(source)}")
+        raise not_found(source, what)
     return path
 
 
+def not_found(source: str | os.PathLike, what: str) -> UserError:
+    """"`what` path not found: `source`", and when `source` reads as a path only because its first component is a
+    directory here (`someorg/tiny-bert` beside a folder `someorg/`), that it was read so and not as a hub id."""
+    text = os.fspath(source)
+    parts = Path(text).parts
+    why = ""
+    if (len(parts) == 2 and Path(parts[0]).is_dir() and not text.startswith((".", "/", "~"))
+            and Path(text).suffix.lower() not in LOCAL_SUFFIXES):
+        why = (f" (read as a local path because ./{parts[0]} is a directory here; to load the hub name {text!r}, run "
+               "from a directory without it)")
+    return UserError(f"{what} path not found: {text}{why}")
+
+
 def short_name(source: str) -> str:
-    """A readable name for a model path: its last component that is not a generic folder name."""
-    for part in reversed(Path(str(source)).parts):
+    """A readable name for a model path: its last component that is not a generic folder name; for a snapshot of the
+    hub's cache (`.../models--org--name/snapshots/<commit>`), the repository's name."""
+    parts = Path(str(source)).parts
+    for index in range(len(parts) - 2, 0, -1):
+        if parts[index] == "snapshots" and parts[index - 1].startswith("models--"):
+            return parts[index - 1].split("--")[-1]
+    for part in reversed(parts):
         if part not in ("model", "export", "snapshots", "checkpoints", "/"):
             return part
     return str(source)

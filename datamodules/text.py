@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line, warn_once
-from core.sources import cannot_load, check_hub, looks_local
+from core.sources import cannot_load, check_hub, looks_local, not_found
 from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates, text_value
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
@@ -69,7 +69,7 @@ def iter_records(source: str | os.PathLike, columns: tuple[str, ...] | None = No
         check_datasets_directory(path)
         yield from _datasets_records(str(path), None, split, local=True)
     elif looks_local(source):
-        raise UserError(f"data path not found: {source}")
+        raise not_found(source, "data")
     else:
         name, config, named = _parse_hub_name(str(source))
         if named is not None and split is not None and split != named:
@@ -86,7 +86,7 @@ def split_names(source: str | os.PathLike) -> list[str] | None:
     if path.is_dir():
         return _open_datasets(str(path), None, local=True)[1]
     if looks_local(source):
-        raise UserError(f"data path not found: {source}")
+        raise not_found(source, "data")
     name, config, split = _parse_hub_name(str(source))
     return None if split is not None else _open_datasets(name, config, local=False)[1]
 
