@@ -987,6 +987,14 @@ ERROR_ROW_TESTS = {
     ("every entry point", "a hub id or datasets name with no network and no `HF_HUB_OFFLINE`"): [
         "test_offline.py::test_unreachable_hub_fails_in_seconds_with_the_way_out_and_no_hub_call",
     ],
+    ("every entry point", "a hub id with a revision (`org/name@v1`, `--encoder`, `--model.encoder`, "
+                          "`--data.tokenizer`)"): [
+        "test_hub_cache.py::test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an_id_wins",
+    ],
+    ("every entry point", "`org/name` meant as a hub id while a folder `./org` exists (the path rule reads it as a "
+                          "path)"): [
+        "test_hub_cache.py::test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an_id_wins",
+    ],
     ("analyze.py compare", "no report given"): ["test_compare.py::test_bad_usage_is_one_line"],
     ("analyze.py compare", "a missing report, or a JSON file that is no outliers report"): [
         "test_compare.py::test_bad_usage_is_one_line",
