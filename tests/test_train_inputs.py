@@ -190,7 +190,9 @@ def test_a_missing_tokenizer_path_is_named_not_taken_for_a_hub_id(corpus, cache,
     monkeypatch.chdir(tmp_path)
     name = name.replace("/ABSENT", str(tmp_path / "absent"))
     root = tmp_path / "run"
-    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", name) == f"tokenizer path not found: {name}"
+    hint = (" (read as a local path because ./SUBDIR is a directory here; to load the hub name 'SUBDIR/absent', run "
+            "from a directory without it)") if name == "SUBDIR/absent" else ""
+    assert rejected(root, corpus, cache, capsys, "--data.tokenizer", name) == f"tokenizer path not found: {name}{hint}"
     assert not root.exists() and not Path(name).exists()
 
 
