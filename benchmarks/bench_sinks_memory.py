@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def child(side: str, size: str) -> None:
 
 def run(side: str, size: str) -> dict:
     done = subprocess.run([sys.executable, __file__, "--child", side, "--size", size], capture_output=True, text=True,
-                          cwd=ROOT, check=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
