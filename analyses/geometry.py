@@ -21,7 +21,7 @@ from datamodules.words import WordContexts
 from lightning_modules.pooling import lost_spans, span_vectors
 from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
 from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
-from metrics.transforms import Variant
+from metrics.transforms import RAW, Clipping, Variant
 
 
 def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int,
@@ -156,15 +156,21 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
 
 
 def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Variant]) -> dict[str, dict]:
-    """{variant key: SequenceSpectrum result} over `sentences` (this rank's shard; synced)."""
+    """{variant key: SequenceSpectrum result} over `sentences` (this rank's shard; synced). A clipping that zeroes no
+    dimension (`--clip auto` on a model without outliers) has the raw states' spectra: its SVDs, the pass's largest
+    cost beside the forward on long sentences, are not taken twice."""
     encoder = setting.encoder
     max_rank = min(setting.max_length or encoder.max_length, encoder.hidden_size)
-    metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device) for v in variants}
+    as_raw = {v.key for v in variants if isinstance(v, Clipping) and not v.spec} if RAW in variants else set()
+    metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device) for v in variants
+               if v.key not in as_raw}
     for batch in setting.batches(sentences, desc="per-sequence spectra"):
         for _, view, group in views(batch, variants):
             for variant in group:
-                metrics[variant.key].update(variant.apply(view.hidden_states), view.mask)
-    return {key: metric.compute() for key, metric in metrics.items()}
+                if variant.key not in as_raw:
+                    metrics[variant.key].update(variant.apply(view.hidden_states), view.mask)
+    results = {key: metric.compute() for key, metric in metrics.items()}
+    return {v.key: results[RAW.key if v.key in as_raw else v.key] for v in variants}
 
 
 @dataclass

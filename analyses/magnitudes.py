@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import unicodedata
 import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import torch
 
 from core.defaults import MASSIVE_TOP_K
 from core.tokenizers import readable_token, sink_ids
-from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention
+from lightning_modules.encoder import EncodedBatch, FrozenEncoder, NoFullAttention, TokenizedBatch
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations, MassiveRule
 from metrics.sinks import EPSILON, AttentionSinks, token_kinds
@@ -60,6 +62,31 @@ def token_kind(tokenizer, token_id: int, position: int, special: set[int]) -> di
     return {"token": text, "text": readable_token(tokenizer, text), "token_id": token_id, "first": position == 0,
             "special": token_id in special,
             "punctuation": bool(bare) and all(unicodedata.category(c).startswith("P") for c in bare)}
+
+
+ATTENTION_BUDGET = 512 * 2 ** 20  # bytes of attention probabilities (every layer's) the sinks' pass holds at once
+
+
+def attention_rows(layers: int, heads: int, seq: int, budget: int | None = None) -> int:
+    """Rows of a padded batch whose attention probabilities [layers, rows, heads, seq, seq] in float32 fit in `budget`
+    (None: ATTENTION_BUDGET; at least 1): a batch of 32 sentences of 512 tokens through bert-base holds 4.8 GB of them, 32 of 40 tokens 30 MB."""
+    return max(1, (ATTENTION_BUDGET if budget is None else budget) // (layers * heads * seq * seq * 4))
+
+
+def row_chunks(batches: Iterable[TokenizedBatch], rows_of: Callable[[int], int]) -> Iterator[TokenizedBatch]:
+    """Each tokenised batch, or its consecutive slices of `rows_of(seq)` rows when it has more: the same padded rows
+    (no re-padding: each row's tokens and positions unchanged), their truncations counted on the first slice."""
+    for item in batches:
+        rows = rows_of(item.inputs["input_ids"].shape[1])
+        if rows >= len(item.rows):
+            yield item
+            continue
+        for start in range(0, len(item.rows), rows):
+            part = slice(start, start + rows)
+            yield replace(item, inputs={key: value[part] for key, value in item.inputs.items()}, rows=item.rows[part],
+                          num_truncated=item.num_truncated if start == 0 else 0,
+                          offsets=item.offsets[part] if item.offsets is not None else None,
+                          covered=item.covered[part] if item.covered is not None else None)
 
 
 class Magnitudes:
@@ -96,12 +123,18 @@ class Magnitudes:
 
     def attention_pass(self, setting, sentences: list[str]) -> None:
         """The attention sinks of this rank's shard of `sentences` (analyses.reference.Setting), a pass with eager
-        attention; nothing without the sinks."""
+        attention; nothing without the sinks. A batch whose attention probabilities of every layer would pass
+        ATTENTION_BUDGET (transformers returns them all at once) is encoded a few of its padded rows at a time
+        (`attention_rows`): the same rows, so the same sinks, in bounded memory."""
         if self.sinks is None:
             return
+        layers, heads = self.encoder.num_layers, self.sinks.num_heads
         try:
-            with self.encoder.attention_weights():
-                for batch in setting.batches(sentences, desc="attention sinks"):
+            with self.encoder.attention_weights(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # truncations are counted in the reports instead
+                chunks = row_chunks(setting.tokenized(sentences), lambda seq: attention_rows(layers, heads, seq))
+                for batch in self.encoder.encode(chunks, len(setting.shard(len(sentences))), setting.progress,
+                                                 "attention sinks", setting.max_length):
                     self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
         except NoFullAttention as error:  # every rank runs the same model: all of them drop the sinks
             self.sinks, self.sinks_note = None, f"attention sinks not measured: {error}"

@@ -1,6 +1,7 @@
 """The base of every metric in metrics/: torchmetrics' `Metric`, with the shapes its `compute` gives kept.
 
     from metrics.base import Metric     # instead of torchmetrics.Metric
+    token_sums(tokens)                  # [layers, tokens, hidden] -> [layers, hidden] float64, one layer at a time
 
 torchmetrics squeezes every one-element tensor that a `compute` returns ([1] -> [], [1, 1] -> []). A per-layer result
 of a callback watching one layer, or a per-head result of a one-head model, then lost its axis, and the code that reads
@@ -61,3 +62,11 @@ class Metric(torchmetrics.Metric):
         if this._computed is not None:
             this._computed = apply_to_collection(this._computed, _Kept, lambda kept: _Kept(fn(kept.tensor)))
         return this
+
+
+def token_sums(tokens: Tensor) -> Tensor:
+    """[layers, tokens, hidden] -> [layers, hidden]: the float64 sum over the tokens, one layer at a time. torch's
+    `sum(dtype=torch.float64)` first casts its whole input to float64 (a batch of 32 x 512 bert-base tokens: a 1 GB
+    copy); layer by layer the copy is one layer's, and the sums are the same bits (the same order of addition)."""
+    return torch.stack([layer.sum(0, dtype=torch.float64) for layer in tokens]) if len(tokens) else \
+        tokens.new_zeros(tokens.shape[0], tokens.shape[-1], dtype=torch.float64)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from metrics.base import Metric
+from metrics.base import Metric, token_sums
 
 
 def _tokens(hidden_states: Tensor, mask: Tensor | None) -> Tensor:
@@ -179,7 +179,7 @@ class Covariance(Metric):
         if n == 0:
             return
         tokens = tokens.float()
-        batch_sum = tokens.sum(1, dtype=torch.float64)  # [layers, hidden]
+        batch_sum = token_sums(tokens)  # [layers, hidden]
         batch_mean = batch_sum / n
         centred = tokens - batch_mean.float().unsqueeze(1)
         m2 = torch.bmm(centred.transpose(1, 2), centred).double()  # [layers, hidden, hidden]

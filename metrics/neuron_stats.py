@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from metrics.base import Metric
+from metrics.base import Metric, token_sums
 
 BONDARENKO_EPS = 1e-6  # their kurtosis(x, eps=1e-6): mu4 / (s^4 + eps)
 
@@ -149,7 +149,7 @@ class NeuronStatistics(Metric):
             return
         tokens = tokens.float()  # [layers, tokens, hidden]; at most two token-sized temporaries below
         n = tokens.shape[1]
-        batch_sum = tokens.sum(1, dtype=torch.float64)  # [layers, hidden]
+        batch_sum = token_sums(tokens)  # [layers, hidden]
         self.max_abs = torch.maximum(self.max_abs, torch.maximum(tokens.amax(1), -tokens.amin(1)).double())
         ones = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
         largest, argmax = tokens.max(-1)  # [layers, tokens]
@@ -159,7 +159,7 @@ class NeuronStatistics(Metric):
         # Squares are summed around the batch mean (accurate in float32 even where the mean dwarfs the spread, as
         # an outlier's does), then shifted back exactly in float64: sum x² = M2 + (sum x)² / n.
         centred = tokens - (batch_sum / n).float().unsqueeze(1)
-        batch_m2 = centred.pow_(2).sum(1, dtype=torch.float64)
+        batch_m2 = token_sums(centred.pow_(2))
         self.count += n
         self.sum += batch_sum
         self.sum_sq += batch_m2 + batch_sum.pow(2) / n

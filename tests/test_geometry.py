@@ -484,3 +484,37 @@ def test_ddp_two_processes_equal_one(tmp_path):
     synced, single = torch.load(out), feed(all_metrics(), list(range(33)))
     for name, value in single.items():
         torch.testing.assert_close(synced[name], value, rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
+
+
+def test_sequence_spectra_of_a_clipping_that_zeroes_nothing_are_the_raw_ones_without_a_second_svd(
+        tmp_path, bert_tok, monkeypatch):
+    """`--clip auto` on a model without outliers clips nothing: its per-sequence spectra are the raw states' (no
+    second SVD of every sentence and layer: counted), equal to a SequenceSpectrum fed the clipped states directly; a
+    clipping of some dims still gets its own."""
+    from analyses.geometry import sequence_spectra
+    from analyses.reference import Setting
+    from lightning_modules.encoder import load_encoder
+    from metrics.isotropy import SequenceSpectrum
+    from metrics.transforms import RAW, Clipping
+    from tests.tiny import corpus_sentences, save_tiny_encoder
+
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu")
+    texts = [text for text in corpus_sentences(30, start=300) if text][:9]
+    setting = Setting(encoder, batch_size=4, progress=False)
+    layers, width = encoder.num_hidden_states, min(encoder.max_length, encoder.hidden_size)
+    updates, update = [], SequenceSpectrum.update
+    monkeypatch.setattr(SequenceSpectrum, "update", lambda self, *args: (updates.append(1), update(self, *args))[1])
+    for clip in (Clipping([], layers), Clipping([1, 5], layers)):
+        updates.clear()
+        spectra = sequence_spectra(setting, texts, [RAW, clip])
+        batches = list(encoder.batches(texts, batch_size=4, progress=False))
+        assert len(updates) == len(batches) * (1 if not clip.spec else 2)
+        direct = SequenceSpectrum(layers, width)
+        for batch in batches:
+            direct.update(clip.apply(batch.hidden_states), batch.mask)
+        expected = direct.compute()
+        for key in ("spectrum", "energy_top1", "cdf_auc"):
+            torch.testing.assert_close(spectra["clipped"][key], expected[key], rtol=1e-6, atol=1e-9)
+        assert spectra["clipped"]["num_sentences"] == expected["num_sentences"] == len(texts)
+        if clip.spec:
+            assert not torch.allclose(spectra["clipped"]["spectrum"], spectra["raw"]["spectrum"])

@@ -356,3 +356,42 @@ def test_attention_weights_run_eager_and_restore_the_implementation(tmp_path, be
     torch.testing.assert_close(read.attention_mass[0].double(), by_hand, atol=1e-6, rtol=1e-5)
     plain_mass = torch.einsum("bhqk,bq->bhk", p.double(), queries) / queries.sum(1)[:, None, None]
     assert not torch.allclose(read.attention_mass[0].double(), plain_mass, atol=1e-4)  # the clipped weights are read
+
+
+def test_attention_pass_encodes_long_batches_a_few_rows_at_a_time(tmp_path, bert_tok, monkeypatch):
+    """The sinks' pass holds every layer's attention probabilities of what it encodes at once (output_attentions): a
+    batch over ATTENTION_BUDGET goes through the model in slices of its padded rows, and the sinks equal those of
+    whole batches (the same rows: float rounding only)."""
+    from analyses import magnitudes as module
+    from analyses.reference import Setting
+    from lightning_modules.encoder import load_encoder
+    from tests.tiny import corpus_sentences, save_tiny_encoder
+
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu")
+    texts = [text for text in corpus_sentences(40, start=200) if text][:11]
+    calls, forward = [], encoder.model.forward
+
+    def recording(*args, **kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(encoder.model, "forward", recording)
+
+    def sinks() -> dict:
+        metrics = module.Magnitudes(encoder)
+        metrics.attention_pass(Setting(encoder, batch_size=4, progress=False), texts)
+        return metrics.sinks.compute()
+
+    whole = sinks()
+    assert [rows for rows, _ in calls] == [4, 4, 3]  # the budget holds these batches whole
+    layers, heads = encoder.num_layers, whole["first_token_mass_by_head"].shape[1]
+    seq = max(width for _, width in calls)
+    calls.clear()
+    budget = 2 * layers * heads * seq * seq * 4  # two rows of the widest batch
+    monkeypatch.setattr(module, "ATTENTION_BUDGET", budget)
+    sliced = sinks()
+    assert sum(rows for rows, _ in calls) == len(texts) and len(calls) > 3
+    assert all(layers * rows * heads * width * width * 4 <= budget or rows == 1 for rows, width in calls)
+    assert sliced["num_sequences"] == whole["num_sequences"] == len(texts)
+    for key in ("sink_share", "first_token_mass", "first_token_mass_by_head", "special_mass"):
+        torch.testing.assert_close(sliced[key], whole[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -145,3 +145,37 @@ def test_ddp_two_processes_equal_one(tmp_path):
     torch.testing.assert_close(synced["max_abs"], max_abs, rtol=1e-6, atol=1e-6)
     assert torch.equal(synced["argmax_count"], argmax) and torch.equal(synced["argmin_count"], argmin)
     assert_magnitudes(synced, random_batches(0))  # sums and maxima of the magnitudes synced: the one-process values
+
+
+def test_float64_sums_cast_one_layer_at_a_time(monkeypatch):
+    """torch's sum(dtype=float64) casts its whole input to float64 first: a batch of 32 x 512 bert-base tokens made a
+    1 GB copy in NeuronStatistics and Covariance. Every float64 sum of their updates now reads at most one layer's
+    tokens (recorded by a wrapped Tensor.sum), and the statistics equal float64 sums taken directly."""
+    from metrics.geometry import Covariance
+
+    torch.manual_seed(0)
+    layers, hidden = 5, 16
+    states = torch.randn(layers, 3, 9, hidden) * 4 + 2
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 6:] = mask[2, 3:] = False
+    tokens = states[:, mask]  # [layers, 18, hidden]
+    cast, original = [], torch.Tensor.sum
+
+    def recording(self, *args, **kwargs):
+        if kwargs.get("dtype") == torch.float64 and self.dtype != torch.float64:
+            cast.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sum", recording)
+    stats, covariance = NeuronStatistics(layers, hidden), Covariance(layers, hidden)
+    stats.update(states, mask)
+    covariance.update(states, mask)
+    monkeypatch.undo()
+    assert cast and max(cast) <= states[0].numel()  # one layer of the batch at most, never every layer at once
+    direct = tokens.double()
+    result, moments = stats.compute(), covariance.compute()
+    torch.testing.assert_close(result.mean, direct.mean(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result.var, direct.var(1, unbiased=False), rtol=1e-6, atol=1e-6)  # float32 squares
+    torch.testing.assert_close(moments.mean, direct.mean(1), rtol=1e-12, atol=1e-12)
+    centred = direct - direct.mean(1, keepdim=True)
+    torch.testing.assert_close(moments.cov, centred.transpose(1, 2) @ centred / tokens.shape[1], rtol=1e-6, atol=1e-6)
