@@ -70,7 +70,7 @@ class ProbeCLI(ProjectCLI):
         self.datamodule.prepare_data()
         self.model.attach(self.datamodule)
         check_callbacks(self.trainer, self.model, self.datamodule)
-        use_root_dir(self.trainer)  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
+        use_root_dir(self.trainer, "probe")  # a W&B logger (--trainer.logger): its files and kept run id in the run directory,
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")  # one run, continued by a resume
         keep_runs(self.trainer, ckpt_path if ckpt_path and Path(ckpt_path).is_file() else None)
 

@@ -99,6 +99,7 @@ class TrainCLI(ProjectCLI):
     checkpoint_io_class = AtomicCheckpointIO
     apply_checkpoint_hparams = False  # the config stays authoritative: before_fit refuses a checkpoint that differs
     kind = "mlm"  # the checkpoints' kind (lightning_modules/checkpoints.py)
+    job_type = "pretrain"  # the W&B run's job type
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(PretrainCheckpoint, "checkpoint")
@@ -124,7 +125,7 @@ class TrainCLI(ProjectCLI):
         when last.ckpt is torn; a fresh start never overwrites an earlier run)."""
         model, data, trainer = self.model, self.datamodule, self.trainer
         self.check_settings(accumulation)
-        use_root_dir(trainer)  # W&B's files go under default_root_dir unless its save_dir is set
+        use_root_dir(trainer, self.job_type)  # W&B's files go under default_root_dir unless its save_dir is set
         self.lock_run()  # rank 0: one live run per directory
         arguments = self.config_init[self.subcommand]
         ckpt_path = arguments.get("ckpt_path")
@@ -171,7 +172,7 @@ class TrainCLI(ProjectCLI):
         path = self.checkpoint_path(arguments["ckpt_path"], "be validated")
         if path is None:
             raise UserError(f"--ckpt_path last: no checkpoint in {trainer.checkpoint_callback.dirpath} to validate")
-        use_root_dir(trainer)  # W&B's files under default_root_dir, a run of their own (no kept id: keep_runs)
+        use_root_dir(trainer, "validate")  # W&B's files under default_root_dir, a run of their own (no kept id)
         self.lock_run()  # rank 0: one live run per directory; checkpoints read weights-only
         path = resume_target(path, self.kind)  # a torn last.ckpt: previous.ckpt, saying so
         checkpoint = read_checkpoint(path, self.kind)
@@ -245,6 +246,7 @@ class FineTuneCLI(TrainCLI):
     size the model's head."""
 
     kind = "finetune"
+    job_type = "finetune"
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)

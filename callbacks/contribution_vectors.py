@@ -57,7 +57,8 @@ class ContributionVectors(LiveCallback):
     validation.
 
     Args:
-        every_n_steps: optimizer steps between two probe updates (each one is also scored and logged).
+        every_n_steps: trainer steps between two probe updates (each one is also scored and logged): optimizer
+            steps in pretraining, blocks of cached features (--data.steps_per_block batches each) in probe.py.
         image_every_n_steps: steps between two contribution heatmaps (a multiple of every_n_steps; 0: only at
             validation).
         layers: hidden-state layers probed (default all, 0 = embedding output).

@@ -11,11 +11,13 @@ No extra forward pass: a module with a `hidden_state_tap` (core.capture.HiddenSt
 returns them from its own forward when a callback requests them; any other encoder is hooked for the captured batch
 (core.models.hidden_state_sites finds the modules, core.capture.HiddenStateCapture hooks them).
 
-LiveCallback is the schedule the callbacks share. Training: on optimizer step s with s % every_n_steps == 0, forward
+LiveCallback is the schedule the callbacks share. Training: on trainer step s with s % every_n_steps == 0, forward
 hooks are on for every micro-batch of that step on every rank (so the step's whole global batch is seen, however it
 is split over devices and accumulation), `update("train", captured)` runs after each micro-batch and `finish("train",
 step=s)` on every rank once the optimizer step is done: metrics sync collectively there, only rank zero logs. Other
-steps touch nothing on the device (no request, no hook, no synchronisation).
+steps touch nothing on the device (no request, no hook, no synchronisation). A trainer step is the count Lightning
+logs `train/loss` at (`trainer_step`): one per optimizer step of a pretraining run, one per block of a probe.py run
+(whose block takes several optimizer steps), so every statistic shares the x axis of the run's own metrics.
 Validation (`on_validation`): every validation batch is captured (eval mode), `finish("val")` at the epoch end, at
 the step Lightning logs `val/loss` at (`validation_step`: during fit, one less than the optimizer steps taken). The
 sanity check is skipped. Hooks hold references to the layer outputs only until the batch ends and are removed at
@@ -85,11 +87,19 @@ def layer_metrics(prefix: str, layers: Sequence[int], values: Mapping[str, Seque
             for name, column in values.items()}
 
 
+def trainer_step(trainer) -> int:
+    """The step Lightning logs a training batch's metrics (`train/loss`) at: its count of batches that stepped the
+    optimizer, one per batch however many optimizer steps the batch takes (a probe.py block takes one per batch of
+    the block, and `global_step` counts each; a pretraining step takes one, so there the two agree). Lightning's
+    LearningRateMonitor logs at it too."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def validation_step(trainer) -> int:
     """The step Lightning logs a validation's metrics (`val/loss`) at, so that the live statistics of the same
-    validation line up with them: its count of optimizer steps that ended, which during fit is read before it counts
-    the step the validation follows (one less than `global_step`; Lightning's LearningRateMonitor reads it too)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    validation line up with them: `trainer_step`, which during fit is read before it counts the step the validation
+    follows (one less than `global_step` in a pretraining run)."""
+    return trainer_step(trainer)
 
 
 def resolve_layers(layers: list[int] | None, available: int, owner: str) -> list[int]:
@@ -118,7 +128,8 @@ class LiveCallback(pl.Callback):
         self._capture: HiddenStateCapture | None = None
         self._tap: HiddenStateTap | None = None  # the module's own hidden-state output, when it has one
         self._tapped = False  # a tap request of this callback is open
-        self._step: int | None = None  # the optimizer step being captured
+        self._step: int | None = None  # the trainer step being captured (trainer_step)
+        self._optimizer_steps = 0  # global_step when it started: the step is done once global_step moves on
         self._validating = False
         self.hidden_size = 0
 
@@ -221,7 +232,7 @@ class LiveCallback(pl.Callback):
 
     @property
     def capture_step(self) -> int | None:
-        """The optimizer step whose micro-batches are being captured (None outside a captured step)."""
+        """The trainer step whose micro-batches are being captured (None outside a captured step)."""
         return self._step
 
     def due_images(self, step: int) -> bool:
@@ -229,8 +240,11 @@ class LiveCallback(pl.Callback):
 
     # ---- Lightning hooks ----
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step % self.every_n_steps == 0 and self._step in (None, trainer.global_step):
-            self._step = trainer.global_step
+        step = trainer_step(trainer)
+        if step % self.every_n_steps == 0 and self._step in (None, step):
+            if self._step is None:  # the step's first micro-batch
+                self._optimizer_steps = trainer.global_step
+            self._step = step
             self._open()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -239,7 +253,7 @@ class LiveCallback(pl.Callback):
         if self._step is None:
             return
         self.update("train", self._close(batch), trainer, pl_module)
-        if trainer.global_step != self._step:  # the optimizer step is done: every rank finishes it together
+        if trainer.global_step != self._optimizer_steps:  # the step is done: every rank finishes it together
             step, self._step = self._step, None
             self.finish("train", trainer, pl_module, step)
 

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from callbacks import wandb_logging as logs
-from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
+from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics, trainer_step
 from callbacks.media import FIGURES
 from core.errors import UserError, warn_once
 from core.figures import mean_vectors_figure
@@ -131,6 +131,7 @@ class OutlierStatistics(LiveCallback):
         self.top_k, self.rule, self.anisotropy_sequences, self.seed = top_k, OutlierRule(min_share, sigma), \
             anisotropy_sequences, seed
         self.rows: list[list] = []  # the outlier table, kept in checkpoints
+        self._tabled = 0  # rows in the table logged last (the end of training logs it again only if rows came since)
         self.history: list[list] = []  # [step, stage, layer, *HISTORY] per capture: the by_layer image; in checkpoints
         self.stats: dict[str, NeuronStatistics] = {}
         self.massive: dict[str, MassiveActivations] = {}  # the peak |x| per dimension and the median |x| per layer
@@ -275,6 +276,7 @@ class OutlierStatistics(LiveCallback):
                 self.log_images(trainer, stage, step, result.mean, found)
         if stage == "val":  # the whole table is serialised each time (~0.2 s at the tiny config): not every image step
             logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, step)
+            self._tabled = len(self.rows)
 
     def log_images(self, trainer, stage: str, step: int, mean: Tensor, found) -> None:
         """Drawn off the training thread (callbacks/media.py), from copies."""
@@ -305,8 +307,9 @@ class OutlierStatistics(LiveCallback):
         return layer_step_figure(panels, steps, layers, title=f"outlier statistics per layer over {over}")
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero and self.rows and logs.real_loggers(trainer):
-            logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, trainer.global_step)
+        if trainer.is_global_zero and len(self.rows) > self._tabled and logs.real_loggers(trainer):
+            logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, trainer_step(trainer))
+            self._tabled = len(self.rows)
 
     def state_dict(self) -> dict:
         return {"rows": self.rows, "history": self.history, "last": self.last}

@@ -51,6 +51,7 @@ DEFAULT_HOST = "https://api.wandb.ai"
 STEP_METRIC = "trainer/global_step"
 RUN_ID_FILE = "wandb_run_id"  # in the run directory: the id of the training run's one W&B run
 CHECKPOINT_KEY = "wandb_run_id"  # the same id in every checkpoint
+BEST = {"val/loss": "min", "val/accuracy": "max"}  # run summary: {"min"/"max": best, "last": latest} of these
 
 
 class LoggingWarning(UserWarning):
@@ -140,10 +141,17 @@ class AutoWandbLogger(WandbLogger):
             return None
         return f"wandb sync {Path(self._wandb_init['dir']) / 'wandb'}/offline-run-*-{self.run_id}*"
 
-    def use_dir(self, directory: str | os.PathLike) -> None:
-        """Set save_dir unless one was given or the run has started."""
-        if self._save_dir is None and self._experiment is None:
+    def use_dir(self, directory: str | os.PathLike, job_type: str | None = None) -> None:
+        """Set save_dir unless one was given, and name the run after `directory` (its last two parts: `pretrain/tiny`)
+        and its `job_type` (pretrain, finetune, probe, validate) unless the user named them, before the run starts."""
+        if self._experiment is not None:
+            return
+        if self._save_dir is None:
             self._save_dir = self._wandb_init["dir"] = os.fspath(directory)
+        if not self._wandb_init.get("name"):
+            self._name = self._wandb_init["name"] = run_name(directory)
+        if job_type and not self._wandb_init.get("job_type"):
+            self._wandb_init["job_type"] = job_type
 
     @property
     @rank_zero_experiment
@@ -176,6 +184,8 @@ class AutoWandbLogger(WandbLogger):
             if hasattr(run, "define_metric"):
                 run.define_metric(STEP_METRIC)
                 run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
+                for key, best in BEST.items():  # the summary keeps the best value beside the last
+                    run.define_metric(key, step_metric=STEP_METRIC, step_sync=True, summary=f"{best},last")
             if attempt == "offline":
                 directory = Path(run.dir).parent
                 parts = len(self.offline_dirs())
@@ -227,11 +237,19 @@ class AutoWandbLogger(WandbLogger):
                 warnings.warn(f"W&B did not finish cleanly ({_first_line(error)})", LoggingWarning, stacklevel=2)
 
 
-def use_root_dir(trainer) -> None:
-    """Point every AutoWandbLogger without a save_dir at the trainer's default_root_dir."""
+def run_name(directory: str | os.PathLike) -> str:
+    """A W&B run's default name: the run directory's last two parts (`runs/pretrain/tiny` -> `pretrain/tiny`), so
+    that arms and seeds read apart in the workspace (W&B would pick a random name)."""
+    parts = Path(os.path.abspath(directory)).parts[1:]
+    return "/".join(parts[-2:]) or "run"
+
+
+def use_root_dir(trainer, job_type: str | None = None) -> None:
+    """Point every AutoWandbLogger without a save_dir at the trainer's default_root_dir, naming its run after it and
+    giving it `job_type`, unless the user set them (--trainer.logger.init_args.name / job_type)."""
     for logger in trainer.loggers:
         if isinstance(logger, AutoWandbLogger):
-            logger.use_dir(trainer.default_root_dir)
+            logger.use_dir(trainer.default_root_dir, job_type)
 
 
 def kept_run_id(checkpoint: str | os.PathLike | None, run_dir: str | os.PathLike) -> str | None:

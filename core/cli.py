@@ -38,6 +38,7 @@ from core.errors import UserError
 from core.lock import RunLock
 from core.output import disk_full, failed_file, write_error
 from core.quiet import quiet_trainer
+from core.run_config import resolved_config
 from core.safe_load import WeightsOnlyCheckpointIO, load_weights_only
 from core.trainer_checks import check_trainer_settings, check_unique_callbacks, lightning_refusals
 
@@ -350,6 +351,17 @@ class AtomicSaveConfig(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
         finally:
             self.parser = parser
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        """Rank zero, with config.yaml: the same resolved config (every section, the seed, each callback's options)
+        and the package versions as each W&B logger's run config (core/run_config.py)."""
+        from pytorch_lightning.loggers import WandbLogger
+
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        if loggers:
+            values = resolved_config(self.parser, self.config)
+            for logger in loggers:
+                logger.log_hyperparams(values)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._write(trainer, pl_module)

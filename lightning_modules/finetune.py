@@ -282,7 +282,7 @@ class FineTuneModule(TrainingModule):
         self.results = {"val": val, "test": test, "steps": trainer.global_step}
         for logger in trainer.loggers if trainer.is_global_zero else ():
             logger.log_metrics({"val/final_accuracy": val["accuracy"], "test/accuracy": test["accuracy"],
-                                **{f"test/layer_{layer}/isoscore_star": value
+                                **{f"test_by_layer/layer_{layer}/isoscore_star": value
                                    for layer, value in enumerate(test["isoscore_star"])}}, step=trainer.global_step)
         self.write_outputs(Path(trainer.default_root_dir), data)
         trainer.strategy.barrier("export")

@@ -180,8 +180,11 @@ class LinearProbes(pl.LightningModule):
             self.manual_backward(loss)
             optimizer.step()
             total += loss.detach() * target.shape[-1]
-        self.log("train/loss", total / max(items, 1) / slots, batch_size=max(items, 1), on_step=True, on_epoch=True,
-                 prog_bar=True)
+        # the step's loss as `train/loss` (pretraining's name) and the epoch's mean beside it (Lightning would call them
+        # train/loss_step and train/loss_epoch)
+        loss = total / max(items, 1) / slots
+        self.log("train/loss", loss, batch_size=max(items, 1), on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/loss_epoch", loss, batch_size=max(items, 1), on_step=False, on_epoch=True)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._shared_step(batch, "val")
@@ -222,7 +225,8 @@ class LinearProbes(pl.LightningModule):
     def _log_accuracy(self, stage: str, accuracy: Tensor) -> None:
         names = {"encoder": "accuracy", "random": "random_accuracy", "clipped": "clipped_accuracy",
                  "softdecay": "softdecay_accuracy", "control": "control_accuracy"}
-        self.log_dict({f"{stage}/{names[kind]}_layer{layer}": accuracy[i]
+        # one key pattern with the live statistics': <stage>_by_layer/layer_{l}/<statistic>
+        self.log_dict({f"{stage}_by_layer/layer_{layer}/{names[kind]}": accuracy[i]
                        for i, (kind, layer) in enumerate(self.probe_slots)})
 
     def configure_optimizers(self):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from pytorch_lightning.loggers import CSVLogger
 import train
 from callbacks.attention_geometry import AttentionGeometry
 from callbacks.contribution_vectors import ContributionVectors
-from callbacks.live import LiveCallback, by_layer
+from callbacks.live import LiveCallback, by_layer, trainer_step
 from callbacks.outlier_statistics import TABLE_COLUMNS, OutlierStatistics, pair_positions, pair_seed
 from callbacks.wandb_logging import AutoWandbLogger, LoggingWarning, choose_mode
 from core.errors import UserError
@@ -811,7 +812,8 @@ class ProbeRecorder(pl.Callback):
         ProbeRecorder.made.append(self)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen[trainer.global_step] = (batch[0].double(), batch[1], Recorder.probe(trainer))
+        # keyed by the trainer step the statistics are logged at (a block of cached features: one trainer step)
+        self.seen[trainer_step(trainer)] = (batch[0].double(), batch[1], Recorder.probe(trainer))
 
 
 @pytest.mark.slow
@@ -1180,3 +1182,115 @@ def test_a_validation_set_of_one_sequence_logs_no_anisotropy_rather_than_nan(cor
     assert all(math.isfinite(value) for value in row.values()) and "val_outliers/kurtosis" in row
     assert any("OutlierStatistics: the validation set has 1 sequence(s): its anisotropy needs 2" in str(w.message)
                for w in recwarn)
+
+
+# ---- the W&B view: every key documented, the config, the summary, one x axis ----
+
+def documented_keys(layers: range, attention_layers: range, top_k: int) -> set[str]:
+    """docs/live-statistics.md's "Every key" table, expanded: {l} over the layers (AttentionGeometry's and the sinks'
+    over theirs), {i} over 1..top_k, and a `val_` copy of every key marked *both*."""
+    text = (ROOT / "docs" / "live-statistics.md").read_text(encoding="utf-8")
+    table = text.split("\n## Every key\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| (as is|both|val only) \|", table, re.M)
+    assert len(rows) > 60, "the doc's key table is not where the test reads it"
+    keys = set()
+    for key, when in rows:
+        for prefix in ("", "val_") if when == "both" else ("",):
+            for layer in (attention_layers if key.startswith(("attention", "sinks")) else layers) if "{l}" in key \
+                    else [None]:
+                for i in range(1, top_k + 1) if "{i}" in key else [None]:
+                    keys.add(prefix + key.format(l=layer, i=i))
+    return keys
+
+
+def panel_keys(run) -> set[str]:
+    """Every key a run logged, an image's or table's fields as its one key, without W&B's own (_step, ...)."""
+    keys = set()
+    for row in run.history:
+        media = {key.rsplit("/", 1)[0] for key in row if key.endswith("/_type")}
+        keys |= {next((name for name in media if key.startswith(name + "/")), key) for key in row
+                 if not key.startswith("_")}
+    return keys
+
+
+def test_every_key_logged_is_in_the_docs_key_table_and_every_key_there_is_logged(single):
+    run, _, _ = single
+    documented = documented_keys(range(LAYERS), range(1, LAYERS), top_k=3)
+    logged = panel_keys(run)
+    assert sorted(logged - documented) == [] and sorted(documented - logged) == []
+    assert not [key for key in logged if re.search(r"layer\d", key)]  # one spelling: layer_{l}
+
+
+def test_wandb_config_is_the_runs_resolved_config_and_the_table_is_logged_once_per_validation(single):
+    """The run's config is config.yaml's (every section, each callback's options, the seed) with the versions; its
+    name is the run directory's, its job type `pretrain`; the outlier table comes at each validation, not again at
+    the end when no row came since, holding a row per layer of each image step and validation."""
+    import importlib.metadata
+
+    import yaml
+
+    from core.run_config import PACKAGES
+
+    run, _, root = single
+    written = yaml.safe_load((root / "config.yaml").read_text(encoding="utf-8"))
+    for section in ("model", "data", "trainer", "seed_everything", "checkpoint", "ckpt_path"):
+        assert run.config[section] == written[section], section
+    assert run.config["trainer"]["max_steps"] == STEPS
+    assert [c["init_args"]["every_n_steps"] for c in run.config["trainer"]["callbacks"]] == [EVERY] * 4
+    for name in PACKAGES:
+        assert run.config["versions"][name] == importlib.metadata.version(name)
+    assert run.name == "/".join(root.parts[-2:]) and run.job_type == "pretrain"
+    table = [row for row in run.history if "outliers_by_layer/table/_type" in row]
+    assert [row["trainer/global_step"] for row in table] == [VAL_STEP]
+    image_steps = [step for step in range(0, STEPS, EVERY) if step % IMAGES == 0]
+    assert table[0]["outliers_by_layer/table/nrows"] == LAYERS * (len(image_steps) + 1)
+
+
+def test_summary_keeps_the_best_and_the_last_val_loss(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = AutoWandbLogger(save_dir=str(tmp_path))
+    losses = [3.5, 1.25, 2.0]
+    for step, loss in enumerate(losses):
+        logger.log_metrics({"val/loss": loss}, step=step)
+    logger.finalize("success")
+    (directory,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = read_run(directory)
+    assert run.values("val/loss") == losses
+    assert run.summary["val/loss"] == {"min": min(losses), "last": losses[-1]}
+
+
+def test_a_probe_py_run_logs_the_live_probe_on_the_x_axis_of_its_own_loss(tmp_path, bert_tok):
+    """probe.py's blocks take several optimizer steps (--data.steps_per_block 3): the live probe is captured every
+    2nd trainer step, the step `train/loss` is logged at, over both epochs; the probes' accuracies are keyed
+    `<stage>_by_layer/layer_{l}/...` as the live statistics are; the W&B run is named and typed."""
+    import probe
+    from tests.tiny import save_tiny_encoder
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(40)) + "\n", encoding="utf-8")
+    out = tmp_path / "probe" / "arm"
+    spec = {"class_path": "callbacks.contribution_vectors.ContributionVectors",
+            "init_args": {"every_n_steps": 2, "image_every_n_steps": 0}}
+    logger = {"class_path": "callbacks.wandb_logging.AutoWandbLogger"}
+    probe.cli_main(["fit", "--config", str(ROOT / "configs" / "probe" / "position.yaml"), "--model.encoder",
+                    str(encoder), "--data.source", str(data), "--data.batch_size", "16", "--data.steps_per_block", "3",
+                    "--data.random_baseline", "false", "--data.progress", "false", "--trainer.max_epochs", "2",
+                    "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                    "--trainer.log_every_n_steps", "1", "--trainer.logger", json.dumps(logger),
+                    "--trainer.default_root_dir", str(out), "--trainer.callbacks+", json.dumps(spec)])
+    first, second = (read_run(d) for d in sorted((out / "wandb").glob("offline-run-*")))  # fit, then test
+    steps = [row["trainer/global_step"] for row in first.history if "train/loss" in row]
+    assert steps == list(range(len(steps))) and len(steps) >= 6  # every trainer step, over both epochs
+    captured = [row["trainer/global_step"] for row in first.history if "position_probe/accuracy" in row]
+    assert captured == [step for step in steps if step % 2 == 0]
+    validations = [row["trainer/global_step"] for row in first.history if "val/loss" in row]
+    assert [row["trainer/global_step"] for row in first.history if "val_position_probe/accuracy" in row] == \
+        validations and len(validations) == 2
+    layers = range(4)  # the tiny encoder's embedding output and its 3 layers
+    for run, stage in ((first, "val"), (second, "test")):
+        keys = panel_keys(run)
+        assert {f"{stage}_by_layer/layer_{layer}/{kind}" for layer in layers
+                for kind in ("accuracy", "control_accuracy")} <= keys
+        assert not [key for key in keys if re.search(r"layer\d", key)] and "train/loss_step" not in keys
+        assert (run.name, run.job_type) == ("probe/arm", "probe")

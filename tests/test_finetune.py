@@ -142,6 +142,14 @@ def test_the_export_gives_the_modules_logits_and_finetune_json_what_a_direct_com
     assert sorted(rows) == list(range(12))
     for row in rows.values():
         assert row["train/reg_loss"] == pytest.approx(0.5 * (1 - row["train/isoscore_star"]), rel=1e-5)
+    final = {}  # the end-of-fit row: the report's numbers under the per-layer key pattern of every logger key
+    for path in sorted((straight / "lightning_logs").glob("version_*/metrics.csv")):
+        with path.open() as handle:
+            final.update(next((row for row in csv.DictReader(handle) if row.get("test/accuracy")), {}))
+    assert float(final["test/accuracy"]) == pytest.approx(report["accuracy"], abs=1e-6)
+    for layer in range(4):
+        assert float(final[f"test_by_layer/layer_{layer}/isoscore_star"]) == \
+            pytest.approx(report["layers"][layer]["isoscore_star"], abs=1e-6)
 
 
 @pytest.mark.slow

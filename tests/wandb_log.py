@@ -5,6 +5,7 @@
     run.summary            # {"outliers/layer_3/argmax_share": 0.61, ...}: last summary update per key
     run.metrics            # {"outliers/*": "trainer/global_step", ...}: define_metric step metrics
     run.media              # files under files/media (images, tables)
+    run.name, run.job_type, run.group, run.tags, run.git_commit   # the run record's
 
 The log is a leveldb-style record log: a 7-byte header (":W&B", magic 0xBEE1, version 0), then 32 KiB blocks of
 records, each with a 7-byte header (crc32, length, type FULL/FIRST/MIDDLE/LAST) holding a protobuf `Record`.
@@ -66,6 +67,11 @@ class OfflineRun:
     summary: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    name: str = ""
+    job_type: str = ""
+    group: str = ""
+    tags: list = field(default_factory=list)
+    git_commit: str = ""
 
     @property
     def media(self) -> list[Path]:
@@ -92,6 +98,8 @@ def read_run(directory: Path, timeout: float = 30.0) -> OfflineRun:
     for record in logged:
         kind = record.WhichOneof("record_type")
         if kind == "run":
+            run.name, run.job_type, run.group = record.run.display_name, record.run.job_type, record.run.run_group
+            run.tags, run.git_commit = list(record.run.tags), record.run.git.commit
             for item in record.run.config.update:
                 run.config[item.key] = json.loads(item.value_json)
         elif kind == "history":
