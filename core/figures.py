@@ -111,8 +111,48 @@ def suptitle(fig, title: str, width_inches: float, fontsize: float = 10) -> int:
     if not title:
         return 0
     text = fit_title(title, width_inches, fontsize)
-    fig.suptitle(text, fontsize=fontsize)
+    # 0.08 inch below the top edge at any figure height (matplotlib's default, 2% of the height, sinks into a tall
+    # figure's legend: 0.35 inch down in a 13-layer mean_vectors.png)
+    fig.suptitle(text, fontsize=fontsize, y=1 - 0.08 / fig.get_figheight(), va="top")
     return text.count("\n") + 1
+
+
+def legend_rows(labels: Sequence[str], width_inches: float, fontsize: float = 7) -> tuple[int, float]:
+    """The columns of a legend of `labels` laid out across `width_inches`, and the height in inches it takes."""
+    entry = 0.5 + max((len(label) for label in labels), default=1) * fontsize * 0.55 / 72  # marker + text + gap
+    columns = max(1, min(len(labels), int((width_inches - 0.3) // entry)))
+    return columns, -(-len(labels) // columns) * fontsize * 1.45 / 72 + 0.1
+
+
+def legend_below(fig, handles: Sequence, labels: Sequence[str], fontsize: float = 7) -> None:
+    """One legend for every panel, centred under them (it never covers data): the figure's bottom margin must hold
+    legend_rows' height."""
+    columns, _ = legend_rows(labels, fig.get_figwidth(), fontsize)
+    fig.legend(list(handles), list(labels), loc="lower center", bbox_to_anchor=(0.5, 0.04 / fig.get_figheight()),
+               ncol=columns, fontsize=fontsize, frameon=False)
+
+
+def label_dims(ax, dims: Sequence[int], extent: int) -> int:
+    """Each of `dims` (columns of an x axis 0..extent) labelled with its number above the panel, in red, with a tick
+    down to its column; numbers closer than 4% of the axis are stacked (300, 301, 302 stay readable at 768 dims).
+    Returns how many rows of numbers it took (0 without dims); set the title's pad from it (title_pad)."""
+    rows: list[list[int]] = []
+    for d in sorted(set(dims)):
+        row = next((k for k, placed in enumerate(rows) if all(abs(d - x) >= 0.04 * extent for x in placed)), None)
+        if row is None:
+            rows.append([])
+            row = len(rows) - 1
+        rows[row].append(d)
+        ax.annotate(str(d), xy=(d, 1), xycoords=("data", "axes fraction"), xytext=(0, 4 + 8 * row),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color=OUTLIER_RED,
+                    arrowprops={"arrowstyle": "-", "color": OUTLIER_RED, "linewidth": 0.8, "shrinkA": 0,
+                                "shrinkB": 0})
+    return len(rows)
+
+
+def title_pad(rows: int) -> float:
+    """The title's pad (points) above label_dims' `rows` rows of numbers."""
+    return 6 + 8 * rows + (4 if rows else 0)
 
 
 def margins(fig, left: float, right: float, bottom: float, top: float, **space) -> None:
@@ -137,7 +177,8 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
     mean = _array(mean)
     layers = list(layers) if layers is not None else list(range(mean.shape[0]))
     outliers = outliers or {}
-    fig, axes = subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 1.2), sharex=True, squeeze=False)
+    panel = min(1.25, max(0.6, 12 / len(layers)))  # inches per layer: 13 layers 0.92, 25 layers 0.6 (15 in tall)
+    fig, axes = subplots(len(layers), 1, figsize=(10, panel * len(layers) + 1.2), sharex=True, squeeze=False)
     edges = np.arange(mean.shape[1] + 1) - 0.5  # dimension d's bar spans d - 0.5 .. d + 0.5
     for ax, layer in zip(axes[:, 0], layers):
         values = mean[layer]
@@ -182,8 +223,7 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
     if dims:
         top.legend(handles=[Line2D([], [], color="black", linewidth=0.9, linestyle="--",
                                    label="outlier dimension (number above)")], fontsize=7, loc="lower right")
-    marks = top.secondary_xaxis("top")
-    marks.set_xticks(list(dims), labels=[str(d) for d in dims], fontsize=7)
+    label_dims(top, dims, rows.shape[1])
     top.set_xlabel("dimension (0-indexed)")
     top.set_ylabel("position")
     positions = np.arange(rows.shape[0])
@@ -200,9 +240,9 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
 
 
 def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str = "viridis", colorbar: str = "",
-                   rows: Sequence[int] | None = None):
+                   rows: Sequence[int] | None = None, marked: Sequence[int] = ()):
     """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]; `colorbar` labels the
-    colour bar, `rows` the rows (default 0, 1, ...)."""
+    colour bar, `rows` the rows (default 0, 1, ...), `marked` columns (the outlier dims) numbered above it."""
     matrix = _array(matrix)
     fig, ax = subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.8))))
     image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
@@ -211,10 +251,11 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     ax.set_ylabel(ylabel)
     if rows is not None and len(rows) <= 40:
         ax.set_yticks(range(len(rows)), labels=[str(row) for row in rows])
+    numbers = label_dims(ax, marked, matrix.shape[1])
     lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
-        ax.set_title(fit_title(title, 9, 10), fontsize=10)
-    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines)
+        ax.set_title(fit_title(title, 9, 10), fontsize=10, pad=title_pad(numbers))
+    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines + (0.1 + 0.11 * numbers if numbers else 0))
     return fig
 
 
@@ -230,7 +271,8 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
     ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("test accuracy")
     ax.set_xticks(list(layers))
-    ax.set_ylim(0, 1.02)
+    low = min([0.0, *(v for values in series.values() for v in values if v is not None and np.isfinite(v))])
+    ax.set_ylim(low - 0.02 if low < 0 else 0, 1.02)  # a selectivity below 0 drawn, not cut off
     ax.legend(fontsize=8)
     ax.set_title(fit_title(title or "probe accuracy by layer", 6.5, 10), fontsize=10)
     fig.tight_layout()
@@ -322,9 +364,10 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
 
 
 def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, ylabel: str, title: str = "",
-                        cmap: str = "viridis", columns: int = 4, colorbar: str = ""):
+                        cmap: str = "viridis", columns: int = 4, colorbar: str = "", marked: Sequence[int] = ()):
     """One heatmap panel per matrix (e.g. contributions [positions, hidden] of each layer), each with its own colour
-    scale and colour bar (labelled `colorbar`), in one figure."""
+    scale and colour bar (labelled `colorbar`), in one figure; `marked` columns (the outlier dims) numbered above
+    each panel."""
     matrices = [_array(m) for m in matrices]
     columns = min(columns, len(matrices))
     rows = -(-len(matrices) // columns)
@@ -335,7 +378,7 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
         bar = fig.colorbar(image, ax=ax, fraction=0.05)
         bar.set_label(colorbar or "value", fontsize=6)
         bar.ax.tick_params(labelsize=5)
-        ax.set_title(name, fontsize=8)
+        ax.set_title(name, fontsize=8, pad=title_pad(label_dims(ax, marked, matrix.shape[1])))
         ax.tick_params(labelsize=6)
     for ax in axes.flat[len(matrices):]:
         ax.axis("off")
