@@ -133,26 +133,37 @@ def legend_below(fig, handles: Sequence, labels: Sequence[str], fontsize: float 
 
 
 def label_dims(ax, dims: Sequence[int], extent: int) -> int:
-    """Each of `dims` (columns of an x axis 0..extent) labelled with its number above the panel, in red, with a tick
-    down to its column; numbers closer than 4% of the axis are stacked (300, 301, 302 stay readable at 768 dims).
-    Returns how many rows of numbers it took (0 without dims); set the title's pad from it (title_pad)."""
-    rows: list[list[int]] = []
-    for d in sorted(set(dims)):
-        row = next((k for k, placed in enumerate(rows) if all(abs(d - x) >= 0.04 * extent for x in placed)), None)
-        if row is None:
-            rows.append([])
-            row = len(rows) - 1
-        rows[row].append(d)
-        ax.annotate(str(d), xy=(d, 1), xycoords=("data", "axes fraction"), xytext=(0, 4 + 8 * row),
-                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color=OUTLIER_RED,
-                    arrowprops={"arrowstyle": "-", "color": OUTLIER_RED, "linewidth": 0.8, "shrinkA": 0,
-                                "shrinkB": 0})
-    return len(rows)
+    """Each of `dims` (columns of an x axis 0..extent) marked with a red tick above the panel and numbered there; dims
+    closer than 2% of the axis share one label ("300, 302"), and labels that would touch are stacked in rows (at 768
+    dims a number is as wide as 10 columns). Returns the rows of labels (0 without dims): title_pad gives the title's
+    pad above them."""
+    dims = sorted({int(d) for d in dims if 0 <= d < extent})
+    if not dims:
+        return 0
+    width = max(ax.get_position().width * ax.figure.get_figwidth(), 0.5)  # the panel's width in inches
+    per_char = 7 * 0.62 / 72 / width * extent  # a digit at 7 points, in columns
+    ax.vlines(dims, 1, 1 + 3 / (72 * max(ax.get_position().height * ax.figure.get_figheight(), 0.3)),
+              transform=ax.get_xaxis_transform(), colors=OUTLIER_RED, linewidth=1, clip_on=False)
+    clusters: list[list[int]] = []
+    for d in dims:
+        if clusters and d - clusters[-1][-1] < 0.02 * extent:
+            clusters[-1].append(d)
+        else:
+            clusters.append([d])
+    ends: list[float] = []  # per row, where its last label ends (columns)
+    for cluster in clusters:
+        text = ", ".join(map(str, cluster))
+        x, half = (cluster[0] + cluster[-1]) / 2, (len(text) + 1) * per_char / 2
+        row = next((k for k, end in enumerate(ends) if end < x - half), len(ends))
+        ends[row:row + 1] = [x + half]
+        ax.annotate(text, xy=(x, 1), xycoords=("data", "axes fraction"), xytext=(0, 4 + 10 * row),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color=OUTLIER_RED)
+    return len(ends)
 
 
 def title_pad(rows: int) -> float:
     """The title's pad (points) above label_dims' `rows` rows of numbers."""
-    return 6 + 8 * rows + (4 if rows else 0)
+    return 6 + 10 * rows + (4 if rows else 0)
 
 
 def margins(fig, left: float, right: float, bottom: float, top: float, **space) -> None:
@@ -255,7 +266,7 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
         ax.set_title(fit_title(title, 9, 10), fontsize=10, pad=title_pad(numbers))
-    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines + (0.1 + 0.11 * numbers if numbers else 0))
+    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines + (0.1 + 0.14 * numbers if numbers else 0))
     return fig
 
 
@@ -335,10 +346,9 @@ def layer_bands_figure(panels: Sequence[Mapping], title: str = "", columns: int 
             entries.setdefault(label, handle)
         if ax.get_legend() is not None:
             ax.get_legend().remove()
-    rows = -(-len(entries) // 3)
-    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=3, fontsize=8, frameon=False)
-    height = fig.get_size_inches()[1]
-    fig.tight_layout(rect=(0, min(0.4, (0.25 * rows + 0.1) / height), 1, 1))
+    legend = legend_rows(list(entries), fig.get_figwidth(), 8)[1]
+    legend_below(fig, list(entries.values()), list(entries), 8)
+    fig.tight_layout(rect=(0, min(0.4, legend / fig.get_figheight()), 1, 1))
     return fig
 
 
@@ -346,7 +356,10 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
     """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant;
     values below `floor` (zeroed dimensions) are drawn at the floor."""
     width = 5.2 * len(spectra)
-    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9), squeeze=False, sharey=True)
+    count = max((len(layers) for layers in spectra.values()), default=0)
+    labels = [f"layer {layer}" for layer in range(count)]
+    legend = legend_rows(labels, width, 7)[1] if count else 0.0  # below: 13 or 25 layers' entries covered the curves
+    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9 + legend), squeeze=False, sharey=True)
     for ax, (name, layers) in zip(axes[0], spectra.items()):
         for layer, (values, color) in enumerate(zip(layers, line_colors(len(layers)))):
             values = np.clip(np.asarray(values, dtype=float), floor, None)
@@ -357,9 +370,10 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
         ax.set_xlabel("singular value index", fontsize=8)
         ax.tick_params(labelsize=7, which="both")
     axes[0, 0].set_ylabel("singular value / largest", fontsize=8)
-    axes[0, -1].legend(fontsize=6, ncol=2)
+    if count:
+        legend_below(fig, [Line2D([], [], color=color, linewidth=1) for color in line_colors(count)], labels)
     suptitle(fig, title or "singular-value spectrum of each layer's token matrix", max(width, 6))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend / fig.get_figheight(), 1, 1))
     return fig
 
 
