@@ -75,15 +75,23 @@ def line_colors(count: int) -> np.ndarray:
 
 
 def plain_log_axis(ax, axis: str = "y") -> None:
-    """A log axis labelled with plain numbers (0.01, 3.5, 100; not 10^-2 or 3.5x10^0); minor ticks labelled only
-    when the axis spans less than a decade (else there would be no label at all)."""
+    """A log axis labelled with plain numbers (0.01, 3.5, 100; not 10^-2 or 3.5x10^0); minor ticks labelled when the
+    axis spans less than a decade (else there would be no label at all), their 2s and 5s when it spans less than 2.5
+    decades (else one or two numbers on the whole axis)."""
     (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
     target = ax.yaxis if axis == "y" else ax.xaxis
     low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
     target.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
     within_decade = low > 0 and high / low < 10
+    few_decades = low > 0 and high / low < 10 ** 2.5  # 3 to 60: 5, 10, 20, 50 rather than a lone 10
     target.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if within_decade
-                               else mticker.NullFormatter())
+                               else mticker.FuncFormatter(two_and_five) if few_decades else mticker.NullFormatter())
+
+
+def two_and_five(value: float, _=None) -> str:
+    """A minor log tick's label when it is 2 or 5 times a power of ten (20, 0.5), else none."""
+    mantissa = value / 10 ** np.floor(np.log10(value)) if value > 0 else 0
+    return f"{value:g}" if np.isclose(mantissa, 2) or np.isclose(mantissa, 5) else ""
 
 
 def say_empty(ax, reason: str = "") -> None:
@@ -318,7 +326,7 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
         ax.set_xticks(layers)
         ax.tick_params(labelsize=7)
         if panel.get("log"):
-            ax.set_yscale("log")
+            plain_log_axis(ax)  # 20, 40, not 2x10^1, 4x10^1
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -8,6 +8,7 @@ style and with its helpers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import matplotlib.ticker as mticker
@@ -16,6 +17,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.lines import Line2D
 
 from core.figures import (
+    SERIES,
     fill,
     finite,
     fit_title,
@@ -42,7 +44,9 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     rows = (len(panels) + columns - 1) // columns
     width = 4.6 * columns
     names = list(dict.fromkeys(name for panel in panels for name in panel["series"]))  # one colour per name
-    colors = dict(zip(names, line_colors(len(names))))
+    # layers are ordered (dark to light); arms and runs are not: a palette of distinct colours, as long as it lasts
+    ordered = all(re.fullmatch(r"layer \d+", name) for name in names) or len(names) > len(SERIES)
+    colors = dict(zip(names, line_colors(len(names)) if ordered else SERIES))
     threshold = next((panel["threshold_label"] for panel in panels if panel.get("thresholds")
                       and panel.get("threshold_label")), None)
     labels = names + ([threshold] if threshold else [])
