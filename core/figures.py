@@ -81,17 +81,30 @@ def plain_log_axis(ax, axis: str = "y") -> None:
     (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
     target = ax.yaxis if axis == "y" else ax.xaxis
     low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    target.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    target.set_major_formatter(mticker.FuncFormatter(plain_number))
     within_decade = low > 0 and high / low < 10
     few_decades = low > 0 and high / low < 10 ** 2.5  # 3 to 60: 5, 10, 20, 50 rather than a lone 10
-    target.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if within_decade
+    target.set_minor_formatter(mticker.FuncFormatter(plain_number) if within_decade
                                else mticker.FuncFormatter(two_and_five) if few_decades else mticker.NullFormatter())
+
+
+def plain_number(value: float, _=None) -> str:
+    """A tick label of (at most) two significant digits written out: 300, 0.35, 0.00001 (not 3e+02, 1e-05)."""
+    return np.format_float_positional(value, precision=2, fractional=False, trim="-")
 
 
 def two_and_five(value: float, _=None) -> str:
     """A minor log tick's label when it is 2 or 5 times a power of ten (20, 0.5), else none."""
     mantissa = value / 10 ** np.floor(np.log10(value)) if value > 0 else 0
-    return f"{value:g}" if np.isclose(mantissa, 2) or np.isclose(mantissa, 5) else ""
+    return plain_number(value) if np.isclose(mantissa, 2) or np.isclose(mantissa, 5) else ""
+
+
+def layer_ticks(ax, layers: Sequence[int]) -> None:
+    """A tick at every layer, numbered up to 16 layers, every other one beyond (25 numbers ran into each other)."""
+    layers = list(layers)
+    ax.set_xticks(layers if len(layers) <= 16 else layers[::2])
+    if len(layers) > 16:
+        ax.set_xticks(layers, minor=True)
 
 
 def say_empty(ax, reason: str = "") -> None:
@@ -130,6 +143,19 @@ def legend_rows(labels: Sequence[str], width_inches: float, fontsize: float = 7)
     entry = 0.5 + max((len(label) for label in labels), default=1) * fontsize * 0.55 / 72  # marker + text + gap
     columns = max(1, min(len(labels), int((width_inches - 0.3) // entry)))
     return columns, -(-len(labels) // columns) * fontsize * 1.45 / 72 + 0.1
+
+
+def below_panel_legend(ax, fontsize: float = 7) -> None:
+    """The panel's legend under its x label, centred, in as many columns as fit (inside, 'best' still covered the
+    peaks of a 13-layer magnitudes.png); tight_layout makes room for it."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not labels:
+        return
+    width = ax.get_position().width * ax.figure.get_figwidth()
+    height = max(ax.get_position().height * ax.figure.get_figheight(), 0.5)
+    columns, _ = legend_rows(labels, width + 0.6, fontsize)
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.42 / height), ncol=columns,
+              fontsize=fontsize, frameon=False)
 
 
 def legend_below(fig, handles: Sequence, labels: Sequence[str], fontsize: float = 7) -> None:
@@ -289,7 +315,7 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
         ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3f})")
     ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("test accuracy")
-    ax.set_xticks(list(layers))
+    layer_ticks(ax, list(layers))
     low = min([0.0, *(v for values in series.values() for v in values if v is not None and np.isfinite(v))])
     ax.set_ylim(low - 0.02 if low < 0 else 0, 1.02)  # a selectivity below 0 drawn, not cut off
     ax.legend(fontsize=8)
@@ -323,11 +349,11 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
                 ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3g})")
         ax.set_xlabel("layer (0 = embedding output)", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
-        ax.set_xticks(layers)
-        ax.tick_params(labelsize=7)
+        layer_ticks(ax, layers)
+        ax.tick_params(labelsize=7, which="both")
         if panel.get("log"):
             plain_log_axis(ax)  # 20, 40, not 2x10^1, 4x10^1
-        ax.legend(fontsize=7)
+        below_panel_legend(ax)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     suptitle(fig, title, width)

@@ -26,6 +26,7 @@ from core.figures import (
     line_colors,
     margins,
     plain_log_axis,
+    plain_number,
     say_empty,
     subplots,
     suptitle,
@@ -109,9 +110,9 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
         bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
         bar.ax.tick_params(labelsize=6, which="both")
         if norm is not None:
-            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(plain_number))
             few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
-            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
+            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(plain_number) if few
                                              else mticker.NullFormatter())
         ticks = np.arange(len(steps)) if len(steps) <= 8 else \
             np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))

@@ -83,7 +83,7 @@ def check_talk_ready(fig) -> int:
             assert signature(mark) in known, f"a mark not in the legend: {signature(mark)} in {ax.get_title()!r}"
             assert contrast_on_white(signature(mark)[0]) >= 2.0, f"reads badly on white: {signature(mark)[0]}"
             checked += 1
-    assert all(re.fullmatch(r"[0-9.e+-]*", label) for label in log_labels), log_labels
+    assert all(re.fullmatch(r"[0-9.]*", label) for label in log_labels), log_labels  # 300, not 3e+02
     assert any(log_labels) or not any("log" in (ax.get_yscale(), ax.get_xscale()) for ax in fig.axes)
     return checked
 
@@ -278,6 +278,20 @@ def test_legends_and_titles_keep_off_the_data_at_13_layers():
     assert fig.get_figheight() < 15
     fig = figures.accuracy_by_layer_figure([0, 1, 2], {"encoder": [0.9, 0.5, 0.2], "selectivity": [0.1, -0.05, -0.2]})
     assert fig.axes[0].get_ylim()[0] < -0.2 and fig.axes[0].get_ylim()[1] >= 1
+    # magnitudes.png at 13 layers: peaks of 50 to 310 on a log axis, five series; the legend under the panel
+    deep = list(range(25))  # and 25 layers (large): every other layer numbered, every layer ticked
+    fig = figures.layer_panels_figure([{"title": "peaks", "ylabel": "|x|", "layers": layers, "log": True, "series": {
+        f"top {k} peak": [50 + 20 * layer + k for layer in layers] for k in range(5)}},
+        {"title": "deep", "ylabel": "cosine", "layers": deep, "series": {"raw": [0.5] * 25}}], columns=2)
+    renderer = drawn(fig)
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.y1 <= ax.xaxis.label.get_window_extent(renderer).y0 + 1 and legend.y0 >= fig.bbox.y0 - 1
+    labels = [t.get_text() for t in fig.axes[0].yaxis.get_ticklabels(which="both") if t.get_text()]
+    assert "100" in labels and "200" in labels and not any("e" in label for label in labels), labels
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == [str(k) for k in deep[::2]]
+    assert sorted({*fig.axes[1].get_xticks(), *fig.axes[1].get_xticks(minor=True)}) == deep
+    check_talk_ready(fig)
 
 
 def test_every_summary_panel_says_what_its_y_axis_is():
