@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.lines import Line2D
 
-from core.figures import (
+from core.figure_style import (
     SERIES,
     fill,
     finite,
