@@ -155,7 +155,7 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
     layer_ticks(ax, list(layers))
     low = min([0.0, *(v for values in series.values() for v in values if v is not None and np.isfinite(v))])
     ax.set_ylim(low - 0.02 if low < 0 else 0, 1.02)  # a selectivity below 0 drawn, not cut off
-    ax.legend(fontsize=8)
+    below_panel_legend(ax, 8)  # 6 entries inside covered the lines of a 13-layer probe
     ax.set_title(fit_title(title or "probe accuracy by layer", 6.5, 10), fontsize=10)
     fig.tight_layout()
     return fig
