@@ -206,7 +206,8 @@ def intervention_figure(report: dict, short_name: str):
         if before is None:
             continue
         panel = {"title": LABELS[key] + (f" {dims}" if key == "outlier_share" else ""), "ylabel": LABELS[key],
-                 "layers": layers, "series": {"before (unmodified)": before}, "bands": {}}
+                 "layers": layers, "series": {"before (unmodified)": before}, "bands": {},
+                 "log": key in ("kurtosis", "max_abs")}  # as magnitudes.png: 760 before, 3 after an outlier's zeroing
         for name, entry in report["interventions"].items():
             if "skipped" in entry:
                 continue

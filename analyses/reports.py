@@ -229,7 +229,10 @@ def summary_figure(summary: dict, model: str):
     for measure in rows[0]:  # STS sets: sts_<set>_spearman
         if measure.startswith("sts_") and measure.endswith("_spearman"):
             titles[measure] = f"STS ({measure[4:-9]}): Spearman x 100"
-    panels = [{"title": titles.get(measure, measure.replace("_", " ")), "ylabel": "", "layers": layers,
+    ylabels = {"anisotropy": "mean cosine", "self_similarity": "mean cosine", "self_similarity_adjusted": "mean cosine",
+               "isoscore": "IsoScore", "wic_accuracy": "accuracy"}  # STS: Spearman x 100
+    panels = [{"title": titles.get(measure, measure.replace("_", " ")),
+               "ylabel": ylabels.get(measure, "Spearman x 100" if measure.startswith("sts_") else ""), "layers": layers,
                "series": {key: [row[measure][key] for row in rows] for key in summary["variants"]}}
               for measure in rows[0] if measure != "layer"]
     return layer_panels_figure(panels, title=f"{model}: per layer, clipped dims "

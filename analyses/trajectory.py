@@ -338,6 +338,11 @@ def summary_of(point: dict, key: str) -> float:
     return over_layers([row[key] for row in rows], layers, how)
 
 
+YLABELS = {"top_share": "share of tokens", "argmax_share": "share of tokens", "argmin_share": "share of tokens",
+           "kurtosis_mean": "kurtosis", "max_abs": "max |activation|", "anisotropy": "mean cosine",
+           "isoscore_star": "IsoScore*"}  # each panel's y axis
+
+
 def runs_figure(report: dict):
     """The runs as lines against the step: top outlier share, kurtosis, max |activation| (max over layers 1..L),
     anisotropy and IsoScore* (mean over layers 1..L), and the MLM validation loss when the checkpoints record it."""
@@ -346,14 +351,14 @@ def runs_figure(report: dict):
                 ("max_abs", "max |activation| (max over layers)", True),
                 ("anisotropy", "anisotropy (mean over layers)", False),
                 ("isoscore_star", "IsoScore* (mean over layers)", False)]
-    panels = [{"title": title, "ylabel": "", "log": log, "series": {
+    panels = [{"title": title, "ylabel": YLABELS[key], "log": log, "series": {
         run["label"]: ([p["step"] for p in run["checkpoints"]], [summary_of(p, key) for p in run["checkpoints"]])
         for run in report["runs"]}} for key, title, log in measures]
     losses = {run["label"]: ([p["step"] for p in run["checkpoints"] if p["val_loss"] is not None],
                              [p["val_loss"] for p in run["checkpoints"] if p["val_loss"] is not None])
               for run in report["runs"]}
     if any(steps for steps, _ in losses.values()):
-        panels.append({"title": "validation loss: masked or next token, by the run (latest at each checkpoint)", "ylabel": "",
+        panels.append({"title": "validation loss: masked or next token, by the run (latest at each checkpoint)", "ylabel": "cross-entropy",
                        "series": {label: values for label, values in losses.items() if values[0]}})
     return over_steps_figure(panels, title=f"outliers and anisotropy over training: {', '.join(report['labels'])}",
                              columns=3)
@@ -367,7 +372,7 @@ def trajectory_figure(report: dict):
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
     empty = (f"IsoScore* needs mini-batches of {report.get('minibatch_tokens')} tokens, one per sentence: "
              f"{report.get('num_sentences')} sentences here")
-    panels = [{"title": title, "ylabel": "", "log": key in ("kurtosis_mean", "max_abs"), "series": {
+    panels = [{"title": title, "ylabel": YLABELS[key], "log": key in ("kurtosis_mean", "max_abs"), "series": {
         f"layer {layer}": (steps, [
             point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
             for point in checkpoints]) for layer in layers}, "empty": empty if key == "isoscore_star" else ""}

@@ -15,118 +15,40 @@ on white (no yellow), and a panel with nothing to show says so in words.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.ticker as mticker  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from core.figure_style import (  # noqa: F401  (re-exported: core.figures.subplots, .SERIES, ... as before)
+    BAR_BLUE,
+    GREYS,
+    MARKERS,
+    OUTLIER_RED,
+    SERIES,
+    as_array,
+    below_panel_legend,
+    fill,
+    finite,
+    fit_title,
+    label_dims,
+    layer_ticks,
+    layered,
+    legend_below,
+    legend_rows,
+    line_colors,
+    margins,
+    plain_log_axis,
+    plain_number,
+    say_empty,
+    subplots,
+    suptitle,
+    title_pad,
+)
 
-# ---- shared by every figure ----
-
-OUTLIER_RED, BAR_BLUE, GREYS = "#c44e52", "#4c72b0", ("#777777", "#333333", "#aaaaaa")
-MARKERS = "osd^v<>Ph*X"
-SERIES = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"]  # tab10
-# without its olive (#bcbd22), a yellow that does not read on white
-
-
-def fit_title(text: str, width_inches: float, fontsize: float = 10) -> str:
-    """`text` wrapped to a figure `width_inches` wide at `fontsize`: breaks at spaces, never inside (...) or [...]
-    unless the bracket alone is wider than a line (then at its spaces)."""
-    width = max(20, int(width_inches * 72 / (fontsize * 0.6)))
-    words, depth, current = [], 0, ""
-    for char in text:  # a space inside brackets joins its neighbours into one word
-        if char in "([":
-            depth += 1
-        elif char in ")]" and depth:
-            depth -= 1
-        if char == " " and depth == 0:
-            words.append(current)
-            current = ""
-        else:
-            current += char
-    words.append(current)
-    pieces = [piece for word in words if word
-              for piece in (fill(word, width).split("\n") if len(word) > width else [word])]
-    lines, line = [], ""
-    for piece in pieces:
-        if line and len(line) + 1 + len(piece) > width:
-            lines.append(line)
-            line = piece
-        else:
-            line = f"{line} {piece}" if line else piece
-    return "\n".join([*lines, line] if line else lines)
-
-
-def fill(text: str, width: int) -> str:
-    return textwrap.fill(text, width, break_on_hyphens=False)
-
-
-def line_colors(count: int) -> np.ndarray:
-    """`count` colours in order (e.g. layers), dark blue to orange: plasma without its pale yellow end."""
-    return matplotlib.colormaps["plasma"](np.linspace(0, 0.78, max(count, 2)))[:count]
-
-
-def plain_log_axis(ax, axis: str = "y") -> None:
-    """A log axis labelled with plain numbers (0.01, 3.5, 100; not 10^-2 or 3.5x10^0); minor ticks labelled only
-    when the axis spans less than a decade (else there would be no label at all)."""
-    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
-    target = ax.yaxis if axis == "y" else ax.xaxis
-    low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    target.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    within_decade = low > 0 and high / low < 10
-    target.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if within_decade
-                               else mticker.NullFormatter())
-
-
-def say_empty(ax, reason: str = "") -> None:
-    """Write in the panel that it has nothing to show, and why."""
-    ax.text(0.5, 0.5, fill(f"nothing to show: {reason}" if reason else "nothing to show", 40), ha="center",
-            va="center", transform=ax.transAxes, fontsize=9, color=GREYS[1])
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def layered(index: int) -> dict:
-    """Line width and marker size of the index-th series: each drawn a little thinner than the one before, so that a
-    series equal to an earlier one (clipped = raw in a layer without outliers) leaves it visible around it."""
-    return {"linewidth": max(1.0, 2.6 - 0.7 * index), "markersize": max(3.0, 6.5 - 1.5 * index)}
-
-
-def finite(values) -> bool:
-    """Whether any of `values` (None for missing) is a finite number."""
-    array = np.asarray([np.nan if v is None else v for v in values], dtype=float)
-    return bool(np.isfinite(array).any())
-
-
-def suptitle(fig, title: str, width_inches: float, fontsize: float = 10) -> int:
-    """The figure's title wrapped to its width; how many lines it takes (0 without a title)."""
-    if not title:
-        return 0
-    text = fit_title(title, width_inches, fontsize)
-    fig.suptitle(text, fontsize=fontsize)
-    return text.count("\n") + 1
-
-
-def margins(fig, left: float, right: float, bottom: float, top: float, **space) -> None:
-    """Fixed margins in inches (the live figures: tight_layout's measuring costs as much as the drawing)."""
-    width, height = fig.get_figwidth(), fig.get_figheight()
-    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
-                        **space)
-
-
-def _array(values) -> np.ndarray:
-    return np.asarray(values.detach().cpu() if hasattr(values, "detach") else values, dtype=float)
-
-
-# ---- the figures ----
 
 def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = None, title: str = "",
                         layers: Sequence[int] | None = None):
@@ -134,10 +56,11 @@ def mean_vectors_figure(mean, outliers: Mapping[int, Sequence[int]] | None = Non
 
     mean: [layers, hidden] array or tensor.
     """
-    mean = _array(mean)
+    mean = as_array(mean)
     layers = list(layers) if layers is not None else list(range(mean.shape[0]))
     outliers = outliers or {}
-    fig, axes = subplots(len(layers), 1, figsize=(10, 1.25 * len(layers) + 1.2), sharex=True, squeeze=False)
+    panel = min(1.25, max(0.6, 12 / len(layers)))  # inches per layer: 13 layers 0.92, 25 layers 0.6 (15 in tall)
+    fig, axes = subplots(len(layers), 1, figsize=(10, panel * len(layers) + 1.2), sharex=True, squeeze=False)
     edges = np.arange(mean.shape[1] + 1) - 0.5  # dimension d's bar spans d - 0.5 .. d + 0.5
     for ax, layer in zip(axes[:, 0], layers):
         values = mean[layer]
@@ -171,7 +94,7 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
     dims marked, and each outlier dim's value against the position beside the mean |value| of all dims.
 
     rows: [positions, hidden] (the rows a token can use, in the hidden space)."""
-    rows = _array(rows)
+    rows = as_array(rows)
     fig, (top, bottom) = subplots(2, 1, figsize=(10, 7.4), gridspec_kw={"height_ratios": [3, 2]})
     limit = np.percentile(np.abs(rows), 99.5) or 1.0
     image = top.imshow(rows, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
@@ -182,8 +105,7 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
     if dims:
         top.legend(handles=[Line2D([], [], color="black", linewidth=0.9, linestyle="--",
                                    label="outlier dimension (number above)")], fontsize=7, loc="lower right")
-    marks = top.secondary_xaxis("top")
-    marks.set_xticks(list(dims), labels=[str(d) for d in dims], fontsize=7)
+    label_dims(top, dims, rows.shape[1])
     top.set_xlabel("dimension (0-indexed)")
     top.set_ylabel("position")
     positions = np.arange(rows.shape[0])
@@ -200,10 +122,10 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
 
 
 def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str = "viridis", colorbar: str = "",
-                   rows: Sequence[int] | None = None):
+                   rows: Sequence[int] | None = None, marked: Sequence[int] = ()):
     """A labelled heatmap, e.g. contribution vectors [layers, hidden] or [positions, hidden]; `colorbar` labels the
-    colour bar, `rows` the rows (default 0, 1, ...)."""
-    matrix = _array(matrix)
+    colour bar, `rows` the rows (default 0, 1, ...), `marked` columns (the outlier dims) numbered above it."""
+    matrix = as_array(matrix)
     fig, ax = subplots(figsize=(10, max(2.5, min(8.0, 0.3 * matrix.shape[0] + 1.8))))
     image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap)
     fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02).set_label(fill(colorbar or "value", 30), fontsize=8)
@@ -211,10 +133,11 @@ def heatmap_figure(matrix, xlabel: str, ylabel: str, title: str = "", cmap: str 
     ax.set_ylabel(ylabel)
     if rows is not None and len(rows) <= 40:
         ax.set_yticks(range(len(rows)), labels=[str(row) for row in rows])
+    numbers = label_dims(ax, marked, matrix.shape[1])
     lines = fit_title(title, 9, 10).count("\n") + 1 if title else 0
     if title:
-        ax.set_title(fit_title(title, 9, 10), fontsize=10)
-    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines)
+        ax.set_title(fit_title(title, 9, 10), fontsize=10, pad=title_pad(numbers))
+    margins(fig, 0.8, 0.6, 0.55, 0.15 + 0.2 * lines + (0.1 + 0.14 * numbers if numbers else 0))
     return fig
 
 
@@ -229,9 +152,10 @@ def accuracy_by_layer_figure(layers: Sequence[int], series: Mapping[str, Sequenc
         ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3f})")
     ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("test accuracy")
-    ax.set_xticks(list(layers))
-    ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=8)
+    layer_ticks(ax, list(layers))
+    low = min([0.0, *(v for values in series.values() for v in values if v is not None and np.isfinite(v))])
+    ax.set_ylim(low - 0.02 if low < 0 else 0, 1.02)  # a selectivity below 0 drawn, not cut off
+    below_panel_legend(ax, 8)  # 6 entries inside covered the lines of a 13-layer probe
     ax.set_title(fit_title(title or "probe accuracy by layer", 6.5, 10), fontsize=10)
     fig.tight_layout()
     return fig
@@ -262,11 +186,11 @@ def layer_panels_figure(panels: Sequence[Mapping], title: str = "", columns: int
                 ax.axhline(value, linestyle="--", linewidth=1, color=color, label=f"{name} ({value:.3g})")
         ax.set_xlabel("layer (0 = embedding output)", fontsize=8)
         ax.set_ylabel(panel.get("ylabel", ""), fontsize=8)
-        ax.set_xticks(layers)
-        ax.tick_params(labelsize=7)
+        layer_ticks(ax, layers)
+        ax.tick_params(labelsize=7, which="both")
         if panel.get("log"):
-            ax.set_yscale("log")
-        ax.legend(fontsize=7)
+            plain_log_axis(ax)  # 20, 40, not 2x10^1, 4x10^1
+        below_panel_legend(ax)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     suptitle(fig, title, width)
@@ -293,10 +217,9 @@ def layer_bands_figure(panels: Sequence[Mapping], title: str = "", columns: int 
             entries.setdefault(label, handle)
         if ax.get_legend() is not None:
             ax.get_legend().remove()
-    rows = -(-len(entries) // 3)
-    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=3, fontsize=8, frameon=False)
-    height = fig.get_size_inches()[1]
-    fig.tight_layout(rect=(0, min(0.4, (0.25 * rows + 0.1) / height), 1, 1))
+    legend = legend_rows(list(entries), fig.get_figwidth(), 8)[1]
+    legend_below(fig, list(entries.values()), list(entries), 8)
+    fig.tight_layout(rect=(0, min(0.4, legend / fig.get_figheight()), 1, 1))
     return fig
 
 
@@ -304,7 +227,10 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
     """Normalised singular values (largest = 1) of each layer's token matrix, log scale, one panel per variant;
     values below `floor` (zeroed dimensions) are drawn at the floor."""
     width = 5.2 * len(spectra)
-    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9), squeeze=False, sharey=True)
+    count = max((len(layers) for layers in spectra.values()), default=0)
+    labels = [f"layer {layer}" for layer in range(count)]
+    legend = legend_rows(labels, width, 7)[1] if count else 0.0  # below: 13 or 25 layers' entries covered the curves
+    fig, axes = subplots(1, len(spectra), figsize=(width, 3.9 + legend), squeeze=False, sharey=True)
     for ax, (name, layers) in zip(axes[0], spectra.items()):
         for layer, (values, color) in enumerate(zip(layers, line_colors(len(layers)))):
             values = np.clip(np.asarray(values, dtype=float), floor, None)
@@ -315,17 +241,19 @@ def spectrum_figure(spectra: Mapping[str, Sequence[Sequence[float]]], title: str
         ax.set_xlabel("singular value index", fontsize=8)
         ax.tick_params(labelsize=7, which="both")
     axes[0, 0].set_ylabel("singular value / largest", fontsize=8)
-    axes[0, -1].legend(fontsize=6, ncol=2)
+    if count:
+        legend_below(fig, [Line2D([], [], color=color, linewidth=1) for color in line_colors(count)], labels)
     suptitle(fig, title or "singular-value spectrum of each layer's token matrix", max(width, 6))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend / fig.get_figheight(), 1, 1))
     return fig
 
 
 def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, ylabel: str, title: str = "",
-                        cmap: str = "viridis", columns: int = 4, colorbar: str = ""):
+                        cmap: str = "viridis", columns: int = 4, colorbar: str = "", marked: Sequence[int] = ()):
     """One heatmap panel per matrix (e.g. contributions [positions, hidden] of each layer), each with its own colour
-    scale and colour bar (labelled `colorbar`), in one figure."""
-    matrices = [_array(m) for m in matrices]
+    scale and colour bar (labelled `colorbar`), in one figure; `marked` columns (the outlier dims) numbered above
+    each panel."""
+    matrices = [as_array(m) for m in matrices]
     columns = min(columns, len(matrices))
     rows = -(-len(matrices) // columns)
     width = 3.9 * columns
@@ -335,7 +263,7 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
         bar = fig.colorbar(image, ax=ax, fraction=0.05)
         bar.set_label(colorbar or "value", fontsize=6)
         bar.ax.tick_params(labelsize=5)
-        ax.set_title(name, fontsize=8)
+        ax.set_title(name, fontsize=8, pad=title_pad(label_dims(ax, marked, matrix.shape[1])))
         ax.tick_params(labelsize=6)
     for ax in axes.flat[len(matrices):]:
         ax.axis("off")
@@ -346,14 +274,6 @@ def heatmap_grid_figure(matrices: Sequence, titles: Sequence[str], xlabel: str, 
     suptitle(fig, title, width)
     fig.tight_layout()
     return fig
-
-
-def subplots(*args, figsize: tuple[float, float], **kwargs):
-    """A figure and its axes, as pyplot.subplots makes them, without pyplot: no global state, so that a figure can
-    be made and drawn off the main thread (callbacks/media.py)."""
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots(*args, **kwargs)
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:

@@ -8,6 +8,7 @@ style and with its helpers.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import matplotlib.ticker as mticker
@@ -15,13 +16,17 @@ import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.lines import Line2D
 
-from core.figures import (
+from core.figure_style import (
+    SERIES,
     fill,
     finite,
     fit_title,
+    legend_below,
+    legend_rows,
     line_colors,
     margins,
     plain_log_axis,
+    plain_number,
     say_empty,
     subplots,
     suptitle,
@@ -39,9 +44,15 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
     columns = max(1, min(columns, len(panels)))
     rows = (len(panels) + columns - 1) // columns
     width = 4.6 * columns
-    fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3), squeeze=False)
     names = list(dict.fromkeys(name for panel in panels for name in panel["series"]))  # one colour per name
-    colors = dict(zip(names, line_colors(len(names))))
+    # layers are ordered (dark to light); arms and runs are not: a palette of distinct colours, as long as it lasts
+    ordered = all(re.fullmatch(r"layer \d+", name) for name in names) or len(names) > len(SERIES)
+    colors = dict(zip(names, line_colors(len(names)) if ordered else SERIES))
+    threshold = next((panel["threshold_label"] for panel in panels if panel.get("thresholds")
+                      and panel.get("threshold_label")), None)
+    labels = names + ([threshold] if threshold else [])
+    legend = legend_rows(labels, width)[1] if labels else 0.0  # below the panels: inside one it covered its lines
+    fig, axes = subplots(rows, columns, figsize=(width, 3.2 * rows + 0.3 + legend), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         series = panel["series"]
         ax.set_title(fit_title(panel.get("title", ""), 4.4, 9), fontsize=9)
@@ -65,20 +76,16 @@ def over_steps_figure(panels: Sequence[Mapping], title: str = "", columns: int =
             plain_log_axis(ax)
         else:
             ax.locator_params(nbins=4)  # few tick labels: their text is most of the drawing time
-    first = next((ax for ax in axes.flat if ax.get_lines()), None)
-    if first is not None:  # one legend for every panel: the same name has the same colour in all of them
-        handles = [Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1, label=name)
-                   for name in names]
-        label = next((panel["threshold_label"] for panel in panels if panel.get("thresholds")
-                      and panel.get("threshold_label")), None)
-        if label:  # the dashed lines, in the colour of their series
-            handles.append(Line2D([], [], color="0.3", linestyle="--", linewidth=0.8, label=label))
-        first.legend(handles=handles, fontsize=6, ncol=2)
+    if any(ax.get_lines() for ax in axes.flat):  # one legend for every panel: a name has one colour in all of them
+        handles = [Line2D([], [], color=colors[name], marker="o", markersize=2.5, linewidth=1) for name in names]
+        if threshold:  # the dashed lines, in the colour of their series
+            handles.append(Line2D([], [], color="0.3", linestyle="--", linewidth=0.8))
+        legend_below(fig, handles, labels)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     lines = suptitle(fig, title, width)
     # fixed margins: tight_layout's measuring costs a third of the figure, made live during training
-    margins(fig, 0.6, 0.15, 0.5, 0.35 + 0.2 * lines, wspace=0.3, hspace=0.55)
+    margins(fig, 0.6, 0.15, 0.5 + legend, 0.35 + 0.2 * lines, wspace=0.3, hspace=0.55)
     return fig
 
 
@@ -103,9 +110,9 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
         bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
         bar.ax.tick_params(labelsize=6, which="both")
         if norm is not None:
-            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(plain_number))
             few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
-            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda value, _: f"{value:.2g}") if few
+            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(plain_number) if few
                                              else mticker.NullFormatter())
         ticks = np.arange(len(steps)) if len(steps) <= 8 else \
             np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))

@@ -121,12 +121,13 @@ class PositionProbe(LinearProbes):
             save_figure(self.accuracy_figure(f"position probe accuracy: {name}"), stage / "accuracy_by_layer.png")
             save_figure(heatmap_figure(self.results["contributions"], "dimension (0-indexed)", "layer",
                                        f"mean contribution |w_i v_i| per layer: {name}",
-                                       colorbar="mean contribution |w_i v_i|", rows=spec.layers),
+                                       colorbar="mean contribution |w_i v_i|", rows=spec.layers,
+                                       marked=spec.outlier_dims),
                         stage / "contributions_by_layer.png")
             save_figure(heatmap_grid_figure(self.results["contributions_by_position"][:, :seen],
                                             [f"layer {layer}" for layer in spec.layers], "dimension (0-indexed)",
                                             "position", f"contribution |w_i v_i| by position: {name}",
-                                            colorbar="mean contribution |w_i v_i|"),
+                                            colorbar="mean contribution |w_i v_i|", marked=spec.outlier_dims),
                         stage / "contributions_by_position.png")
             save_figure(self.outlier_figure(f"outlier neurons vs the mean contribution: {name} (outlier dims "
                                             f"{spec.outlier_dims or 'none'})"), stage / "outlier_contributions.png")

@@ -83,7 +83,7 @@ def check_talk_ready(fig) -> int:
             assert signature(mark) in known, f"a mark not in the legend: {signature(mark)} in {ax.get_title()!r}"
             assert contrast_on_white(signature(mark)[0]) >= 2.0, f"reads badly on white: {signature(mark)[0]}"
             checked += 1
-    assert all(re.fullmatch(r"[0-9.e+-]*", label) for label in log_labels), log_labels
+    assert all(re.fullmatch(r"[0-9.]*", label) for label in log_labels), log_labels  # 300, not 3e+02
     assert any(log_labels) or not any("log" in (ax.get_yscale(), ax.get_xscale()) for ax in fig.axes)
     return checked
 
@@ -221,3 +221,85 @@ def test_the_figures_draw_the_values_they_are_given():
     fig = figures.heatmap_figure(matrix, "dimension", "layer", colorbar="contribution")
     (image,) = fig.axes[0].get_images()
     np.testing.assert_array_equal(np.asarray(image.get_array()), matrix)
+
+
+def test_outlier_dims_are_numbered_where_a_reader_looks_for_them():
+    """At bert-base scale (768 dims): each outlier dim's number is a text of the heatmap panels (contributions by layer
+    and by position, the position rows) at its column, close dims stacked rather than drawn over each other."""
+    rng = np.random.default_rng(2)
+    dims = [300, 302, 557, 12]
+    figs = [figures.heatmap_figure(rng.random((13, 768)), "dimension", "layer", LONG, colorbar="c", marked=dims),
+            figures.heatmap_grid_figure([rng.random((5, 768)) for _ in range(3)], ["layer 0", "layer 1", "layer 2"],
+                                        "dimension", "position", LONG, colorbar="c", marked=dims),
+            figures.position_rows_figure(rng.normal(size=(50, 768)), dims, title=LONG)]
+    for fig in figs:
+        renderer = drawn(fig)
+        for ax in fig.axes:
+            if hasattr(ax, "_colorbar") or not ax.get_images():
+                continue
+            labels = {text.get_text(): text for text in ax.texts}
+            assert sorted(labels) == ["12", "300, 302", "557"], sorted(labels)  # 300 and 302: 2 columns apart
+            for label, text in labels.items():
+                numbers = [int(n) for n in label.split(", ")]
+                assert text.xy[0] == np.mean(numbers) and text.get_color() == figures.OUTLIER_RED
+            ticks = [c for c in ax.collections if c.get_segments() and np.allclose(c.get_color(), to_rgb(
+                figures.OUTLIER_RED) + (1,))]
+            assert sorted(seg[0][0] for c in ticks for seg in c.get_segments()) == sorted(dims)  # a tick at each column
+            boxes = [text.get_window_extent(renderer) for text in labels.values()]
+            assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+            title = ax.title.get_window_extent(renderer)
+            assert all(box.y1 <= title.y0 + 1 for box in boxes) or not ax.get_title()
+        check_talk_ready(fig)
+    none = figures.heatmap_figure(rng.random((3, 8)), "dimension", "layer", "t", colorbar="c")
+    assert not none.axes[0].texts
+
+
+def test_legends_and_titles_keep_off_the_data_at_13_layers():
+    """13 layers (bert-base): the step panels' and the spectra's legends sit under every panel, not inside one; the
+    title of a 13-panel mean_vectors.png stays above its legend; an accuracy axis shows a negative selectivity."""
+    layers = list(range(13))
+    figs = [step_figures.over_steps_figure([{"title": f"statistic {k}", "series": {
+                f"layer {layer}": ([0, 100, 200], [layer, layer + 1, layer + k]) for layer in layers}}
+                for k in range(6)], LONG),
+            figures.spectrum_figure({"raw": [list(np.linspace(1, 0.01, 40)) for _ in layers],
+                                     "clipped": [list(np.linspace(1, 0.01, 40)) for _ in layers]})]
+    for fig in figs:
+        renderer = drawn(fig)
+        assert not any(ax.get_legend() for ax in fig.axes)
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == [f"layer {layer}" for layer in layers]
+        box = legend.get_window_extent(renderer)
+        assert all(box.y1 <= ax.get_tightbbox(renderer).y0 + 1 for ax in fig.axes if ax.axison)
+        assert box.y0 >= fig.bbox.y0 - 1
+        check_talk_ready(fig)
+    fig = figures.mean_vectors_figure(np.zeros((13, 768)), {5: [308]}, title="average vector per layer, step 200000")
+    renderer = drawn(fig)
+    assert fig._suptitle.get_window_extent(renderer).y0 >= fig.legends[0].get_window_extent(renderer).y1 - 1
+    assert fig.get_figheight() < 15
+    fig = figures.accuracy_by_layer_figure([0, 1, 2], {"encoder": [0.9, 0.5, 0.2], "selectivity": [0.1, -0.05, -0.2]})
+    assert fig.axes[0].get_ylim()[0] < -0.2 and fig.axes[0].get_ylim()[1] >= 1
+    # magnitudes.png at 13 layers: peaks of 50 to 310 on a log axis, five series; the legend under the panel
+    deep = list(range(25))  # and 25 layers (large): every other layer numbered, every layer ticked
+    fig = figures.layer_panels_figure([{"title": "peaks", "ylabel": "|x|", "layers": layers, "log": True, "series": {
+        f"top {k} peak": [50 + 20 * layer + k for layer in layers] for k in range(5)}},
+        {"title": "deep", "ylabel": "cosine", "layers": deep, "series": {"raw": [0.5] * 25}}], columns=2)
+    renderer = drawn(fig)
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.y1 <= ax.xaxis.label.get_window_extent(renderer).y0 + 1 and legend.y0 >= fig.bbox.y0 - 1
+    labels = [t.get_text() for t in fig.axes[0].yaxis.get_ticklabels(which="both") if t.get_text()]
+    assert "100" in labels and "200" in labels and not any("e" in label for label in labels), labels
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == [str(k) for k in deep[::2]]
+    assert sorted({*fig.axes[1].get_xticks(), *fig.axes[1].get_xticks(minor=True)}) == deep
+    check_talk_ready(fig)
+
+
+def test_every_summary_panel_says_what_its_y_axis_is():
+    from analyses.reports import summary_figure
+
+    row = {"layer": 0, "anisotropy": {"raw": 0.3}, "self_similarity": {"raw": 0.8}, "isoscore": {"raw": 0.1},
+           "sts_stsb_spearman": {"raw": 60.0}}
+    fig = summary_figure({"figure6_layers": [row, {**row, "layer": 1}], "variants": ["raw"], "clipped_dims": []}, "m")
+    labels = {ax.get_title(): ax.get_ylabel() for ax in fig.axes if ax.axison}
+    assert labels == {"anisotropy (random token pairs)": "mean cosine", "self-similarity": "mean cosine",
+                      "IsoScore": "IsoScore", "STS (stsb): Spearman x 100": "Spearman x 100"}

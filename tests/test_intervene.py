@@ -194,6 +194,9 @@ def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monk
                                    for d in drawn)
     assert (out / "intervene.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     check_intervention_figure(panels(saved["intervene.png"]), report)
+    scales = {ax.get_title(): ax.get_yscale() for ax in saved["intervene.png"].axes if ax.axison}
+    assert scales["kurtosis (per token, mean)"] == scales["max |activation|"] == "log"  # they span decades
+    assert scales["anisotropy"] == "linear"
     check_printed_table(capsys.readouterr().out, report)
 
 
