@@ -351,7 +351,7 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
                               "config": arm.config})
         print(f"study: training {arm.label} in {arm.run_dir}")
     started = time.perf_counter()
-    with quiet_cli():
+    with quiet_cli(), wandb_grouping(arm):
         # resumes an arm stopped midway; under torchrun the next arm (and the comparison) joins its process group
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"], keep_process_group=True)
     if code != 0:
@@ -366,6 +366,25 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     saved["train_seconds"] = round(seconds + saved.get("train_seconds", 0.0), 1)  # a resumed arm adds up
     write_record(record, saved)
     return seconds
+
+
+@contextlib.contextmanager
+def wandb_grouping(arm: Arm):
+    """The arm's W&B run grouped under its study (the output directory's name) and tagged with its arm and seed,
+    through the variables wandb.init reads (WANDB_RUN_GROUP, WANDB_TAGS): the workspace shows a study's runs together
+    and filters them by arm or seed. A group or tags the user set (those variables, or the logger's init_args) win."""
+    study = Path(os.path.abspath(arm.run_dir)).parent.parent.name
+    values = {"WANDB_RUN_GROUP": study, "WANDB_TAGS": f"{arm.name.replace(',', '_')},seed{arm.seed}"}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: value for key, value in values.items() if not saved[key]})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def forget_untrained(run_dir: Path, record: Path) -> bool:

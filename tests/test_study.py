@@ -11,6 +11,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -464,3 +465,38 @@ def test_a_shipped_study_draws_every_isoscore_star_mini_batch_it_asks_for(name, 
     assert batches == asked
     assert minibatch_shortfall(batches, args.minibatch, asked, sampled, sampled, args.num_pairs,
                                args.max_sentences) is None
+
+
+def test_an_arms_wandb_run_is_grouped_under_its_study_and_tagged_with_arm_and_seed(tmp_path, monkeypatch):
+    """train_arm runs train.py with WANDB_RUN_GROUP = the study's directory name and WANDB_TAGS = arm, seed (what
+    wandb.init reads: the run record of an offline run holds them), a group the user set wins, and the variables are
+    as before once the arm is done."""
+    import wandb
+
+    from analyses.study import Arm, train_arm, wandb_grouping
+    from tests.wandb_log import read_run
+
+    seen = []
+
+    def fake_fit(args, keep_process_group=False):
+        seen.append({key: os.environ.get(key) for key in ("WANDB_RUN_GROUP", "WANDB_TAGS")})
+        return 0
+
+    monkeypatch.setattr("train.cli_main", fake_fit)
+    monkeypatch.delenv("WANDB_RUN_GROUP", raising=False)
+    monkeypatch.delenv("WANDB_TAGS", raising=False)
+    arm = Arm("nope", 3, tmp_path / "my-study" / "nope" / "seed3", [], {})
+    arm.run_dir.mkdir(parents=True)
+    train_arm(arm)
+    assert seen == [{"WANDB_RUN_GROUP": "my-study", "WANDB_TAGS": "nope,seed3"}]
+    assert "WANDB_RUN_GROUP" not in os.environ and "WANDB_TAGS" not in os.environ
+    monkeypatch.setenv("WANDB_RUN_GROUP", "mine")
+    train_arm(arm)
+    assert seen[-1] == {"WANDB_RUN_GROUP": "mine", "WANDB_TAGS": "nope,seed3"} and os.environ["WANDB_RUN_GROUP"] == "mine"
+    monkeypatch.delenv("WANDB_RUN_GROUP")
+    with wandb_grouping(arm):  # what wandb.init makes of them
+        run = wandb.init(mode="offline", dir=tmp_path, project="p")
+        run.finish()
+    (directory,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = read_run(directory)
+    assert (logged.group, sorted(logged.tags)) == ("my-study", ["nope", "seed3"])
