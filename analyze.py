@@ -99,8 +99,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
     parser.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
-                        help="the precision the encoder computes in, on every device: float32 as transformers and "
-                             "the paper; bfloat16 / float16 halve a GPU's memory, and their hidden states differ from "
+                        help="the precision the encoder computes in, on every device: float32, transformers' own "
+                             "default; bfloat16 / float16 halve a GPU's memory, and their hidden states differ from "
                              "float32's by rounding (outlier shares by tenths of a percent; recorded in the report)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--allow_random_weights", action="store_true",

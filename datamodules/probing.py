@@ -47,7 +47,8 @@ class ProbeDataModule(pl.LightningDataModule):
         text_column: a table's text column (None: detected).
         max_length: tokens per sentence, longer ones truncated (None: the encoder's maximum).
         max_sentences: a seeded sample of this many sentences per split (0: all).
-        batch_size: items per optimizer step, drawn across sentences (the paper's 128 token vectors).
+        batch_size: items per optimizer step, drawn across sentences (128: the paper's batch size; that it counts
+            token vectors, not sentences, is our reading).
         steps_per_block: training batches served at once, stepped one by one (fewer round trips; a block <= 64 MiB).
         encode_batch_size: sentences per encoder forward in the one extraction pass.
         val_fraction: the share of train carved out as validation (seeded, by sentence) when the source has none.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,29 @@ def test_max_sentences_help_says_whose_sample_its_default_is():
             "analyze.py all", "analyze.py paper", "analyze.py trajectory", "analyze.py intervene"} == set(with_sample)
     for name, (text, default) in with_sample.items():  # each names its default and whose it is
         assert f"default {default}" in text and ("ours" in text or "the paper's" in text), name
+
+
+def test_no_help_or_doc_calls_our_numbers_the_papers():
+    """The paper's outlier rule is words ("the largest or smallest value of most vectors"; §3), not a number: the 20%
+    share is ours, and neither the help nor the docs may call it the paper's. Nor does the paper name a precision for
+    its hidden states, so --dtype's float32 is transformers' default, not "the paper's"."""
+    from core.defaults import OUTLIER_MIN_SHARE
+
+    share = round(100 * OUTLIER_MIN_SHARE)
+    claim = re.compile(rf"paper's\s+({share}\s*%|{OUTLIER_MIN_SHARE})", re.I)
+    texts = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+             for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+    for name, parser in subparsers(analyze.build_parser()).items():
+        for dest in ("min_share", "dtype"):
+            if any(action.dest == dest for action in parser._actions):
+                text, default = option_help(parser, dest)
+                texts[f"{name} --{dest}"] = text
+                if dest == "min_share":  # the default is ours, and the help says so
+                    assert default == OUTLIER_MIN_SHARE and "ours" in text, name
+                else:
+                    assert default == "float32" and "paper" not in text, name
+    assert len(texts) > 10  # the docs and every subcommand with the options were read
+    assert {name: claim.search(text)[0] for name, text in texts.items() if claim.search(text)} == {}
 
 
 def test_paper_num_pairs_samples_its_own_sets():
