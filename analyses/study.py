@@ -371,8 +371,9 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
 @contextlib.contextmanager
 def wandb_grouping(arm: Arm):
     """The arm's W&B run grouped under its study (the output directory's name) and tagged with its arm and seed,
-    through the variables wandb.init reads (WANDB_RUN_GROUP, WANDB_TAGS): the workspace shows a study's runs together
-    and filters them by arm or seed. A group or tags the user set (those variables, or the logger's init_args) win."""
+    through WANDB_RUN_GROUP and WANDB_TAGS (which AutoWandbLogger hands to wandb.init: callbacks.wandb_logging.grouping):
+    the workspace shows a study's runs together and filters them by arm or seed. A group or tags the user set (those
+    variables, or the logger's init_args) win."""
     study = Path(os.path.abspath(arm.run_dir)).parent.parent.name
     values = {"WANDB_RUN_GROUP": study, "WANDB_TAGS": f"{arm.name.replace(',', '_')},seed{arm.seed}"}
     saved = {key: os.environ.get(key) for key in values}

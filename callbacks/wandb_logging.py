@@ -166,6 +166,7 @@ class AutoWandbLogger(WandbLogger):
         mode, reason = choose_mode(self._force_offline)
         init = {key: value for key, value in self._wandb_init.items() if value is not None or key != "anonymous"}
         mode = init.pop("mode", None) or mode
+        init.update(grouping(init))
         if init.get("dir"):
             Path(init["dir"]).mkdir(parents=True, exist_ok=True)
         if wandb.run is not None:
@@ -235,6 +236,17 @@ class AutoWandbLogger(WandbLogger):
                 run.finish(exit_code=0 if status == "success" else 1)
             except Exception as error:  # the data is on disk already; finishing is best effort
                 warnings.warn(f"W&B did not finish cleanly ({_first_line(error)})", LoggingWarning, stacklevel=2)
+
+
+def grouping(init: Mapping[str, Any]) -> dict:
+    """The run's group and tags from WANDB_RUN_GROUP / WANDB_TAGS (comma-separated) where `init` sets none: handed
+    to wandb.init itself, as W&B reads its variables once per process (study.py sets them for each arm it trains)."""
+    found = {}
+    if not init.get("group") and os.environ.get("WANDB_RUN_GROUP"):
+        found["group"] = os.environ["WANDB_RUN_GROUP"]
+    if not init.get("tags") and os.environ.get("WANDB_TAGS"):
+        found["tags"] = [tag for tag in os.environ["WANDB_TAGS"].split(",") if tag]
+    return found
 
 
 def run_name(directory: str | os.PathLike) -> str:

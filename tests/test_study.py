@@ -471,9 +471,8 @@ def test_an_arms_wandb_run_is_grouped_under_its_study_and_tagged_with_arm_and_se
     """train_arm runs train.py with WANDB_RUN_GROUP = the study's directory name and WANDB_TAGS = arm, seed (what
     wandb.init reads: the run record of an offline run holds them), a group the user set wins, and the variables are
     as before once the arm is done."""
-    import wandb
-
     from analyses.study import Arm, train_arm, wandb_grouping
+    from callbacks.wandb_logging import AutoWandbLogger
     from tests.wandb_log import read_run
 
     seen = []
@@ -494,9 +493,12 @@ def test_an_arms_wandb_run_is_grouped_under_its_study_and_tagged_with_arm_and_se
     train_arm(arm)
     assert seen[-1] == {"WANDB_RUN_GROUP": "mine", "WANDB_TAGS": "nope,seed3"} and os.environ["WANDB_RUN_GROUP"] == "mine"
     monkeypatch.delenv("WANDB_RUN_GROUP")
-    with wandb_grouping(arm):  # what wandb.init makes of them
-        run = wandb.init(mode="offline", dir=tmp_path, project="p")
-        run.finish()
-    (directory,) = (tmp_path / "wandb").glob("offline-run-*")
-    logged = read_run(directory)
-    assert (logged.group, sorted(logged.tags)) == ("my-study", ["nope", "seed3"])
+    second = Arm("baseline", 0, tmp_path / "my-study" / "baseline" / "seed0", [], {})
+    for each in (arm, second):  # two arms in one process, as study.py trains them: W&B reads its variables once
+        with wandb_grouping(each):  # what the arm's logger makes of them
+            logger = AutoWandbLogger(save_dir=str(each.run_dir), offline=True)
+            assert logger.experiment is not None
+            logger.finalize("success")
+        (directory,) = (each.run_dir / "wandb").glob("offline-run-*")
+        logged = read_run(directory)
+        assert (logged.group, sorted(logged.tags)) == ("my-study", sorted([each.name, f"seed{each.seed}"]))
