@@ -31,7 +31,8 @@ the per-layer detail below it (W&B groups panels by the key's first component; c
     position_probe_by_layer/num_tokens                   tokens scored
 
 (`val_position_probe/...` for validation, at the step of `val/loss`.) The heatmap comes every `image_every_n_steps`
-and at each validation. The probe (weights and optimiser state) is saved in checkpoints and resumes with them.
+and at each validation; beside an OutlierStatistics in the same trainer it numbers that callback's latest persistent
+outlier dims (`outliers/persistent_dims`) above the panel in red, as probe.py's contributions_by_layer.png does. The probe (weights and optimiser state) is saved in checkpoints and resumes with them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import Tensor
 from callbacks import wandb_logging as logs
 from callbacks.live import Captured, LiveCallback, by_layer, layer_metrics
 from callbacks.media import FIGURES
+from callbacks.outlier_statistics import OutlierStatistics
 from core.errors import UserError
 from core.figures import heatmap_figure
 from core.models import model_max_length
@@ -194,10 +196,12 @@ class ContributionVectors(LiveCallback):
         if stage == "val" or self.due_images(step):  # drawn off the training thread (callbacks/media.py)
             when, layers, contribution = "validation" if stage == "val" else "training step", list(self.layers), \
                 contribution.clone()
+            marked = OutlierStatistics.latest_persistent_dims(trainer)  # numbered above, as probe.py's heatmap does
+            note = " (red: OutlierStatistics' persistent outlier dims)" if marked else ""
             FIGURES.submit(trainer, f"{prefix}/contributions", lambda: heatmap_figure(
                 contribution, "dimension (0-indexed)", "layer",
-                f"online position probe, {when} {step}: mean contribution per neuron",
-                colorbar="mean contribution |w_i v_i|", rows=layers), step)
+                f"online position probe, {when} {step}: mean contribution per neuron{note}",
+                colorbar="mean contribution |w_i v_i|", rows=layers, marked=marked), step)
 
     # ---- checkpoints: the probe resumes with the run ----
     def state_dict(self) -> dict:

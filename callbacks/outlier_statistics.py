@@ -306,6 +306,13 @@ class OutlierStatistics(LiveCallback):
         over = "validations" if stage == "val" else "training steps"
         return layer_step_figure(panels, steps, layers, title=f"outlier statistics per layer over {over}")
 
+    @staticmethod
+    def latest_persistent_dims(trainer) -> list[int]:
+        """The persistent outlier dims (`outliers/persistent_dims`) of the latest capture of an OutlierStatistics in
+        `trainer` (rank zero; [] without one or before its first capture): what other callbacks' figures number."""
+        found = next((c for c in trainer.callbacks if isinstance(c, OutlierStatistics) and c.last), None)
+        return list(found.last["persistent_dims"]) if found is not None else []
+
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero and len(self.rows) > self._tabled and logs.real_loggers(trainer):
             logs.log_table(trainer, TABLE, TABLE_COLUMNS, self.rows, trainer_step(trainer))

@@ -335,17 +335,21 @@ class AtomicSaveConfig(SaveConfigCallback):
     not at `setup` as Lightning writes it: a refusal raised after that (a module's own `setup`, a checkpoint that does
     not fit the model) leaves no config.yaml behind, and a resumed run's as it was. Only `fit` writes it: the
     config.yaml of a run directory says how its run was trained, and `train.py validate` of one of its checkpoints
-    leaves it so."""
+    leaves it so; a validate run still gives its W&B run its own resolved config (save_config), writing no file."""
 
     _stage: str | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._stage = stage if stage == "fit" else None
+        self._stage = stage if stage in ("fit", "validate") else None
 
     def _write(self, trainer, pl_module) -> None:
         if self._stage is None:  # written already, or no setup: every rank returns here alike (the write broadcasts)
             return
         stage, self._stage = self._stage, None
+        if stage == "validate":  # no config.yaml: only the W&B run's config, from rank zero (no collective here)
+            if trainer.is_global_zero:
+                self.save_config(trainer, pl_module, stage)
+            return
         parser, self.parser = self.parser, _AtomicSave(self.parser)
         try:
             super().setup(trainer, pl_module, stage)

@@ -100,13 +100,12 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
     image = top.imshow(rows, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
     fig.colorbar(image, ax=top, fraction=0.025).set_label("value (clipped at the 99.5th percentile of |value|)",
                                                            fontsize=8)
-    for d in dims:
-        top.axvline(d, color="black", linewidth=0.9, linestyle="--")
-    if dims:
-        top.legend(handles=[Line2D([], [], color="black", linewidth=0.9, linestyle="--",
-                                   label="outlier dimension (number above)")], fontsize=7, loc="lower right")
+    for i, d in enumerate(dims):
+        top.axvline(d, color="black", linewidth=0.9, linestyle="--",
+                    label="outlier dimension (number above)" if i == 0 else None)
     label_dims(top, dims, rows.shape[1])
     top.set_xlabel("dimension (0-indexed)")
+    below_panel_legend(top)  # under the x label: inside, it covered the last positions of the last dims
     top.set_ylabel("position")
     positions = np.arange(rows.shape[0])
     for d, color in zip(list(dims)[:6], SERIES):

@@ -1294,3 +1294,63 @@ def test_a_probe_py_run_logs_the_live_probe_on_the_x_axis_of_its_own_loss(tmp_pa
                 for kind in ("accuracy", "control_accuracy")} <= keys
         assert not [key for key in keys if re.search(r"layer\d", key)] and "train/loss_step" not in keys
         assert (run.name, run.job_type) == ("probe/arm", "probe")
+
+
+class PlantedOutlierModule(pl.LightningModule):
+    """A tiny BERT whose every layer's output LayerNorm adds +8 to one dimension and -8 to another: those two are
+    every token's maximum and minimum in every layer, the outliers OutlierStatistics must find."""
+
+    PLANTED = (5, 11)
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        torch.manual_seed(0)
+        self.encoder = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=32, max_position_embeddings=16))
+        self.max_length = 8
+        with torch.no_grad():
+            for layer in self.encoder.encoder.layer:
+                layer.output.LayerNorm.bias[self.PLANTED[0]] += 8.0
+                layer.output.LayerNorm.bias[self.PLANTED[1]] -= 8.0
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(input_ids=batch[0]).last_hidden_state.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def live_heatmap(tmp_path, monkeypatch, *others) -> tuple:
+    """The contribution heatmap ContributionVectors submits at step 0 of a one-step run of PlantedOutlierModule beside
+    `others` (made here, not drawn by the worker), and the numbers drawn above it in red."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from callbacks.media import FIGURES
+    from core.figure_style import OUTLIER_RED
+
+    submitted = {}
+    monkeypatch.setattr(FIGURES, "submit", lambda trainer, key, make, step: submitted.setdefault(key, make))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(3, 50, (4, 8))), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, logger=TensorBoardLogger(str(tmp_path)), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[*others, ContributionVectors(every_n_steps=1, image_every_n_steps=1)])
+    trainer.fit(PlantedOutlierModule(), data)
+    fig = submitted["position_probe/contributions"]()
+    (ax,) = [ax for ax in fig.axes if not hasattr(ax, "_colorbar")]
+    numbers = sorted(int(n) for text in ax.texts if text.get_color() == OUTLIER_RED
+                     for n in text.get_text().split(", "))
+    return ax, numbers
+
+
+def test_live_contribution_heatmap_numbers_the_outlier_dims_outlier_statistics_found(tmp_path, monkeypatch):
+    """Beside OutlierStatistics the live heatmap numbers exactly its persistent outlier dims (the planted two) above the
+    panel, as probe.py's heatmap does; without it, no number."""
+    outliers = OutlierStatistics(every_n_steps=1, image_every_n_steps=0)
+    ax, numbers = live_heatmap(tmp_path / "with", monkeypatch, outliers)
+    assert sorted(outliers.last["persistent_dims"]) == sorted(PlantedOutlierModule.PLANTED)
+    assert numbers == sorted(PlantedOutlierModule.PLANTED)
+    assert "persistent outlier dims" in ax.get_title()
+    ax, numbers = live_heatmap(tmp_path / "without", monkeypatch)
+    assert numbers == [] and "outlier" not in ax.get_title()

@@ -294,6 +294,20 @@ def test_legends_and_titles_keep_off_the_data_at_13_layers():
     check_talk_ready(fig)
 
 
+def test_the_position_rows_legend_sits_under_the_heatmap_not_on_it():
+    """position_embeddings.png: the dashed outlier-dim mark's legend lies outside the heatmap (under its x label,
+    above the curves' panel), where it covers no row of the table."""
+    fig = figures.position_rows_figure(np.random.default_rng(3).normal(size=(128, 384)), [20, 300], title=LONG)
+    renderer = drawn(fig)
+    top, bottom = [ax for ax in fig.axes if not hasattr(ax, "_colorbar")]
+    legend = top.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["outlier dimension (number above)"]
+    box, panel = legend.get_window_extent(renderer), top.get_window_extent(renderer)
+    assert not box.overlaps(panel) and box.y1 <= top.xaxis.label.get_window_extent(renderer).y0 + 1
+    assert box.y0 >= bottom.get_tightbbox(renderer).y1 - 1  # nor on the panel below
+    check_talk_ready(fig)
+
+
 def test_every_summary_panel_says_what_its_y_axis_is():
     from analyses.reports import summary_figure
 

@@ -426,8 +426,14 @@ def test_a_checkpoint_made_before_the_zero_token_type_row_resumes_with_the_learn
 def test_validate_gives_the_fits_last_validation_at_its_step_and_leaves_the_run_alone(corpus, cache, tmp_path, capsys,
                                                                                        monkeypatch):
     """`train.py validate --ckpt_path last` with the default W&B logger (offline): the validation fit ran after its
-    last step, again, logged at the checkpoint's step to a W&B run of its own under the run directory; the run's files
-    (its kept W&B run id, checkpoints, config) stay as they were. `test` and `predict` are one line, nothing written."""
+    last step, again, logged at the checkpoint's step to a W&B run of its own under the run directory (job type
+    `validate`, its config the resolved one of the validate command); the run's files (its kept W&B run id,
+    checkpoints, config) stay as they were. `test` and `predict` are one line, nothing written."""
+    import importlib.metadata
+
+    import yaml
+
+    from core.run_config import PACKAGES
     from tests.wandb_log import read_run
 
     live = [json.dumps({"class_path": f"callbacks.{name}", "init_args": {"every_n_steps": 2, "image_every_n_steps": 0}})
@@ -455,6 +461,16 @@ def test_validate_gives_the_fits_last_validation_at_its_step_and_leaves_the_run_
     assert len(live) > 40 and "val_position_probe/accuracy" in live  # the online probe: its checkpointed weights
     assert {key: logged[key] for key in live} == pytest.approx(live, rel=1e-5)
     assert {path: path.read_bytes() for path in before} == before  # no config.yaml, run id or checkpoint rewritten
+    # its W&B config: the fit's config.yaml but for what the validate command line changed (its logger, ckpt_path)
+    (path,) = root.rglob("config.yaml")  # the fit's, in its logger's directory
+    written = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert run.job_type == "validate" and run.config["ckpt_path"] == "last" and written["ckpt_path"] is None
+    assert run.config["trainer"].pop("logger")["class_path"] == "callbacks.wandb_logging.AutoWandbLogger"
+    written["trainer"].pop("logger")
+    for section in ("model", "data", "trainer", "seed_everything", "checkpoint"):
+        assert run.config[section] == written[section], section
+    assert [c["init_args"]["every_n_steps"] for c in run.config["trainer"]["callbacks"]] == [2, 2]
+    assert run.config["versions"] == {name: importlib.metadata.version(name) for name in PACKAGES}
     assert all(root / "wandb" in path.parents for path in root.rglob("*") if path.is_file() and path not in before)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # nothing in the working directory
 
