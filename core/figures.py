@@ -114,7 +114,7 @@ def position_rows_figure(rows, dims: Sequence[int], title: str = ""):
                 label="mean |value| of all dims")
     bottom.set_xlabel("position (0-indexed)")
     bottom.set_ylabel("value")
-    bottom.legend(fontsize=7, ncol=4)
+    below_panel_legend(bottom)  # inside, it covered the curves
     suptitle(fig, title or "position-embedding rows", 10)
     fig.tight_layout()
     return fig

@@ -296,7 +296,7 @@ def test_legends_and_titles_keep_off_the_data_at_13_layers():
 
 def test_the_position_rows_legend_sits_under_the_heatmap_not_on_it():
     """position_embeddings.png: the dashed outlier-dim mark's legend lies outside the heatmap (under its x label,
-    above the curves' panel), where it covers no row of the table."""
+    above the curves' panel), where it covers no row of the table; the curves' legend lies under the curves."""
     fig = figures.position_rows_figure(np.random.default_rng(3).normal(size=(128, 384)), [20, 300], title=LONG)
     renderer = drawn(fig)
     top, bottom = [ax for ax in fig.axes if not hasattr(ax, "_colorbar")]
@@ -305,6 +305,11 @@ def test_the_position_rows_legend_sits_under_the_heatmap_not_on_it():
     box, panel = legend.get_window_extent(renderer), top.get_window_extent(renderer)
     assert not box.overlaps(panel) and box.y1 <= top.xaxis.label.get_window_extent(renderer).y0 + 1
     assert box.y0 >= bottom.get_tightbbox(renderer).y1 - 1  # nor on the panel below
+    curves = bottom.get_legend()  # the curves' legend: under the lower panel's x label, inside the figure
+    assert [t.get_text() for t in curves.get_texts()] == ["dim 20", "dim 300", "mean |value| of all dims"]
+    box = curves.get_window_extent(renderer)
+    assert not box.overlaps(bottom.get_window_extent(renderer))
+    assert box.y1 <= bottom.xaxis.label.get_window_extent(renderer).y0 + 1 and box.y0 >= 0
     check_talk_ready(fig)
 
 
