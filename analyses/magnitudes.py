@@ -69,7 +69,8 @@ ATTENTION_BUDGET = 512 * 2 ** 20  # bytes of attention probabilities (every laye
 
 def attention_rows(layers: int, heads: int, seq: int, budget: int | None = None) -> int:
     """Rows of a padded batch whose attention probabilities [layers, rows, heads, seq, seq] in float32 fit in `budget`
-    (None: ATTENTION_BUDGET; at least 1): a batch of 32 sentences of 512 tokens through bert-base holds 4.8 GB of them, 32 of 40 tokens 30 MB."""
+    (None: ATTENTION_BUDGET; at least 1): a batch of 32 sentences of 512 tokens through bert-base holds 4.8 GB of
+    them, 32 of 40 tokens 30 MB."""
     return max(1, (ATTENTION_BUDGET if budget is None else budget) // (layers * heads * seq * seq * 4))
 
 

@@ -32,7 +32,8 @@ the per-layer detail below it (W&B groups panels by the key's first component; c
 
 (`val_position_probe/...` for validation, at the step of `val/loss`.) The heatmap comes every `image_every_n_steps`
 and at each validation; beside an OutlierStatistics in the same trainer it numbers that callback's latest persistent
-outlier dims (`outliers/persistent_dims`) above the panel in red, as probe.py's contributions_by_layer.png does. The probe (weights and optimiser state) is saved in checkpoints and resumes with them.
+outlier dims (`outliers/persistent_dims`) above the panel in red, as probe.py's contributions_by_layer.png does. The
+probe (weights and optimiser state) is saved in checkpoints and resumes with them.
 """
 
 from __future__ import annotations

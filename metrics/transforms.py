@@ -301,8 +301,7 @@ def whitening(stats: CovarianceResult, tolerance: float = 1e-6, direction_tolera
     768 dims and 8192 tokens a batch). A massive activation's variance (Sun et al. 2024: ~1e5 times the others') then
     drops none of the ordinary directions, as a floor of 1e-6 of the largest eigenvalue did."""
     cov = stats.cov.double()
-    variance = torch.diagonal(cov, dim1=1, dim2=2).clamp_min(0)  # [layers, hidden]
-    varies = variance > (tolerance * stats.mean.double().abs().clamp_min(1.0)) ** 2  # standardization's rule
+    variance, varies = dimension_variances(stats, tolerance)
     matrix = torch.zeros_like(cov)  # columns of the dropped directions (and of constant dims) stay 0
     for layer in range(cov.shape[0]):  # the eigenproblem of the dims that vary: sizes differ by layer
         dims = varies[layer].nonzero().flatten()
@@ -314,13 +313,19 @@ def whitening(stats: CovarianceResult, tolerance: float = 1e-6, direction_tolera
     return Affine("whitened", stats.mean, matrix)
 
 
+def dimension_variances(stats: CovarianceResult, tolerance: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Each dimension's variance [layers, hidden] (float64) and whether it varies: a dimension constant up to float32
+    rounding, sigma <= `tolerance` x max(|mu|, 1) (each dimension on its own; see the module docstring), does not.
+    The rule standardisation and whitening share."""
+    variance = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0)
+    return variance, variance > (tolerance * stats.mean.double().abs().clamp_min(1.0)) ** 2
+
+
 def standardization(stats: CovarianceResult, tolerance: float = 1e-6) -> Affine:
     """Timkey & van Schijndel (2021) per-dimension z-scores from per-layer statistics (of tokens or sentences);
-    a dimension constant up to float32 rounding, sigma <= `tolerance` × max(|mu|, 1) (each dimension on its own;
-    see the module docstring), -> 0."""
-    variance = torch.diagonal(stats.cov.double(), dim1=1, dim2=2).clamp_min(0)  # [layers, hidden]
-    floor = (tolerance * stats.mean.double().abs().clamp_min(1.0)) ** 2  # [layers, hidden]
-    scale = torch.where(variance > floor, variance.clamp_min(1e-300).rsqrt(), torch.zeros_like(variance))
+    a dimension constant up to float32 rounding (`dimension_variances`) -> 0."""
+    variance, varies = dimension_variances(stats, tolerance)
+    scale = torch.where(varies, variance.clamp_min(1e-300).rsqrt(), torch.zeros_like(variance))
     return Affine("standardized", stats.mean, torch.diag_embed(scale))
 
 
