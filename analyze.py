@@ -80,14 +80,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     if data is not False:
         parser.add_argument("--data", default=data, required=data is None,
                             help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
-                                 "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus)" if data else
+                                 "or a datasets NAME[:CONFIG][:SPLIT] (default: the bundled corpus, ours, offline; "
+                                 "`analyze.py paper` reads the paper's SST-2 and QQP)" if data else
                             "the pairs: a file, a datasets directory or NAME[:CONFIG][:SPLIT] (formats: "
                             "docs/analyses.md)")
     parser.add_argument("--output_dir", default=f"runs/analyze/{output}",
                         help="where the report, figures and summary go (written whole, or not at all)")
     if data is not None:  # pair data (wic, sts) is read whole, in the columns of its format: no sample, no column
         parser.add_argument("--text_column", default=None, help="column holding the text (default: auto-detected)")
-    parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence (default: model maximum)")
+    parser.add_argument("--max_length", type=int, default=None, help="tokens per sentence, longer ones truncated and "
+                        "counted (default: the model's maximum; ours)")
     if data is not None:
         max_sentences, whose = sample
         parser.add_argument("--max_sentences", type=int, default=max_sentences,
@@ -96,7 +98,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     parser.add_argument("--batch_size", type=int, default=32, help="sentences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="the one seed of the run: sentence sample, random tokens "
                         "and pairs, mini-batches (recorded in the report)")
-    parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...)")
+    parser.add_argument("--exclude_special", action="store_true", help="do not count special tokens ([CLS], <s>, ...) "
+                        "(default: they count, padding never does; ours)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
     parser.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                         help="the precision the encoder computes in, on every device: float32, transformers' own "
@@ -230,9 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "words up lowercased, each file word lowercased and its first case variant kept (default: off, "
                          "as written)")
     for sub in (selfsim, everything, paper):
-        sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity")
+        sub.add_argument("--num_words", type=int, default=1000, help="words sampled for self-similarity (default "
+                         "1000, the paper's §4.1: 1,000 words that occur in at least 10 sentences)")
         sub.add_argument("--min_sentences", type=int, default=10,
-                         help="sentences a word must occur in; also the contexts used per word")
+                         help="sentences a word must occur in (default 10, the paper's §4.1); also the contexts used "
+                              "per word, exactly this many (ours: the paper's words occur in at least 10)")
     pairs = (f"token pairs: one random token from each of 2 x this many random sentences (default {NUM_PAIRS}, the "
              "paper's; self-similarity: its anisotropy baseline, 2 x this many sentences of --data)")
     for sub in (anisotropy, isotropy, selfsim, everything, paper, trajectory):

@@ -33,7 +33,7 @@ class PositionProbe(LinearProbes):
     Args:
         encoder: the encoder whose features are probed: a hub id, a local directory or this project's export (None:
             the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data module's.
-        lr: the probes' Adam learning rate.
+        lr: the probes' Adam learning rate (default 1e-3: ours; the paper's §3 names Adam, batches of 128, 10 epochs).
         top_k: contributing dims listed per layer in the report, largest contribution first.
         seed: the probes' initialisation (probe.py links it to --seed_everything).
         allow_random_weights: probe an encoder whose checkpoint lacks some of its weights, randomly initialised then
@@ -142,7 +142,7 @@ class SentenceClassifier(LinearProbes):
         encoder: the encoder whose features are classified: a hub id, a local directory or this project's export
             (None: the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data
             module's.
-        lr: the classifiers' Adam learning rate.
+        lr: the classifiers' Adam learning rate (default 1e-3: ours; the paper's §4.4 names Adam and 10 epochs).
         clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):
             auto (default: the persistent outlier dims, detected on the training split or --data.outlier_dims, in
             every non-input layer; for models deeper than 12 layers, a threshold of ours, each layer's own detected
