@@ -241,3 +241,55 @@ def test_every_option_a_help_text_names_is_an_option_of_its_subcommand():
             for command, option in re.findall(r"(?:([\w-]+) )?(--[a-z0-9_]+)", action.help or ""):
                 owner = f"analyze.py {command}" if f"analyze.py {command}" in parsers and command != name else name
                 assert option in options[owner], f"{name} {action.option_strings}: {option} is not an option of {owner}"
+
+
+def config_default(path: str, key: str):
+    """The value a LightningCLI config file gives `--section.name` (under the section's init_args, or in it)."""
+    import yaml
+
+    section, name = key[2:].split(".", 1)
+    config = yaml.safe_load((ROOT / path).read_text(encoding="utf-8"))[section]
+    return config.get("init_args", config)[name]
+
+
+def same_value(written: str, default) -> bool:
+    """A default as the docs write it (`1e-4`, `false`, `glue/sst2`, `sts12 stsb`) against the parsed one."""
+    import yaml
+
+    if isinstance(default, list):
+        return written.split() == [str(item) for item in default]
+    if isinstance(default, bool) or default is None:
+        return yaml.safe_load(written) is default
+    if isinstance(default, (int, float)):
+        return float(written) == float(default)
+    return written == str(default)
+
+
+def test_the_protocol_table_names_the_defaults_in_force():
+    """docs/analyses.md's table of the paper's protocol, step by step: every `analyze.py SUB --x V` and `CONFIG --x V`
+    it writes is the default that subcommand or config file has now (a value that drifts, or an option that is gone,
+    fails here), and every row says whose its step is."""
+    text = (ROOT / "docs" / "analyses.md").read_text(encoding="utf-8")
+    table = text.split("## The paper's protocol, step by step", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| step")
+            and not line.startswith("| ---")]
+    assert len(rows) >= 15
+    parsers = subparsers(analyze.build_parser())
+    span = re.compile(r"`((?:analyze\.py [\w-]+)|(?:configs/[\w/.-]+\.yaml)) (--[\w.]+) ([^`]+)`")
+    checked = []
+    for row in rows:
+        whose = row.rstrip(" |").rsplit(" | ", 1)[1]
+        assert "the paper's" in whose or "ours" in whose or "Table 4's" in whose, row
+        for where, option, written in span.findall(row):
+            if where.startswith("analyze.py"):
+                parser = parsers[where]
+                action = next((a for a in parser._actions if option in a.option_strings), None)
+                assert action is not None, (where, option)
+                default = action.default
+            else:
+                default = config_default(where, option)
+            assert same_value(written, default), (where, option, written, default)
+            checked.append((where, option))
+    assert len(checked) >= 25 and len(set(checked)) == len(checked)
+    assert {"configs/pretrain/roberta-base.yaml", "configs/probe/position.yaml", "analyze.py paper",
+            "analyze.py anisotropy", "analyze.py outliers"} <= {where for where, _ in checked}
