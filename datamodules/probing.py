@@ -62,8 +62,7 @@ class ProbeDataModule(pl.LightningDataModule):
         outlier_dims: the outlier dims (0-indexed) reported and clipped (None: detected on the training split).
         min_share: the outlier rule's argmax or argmin share (the paper's criterion; the number is ours).
         sigma: also a dim whose mean is this many robust SDs off the layer's (ours, opt-in; None: off).
-        exclude_special: leave special tokens ([CLS], <s>: they give their position away) out of the items (default
-            False: they count, as in analyze.py; ours).
+        exclude_special: leave special tokens ([CLS], <s>: their position shows) out of the items (ours; off).
         allow_random_weights: load an encoder whose checkpoint lacks some weights (randomly initialised then;
             default False: refused); probe.py links --model.allow_random_weights to it.
         max_memory_gb: the features' memory budget: float16 when float32 would pass it, then memory-mapped files.
