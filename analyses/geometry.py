@@ -20,6 +20,7 @@ from core.errors import UserError
 from datamodules.words import WordContexts
 from lightning_modules.pooling import lost_spans, span_vectors
 from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
+from metrics.intra_sentence import IntraSentenceSimilarity, sentence_tokens
 from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
 from metrics.transforms import RAW, Clipping, Variant
 
@@ -218,10 +219,12 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     """Ethayarajh (2019) eq. 1 per layer and variant, adjusted by the anisotropy of the same layer and variant
     (adjusted = self-similarity - anisotropy): `baseline`, the paper's anisotropy protocol on the same source
     (`analyze.py paper` and `all`: the anisotropy report of the same data; the standalone subcommand:
-    anisotropy_baseline)."""
+    anisotropy_baseline). Beside it, in the same pass, Ethayarajh's intra-sentence similarity (eq. 2) of the
+    sentences encoded, over their counted tokens (metrics/intra_sentence.py), adjusted by the same anisotropy."""
     encoder = setting.encoder
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
+    intra = {v.key: IntraSentenceSimilarity(layers).to(device) for v in variants}
     lost, in_special, truncated, special = counter(device), counter(device), counter(device), counter(device)
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
@@ -229,8 +232,10 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         for _, view, group in views(batch, variants):
             vectors, found = span_vectors(view, wanted)
             word_ids = torch.tensor([contexts.spans[rows[r]][i][0] for r, i in found], dtype=torch.long)
+            tokens, owners = sentence_tokens(view.hidden_states, view.mask)  # every counted token, its row
             for variant in group:
                 metrics[variant.key].update(word_ids, variant.apply(vectors))
+                intra[variant.key].update(variant.apply(tokens), sentences=owners)
         cut, inside = lost_spans(batch, wanted, found)
         lost.update(cut)
         in_special.update(inside)
@@ -238,15 +243,18 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         special.update(batch.num_special_in_text)
     warning = None
     if not baseline.report.get("num_pairs"):
-        warning = ("the anisotropy-adjusted self-similarity is not computed ('-'): its anisotropy baseline's random "
-                   f"token pairs need at least 2 sentences with a token, got {baseline.report.get('num_sentences', 0)}")
+        warning = ("the anisotropy-adjusted self-similarity and intra-sentence similarity are not computed ('-'): "
+                   "their anisotropy baseline's random token pairs need at least 2 sentences with a token, got "
+                   f"{baseline.report.get('num_sentences', 0)}")
     values, counted = {}, 0
     for variant in variants:
         result = metrics[variant.key].compute()
         anisotropy = baseline.values(variant.key)
+        sentence = intra[variant.key].compute()
         values[variant.key] = {"self_similarity": result.mean, "anisotropy": anisotropy,
-                               "adjusted": result.mean - anisotropy.to(result.mean)}
-        counted = result.num_words
+                               "adjusted": result.mean - anisotropy.to(result.mean), "intra_sentence": sentence.mean,
+                               "intra_sentence_adjusted": sentence.mean - anisotropy.to(sentence.mean)}
+        counted, sentences = result.num_words, int(sentence.num_sentences)
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     cut_off, in_specials = int(lost.compute()), int(in_special.compute())
@@ -258,7 +266,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
             "word_case": "lowercased (the tokenizer lowercases)" if contexts.lowercase else
             "as written (a cased tokenizer: 'The' and 'the' are two words)",
-            "num_sentences": len(contexts.sentences), **baseline.describe(),
+            "num_sentences": len(contexts.sentences), "intra_sentence_sentences": sentences, **baseline.describe(),
             "contexts_lost_to_truncation": cut_off, "contexts_in_special_tokens": in_specials,
             "num_truncated": int(truncated.compute()),
             "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,

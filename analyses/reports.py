@@ -64,7 +64,10 @@ def panels_of(name: str, report: dict) -> list[dict]:
                       "sequence_energy_top1")]
     if name == "self_similarity":
         return [panel(report, "self-similarity", "mean cosine", "self_similarity"),
-                panel(report, "self-similarity - anisotropy", "adjusted", "adjusted")]
+                panel(report, "self-similarity - anisotropy", "adjusted", "adjusted"),
+                panel(report, "intra-sentence similarity (Ethayarajh): cosine of a sentence's tokens with their mean",
+                      "mean cosine", "intra_sentence"),
+                panel(report, "intra-sentence similarity - anisotropy", "adjusted", "intra_sentence_adjusted")]
     if name == "wic":
         return [panel(report, "WiC: best accuracy per layer", "accuracy", "accuracy",
                       baselines={"all true": report["baseline"]})]
@@ -94,7 +97,8 @@ def print_report(name: str, report: dict) -> None:
                "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
                             ("top-1 energy", ("corpus_energy_top1",)),
                             ("seq top-1", ("sequence_energy_top1",))],
-               "self_similarity": [("self-sim", ("self_similarity",)), ("adjusted", ("adjusted",))],
+               "self_similarity": [("self-sim", ("self_similarity",)), ("adjusted", ("adjusted",)),
+                                   ("intra-sent", ("intra_sentence",)), ("intra adj", ("intra_sentence_adjusted",))],
                "wic": [("accuracy", ("accuracy",))],
                "sts": [("Spearman", ())]}["sts" if name.startswith("sts") else name]
     headers, cells = ["layer"], [[str(row["layer"])] for row in rows]
