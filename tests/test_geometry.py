@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from scipy.stats import rankdata, spearmanr
 
 from metrics.geometry import Covariance, MeanCosine, SelfSimilarity, TokenSample, cosine
+from metrics.intra_sentence import IntraSentenceSimilarity
 from metrics.isotropy import IsoScoreStar, isoscore, isoscore_star, spectrum, spectrum_of_moments
 from metrics.similarity import PairCosine, average_ranks, pearson, spearman, threshold_accuracy
 from metrics.transforms import Clipping, keep_mask, standardization, whitening, zero_dims
@@ -257,6 +258,7 @@ def test_metric_states_stay_fixed_size_with_ten_times_the_data():
         "cov": (Covariance(LAYERS, HIDDEN), 1 + LAYERS * HIDDEN + LAYERS * HIDDEN * HIDDEN),
         "star": (IsoScoreStar(LAYERS, HIDDEN), LAYERS + 1),
         "pairs": (PairCosine(pairs, LAYERS), pairs * LAYERS + pairs),
+        "intra": (IntraSentenceSimilarity(LAYERS), LAYERS + 1),
     }
     generator = torch.Generator().manual_seed(15)
 
@@ -268,6 +270,8 @@ def test_metric_states_stay_fixed_size_with_ten_times_the_data():
             metric.update(torch.randint(0, words, (n,), generator=generator), a)
         elif name in ("cov", "star"):
             metric.update(a)
+        elif name == "intra":  # n tokens of n // 4 sentences
+            metric.update(a, sentences=torch.randint(0, n // 4, (n,), generator=generator))
         else:
             ids = torch.randint(0, pairs, (min(n, pairs),), generator=generator).unique()
             metric.update(ids, a[:, :len(ids)], b[:, :len(ids)])
@@ -448,12 +452,15 @@ def ddp_inputs():
 
 def all_metrics():
     return {"selfsim": SelfSimilarity(5, LAYERS, HIDDEN), "pairs": PairCosine(33, LAYERS), "cov": Covariance(LAYERS, HIDDEN),
-            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN)}
+            "mean": MeanCosine(LAYERS), "sample": TokenSample(33, LAYERS, HIDDEN), "intra": IntraSentenceSimilarity(LAYERS)}
 
 
 def feed(metrics, items):
     words, vectors, a, b = ddp_inputs()
+    sentences = a.reshape(LAYERS, 11, 3, HIDDEN).repeat(1, 3, 1, 1)  # 33 padded sentences of 0-3 tokens
+    lengths = torch.arange(33) % 4
     for chunk in torch.tensor(items, dtype=torch.long).split(4):
+        metrics["intra"].update(sentences[:, chunk], torch.arange(3) < lengths[chunk].unsqueeze(1))
         metrics["selfsim"].update(words[chunk], vectors[:, chunk])
         metrics["pairs"].update(chunk, a[:, chunk], b[:, chunk])
         metrics["cov"].update(vectors[:, chunk])
@@ -463,6 +470,7 @@ def feed(metrics, items):
     cov = computed["cov"]
     clipped = spectrum_of_moments(*Clipping([1], LAYERS).moments(cov.mean, cov.cov), cov.num_tokens)
     return {"selfsim": computed["selfsim"].per_word, "pairs": computed["pairs"][0], "cov": cov.cov,
+            "intra": computed["intra"].mean, "intra_sentences": computed["intra"].num_sentences,
             "mean": computed["mean"], "sample": computed["sample"][0], "iso": isoscore(cov.cov),
             "spectrum_of": clipped["singular_values"]}
 
