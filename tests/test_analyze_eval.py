@@ -197,7 +197,8 @@ def check_layer_lines(panel: dict, report: dict, *path: str) -> None:
 
 
 FIGURE_PANELS = {"anisotropy": [()], "isotropy": [("isoscore",), ("isoscore_star",), ("sequence_energy_top1",)],
-                 "self_similarity": [("self_similarity",), ("adjusted",)], "wic": [("accuracy",)], "sts": [()]}
+                 "self_similarity": [("self_similarity",), ("adjusted",), ("intra_sentence",),
+                                     ("intra_sentence_adjusted",)], "wic": [("accuracy",)], "sts": [()]}
 
 
 def check_report_figures(saved: dict, name: str, report: dict) -> None:
@@ -224,7 +225,9 @@ def check_report_figures(saved: dict, name: str, report: dict) -> None:
 
 
 TABLE_COLUMNS = {"anisotropy": [("", ())], "self_similarity": [("self-sim", ("self_similarity",)),
-                                                                 ("adjusted", ("adjusted",))],
+                                                                 ("adjusted", ("adjusted",)),
+                                                                 ("intra-sent", ("intra_sentence",)),
+                                                                 ("intra adj", ("intra_sentence_adjusted",))],
                  "isotropy": [("IsoScore", ("isoscore",)), ("IsoScore*", ("isoscore_star",)),
                               ("top-1 energy", ("corpus_energy_top1",)), ("seq top-1", ("sequence_energy_top1",))],
                  "wic": [("accuracy", ("accuracy",))], "sts": [("Spearman", ())]}
@@ -386,6 +389,13 @@ def test_self_similarity_matches_all_pairs_of_contexts(data, direct, tmp_path, c
         np.testing.assert_allclose(values(report, key, "self_similarity"), similarity.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "anisotropy"), baseline.numpy(), atol=2e-5)
         np.testing.assert_allclose(values(report, key, "adjusted"), (similarity - baseline).numpy(), atol=4e-5)
+        # Ethayarajh's intra-sentence similarity of the same sentences: every token's cosine with their mean
+        intra = torch.stack([torch.stack([cos(word, words.mean(1)) for word in words.unbind(1)]).mean(0)
+                             for words in (transform(direct(text)[0]) for text in contexts.sentences)]).mean(0)
+        np.testing.assert_allclose(values(report, key, "intra_sentence"), intra.numpy(), atol=2e-5)
+        np.testing.assert_allclose(values(report, key, "intra_sentence_adjusted"), (intra - baseline).numpy(),
+                                   atol=4e-5)
+    assert report["intra_sentence_sentences"] == len(contexts.sentences)
     check_printed_table(capsys.readouterr().out, "self_similarity", report)
 
 
