@@ -3,7 +3,7 @@
     python analyze.py outliers                                   # packaged MiniLM on the bundled corpus
     python analyze.py outliers --encoder bert-base-uncased --data core/corpus/austen.txt --output_dir runs/bert
     python analyze.py anisotropy --encoder roberta-base          # random token pairs, raw vs clipped, per layer
-    python analyze.py self-similarity --clip 5,17                # Ethayarajh's self-similarity, given dims clipped
+    python analyze.py self-similarity --clip 5,17                # Ethayarajh's self- and intra-sentence similarity
     python analyze.py isotropy --normalize whiten                # IsoScore, IsoScore*, singular-value spectrum
     python analyze.py isotropy --normalize softdecay             # tokenUni's SoftDecay beside raw and clipped
     python analyze.py wic --data wic/dev.jsonl                   # SuperGLUE WiC (or super_glue/wic, WiC .data.txt)
@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     isotropy = command("isotropy", "analyses.runs:run_isotropy", "IsoScore, IsoScore* and the singular-value spectrum "
                        "per layer", "isotropy")
     selfsim = command("self-similarity", "analyses.runs:run_self_similarity", "self-similarity of words in different "
-                      f"contexts (Ethayarajh 2019), raw and adjusted by the anisotropy of {2 * NUM_PAIRS} random "
-                      "sentences of --data", "self_similarity")
+                      "contexts and intra-sentence similarity of the sentences encoded (both Ethayarajh 2019's), raw "
+                      f"and adjusted by the anisotropy of {2 * NUM_PAIRS} random sentences of --data", "self_similarity")
     wic = command("wic", "analyses.runs:run_wic", "Word-in-Context: cosine of the target word's vectors against a "
                   "threshold", "wic", data=None)
     wic.add_argument("--gold", default=None, help="gold file of an original WiC .data.txt (default: beside it)")
