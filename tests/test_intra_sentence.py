@@ -178,3 +178,31 @@ def test_the_self_similarity_report_has_it_for_every_variant_as_a_direct_computa
     for panel, name in zip(drawn[2:], ("intra_sentence", "intra_sentence_adjusted")):
         for key in report["variants"]:
             same(panel["lines"][key], [row["layer"] for row in rows], [row[key][name] for row in rows])
+
+
+def test_softdecay_and_exclude_special_take_each_sentences_own_counted_tokens(tmp_path, bert_tok):
+    """The per-sentence variant (SoftDecay of each sentence's token matrix) and --exclude_special: the report's
+    intra-sentence similarity is the loop over the sentences encoded alone, [CLS] and [SEP] dropped, each sentence's
+    matrix transformed on its own (soft_decay of one unpadded sentence)."""
+    from metrics.transforms import SOFTDECAY_ALPHA, soft_decay
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = [text for text in corpus_sentences(300, start=200) if 4 <= len(text.split()) <= 14][:40]
+    data, out = tmp_path / "sentences.txt", tmp_path / "out"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "3",
+                         "--min_sentences", "3", "--clip", "none", "--normalize", "softdecay", "--exclude_special",
+                         "--num_pairs", "8", "--batch_size", "6", "--no_progress", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "self_similarity.json").read_text())
+    assert report["variants"] == ["raw", "softdecay"] and report["special_tokens"] == "excluded"
+    contexts = word_contexts(texts, 3, 3, seed=0)
+    model, tokenizer = AutoModel.from_pretrained(encoder).eval(), AutoTokenizer.from_pretrained(encoder)
+    with torch.no_grad():
+        alone = [torch.stack(model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True).hidden_states)
+                 [:, 0, 1:-1] for text in contexts.sentences]  # [CLS] and [SEP] dropped
+    decayed = [soft_decay(states.unsqueeze(1), torch.ones(1, states.shape[1], dtype=torch.bool), SOFTDECAY_ALPHA)[:, 0]
+               for states in alone]
+    for key, sentences in (("raw", alone), ("softdecay", decayed)):
+        got = torch.tensor([row[key]["intra_sentence"] for row in report["layers"]], dtype=torch.float64)
+        torch.testing.assert_close(got, direct_intra(sentences), rtol=0, atol=2e-5)
+    assert any(abs(row["raw"]["intra_sentence"] - row["softdecay"]["intra_sentence"]) > 1e-3 for row in report["layers"])
