@@ -1,5 +1,6 @@
 """The geometry protocols: anisotropy (Luo et al. §4.1), isotropy (IsoScore, IsoScore*, spectra) and
-self-similarity (Ethayarajh 2019), each per layer and per variant (raw, clipped, normalised).
+self-similarity with intra-sentence similarity (Ethayarajh 2019), each per layer and per variant (raw, clipped,
+normalised).
 
     anisotropy(setting, reference)                    # {"layers": [{"layer", "raw", "clipped"}], ...}
     isotropy(setting, reference)                      # IsoScore, IsoScore*, singular-value spectrum per layer
@@ -258,7 +259,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
                                 for key, value in values.items()}} for layer in range(layers)]
     cut_off, in_specials = int(lost.compute()), int(in_special.compute())
-    if not counted:  # every value is nan: say why rather than print an empty table
+    if not counted:  # every self-similarity is nan: say why rather than print empty columns
         warning = (f"self-similarity not computed ('-'): no word of the {len(contexts.words)} sampled kept 2 of its "
                    f"contexts ({cut_off} contexts lost to truncation: a larger --max_length keeps them"
                    + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
