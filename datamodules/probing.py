@@ -271,7 +271,7 @@ class ProbeDataModule(pl.LightningDataModule):
             primary = load_encoder(self.encoder or default_encoder(), device=device, exclude_special=h.exclude_special,
                                    allow_random_weights=h.allow_random_weights,
                                    allow_option="--model.allow_random_weights true")
-        primary.check_max_length(h.max_length)
+        primary.check_max_length(h.max_length, "--data.max_length")
         return [primary, random_encoder(primary, h.seed)] if h.random_baseline else [primary]
 
     def _layers(self, encoder: FrozenEncoder) -> list[int]:

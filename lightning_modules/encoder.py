@@ -346,18 +346,20 @@ class FrozenEncoder(nn.Module):
                                  for i, (text, row) in enumerate(zip(texts, encoded["offset_mapping"], strict=True))]
         return inputs, len(long_rows)
 
-    def check_max_length(self, max_length: int | None) -> int:
+    def check_max_length(self, max_length: int | None, option: str = "--max_length") -> int:
+        """`max_length` checked against the model's positions and its special tokens; `option`: the option that gave
+        it (analyze.py's --max_length; probe.py's --data.max_length, beside its --data.exclude_special)."""
         if max_length is None:
             return self.max_length
         if max_length > self.max_length:
-            raise UserError(f"--max_length {max_length} exceeds the {self.max_length} positions of {self.name}")
+            raise UserError(f"{option} {max_length} exceeds the {self.max_length} positions of {self.name}")
         if max_length < 2:
-            raise UserError(f"--max_length must be at least 2, got {max_length}")
+            raise UserError(f"{option} must be at least 2, got {max_length}")
         specials = self.tokenizer.num_special_tokens_to_add(pair=False)
         if self.exclude_special and max_length <= specials:
-            raise UserError(f"--max_length {max_length} leaves no token to count: the {specials} special tokens of "
-                            f"each sentence fill it and --exclude_special drops them; use --max_length {specials + 1} "
-                            "or more")
+            exclude = option.replace("max_length", "exclude_special")
+            raise UserError(f"{option} {max_length} leaves no token to count: the {specials} special tokens of "
+                            f"each sentence fill it and {exclude} drops them; use {option} {specials + 1} or more")
         return max_length
 
     def tokenized_batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,

@@ -312,7 +312,8 @@ def _bad_inputs(tmp_path: Path, encoder: Path) -> dict[str, tuple[str, list, str
         "missing data": ("position", ["--data.source", tmp_path / "nope.txt"], "data path not found"),
         "missing encoder": ("position", ["--model.encoder", tmp_path / "no-model", "--data.source", good],
                             "encoder path not found"),
-        "too long": ("position", ["--data.source", good, "--data.max_length", 999], "exceeds the 64 positions"),
+        "too long": ("position", ["--data.source", good, "--data.max_length", 999],
+                     "--data.max_length 999 exceeds the 64 positions"),  # probe.py's option, as the user wrote it
         "empty split": ("position", ["--data.source", few, "--data.test_fraction", 0.1], "split is empty"),
         "missing label": ("classify", ["--data.source", unlabelled], "row 2 has no label"),
         "label outside fixed classes": ("classify", ["--data.source", labelled, "--data.classes", "[0, 1]"],
