@@ -10,7 +10,9 @@ What counts as a command
   (`python train.py ...`) names a program; a span without its launcher (`analyze.py paper --outlier_sentences`,
   `train.py validate --config <run>/config.yaml ...`) is a fragment: its options are checked as names only;
 - a command of another program (pip, wandb, python -c, ...) is no command of ours: its first word must be in NOT_OURS,
-  so that a new kind of command in a doc does not go unchecked unnoticed.
+  so that a new kind of command in a doc does not go unchecked unnoticed;
+- also the indented command lines of the module docstrings of train.py, probe.py, analyze.py and study.py (their --help
+  prints them), of benchmarks/*.py and of scripts/*.py.
 
 How a command is checked
 - analyze.py and study.py: their own argparse parsers (analyze.build_parser, study.build_parser); study.py's --arms must
@@ -116,7 +118,8 @@ def split_doc(path: Path) -> tuple[list[tuple[str, int, list[str]]], list[str]]:
             prose.append("")
         elif block is not None and line.strip() == "```":
             blocks.append(block)
-            block, _ = None, prose.append("")
+            block = None
+            prose.append("")
         elif block is not None:
             block[2].append(line)
             prose.append("")
