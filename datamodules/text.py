@@ -1,7 +1,7 @@
 """Reading the user's text: plain files, csv/tsv/jsonl, `datasets` directories and `datasets` names, lazily.
 
     texts = iter_texts("core/corpus/austen.txt")                  # one sentence a line
-    texts = iter_texts("reviews.csv", text_column="review")  # csv / tsv / jsonl with a text column
+    texts = iter_texts("reviews.csv", text_column="review")  # csv / tsv / jsonl with a text column (columns.py)
     texts = iter_texts("wikitext:wikitext-103-raw-v1:validation")  # a `datasets` name[:config][:split]
     sample = sample_texts(texts, limit=2000, seed=0)       # a seeded uniform sample, in corpus order
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from core.defaults import DEFAULT_CORPUS  # noqa: F401  (the bundled corpus; used from here by the data modules)
 from core.errors import UserError, first_line, warn_once
 from core.sources import cannot_load, check_hub, looks_local, not_found
-from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates, text_value
+from datamodules.characters import NulFree, bad_byte, clean_text, replace_surrogates
+from datamodules.columns import TextColumn
 
 DATA_OPTION = "--data.text_column"  # the option's name in train.py and probe.py (LightningCLI data modules)
-TEXT_COLUMNS = ("text", "sentence", "content", "document", "review")
 TABULAR_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 JSON_SUFFIXES = {".jsonl", ".json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # datasets' save_to_disk
@@ -51,8 +51,9 @@ def iter_texts(source: str | os.PathLike, text_column: str | None = None, option
     `option` is the entry point's name for the text column, named when none is found (train.py and probe.py:
     `--data.text_column`).
     """
+    column = TextColumn(text_column, source, option)
     for record in iter_records(source, columns=None):
-        if text := pick_text(record, text_column, source, option):
+        if text := column(record):
             yield text
 
 
@@ -124,36 +125,6 @@ def check_datasets_directory(path: Path) -> None:
             break
     raise UserError(f"data directory {path} is not a datasets directory (save_to_disk output, or parquet, arrow, "
                     "csv, tsv or jsonl data files); give a text, csv, tsv or jsonl file instead")
-
-
-def pick_text(record: dict, text_column: str | None, source, option: str = "--text_column",
-              exclude: tuple[str | None, ...] = ()) -> str | None:
-    """The text of `record`, stripped and without a leading byte-order mark ("" for a blank one, holding nothing
-    visible: `clean_text`; None for a missing value: a blank row); a value that is not a string (a number, a list of
-    tokens) is refused, naming the column, since it cannot be encoded as a sentence. Detection passes over the
-    columns in `exclude` (the labels, a pair's second sentence: a csv's labels are strings too)."""
-    if text_column is not None:
-        if text_column not in record:
-            raise UserError(f"text column {text_column!r} not in {source} (columns: {sorted(record)})")
-        return _text_value(record, text_column, source, option)
-    for name in TEXT_COLUMNS:
-        if name in record and name not in exclude:
-            return _text_value(record, name, source, option)
-    strings = [key for key, value in record.items() if isinstance(value, str) and key not in exclude]
-    if len(strings) == 1:
-        return text_value(record[strings[0]], source)
-    raise UserError(f"no text column in {source} (columns: {sorted(record)}); pass {option}")
-
-
-def _text_value(record: dict, column: str, source, option: str) -> str | None:
-    value = record[column]
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return text_value(value, source)
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    raise UserError(f"text column {column!r} of {source} holds a {type(value).__name__} ({shown}), not text; "
-                    f"pass {option} to name the column holding the sentences")
 
 
 def _opener(path: Path):
@@ -239,7 +210,7 @@ def _file_records(path: Path) -> Iterator[dict]:
                 for line in handle:  # NUL-free lines of `reader`, without its generator
                     if "\0" in line:
                         line = reader.drop(line)
-                    if line := line.strip():  # pick_text's clean_text finds it blank if nothing in it is visible
+                    if line := line.strip():  # TextColumn's clean_text finds it blank if nothing in it is visible
                         count += 1
                         yield {"text": line}
     except GeneratorExit:  # the reader stopped early (a --max_texts prefix): the NULs of the part read

@@ -489,3 +489,30 @@ def test_a_lone_surrogate_escape_in_json_is_replaced_with_one_warning(tmp_path):
             texts = list(iter_texts(path))
         assert texts == expected and len(caught) == 1
         assert "".join(texts).encode("utf-8").decode("utf-8") == "".join(expected)  # valid UTF-8 throughout
+
+
+def test_a_detected_text_column_holds_for_every_row_and_a_null_is_a_blank_row(tmp_path):
+    """A table whose text column has no known name ("body") is read by its one string column; a null in it is a blank
+    row, wherever it is. Detection was per row: a null after 60 rows (or in the first) left no string column in that
+    row, and the whole source was refused as having none; and a row whose only string was another column was read from
+    that one. Now a second column holding strings, in any row, is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    rows = [{"body": None, "id": 0}, *({"body": t, "id": i} for i, t in enumerate(TEXTS, 1)), {"body": None, "id": 9}]
+    jsonl, table = tmp_path / "a.jsonl", tmp_path / "a.parquet"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    parquet.write_table(pa.table({"body": [r["body"] for r in rows], "id": [r["id"] for r in rows]}), table)
+    assert list(iter_texts(jsonl)) == list(iter_texts(table)) == TEXTS
+    mixed = tmp_path / "mixed.jsonl"  # the text in "title" in one row, in "body" in the next: which is it?
+    mixed.write_text(json.dumps({"title": TEXTS[0], "body": None}) + "\n"
+                     + json.dumps({"title": None, "body": TEXTS[1]}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"no text column in .*mixed.jsonl \(columns: \['body', 'title'\]\); "
+                                        "pass --text_column"):
+        list(iter_texts(mixed))
+    assert list(iter_texts(mixed, text_column="body")) == [TEXTS[1]]
+    later = tmp_path / "later.jsonl"  # the detected column holding a number further down: refused, not skipped
+    later.write_text(json.dumps({"body": TEXTS[0], "id": 1}) + "\n" + json.dumps({"body": 7, "id": 2}) + "\n",
+                     encoding="utf-8")
+    with pytest.raises(UserError, match="text column 'body' of .*later.jsonl holds a int"):
+        list(iter_texts(later))
