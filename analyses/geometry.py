@@ -256,6 +256,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
                    + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
+            "duplicate_sentences": contexts.duplicates,
             "word_case": "lowercased (the tokenizer lowercases)" if contexts.lowercase else
             "as written (a cased tokenizer: 'The' and 'the' are two words)",
             "num_sentences": len(contexts.sentences), **baseline.describe(),
