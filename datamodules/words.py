@@ -115,7 +115,7 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
         more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
-        distinct = f"{total - duplicates} distinct sentences ({duplicates} repeats of one counted once)" \
+        distinct = f"{total - duplicates} distinct sentences ({duplicates} more repeat them)" \
             if duplicates else f"{total} sentences"
         raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {distinct}; "
                         f"self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
