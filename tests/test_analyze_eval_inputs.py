@@ -164,7 +164,7 @@ def test_a_repeated_sentence_is_one_context_of_its_words(tmp_path):
         assert sorted(contexts.words) == ["digits", "spread"] and contexts.num_candidates == 2
         assert contexts.duplicates == 11 + 6 and contexts.pool == len(sentences)
         assert len(contexts.sentences) == len(set(contexts.sentences)) == 10
-    with pytest.raises(UserError, match=r"only 0 words occur in at least 10 of the 1 distinct sentences \(11 repeats"):
+    with pytest.raises(UserError, match=r"only 0 words occur in at least 10 of the 1 distinct sentences \(11 more repeat them\)"):
         word_contexts(["copied line of words"] * 12, num_words=1, min_sentences=10)
 
 
