@@ -35,7 +35,7 @@ from analyses.geometry import pair_anisotropy
 from analyses.intervene_report import PROBE, intervention_figure, print_intervene, report_of
 from analyses.paper import fit_probe
 from analyses.reference import Setting, counter, reference_pass
-from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_truncation
+from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_text_counts
 from core.errors import UserError
 from datamodules.masking import SentenceMasker
 from datamodules.pairs import read_sts
@@ -313,5 +313,5 @@ def run_intervene(args, rank: int, world: int) -> dict:
     finish(args, rank, {"intervene.json": report}, figures)
     if rank == 0:
         print_intervene(report)
-        warn_truncation({"intervene": report})
+        warn_text_counts({"intervene": report})
     return report

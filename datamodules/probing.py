@@ -207,9 +207,6 @@ class ProbeDataModule(pl.LightningDataModule):
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
         max_length = h.max_length or primary.max_length
-        if extracted.num_truncated:  # said as analyze.py says it (the report's num_truncated counts them too)
-            warnings.warn(f"{extracted.num_truncated} sentences were longer than {max_length} tokens and were "
-                          "truncated (counted in the report as num_truncated)", stacklevel=2)
         control = self._control_task(len(classes))
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
@@ -232,7 +229,7 @@ class ProbeDataModule(pl.LightningDataModule):
             control=control,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": max_length, "num_truncated": extracted.num_truncated,
-                  "num_special_in_text": extracted.num_special_in_text,
+                  "num_special_in_text": extracted.num_special_in_text, "num_unknown": extracted.num_unknown,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
         )
