@@ -801,6 +801,10 @@ ERROR_ROW_TESTS = {
     ("train.py", "a corpus directory that is no `datasets` directory"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "a streaming corpus (`--data.streaming true`) with no text after the `--data.val_texts` it holds out "
+                 "for validation (a small file)"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("train.py", "a corpus table without a text column"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
