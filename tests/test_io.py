@@ -516,3 +516,31 @@ def test_a_detected_text_column_holds_for_every_row_and_a_null_is_a_blank_row(tm
                      encoding="utf-8")
     with pytest.raises(UserError, match="text column 'body' of .*later.jsonl holds a int"):
         list(iter_texts(later))
+
+
+def test_a_hard_wrapped_text_file_is_said_to_give_fragments_once(tmp_path):
+    """A text file is one sentence a line; a licence or a book wrapped at 60 columns gave every wrapped line as a
+    sentence, silently. Planted: 30 sentences wrapped at 60 columns, whose line breaks all fall inside a sentence (the
+    next line in lowercase) but the 29 between two sentences, counted by hand; one warning, whatever the reads. The
+    same sentences one a line, or wrapped paragraphs between blank lines: no warning."""
+    import textwrap
+    import warnings
+
+    sentences = [f"the {n}th sentence of this paragraph runs on and on past the sixty columns of a wrapped line, "
+                 f"number {n}." for n in range(30)]
+    wrapped = [piece for sentence in sentences for piece in textwrap.wrap(sentence, 60)]
+    breaks = len(wrapped) - 1
+    inside = sum(1 for a, b in zip(wrapped, wrapped[1:]) if not a.endswith(".") and b[0].islower())
+    assert inside == breaks - 29 and 2 * inside > breaks  # every break but those between two sentences
+    path = tmp_path / "wrapped.txt"
+    path.write_text("\n".join(wrapped) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=rf"wrapped.txt: {inside} of its {breaks} line breaks fall inside a sentence "
+                                         r"\(the line ends without closing punctuation") as said:
+        assert list(iter_texts(path)) == wrapped
+        assert list(iter_texts(path)) == wrapped  # read again (a tokenizer, then the blocks): said once
+    assert len(said) == 1
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(sentences) + "\n\n" + "\n\n".join(wrapped[:40]) + "\n", encoding="utf-8")
+    with warnings.catch_warnings():  # a sentence a line, and wrapped lines between blank lines (paragraphs): quiet
+        warnings.simplefilter("error")
+        assert list(iter_texts(lines)) == sentences + wrapped[:40]
