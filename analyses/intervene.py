@@ -116,6 +116,7 @@ class Measured:
     num_pairs: int
     num_sentences: int
     num_truncated: int
+    num_unknown: int = 0  # the tokenizer's unknown tokens in the sentences
     mlm_loss: float | None = None
     masked_tokens: int = 0
     lm_loss: float | None = None  # a causal model's next-token loss (ours), from the same pass
@@ -223,7 +224,7 @@ def measure(run: Run, intervention: Intervention | None, desc: str) -> Measured:
                                    magnitudes=meter)
         anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
         measured = Measured(reference.statistics, anisotropy[RAW.key].cpu(), pairs, reference.num_sentences,
-                            reference.num_truncated)
+                            reference.num_truncated, reference.num_unknown)
         if meter is not None:
             measured.lm_loss, measured.lm_tokens = meter.compute()
         if run.masks is not None:
