@@ -168,6 +168,13 @@ def test_a_repeated_sentence_is_one_context_of_its_words(tmp_path):
         word_contexts(["copied line of words"] * 12, num_words=1, min_sentences=10)
 
 
+def test_a_typographic_apostrophe_is_inside_a_word_as_an_ascii_one_is():
+    ascii_text, typographic = "It's Anna's book, don't you think? 'Quoted' ends.", "It’s Anna’s book, don’t you think? ‘Quoted’ ends."
+    words = [m.group() for m in WORD.finditer(typographic)]
+    assert words == [w.replace("'", "’") for w in (m.group() for m in WORD.finditer(ascii_text))]
+    assert words == ["It’s", "Anna’s", "book", "don’t", "you", "think", "Quoted", "ends"]
+
+
 def test_wic_reads_the_training_split_by_default(tmp_path):
     """The preset `wic` is SuperGLUE's training split (the paper's footnote 5), resolved without the hub; a local
     dataset with splits is read at its train split too, a file whole; the report names which."""
