@@ -58,8 +58,8 @@ def anisotropy(setting: Setting, reference: Reference, num_pairs: int | None = N
     if num_pairs is not None and pairs < num_pairs:
         shortfall = (f"anisotropy from {pairs} random token pairs, not --num_pairs {num_pairs}: one random token from "
                      f"each of {2 * num_pairs} sentences needs {2 * num_pairs} sentences with a token, got {got}")
-    return {"num_sentences": reference.num_sentences, "num_pairs": pairs, "num_truncated": reference.num_truncated,
-            "num_special_in_text": reference.num_special_in_text, "layers": per_layer(values, setting.encoder.num_hidden_states),
+    return {"num_sentences": reference.num_sentences, "num_pairs": pairs, **reference.counts(),
+            "layers": per_layer(values, setting.encoder.num_hidden_states),
             **({"anisotropy_warning": shortfall} if shortfall else {})}
 
 
@@ -145,7 +145,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
     shortfall = minibatch_shortfall(batches, minibatch, minibatches, int(reference.sample[1].sum()),
                                     reference.num_sentences, num_pairs, max_sentences)
     return {"num_sentences": reference.num_sentences, "num_tokens": stats.num_tokens,
-            "num_truncated": reference.num_truncated, "num_special_in_text": reference.num_special_in_text, "zeta": zeta,
+            **reference.counts(), "zeta": zeta,
             "minibatch_tokens": minibatch, "num_minibatches": batches, "layers": rows,
             **({"isoscore_star_warning": shortfall} if shortfall else {}),
             "corpus_spectra": spectra,
@@ -226,7 +226,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     layers, hidden, device = encoder.num_hidden_states, encoder.hidden_size, encoder.device
     metrics = {v.key: SelfSimilarity(len(contexts.words), layers, hidden).to(device) for v in variants}
     intra = {v.key: IntraSentenceSimilarity(layers).to(device) for v in variants}
-    lost, in_special, truncated, special = counter(device), counter(device), counter(device), counter(device)
+    lost, in_special, truncated, special, unknown = (counter(device) for _ in range(5))
     for batch in setting.batches(contexts.sentences, offsets=True, desc="self-similarity"):
         rows = batch.rows
         wanted = [[(start, end) for _, start, end in contexts.spans[row]] for row in rows]
@@ -242,6 +242,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
         in_special.update(inside)
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
+        unknown.update(batch.num_unknown)
     warning = None
     if not baseline.report.get("num_pairs"):
         warning = ("the anisotropy-adjusted self-similarity and intra-sentence similarity are not computed ('-'): "
@@ -265,10 +266,12 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
                    + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,
+            "duplicate_sentences": contexts.duplicates,
             "word_case": "lowercased (the tokenizer lowercases)" if contexts.lowercase else
             "as written (a cased tokenizer: 'The' and 'the' are two words)",
             "num_sentences": len(contexts.sentences), "intra_sentence_sentences": sentences, **baseline.describe(),
             "contexts_lost_to_truncation": cut_off, "contexts_in_special_tokens": in_specials,
             "num_truncated": int(truncated.compute()),
-            "num_special_in_text": int(special.compute()), "words": contexts.words, "layers": rows,
+            "num_special_in_text": int(special.compute()), "num_unknown": int(unknown.compute()),
+            "words": contexts.words, "layers": rows,
             **({"self_similarity_warning" if not counted else "adjusted_warning": warning} if warning else {})}

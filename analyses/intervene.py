@@ -35,7 +35,7 @@ from analyses.geometry import pair_anisotropy
 from analyses.intervene_report import PROBE, intervention_figure, print_intervene, report_of
 from analyses.paper import fit_probe
 from analyses.reference import Setting, counter, reference_pass
-from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_truncation
+from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_text_counts
 from core.errors import UserError
 from datamodules.masking import SentenceMasker
 from datamodules.pairs import read_sts
@@ -116,6 +116,7 @@ class Measured:
     num_pairs: int
     num_sentences: int
     num_truncated: int
+    num_unknown: int = 0  # the tokenizer's unknown tokens in the sentences
     mlm_loss: float | None = None
     masked_tokens: int = 0
     lm_loss: float | None = None  # a causal model's next-token loss (ours), from the same pass
@@ -223,7 +224,7 @@ def measure(run: Run, intervention: Intervention | None, desc: str) -> Measured:
                                    magnitudes=meter)
         anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
         measured = Measured(reference.statistics, anisotropy[RAW.key].cpu(), pairs, reference.num_sentences,
-                            reference.num_truncated)
+                            reference.num_truncated, reference.num_unknown)
         if meter is not None:
             measured.lm_loss, measured.lm_tokens = meter.compute()
         if run.masks is not None:
@@ -313,5 +314,5 @@ def run_intervene(args, rank: int, world: int) -> dict:
     finish(args, rank, {"intervene.json": report}, figures)
     if rank == 0:
         print_intervene(report)
-        warn_truncation({"intervene": report})
+        warn_text_counts({"intervene": report})
     return report

@@ -85,7 +85,7 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
     return {
         **run_header(args, encoder),
         "num_sentences": baseline.num_sentences, "num_tokens": baseline.statistics.num_tokens,
-        "num_truncated": baseline.num_truncated, "num_pairs": baseline.num_pairs,
+        "num_truncated": baseline.num_truncated, "num_unknown": baseline.num_unknown, "num_pairs": baseline.num_pairs,
         "hidden_size": encoder.hidden_size, "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
         "persistent_dims": persistent_dims(outliers),

@@ -3,7 +3,7 @@
     python analyze.py outliers --encoder bert-base-uncased --data core/corpus/austen.txt --output_dir runs/bert
     python analyze.py outliers --token_frequency     # also: token frequency vs outlier magnitude (ours; Puccetti)
     python analyze.py outliers --massive_rule sun --magnitude_rule int8 --sink_epsilon 0.3   # analyses/magnitudes.py
-    report = outliers_report(args, encoder, statistics, num_sentences, num_truncated, magnitudes)   # outliers.json
+    report = outliers_report(args, encoder, collect_statistics(encoder, sentences, args))   # outliers.json
 
 The statistics come from one streamed pass (analyses.reference.reference_pass: NeuronStatistics), the rule from
 metrics/outliers.py, the origins from metrics/origins.py, the per-layer magnitudes (kurtosis, max |activation|,
@@ -15,8 +15,8 @@ eager attention), and the opt-in token-frequency correlation from metrics/freque
 from __future__ import annotations
 
 from analyses.magnitudes import Magnitudes
-from analyses.reference import number, reference_pass
-from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_truncation
+from analyses.reference import Reference, number, reference_pass
+from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_text_counts
 from core.errors import UserError
 from core.figures import layer_panels_figure, mean_vectors_figure, position_rows_figure
 from core.models import position_rows
@@ -30,20 +30,20 @@ from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, per
 
 
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magnitudes: Magnitudes | None = None
-                       ) -> tuple[NeuronStatisticsResult, int, int, int]:
-    """Stream this rank's sentences through the encoder into NeuronStatistics (and `magnitudes`): (statistics,
-    sentences, truncated, special tokens written in the text)."""
+                       ) -> Reference:
+    """Stream this rank's sentences through the encoder into NeuronStatistics (and `magnitudes`): the reference pass
+    (its statistics; the sentences, truncated ones, special tokens written in the text and unknown tokens counted)."""
     setting = setting_of(args, encoder)
     reference = reference_pass(setting, sentences, statistics=True, desc="outlier statistics", magnitudes=magnitudes)
     if magnitudes is not None:
         magnitudes.attention_pass(setting, sentences)
-    return reference.statistics, reference.num_sentences, reference.num_truncated, reference.num_special_in_text
+    return reference
 
 
-def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult, num_sentences: int,
-                    num_truncated: int, num_special_in_text: int = 0, magnitudes: Magnitudes | None = None) -> dict:
-    """outliers.json; with `magnitudes`, each layer's row also holds massive_activations, attention_sinks and
-    magnitude_outliers, and the report their rules."""
+def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitudes: Magnitudes | None = None) -> dict:
+    """outliers.json of a reference pass with statistics; with `magnitudes`, each layer's row also holds
+    massive_activations, attention_sinks and magnitude_outliers, and the report their rules."""
+    result = reference.statistics
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
@@ -51,10 +51,9 @@ def outliers_report(args, encoder: FrozenEncoder, result: NeuronStatisticsResult
     extra = magnitudes.layers() if magnitudes is not None else [{} for _ in layers]
     return {
         **run_header(args, encoder),
-        "num_sentences": num_sentences,
+        "num_sentences": reference.num_sentences,
         "num_tokens": result.num_tokens,
-        "num_truncated": num_truncated,
-        "num_special_in_text": num_special_in_text,
+        **reference.counts(),
         "hidden_size": encoder.hidden_size,
         "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe(),
@@ -156,14 +155,14 @@ def outlier_figures(report: dict, result: NeuronStatisticsResult, encoder: Froze
 def run_outliers(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args, rank, world))
     magnitudes = Magnitudes.of(args, encoder)
-    result, num_sentences, num_truncated, special = collect_statistics(encoder, sentences, args, magnitudes)
-    report = outliers_report(args, encoder, result, num_sentences, num_truncated, special, magnitudes)
+    reference = collect_statistics(encoder, sentences, args, magnitudes)
+    report, result = outliers_report(args, encoder, reference, magnitudes), reference.statistics
     if getattr(args, "token_frequency", False):
         report["token_frequency"] = token_frequency_report(args, encoder, sentences, report["layers"])
     finish(args, rank, {"outliers.json": report}, outlier_figures(report, result, encoder))
     if rank == 0:
         print_outliers(report)
-        warn_truncation({"outliers": report})
+        warn_text_counts({"outliers": report})
     return report
 
 

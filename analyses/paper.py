@@ -132,8 +132,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
                            for name in inputs.outlier_sources)
     found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
-    reports["outliers"] = {**outliers_report(args, encoder, found.statistics, found.num_sentences, found.num_truncated,
-                                             found.num_special_in_text),
+    reports["outliers"] = {**outliers_report(args, encoder, found),
                            "sentences_from": inputs.outlier_sources, "sentences_asked": args.outlier_sentences}
     clip = explicit_clip(found.clipped)
     rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"

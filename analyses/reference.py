@@ -130,6 +130,7 @@ class Reference:
     clip_rule: str = ""  # which clipping rule applied to this model, and why (ClipRequest.rule)
     moments: dict = field(default_factory=dict)  # {per-sentence variant key: CovarianceResult of its own tokens}
     num_special_in_text: int = 0  # special tokens written in the sentences ("[SEP]" in a line; EncodedBatch)
+    num_unknown: int = 0  # the tokenizer's unknown tokens in the sentences ([UNK]; EncodedBatch)
 
     def header(self) -> dict:
         header = {"clip": self.clip, "clip_rule": self.clip_rule, "clipped_dims": clipped_dims(self.clipped or {}),
@@ -140,6 +141,11 @@ class Reference:
         if softdecay is not None:
             header["softdecay_alpha"] = softdecay.alpha
         return {**header, "normalize_warning": self.normalize_warning} if self.normalize_warning else header
+
+    def counts(self) -> dict:
+        """What the reports say of the text read: sentences truncated, special tokens written in it, unknown tokens."""
+        return {"num_truncated": self.num_truncated, "num_special_in_text": self.num_special_in_text,
+                "num_unknown": self.num_unknown}
 
     def sample_of(self, variant: Variant) -> tuple[Tensor, Tensor]:
         """The token sample `variant` is applied to: its own for a per-sentence variant, else the raw one."""
@@ -206,7 +212,7 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     groups = [None] + [variant.key for variant in per_sentence]  # views(): the raw states, then each variant's own
     tokens = {key: TokenSample(len(chosen), layers, hidden).to(device) for key in groups} if sample else {}
     moments = {key: Covariance(layers, hidden).to(device) for key in groups[1:]} if cov is not None else {}
-    counted, truncated, special = counter(device), counter(device), counter(device)
+    counted, truncated, special, unknown = counter(device), counter(device), counter(device), counter(device)
     encode = stats is not None or cov is not None or pooled is not None or bool(tokens) or magnitudes is not None
     if encode:
         for batch in setting.batches(sentences, desc=desc):
@@ -230,10 +236,12 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
             counted.update(len(rows))
             truncated.update(batch.num_truncated)
             special.update(batch.num_special_in_text)
+            unknown.update(batch.num_unknown)
     reference = Reference([RAW], clip.text, None, normalize, *((int(counted.compute()), int(truncated.compute()))
                                                                if encode else (0, 0)))
     reference.clip_rule = clip.rule(layers)
     reference.num_special_in_text = int(special.compute()) if encode else 0
+    reference.num_unknown = int(unknown.compute()) if encode else 0
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)

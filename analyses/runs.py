@@ -23,7 +23,7 @@ from analyses.session import (
     reference_of,
     run_header,
     setting_of,
-    warn_truncation,
+    warn_text_counts,
 )
 from core.tokenizers import lowercases, special_strings
 from datamodules.pairs import read_sts, scorable_wic, wic_source
@@ -108,8 +108,7 @@ def run_all(args, rank: int, world: int) -> dict:
     reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
     header = run_header(args, encoder, reference)
     anisotropy = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}  # also self-similarity's baseline
-    reports = {"outliers": outliers_report(args, encoder, reference.statistics, reference.num_sentences,
-                                           reference.num_truncated, reference.num_special_in_text),
+    reports = {"outliers": outliers_report(args, encoder, reference),
                "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches, num_pairs=args.num_pairs,
@@ -136,5 +135,5 @@ def run_all(args, rank: int, world: int) -> dict:
     finish(args, rank, files, figures, {"summary.md": summary_markdown(summary)})
     if rank == 0:
         print("\n" + summary_markdown(summary))
-        warn_truncation(reports)
+        warn_text_counts(reports)
     return summary

@@ -35,7 +35,7 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
     """
     encoder = setting.encoder
     metrics = {v.key: PairCosine(num_pairs, encoder.num_hidden_states).to(encoder.device) for v in variants}
-    lost, truncated, special, inside = (counter(encoder.device) for _ in range(4))
+    lost, truncated, special, inside, unknown = (counter(encoder.device) for _ in range(5))
     pending: dict[int, list] = {}
     for batch in setting.batches(texts, offsets, desc, pairs=True):
         rows = batch.rows
@@ -50,6 +50,7 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
             inside.update(within)
         truncated.update(batch.num_truncated)
         special.update(batch.num_special_in_text)
+        unknown.update(batch.num_unknown)
         for column, row in enumerate(found):
             pending.setdefault(rows[row] // 2, [None, None])[rows[row] % 2] = [v[:, column] for v, _ in picked]
         done = [p for p, sides in pending.items() if sides[0] is not None and sides[1] is not None]
@@ -65,7 +66,8 @@ def _pair_loop(setting: Setting, texts: list[str], variants: list[Variant], num_
         if not metric.update_called:
             empty = torch.zeros(encoder.num_hidden_states, 0, encoder.hidden_size, device=encoder.device)
             metric.update(torch.zeros(0, dtype=torch.long), empty, empty)
-    counts = {"num_truncated": int(truncated.compute()), "num_special_in_text": int(special.compute())}
+    counts = {"num_truncated": int(truncated.compute()), "num_special_in_text": int(special.compute()),
+              "num_unknown": int(unknown.compute())}
     if spans is not None:
         counts["targets_in_special_tokens"] = int(inside.compute())
     return metrics, int(lost.compute()), counts

@@ -28,6 +28,7 @@ from core.errors import UserError
 from core.figures import save_figure
 from core.models import model_family
 from core.output import check_writable, staged_output, write_json
+from core.tokenizers import unknown_line
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder, encoder_tokenizer, load_encoder
@@ -163,19 +164,30 @@ def pair_sentences(items) -> list[str]:
     return list(dict.fromkeys(s for item in items for s in (item.sentence1, item.sentence2)))
 
 
-def warn_truncation(reports: dict[str, dict]) -> None:
-    """One line on stderr per truncation count in `reports` ({name: report}; reports from one pass share a line).
+def warn_text_counts(reports: dict[str, dict]) -> None:
+    """One line on stderr per truncation count and per unknown-token count in `reports` ({name: report}; reports from
+    one pass share a line).
 
-    The count is the report's num_truncated, of its num_sentences (pair reports: 2 x num_pairs sentences)."""
-    counts: dict[tuple[int, int, int], list[str]] = {}
+    The truncations are the report's num_truncated, of its num_sentences (pair reports: 2 x num_pairs sentences); the
+    unknown tokens its num_unknown ([UNK]: text the tokenizer's vocabulary lacks, read as one vector that is no word's),
+    of the num_tokens of a report of the same count that has them."""
+    counts: dict[tuple, list[str]] = {}
+    tokens: dict[int, int] = {}
     for name, report in reports.items():
         if report.get("num_truncated"):
             total = report.get("num_sentences", 2 * report.get("num_pairs", 0))
             counts.setdefault((report["num_truncated"], total, report["max_length"]), []).append(f"{name}.json")
-    for (truncated, total, length), names in counts.items():
+        if report.get("num_unknown"):
+            counts.setdefault((report["num_unknown"],), []).append(f"{name}.json")
+            if tokens.get(report["num_unknown"]) is None:
+                tokens[report["num_unknown"]] = report.get("num_tokens")
+    for key, names in counts.items():
         where = "the report" if len(reports) == 1 else ", ".join(names)
-        print(f"warning: {truncated} of {total} sentences were longer than {length} tokens and were truncated "
-              f"(counted in {where} as num_truncated)", file=sys.stderr)
+        if len(key) == 3:
+            print(f"warning: {key[0]} of {key[1]} sentences were longer than {key[2]} tokens and were truncated "
+                  f"(counted in {where} as num_truncated)", file=sys.stderr)
+        else:
+            print(f"warning: {unknown_line(key[0], tokens[key[0]], where)}", file=sys.stderr)
 
 
 def dataset_name(source: str, taken=()) -> str:
@@ -193,7 +205,7 @@ def publish(args, rank: int, name: str, report: dict, encoder: FrozenEncoder) ->
     finish(args, rank, {f"{name}.json": report}, figures_of(name, report, encoder.short_name))
     if rank == 0:
         print_report(name, report)
-        warn_truncation({name: report})
+        warn_text_counts({name: report})
     return report
 
 

@@ -37,7 +37,7 @@ from analyses.geometry import minibatch_isoscores, minibatch_shortfall, pair_ani
 from analyses.magnitudes import Magnitudes, rules_of
 from analyses.reference import number, reference_pass
 from analyses.reports import fmt
-from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of, warn_truncation
+from analyses.session import collectively, finish, open_encoder, read_sentences, setting_of, warn_text_counts
 from core.errors import UserError, library_line, warn_once
 from core.models import model_family
 from core.output import check_writable
@@ -174,8 +174,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
               "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
-              "num_truncated": reference.num_truncated,
-              "num_special_in_text": reference.num_special_in_text, "num_pairs": pairs, "num_minibatches": batches,
+              **reference.counts(), "num_pairs": pairs, "num_minibatches": batches,
               "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions (a causal / rotary arm)
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
@@ -273,7 +272,8 @@ def run_trajectory(args, rank: int, world: int) -> dict:
     finish(args, rank, {"trajectory.json": report}, {"trajectory.png": lambda: trajectory_figure(report)})
     if rank == 0:
         print_trajectory(report)  # the same sentences and tokenizer at every point: one count (each point keeps its own)
-        warn_truncation({"trajectory": {**report, "num_truncated": max(p["num_truncated"] for p in report["checkpoints"])}})
+        warn_text_counts({"trajectory": {**report, **{key: max(point[key] for point in report["checkpoints"])
+                                                      for key in ("num_truncated", "num_unknown")}}})
     return report
 
 

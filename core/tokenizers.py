@@ -5,6 +5,7 @@
     files = tokenizer_files(tokenizer); tokenizer_from_files(files)   # {name: text}: JSON and text, never a pickle
     boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
     special_strings(tokenizer); special_ids(tokenizer)   # every special token (added ones marked special too)
+    unknown_id(tokenizer); unknown_count(ids, mask, id)  # [UNK]: text the vocabulary lacks (None: no such token)
     readable_token(tokenizer, "Ġs")                     # ' s': the text one token stands for, for people
     with truncating_right(tokenizer): tokenizer(texts, truncation=True, max_length=n)   # keeps each text's start
 """
@@ -144,12 +145,31 @@ def special_ids(tokenizer, unknown: bool = True) -> list[int]:
     except (AttributeError, NotImplementedError):  # not a transformers tokenizer (a benchmark's stand-in)
         added = ()
     ids |= {index for index, token in added if getattr(token, "special", False)}
-    unk = getattr(tokenizer, "unk_token_id", None)
-    # not pad: a tokenizer that pads with its unk (some Llama exports) still writes [UNK] for an unknown word
-    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "mask")}
-    if not unknown and unk not in roles:
-        ids.discard(unk)
+    if not unknown:
+        ids.discard(unknown_id(tokenizer))
     return sorted(int(i) for i in ids if i is not None)
+
+
+def unknown_id(tokenizer) -> int | None:
+    """The id of the token standing for text the vocabulary lacks ([UNK], <unk>), or None: a tokenizer without one, or
+    whose unk is also another special token (GPT-2's <|endoftext|>, its bos and eos: a byte-level vocabulary lacks no
+    text). Not the pad: a tokenizer that pads with its unk (some Llama exports) still writes [UNK] for an unknown word."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "sep", "cls", "mask")}
+    return None if unk is None or unk in roles else int(unk)
+
+
+def unknown_count(input_ids, attention_mask, unknown: int | None) -> int:
+    """How many of the tokens of a padded batch ([batch, seq] tensors) are the unknown token (`unknown_id`); 0 for a
+    tokenizer without one. Padding never counts (a tokenizer may pad with its unk)."""
+    return 0 if unknown is None else int(((input_ids == unknown) & attention_mask.bool()).sum())
+
+
+def unknown_line(unknown: int, tokens: int | None = None, where: str = "the report") -> str:
+    """What a report's num_unknown means, in one line (of `tokens` when known): every entry point says it so."""
+    share = f"{unknown} of the {tokens} tokens ({100 * unknown / tokens:.2g}%)" if tokens else f"{unknown} tokens"
+    return (f"{share} are the tokenizer's unknown token: text its vocabulary lacks (emoji, another script, ...), each "
+            f"read as the one unknown token's vector, not as what was written (counted in {where} as num_unknown)")
 
 
 def lowercases(tokenizer) -> bool:

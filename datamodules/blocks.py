@@ -70,6 +70,16 @@ def tokenize_and_pack(batch: dict, tokenizer, block_length: int) -> dict:
     return {"input_ids": blocks}
 
 
+def check_training_texts(source: str, text_column: str | None, val_texts: int) -> None:
+    """A streaming run holds out the corpus's first `val_texts` texts for validation and trains on the rest: refuse a
+    corpus with no text after them (a small file, read whole into validation), before anything is written."""
+    if not any(corpus_records(source, text_column, 1, val_texts)):
+        held = sum(1 for _ in corpus_records(source, text_column, val_texts))
+        raise UserError(f"--data.val_texts {val_texts} holds out all {held} texts of corpus {source} for validation "
+                        "(--data.streaming true), leaving none to train on: lower --data.val_texts, or read the corpus "
+                        "without --data.streaming")
+
+
 def reader_error(error: BaseException, source: str) -> str:
     """The reader's own one line (a UserError) inside datasets' "An error occurred while generating the dataset"."""
     cause: BaseException | None = error

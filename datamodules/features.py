@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from core.output import FEATURES, new_stage
+from core.tokenizers import unknown_count, unknown_line
 from datamodules.splits import SPLITS
 from lightning_modules.encoder import FrozenEncoder, in_text_specials
 from metrics.neuron_stats import NeuronStatistics
@@ -152,6 +153,7 @@ class Extracted:
     statistics: NeuronStatistics  # of the first encoder's hidden states on the training split
     storage: dict  # {"dtype", "gib", "splits": {split: "memory" | "memory-mapped file"}}: how the features are held
     num_special_in_text: int = 0  # special tokens written in the sentences (excluded with exclude_special)
+    num_unknown: int = 0  # the tokenizer's unknown tokens ([UNK]) in the sentences
 
 
 class FeatureExtractor:
@@ -202,6 +204,8 @@ class FeatureExtractor:
         keeps = [task.items_of(self.mask(inputs, special)) for inputs, _ in batches]
         in_text = sum(int(in_text_specials(inputs["input_ids"], inputs["attention_mask"],
                                            inputs.get("special_tokens_mask"), special).sum()) for inputs, _ in batches)
+        unknown = sum(unknown_count(inputs["input_ids"], inputs["attention_mask"], primary.unknown_id)
+                      for inputs, _ in batches)
         counts = {split: {"sentences": len(texts[split])} for split in SPLITS}
         for (inputs, _), keep, route in zip(batches, keeps, routes):
             for split, rows in route.items():
@@ -249,11 +253,17 @@ class FeatureExtractor:
             items = counts[split].pop("items")
             if task.item_name:
                 counts[split] = {"sentences": counts[split]["sentences"], task.item_name: items, **counts[split]}
+        truncated = sum(truncated for _, truncated in batches)
+        if truncated:  # said as analyze.py says them (the report's num_truncated and num_unknown count them too)
+            warnings.warn(f"{truncated} sentences were longer than {self.max_length or primary.max_length} tokens and "
+                          "were truncated (counted in the report as num_truncated)", stacklevel=2)
+        if unknown:
+            warnings.warn(unknown_line(unknown, sum(int(inputs["attention_mask"].sum()) for inputs, _ in batches)),
+                          stacklevel=2)
         storage = {"dtype": str(dtype).removeprefix("torch."),
                    "gib": round(sum(numbers.values()) * dtype.itemsize / GIB, 4),
                    "splits": {split: "memory" if paths[split] is None else "memory-mapped file" for split in SPLITS}}
-        return Extracted(stores, ordered_texts, ordered_labels, counts, sum(truncated for _, truncated in batches),
-                         statistics, storage, in_text)
+        return Extracted(stores, ordered_texts, ordered_labels, counts, truncated, statistics, storage, in_text, unknown)
 
     def select(self, hidden_states: Tensor) -> Tensor:
         """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""

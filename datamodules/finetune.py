@@ -27,7 +27,7 @@ from core.tokenizers import truncating_right
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockSampler, ResumableLoader
 from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
-from datamodules.text import DATA_OPTION, iter_records, pick_text
+from datamodules.text import DATA_OPTION, TextColumn, iter_records
 
 
 class Examples(torch.utils.data.Dataset):
@@ -143,6 +143,8 @@ class FineTuneDataModule(pl.LightningDataModule):
     def read(self, source: str, split: str | None) -> tuple[list[tuple[str, str | None]], list]:
         h = self.hparams
         texts, labels, blank = [], [], 0
+        column = TextColumn(h.text_column, source, DATA_OPTION, (h.label_column, h.text_pair_column))
+        pair_column = TextColumn(h.text_pair_column, source, "--data.text_pair_column")
         for row, record in enumerate(iter_records(source, split=split), 1):
             if h.label_column not in record:
                 raise UserError(f"no label column {h.label_column!r} in {source} (columns: {sorted(record)}); pass "
@@ -150,10 +152,9 @@ class FineTuneDataModule(pl.LightningDataModule):
             if h.text_pair_column is not None and h.text_pair_column not in record:
                 raise UserError(f"text pair column {h.text_pair_column!r} not in {source} (columns: "
                                 f"{sorted(record)})")
-            text = pick_text(record, h.text_column, source, DATA_OPTION, (h.label_column, h.text_pair_column))
+            text = column(record)
             label = normalise_label(record[h.label_column])
-            pair = (pick_text(record, h.text_pair_column, source, "--data.text_pair_column")
-                    if h.text_pair_column is not None else None)  # cleaned as the first sentence is
+            pair = pair_column(record) if h.text_pair_column is not None else None  # cleaned as the first is
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {h.label_column!r})")
             if not text or (h.text_pair_column is not None and not pair):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from core.errors import UserError
 from core.sources import looks_local
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, tokenizer_files, vocab_limit
-from datamodules.blocks import BlockCache, build_blocks
+from datamodules.blocks import BlockCache, build_blocks, check_training_texts
 from datamodules.masking import MaskCollator, NextTokenCollator
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
@@ -162,6 +162,8 @@ class MLMDataModule(pl.LightningDataModule):
         """Train or load the tokenizer and pack the blocks (cached), then check both against the trainer's model and
         global batch: Lightning calls this before its loggers and callbacks write anything."""
         h = self.hparams
+        if h.streaming:  # before any data work, cached or not (the corpus may have changed since)
+            check_training_texts(h.corpus, h.text_column, h.val_texts)
         tokenizer = self._existing_tokenizer or self.cache.tokenizer(h.vocab_size, h.tokenizer_texts)
         if self.trainer is not None:
             self.check_trainer(self.trainer, apply=False, tokenizer=tokenizer)

@@ -25,7 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from core.errors import UserError
 from datamodules.features import FeatureExtractor, ItemBatches
 from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
-from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_records, pick_text
+from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, TextColumn, iter_records
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.linear_probes import FeatureSpec
 from lightning_modules.pooling import mean_pool
@@ -207,9 +207,6 @@ class ProbeDataModule(pl.LightningDataModule):
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
         max_length = h.max_length or primary.max_length
-        if extracted.num_truncated:  # said as analyze.py says it (the report's num_truncated counts them too)
-            warnings.warn(f"{extracted.num_truncated} sentences were longer than {max_length} tokens and were "
-                          "truncated (counted in the report as num_truncated)", stacklevel=2)
         control = self._control_task(len(classes))
         outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
@@ -232,7 +229,7 @@ class ProbeDataModule(pl.LightningDataModule):
             control=control,
             data={"source": str(h.source), "splits_from": splits.described,
                   "max_length": max_length, "num_truncated": extracted.num_truncated,
-                  "num_special_in_text": extracted.num_special_in_text,
+                  "num_special_in_text": extracted.num_special_in_text, "num_unknown": extracted.num_unknown,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
         )
@@ -324,11 +321,10 @@ class PositionDataModule(ProbeDataModule):
         self.max_positions = max_positions
 
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
-        texts = []
+        texts, column = [], TextColumn(self.hparams.text_column, source, DATA_OPTION)
         for record in iter_records(source, split=split):
-            text = pick_text(record, self.hparams.text_column, source, DATA_OPTION)
-            if isinstance(text, str) and text.strip():
-                texts.append(text.strip())
+            if text := column(record):
+                texts.append(text)
         if not texts:
             raise UserError(f"no sentences in {source}")
         return texts, [None] * len(texts)
@@ -392,18 +388,19 @@ class ClassificationDataModule(ProbeDataModule):
 
     def read_split(self, source: str, split: str | None) -> tuple[list[str], list]:
         texts, labels, blank = [], [], 0
+        column = TextColumn(self.hparams.text_column, source, DATA_OPTION, (self.label_column,))
         for row, record in enumerate(iter_records(source, split=split), 1):
             if self.label_column not in record:
                 raise UserError(f"no label column {self.label_column!r} in {source} (columns: {sorted(record)}); "
                                 f"{self.label_hint}")
-            text = pick_text(record, self.hparams.text_column, source, DATA_OPTION, (self.label_column,))
+            text = column(record)
             label = normalise_label(record[self.label_column])
             if label is None:
                 raise UserError(f"{source}: row {row} has no label (column {self.label_column!r})")
-            if not isinstance(text, str) or not text.strip():
+            if not text:  # None, or nothing visible (TextColumn gives texts stripped)
                 blank += 1
                 continue
-            texts.append(text.strip())
+            texts.append(text)
             labels.append(label)
         if blank:
             warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)

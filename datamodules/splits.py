@@ -5,7 +5,8 @@
 
 A source with splits (a `datasets` name such as glue/sst2, or a datasets directory) gives its own: "train", the
 validation split ("validation", "val" or "dev") and "test", or the ones `val_split` / `test_split` name. What is
-missing is carved, by sentence and seeded, out of train: a missing validation split is `val_fraction` of train; a
+missing is carved, by sentence and seeded, out of train (the copies of a repeated sentence in one split: no test
+sentence is also a training one): a missing validation split is `val_fraction` of train; a
 test split that is missing or unlabelled (GLUE hides its test labels: `labelled` says no) is replaced by the
 validation split, and validation is then carved out of train. A single table (a file, or NAME:CONFIG:SPLIT) is split
 `1 - val_fraction - test_fraction` / `val_fraction` / `test_fraction`. `described` says where each split came from,
@@ -37,6 +38,7 @@ class Splits:
     texts: dict[str, list[str]] = field(default_factory=dict)
     labels: dict[str, list] = field(default_factory=dict)
     described: dict[str, str] = field(default_factory=dict)
+    repeats: int = 0  # carved sentences that repeat another (each kept in its first copy's split)
 
 
 def read_splits(source: str, read: Reader, labelled: Callable[[list], bool], val_fraction: float = 0.1,
@@ -87,25 +89,35 @@ def read_splits(source: str, read: Reader, labelled: Callable[[list], bool], val
         _carve(splits, texts, labels, carve, seed, f"{source} split 'train'")
     for split in SPLITS:
         if not splits.texts.get(split):
+            copies = f" ({splits.repeats} of its sentences repeat another, which stay in one split)" \
+                if splits.repeats else ""
             raise UserError(f"the {split} split is empty ({splits.described.get(split, split)}): a bigger source or "
-                            f"other --data.val_fraction / --data.test_fraction")
+                            f"other --data.val_fraction / --data.test_fraction{copies}")
     return splits
 
 
-def _carve(splits: Splits, texts: list[str], labels: list, fractions: dict[str, float], seed: int,
-           origin: str) -> None:
-    """Carve `fractions` of the sentences (seeded) into the named splits; the rest is train."""
+def _carve(splits: Splits, texts: list, labels: list, fractions: dict[str, float], seed: int, origin: str) -> None:
+    """Carve `fractions` of the sentences (seeded) into the named splits; the rest is train. The copies of a sentence
+    (the same text, or pair) go where its first copy in the seeded order goes, so no test or validation item is a
+    training item again; without repeats, the seeded order alone decides, as before."""
     permutation = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
-    start, taken = 0, 0.0
+    copies: dict = {}  # text -> the rows holding it, in the seeded order; keyed in the order each text first comes
+    for row in permutation:
+        copies.setdefault(texts[row], []).append(row)
+    groups, start, taken = list(copies.values()), 0, 0.0
+    splits.repeats = len(texts) - len(groups)
     for name in ("test", "val"):
         if name not in fractions:
             continue
-        count = round(len(texts) * fractions[name])
-        rows = sorted(permutation[start:start + count])
+        count, chosen = round(len(texts) * fractions[name]), []
+        while len(chosen) < count and start < len(groups):
+            chosen += groups[start]
+            start += 1
+        rows = sorted(chosen)
         splits.texts[name], splits.labels[name] = [texts[i] for i in rows], [labels[i] for i in rows]
         splits.described[name] = f"{fractions[name]:.0%} of {origin} (seeded, by sentence)"
-        start, taken = start + count, taken + fractions[name]
-    rows = sorted(permutation[start:])
+        taken += fractions[name]
+    rows = sorted(row for group in groups[start:] for row in group)
     splits.texts["train"], splits.labels["train"] = [texts[i] for i in rows], [labels[i] for i in rows]
     splits.described["train"] = f"{1 - taken:.0%} of {origin} (seeded, by sentence)" if taken else origin
 

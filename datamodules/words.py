@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import random
 import re
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from core.errors import UserError
 from datamodules.text import iter_texts, sample_texts
 
-WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")  # letters, with inner apostrophes ("don't")
+# letters, with inner apostrophes ("don't"), typographic ones too ("don’t": edited text, unlike the bundled corpus,
+# writes U+2019; it split into the words "don" and "t", and every "’s", "’t", "’ll" made the words "s", "t", "ll")
+WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class WordContexts:
     pool: int  # sentences searched
     contexts_per_word: int
     lowercase: bool = True  # words case-folded (an uncased tokenizer), or as written (a cased one)
+    duplicates: int = 0  # sentences of the pool that repeat an earlier one (no other context: left out)
 
 
 RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
@@ -75,7 +80,11 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
     three streamed passes: count the sentences each word occurs in; keep a seeded uniform sample of RESERVOIR x
     `min_sentences` occurrences of each sampled word; fetch the sentences finally drawn). Memory is the vocabulary's
-    counts plus num_words x RESERVOIR x min_sentences occurrences, whatever the size of the source.
+    counts plus num_words x RESERVOIR x min_sentences occurrences, and 9 bytes a sentence.
+
+    A sentence that repeats an earlier one (a boilerplate line, a corpus concatenated twice) is one context, not
+    several: its words count once, and only its first copy can be drawn (a pass more, only when there are repeats).
+    Drawing a word's contexts among copies gave it identical vectors, and a self-similarity of 1 (`duplicates`).
 
     Words are letter sequences; a word's context in a sentence is its first occurrence. `lowercase` (the entry points
     pass core.tokenizers.lowercases of the encoder's tokenizer): fold case, as an uncased tokenizer reads the text
@@ -95,15 +104,23 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     fold = str.lower if lowercase else str
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
     counts: Counter[str] = Counter()
-    total = 0
+    hashes = array("q")  # each sentence's hash: which ones repeat an earlier one (8 bytes a sentence)
     for sentence in passes():
-        total += 1
+        hashes.append(hash(sentence))
         counts.update({fold(match.group()) for match in word_matches(sentence, specials)})
+    total, repeats = len(hashes), repeated(hashes)
+    if repeats is not None:  # a repeated sentence is no other context: its words count once, in its first copy
+        for index, sentence in enumerate(passes()):
+            if repeats[index]:
+                counts.subtract({fold(match.group()) for match in word_matches(sentence, specials)})
+    duplicates = 0 if repeats is None else int(repeats.sum())
     candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
     if len(candidates) < num_words:
         more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
-        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {total} "
-                        f"sentences; self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
+        distinct = f"{total - duplicates} distinct sentences ({duplicates} more repeat them)" \
+            if duplicates else f"{total} sentences"
+        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {distinct}; "
+                        f"self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
                         f"word: --min_sentences, or more sentences: {more})")
     rng = random.Random(seed)
     words = rng.sample(candidates, num_words)
@@ -114,6 +131,8 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
     seen = [0] * num_words
     for index, sentence in enumerate(passes()):
+        if repeats is not None and repeats[index]:
+            continue
         first = set()
         for match in word_matches(sentence, specials):
             word = fold(match.group())
@@ -140,9 +159,20 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     texts = [sentence for index, sentence in enumerate(passes()) if index in chosen]
     if len(texts) != len(order) or any(fold(texts[i][s:e]) != words[w] for i, index in enumerate(order)
                                        for w, s, e in chosen[index]):
-        raise UserError("the self-similarity source changed while it was read (its three passes differ)")
+        raise UserError("the self-similarity source changed while it was read (its passes differ)")
     return WordContexts(words, texts, [chosen[i] for i in order], num_candidates, total,
-                        min_sentences, lowercase)
+                        min_sentences, lowercase, duplicates)
+
+
+def repeated(hashes: array) -> np.ndarray | None:
+    """Where a sentence repeats an earlier one, by their hashes ([sentences] bool; None when none does)."""
+    values = np.frombuffer(hashes, dtype=np.int64) if len(hashes) else np.zeros(0, dtype=np.int64)
+    first = np.unique(values, return_index=True)[1]
+    if len(first) == len(values):
+        return None
+    repeats = np.ones(len(values), dtype=bool)
+    repeats[first] = False
+    return repeats
 
 
 def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,

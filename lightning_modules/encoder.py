@@ -43,7 +43,7 @@ from core.models import (
     short_name,
 )
 from core.sources import cannot_load, check_hub, local_path
-from core.tokenizers import special_ids, truncating_right, vocab_limit
+from core.tokenizers import special_ids, truncating_right, unknown_count, unknown_id, vocab_limit
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import (
     check_loading,
@@ -67,6 +67,7 @@ class EncodedBatch:
     attention_mask: Tensor  # [batch, seq] long, 1 for real tokens (special tokens included)
     num_truncated: int = 0  # sentences in this batch cut to the maximum length
     num_special_in_text: int = 0  # special tokens written in the text ("[SEP]" in a line), not added by the tokenizer
+    num_unknown: int = 0  # the tokenizer's unknown token ([UNK]): text its vocabulary lacks (emoji, another script)
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
     covered: list[int] | None = None  # with offsets: each row's characters read (its length unless truncated)
@@ -202,9 +203,9 @@ class FrozenEncoder(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.num_layers: int = config.num_hidden_layers  # transformer layers; hidden states hold num_layers + 1
         self.max_length: int = model_max_length(model, tokenizer)
-        # [n] long: the ids --exclude_special drops wherever they stand, added around a sentence or written in its text
-        # (core.tokenizers.special_ids: added tokens marked special too; not [UNK], which stands for a word of the text)
+        # [n] long: the ids --exclude_special drops, added or written in the text (not [UNK]: it stands for a word)
         self.special_ids = torch.tensor(special_ids(tokenizer, unknown=False), dtype=torch.long)
+        self.unknown_id: int | None = unknown_id(tokenizer)  # [UNK]: counted in every batch (num_unknown)
         self.pad_id: int = next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
         parameters = inspect.signature(model.forward).parameters
         self._forward_keys = set(parameters)
@@ -271,7 +272,8 @@ class FrozenEncoder(nn.Module):
             added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
             mask &= ~(added | in_text).to(device)
         batch = EncodedBatch(torch.stack(states), mask, inputs["input_ids"], inputs["attention_mask"],
-                             num_special_in_text=int(in_text.sum()))
+                             num_special_in_text=int(in_text.sum()),
+                             num_unknown=unknown_count(input_ids, attention_mask, self.unknown_id))
         if self._attention:
             attentions = getattr(output, "attentions", None)
             if not attentions or any(weights is None for weights in attentions):  # BigBird once it falls back

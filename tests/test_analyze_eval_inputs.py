@@ -148,8 +148,31 @@ def test_word_pool_streams_the_whole_source_and_counts_the_qualifying_words(tmp_
         calls.append(1)
         return iter(sentences if len(calls) < 3 else sentences[1:])
 
-    with pytest.raises(UserError, match=r"^the self-similarity source changed while it was read \(its three passes"):
+    with pytest.raises(UserError, match=r"^the self-similarity source changed while it was read \(its passes"):
         word_contexts(changing, 40, 10, seed=3)
+
+
+def test_a_repeated_sentence_is_one_context_of_its_words(tmp_path):
+    """A corpus with a line repeated (boilerplate, a file concatenated twice) gave the words of that line as many
+    contexts as copies: they qualified on one sentence, drew identical vectors, and their self-similarity was 1. Now a
+    repeat counts once: "copied" occurs in 1 distinct sentence and never qualifies; "spread" (in 12 distinct ones,
+    each also repeated) qualifies, and its 10 contexts are 10 different sentences, streamed or listed alike."""
+    distinct = [f"spread {index} digits" for index in range(12)]
+    sentences = ["copied line of words"] * 12 + distinct + distinct[:6]
+    for pool in (sentences, lambda: iter(sentences)):
+        contexts = word_contexts(pool, num_words=2, min_sentences=10, seed=0)
+        assert sorted(contexts.words) == ["digits", "spread"] and contexts.num_candidates == 2
+        assert contexts.duplicates == 11 + 6 and contexts.pool == len(sentences)
+        assert len(contexts.sentences) == len(set(contexts.sentences)) == 10
+    with pytest.raises(UserError, match=r"only 0 words occur in at least 10 of the 1 distinct sentences \(11 more repeat them\)"):
+        word_contexts(["copied line of words"] * 12, num_words=1, min_sentences=10)
+
+
+def test_a_typographic_apostrophe_is_inside_a_word_as_an_ascii_one_is():
+    ascii_text, typographic = "It's Anna's book, don't you think? 'Quoted' ends.", "It’s Anna’s book, don’t you think? ‘Quoted’ ends."
+    words = [m.group() for m in WORD.finditer(typographic)]
+    assert words == [w.replace("'", "’") for w in (m.group() for m in WORD.finditer(ascii_text))]
+    assert words == ["It’s", "Anna’s", "book", "don’t", "you", "think", "Quoted", "ends"]
 
 
 def test_wic_reads_the_training_split_by_default(tmp_path):

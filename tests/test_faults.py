@@ -801,6 +801,10 @@ ERROR_ROW_TESTS = {
     ("train.py", "a corpus directory that is no `datasets` directory"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
+    ("train.py", "a streaming corpus (`--data.streaming true`) with no text after the `--data.val_texts` it holds out "
+                 "for validation (a small file)"): [
+        "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
+    ],
     ("train.py", "a corpus table without a text column"): [
         "test_refusals.py::test_train_failures_are_one_line_exit_2_and_write_nothing",
     ],
@@ -927,7 +931,10 @@ ERROR_ROW_TESTS = {
     ("probe.py", "`--data.max_length` above the model's positions"): [
         "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
     ],
-    ("probe.py", "an empty split"): ["test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing"],
+    ("probe.py", "an empty split"): [
+        "test_probe_cli.py::test_bad_inputs_give_one_line_exit_2_and_write_nothing",
+        "test_probe.py::test_the_copies_of_a_repeated_sentence_stay_in_one_split",
+    ],
     ("probe.py", "a dataset without the split asked for"): [
         "test_paper.py::test_splits_come_from_a_local_dataset_with_its_own_splits",
     ],
@@ -967,6 +974,7 @@ ERROR_ROW_TESTS = {
     ],
     ("probe.py", "a data table without a text column"): [
         "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
+        "test_io.py::test_a_detected_text_column_holds_for_every_row_and_a_null_is_a_blank_row",
     ],
     ("probe.py", "a data directory that is no `datasets` directory"): [
         "test_refusals.py::test_probe_failures_are_one_line_exit_2_and_write_nothing",
@@ -1104,6 +1112,7 @@ ERROR_ROW_TESTS = {
     ("analyze.py", "self-similarity: too few words"): [
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
         "test_analyze_eval_inputs.py::test_too_few_words_are_refused_before_the_encoders_weights_are_read",
+        "test_analyze_eval_inputs.py::test_a_repeated_sentence_is_one_context_of_its_words",
     ],
     ("analyze.py", "self-similarity: a source that changes between its streamed passes (`--max_sentences 0` / "
                    "`--pool_sentences 0`)"): [

@@ -489,3 +489,58 @@ def test_a_lone_surrogate_escape_in_json_is_replaced_with_one_warning(tmp_path):
             texts = list(iter_texts(path))
         assert texts == expected and len(caught) == 1
         assert "".join(texts).encode("utf-8").decode("utf-8") == "".join(expected)  # valid UTF-8 throughout
+
+
+def test_a_detected_text_column_holds_for_every_row_and_a_null_is_a_blank_row(tmp_path):
+    """A table whose text column has no known name ("body") is read by its one string column; a null in it is a blank
+    row, wherever it is. Detection was per row: a null after 60 rows (or in the first) left no string column in that
+    row, and the whole source was refused as having none; and a row whose only string was another column was read from
+    that one. Now a second column holding strings, in any row, is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    rows = [{"body": None, "id": 0}, *({"body": t, "id": i} for i, t in enumerate(TEXTS, 1)), {"body": None, "id": 9}]
+    jsonl, table = tmp_path / "a.jsonl", tmp_path / "a.parquet"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    parquet.write_table(pa.table({"body": [r["body"] for r in rows], "id": [r["id"] for r in rows]}), table)
+    assert list(iter_texts(jsonl)) == list(iter_texts(table)) == TEXTS
+    mixed = tmp_path / "mixed.jsonl"  # the text in "title" in one row, in "body" in the next: which is it?
+    mixed.write_text(json.dumps({"title": TEXTS[0], "body": None}) + "\n"
+                     + json.dumps({"title": None, "body": TEXTS[1]}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"no text column in .*mixed.jsonl \(columns: \['body', 'title'\]\); "
+                                        "pass --text_column"):
+        list(iter_texts(mixed))
+    assert list(iter_texts(mixed, text_column="body")) == [TEXTS[1]]
+    later = tmp_path / "later.jsonl"  # the detected column holding a number further down: refused, not skipped
+    later.write_text(json.dumps({"body": TEXTS[0], "id": 1}) + "\n" + json.dumps({"body": 7, "id": 2}) + "\n",
+                     encoding="utf-8")
+    with pytest.raises(UserError, match="text column 'body' of .*later.jsonl holds a int"):
+        list(iter_texts(later))
+
+
+def test_a_hard_wrapped_text_file_is_said_to_give_fragments_once(tmp_path):
+    """A text file is one sentence a line; a licence or a book wrapped at 60 columns gave every wrapped line as a
+    sentence, silently. Planted: 30 sentences wrapped at 60 columns, whose line breaks all fall inside a sentence (the
+    next line in lowercase) but the 29 between two sentences, counted by hand; one warning, whatever the reads. The
+    same sentences one a line, or wrapped paragraphs between blank lines: no warning."""
+    import textwrap
+    import warnings
+
+    sentences = [f"the {n}th sentence of this paragraph runs on and on past the sixty columns of a wrapped line, "
+                 f"number {n}." for n in range(30)]
+    wrapped = [piece for sentence in sentences for piece in textwrap.wrap(sentence, 60)]
+    breaks = len(wrapped) - 1
+    inside = sum(1 for a, b in zip(wrapped, wrapped[1:]) if not a.endswith(".") and b[0].islower())
+    assert inside == breaks - 29 and 2 * inside > breaks  # every break but those between two sentences
+    path = tmp_path / "wrapped.txt"
+    path.write_text("\n".join(wrapped) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=rf"wrapped.txt: {inside} of its {breaks} line breaks fall inside a sentence "
+                                         r"\(the line ends without closing punctuation") as said:
+        assert list(iter_texts(path)) == wrapped
+        assert list(iter_texts(path)) == wrapped  # read again (a tokenizer, then the blocks): said once
+    assert len(said) == 1
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(sentences) + "\n\n" + "\n\n".join(wrapped[:40]) + "\n", encoding="utf-8")
+    with warnings.catch_warnings():  # a sentence a line, and wrapped lines between blank lines (paragraphs): quiet
+        warnings.simplefilter("error")
+        assert list(iter_texts(lines)) == sentences + wrapped[:40]

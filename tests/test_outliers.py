@@ -210,8 +210,8 @@ def test_mean_vectors_figure_plots_each_layers_mean_and_marks_the_outliers(tmp_p
     args = analyze.build_parser().parse_args(["outliers", "--encoder", str(path), "--data", str(sentences_file),
                                               "--max_sentences", "0", "--no_progress"])
     encoder = session.open_encoder(args)
-    result, num_sentences, truncated, special = outliers.collect_statistics(encoder, texts, args)
-    report = outliers.outliers_report(args, encoder, result, num_sentences, truncated, special)
+    reference = outliers.collect_statistics(encoder, texts, args)
+    report, result = outliers.outliers_report(args, encoder, reference), reference.statistics
     fig = outliers.mean_vectors_png(report, result, encoder)  # what analyze.py saves as mean_vectors.png
 
     model = AutoModel.from_pretrained(path).eval()  # the mean vectors computed directly, from transformers

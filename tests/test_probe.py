@@ -521,6 +521,34 @@ def test_split_and_label_errors(tmp_path, bert_tok):
 
 
 
+def test_the_copies_of_a_repeated_sentence_stay_in_one_split(tmp_path):
+    """Splits carved from one file put each copy of a repeated line (boilerplate, a doubled file) into its first
+    copy's split: before, copies landed in train and test alike, and the probes were tested on sentences they had
+    trained on (a corpus of one repeated line scored 1.0). Without repeats the split is the seeded permutation's, by
+    hand; a corpus of one line repeated leaves a split empty, and the refusal says why."""
+    from datamodules.splits import read_splits
+
+    source = write_lines(tmp_path / "any.txt", ["unused: the reader below gives the texts"])
+
+    def reader(texts):
+        return lambda source, split: (list(texts), [None] * len(texts))
+
+    unique = [f"sentence {i}" for i in range(40)]
+    plain = read_splits(str(source), reader(unique), bool)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    assert plain.texts["test"] == [unique[i] for i in sorted(order[:4])]
+    assert plain.texts["val"] == [unique[i] for i in sorted(order[4:8])]
+    assert plain.texts["train"] == [unique[i] for i in sorted(order[8:])]
+    repeated = unique + ["a boilerplate line"] * 10 + unique[:5]
+    splits = read_splits(str(source), reader(repeated), bool)
+    held_out = set(splits.texts["test"]) | set(splits.texts["val"])
+    assert not held_out & set(splits.texts["train"])
+    assert sorted(sum(splits.texts.values(), [])) == sorted(repeated)  # every row in exactly one split
+    assert (plain.repeats, splits.repeats) == (0, 9 + 5)
+    with pytest.raises(UserError, match=r"the \w+ split is empty .*\(199 of its sentences repeat another"):
+        read_splits(str(source), reader(["one line"] * 200), bool)
+
+
 def test_a_whole_number_written_with_a_decimal_point_is_the_class_of_that_number_in_every_file_format(tmp_path):
     """A csv exported by pandas from a float column writes 1.0; JSON, parquet and datasets give the float 1.0, which
     is the class 1: read from the csv it was the class '1.0', another class than a '1' of the same column (a third

@@ -72,6 +72,8 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
     latin1.write_bytes("model:\n  hidden_size: 32  # größer\n".encode("latin-1"))
     blank = tmp / "blank.csv"
     blank.write_text("id,text\n1,\n2, \n")
+    small = tmp / "small.txt"  # 30 texts: --data.val_texts 2000 (streaming) held them all out for validation
+    small.write_text("".join(f"Line {n} of a small corpus.\n" for n in range(30)))
     return {
         "negative learning rate": (("--model.lr", "-1"), "--model.lr must be a positive number, got -1.0"),
         "end learning rate above the peak": (("--model.end_lr", "1"), "--model.end_lr must be between 0 and "
@@ -119,6 +121,10 @@ def train_cases(tmp: Path) -> dict[str, tuple[tuple, str]]:
         "a gate parameter with softmax attention": (("--model.attention_gate_init", "0.3"),
                                                     "--model.attention_gate_init is a parameter of --model.attention "
                                                     "gated, not of softmax"),
+        "a streaming corpus held out whole for validation (found in prepare_data)": (
+            ("--data.corpus", str(small), "--data.streaming", "true"),
+            f"--data.val_texts 2000 holds out all 30 texts of corpus {small} for validation (--data.streaming true), "
+            "leaving none to train on: lower --data.val_texts, or read the corpus without --data.streaming"),
         "a corpus too small for the global batch (found in prepare_data)": (
             ("--data.global_batch_size", "64"), "55 training blocks make no full global batch of 64"),
         "an index into the callbacks list": (
@@ -138,7 +144,8 @@ TRAIN_CASES = [
     "a checkpoint whose weights do not fit", "a fresh start over an earlier run", "a config file that is not UTF-8",
     "a corpus whose texts are all empty", "an unknown attention variant", "a clipped softmax gamma above 0",
     "a clipped softmax zeta below 1", "a gate parameter with softmax attention",
-    "a corpus too small for the global batch (found in prepare_data)", "an index into the callbacks list"]
+    "a corpus too small for the global batch (found in prepare_data)", "an index into the callbacks list",
+    "a streaming corpus held out whole for validation (found in prepare_data)"]
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES)

@@ -150,7 +150,8 @@ def test_the_paper_samples_its_words_outside_its_tokenizers_special_tokens(rober
 
     from analyses.paper import Inputs, read_contexts
 
-    lines = [f"the {word} <unk> of {word}" for word in ("cat", "dog", "owl")] * 4 + ["<unk> <unk>"] * 3
+    lines = [f"the {word} <unk> of {word} {n}" for n in range(4) for word in ("cat", "dog", "owl")] + \
+        [f"<unk> <unk> {n}" for n in range(3)]  # distinct lines (a repeated one is one context): digits are no words
     data = tmp_path / "wiki.txt"
     data.write_text("".join(f"{line}\n" for line in lines))
     counts = words_by_hand(lines, roberta_tok.all_special_tokens)
