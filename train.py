@@ -27,6 +27,7 @@ from __future__ import annotations
 # ruff: noqa: E402  (`train.py --help` is answered before the heavy imports below)
 import sys
 
+from core.signals import Interrupted, finish, first_process, quiet_start, stop_on_signals
 from core.usage import help_first
 
 OVERRIDES = [
@@ -44,6 +45,7 @@ OVERRIDES = [
 ]
 if __name__ == "__main__":
     help_first("train.py", __doc__, OVERRIDES)
+    quiet_start("train.py")  # a Ctrl-C during the imports below: one line, no traceback
 
 import json
 import signal
@@ -349,16 +351,22 @@ def _cli_main(args: list[str] | None = None) -> int:
         torch.set_float32_matmul_precision("high")
     argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(args, dict) else []
     try:
-        if (model_class_path(argv) or "").rsplit(".", 1)[-1] == FineTuneModule.__name__:
-            FineTuneCLI(FineTuneModule, FineTuneDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                        seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                        save_config_kwargs={"overwrite": True}, args=args)
-        else:
-            PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                        save_config_kwargs={"overwrite": True}, args=args)
+        with stop_on_signals(signal.SIGINT):  # Ctrl-C: stop at once (SIGTERM: PretrainCheckpoint saves first)
+            if (model_class_path(argv) or "").rsplit(".", 1)[-1] == FineTuneModule.__name__:
+                FineTuneCLI(FineTuneModule, FineTuneDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                            seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                            save_config_kwargs={"overwrite": True}, args=args)
+            else:
+                PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                            save_config_kwargs={"overwrite": True}, args=args)
     except UserError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:  # the run's checkpoint callback adds where it stopped and what to resume from
+        if first_process():
+            print(f"train.py: {stop}{stop.detail or ' before training started'} (exit status {stop.status})",
+                  file=sys.stderr)
+        return stop.status
     except Preempted as stop:
         if stop.rank == 0:
             saved = f"saved {stop.path}" if stop.path else "no checkpoint saved (--checkpoint.save_last false)"
@@ -381,5 +389,10 @@ def _cli_main(args: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> None:
+    """train.py and posart-train (setup.cfg's console script): a run Ctrl-C stopped ends by SIGINT (core.signals)."""
+    finish(cli_main())
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    console()

@@ -27,6 +27,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from core.errors import UserError
 from core.output import atomic_file, disk_full, write_error
 from core.safe_load import WeightsOnlyCheckpointIO
+from core.signals import Interrupted
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.mlm import check_architecture
@@ -164,9 +165,32 @@ class PretrainCheckpoint(ModelCheckpoint):
                 self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._saved = (trainer.global_step, self.last_model_path)
+
+    _saved: tuple[int, str] | None = None  # (step, path) of the last.ckpt this process saved last
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_handler()
         super().on_exception(trainer, pl_module, exception)
+        if isinstance(exception, Interrupted) and trainer.state.fn == "fit":
+            exception.detail = self.resume_advice(trainer)
+
+    def resume_advice(self, trainer) -> str:
+        """Where a run stopped at once (Ctrl-C) stands, for train.py's line: the step, and the checkpoint a rerun with
+        --ckpt_path last resumes from (its step when this process saved it), or that none was saved yet."""
+        found = last_checkpoint(self.dirpath) if self.dirpath else None
+        if found is None:
+            others = sorted(Path(self.dirpath).glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if self.dirpath and \
+                Path(self.dirpath).is_dir() else []
+            if not others:
+                return (f" after step {trainer.global_step}, before its first checkpoint: rerun the same command to "
+                        "start again")
+            return f" after step {trainer.global_step}; rerun with --ckpt_path {others[-1]} to resume"
+        step = f" (step {self._saved[0]})" if self._saved and Path(self._saved[1]) == found else ""
+        return f" after step {trainer.global_step}; rerun with --ckpt_path last to resume from {found}{step}"
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore_handler()
