@@ -38,6 +38,7 @@ import yaml
 
 from core.errors import UserError
 from core.output import atomic_file, check_writable, write_error
+from core.signals import STOPPED, Interrupted
 
 STUDY_KEYS = ("train_config", "arms", "seeds", "verdict", "trajectory")
 VERDICT_DEFAULTS = {"gaussian_samples": 3, "margin": 0.5}  # the study file's `verdict` (analyses/null.py, docs/study.md)
@@ -354,6 +355,10 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     with quiet_cli(), wandb_grouping(arm):
         # resumes an arm stopped midway; under torchrun the next arm (and the comparison) joins its process group
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"], keep_process_group=True)
+    if code in STOPPED:  # Ctrl-C or SIGTERM (train.py said where it stopped): the study stops with that status
+        stop = Interrupted(code - 128)
+        stop.detail = f" while training arm {arm.label}"
+        raise stop
     if code != 0:
         if rank == 0 and forget_untrained(arm.run_dir, record):
             raise UserError(f"arm {arm.label}: train.py refused it before training (its error above, exit status "

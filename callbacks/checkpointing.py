@@ -68,6 +68,7 @@ class PretrainCheckpoint(ModelCheckpoint):
     """
 
     _sigterm = False
+    _align_logging = False
     _previous_handler = None
     _stop: Preempted | None = None
 
@@ -85,9 +86,10 @@ class PretrainCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         if self.save_initial and trainer.global_step == 0 and not trainer.fast_dev_run:  # a fresh run, not a resume
             candidates = self._monitor_candidates(trainer)
-            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
-            if self.save_last:
+            if self.save_last:  # first: a run stopped between the two saves resumes (--ckpt_path last) and saves both
                 self._save_last_checkpoint(trainer, candidates)
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
+        self._align_logging = True
         self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
         self._stop = None
         self._step_seen = trainer.global_step
@@ -124,6 +126,12 @@ class PretrainCheckpoint(ModelCheckpoint):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
             raise self._stop
+        if self._align_logging and pl_module.automatic_optimization:
+            # Lightning's restart adds 1 to its logging step for a checkpoint saved at a batch's end (it is saved
+            # before the step counts): from the step-0 checkpoint (save_initial: at the start), every step of the
+            # resumed run was logged one step late (CSV, W&B). Its logging step counts optimizer steps: the same.
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+        self._align_logging = False
 
     def on_validation_end(self, trainer, pl_module) -> None:
         """A validation right after a save of its step (val_check_interval and every_n_train_steps meeting, as at the

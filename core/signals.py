@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
+STOPPED = tuple(128 + signum for signum in STOPS)  # the statuses of a run they stopped: 130, 143
 
 
 class Interrupted(BaseException):

@@ -216,6 +216,46 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(s
     assert_same_weights(root, straight["accumulated"])
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_at_once_names_the_checkpoint_and_the_rerun_resumes_exactly(straight, corpus, cache, tmp_path):
+    """Lightning turned a Ctrl-C into its own line and exit status 1; now one line naming last.ckpt and its step (every
+    2 steps: step 4's), the process ended by SIGINT (status 130), the lock and no export left, and the resume equals
+    the uninterrupted run."""
+    root = tmp_path / "run"
+    spec, ready, _ = pause(tmp_path, at=5, where="batch_start")  # before step 5's micro-batch
+    process = spawn("train", tiny_args(root, corpus, cache, "--trainer.callbacks+", spec))
+    wait_for(ready, process)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == (f"train.py: stopped by SIGINT after step 5; rerun with --ckpt_path last to "
+                                            f"resume from {root}/checkpoints/last.ckpt (step 4) (exit status 130)")
+    assert checkpoint(root)["global_step"] == 4
+    assert not (root / "export").exists() and not (root / ".run.lock").exists()
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_step_0_checkpoints_resumes_and_logs_every_step_at_its_own_step(straight, corpus, cache,
+                                                                                          tmp_path):
+    """--checkpoint.save_initial (every study arm) saves step 0 twice: last.ckpt now first, then epoch=0-step=0.ckpt.
+    The other way round, a run killed between the two (here inside the second) left a checkpoint but no last.ckpt, and
+    `--ckpt_path last` (a study's rerun) was refused as a fresh start into an earlier run's directory. And a run
+    resumed from step 0 logged every step one step late (Lightning's restart adds 1 to its logging step)."""
+    root = tmp_path / "run"
+    initial = ("--checkpoint.save_initial", "true")
+    process = spawn("train", tiny_args(root, corpus, cache, *initial), "--die-in-save", "2")
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == -signal.SIGKILL, err[-3000:]
+    assert checkpoint(root)["global_step"] == 0
+    assert fit(root, corpus, cache, *initial, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+    first = torch.load(root / "checkpoints" / "epoch=0-step=0.ckpt", map_location="cpu", weights_only=True)
+    assert first["global_step"] == 0 and sorted(first["state_dict"]) == sorted(checkpoint(root)["state_dict"])
+
+
 def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str, ...], str]]:
     """name: (checkpoint file, extra arguments, the error line after 'train.py: error: ')."""
     data = good.read_bytes()
