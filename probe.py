@@ -18,7 +18,7 @@ from __future__ import annotations
 # ruff: noqa: E402  (`probe.py --help` is answered before the heavy imports below)
 import sys
 
-from core.signals import STOPS, Interrupted, finish, first_process, quiet_start, stop_on_signals
+from core.signals import STOPS, Interrupted, exit_status, first_process, quiet_start, stop_on_signals
 from core.usage import help_first
 
 OVERRIDES = [
@@ -156,10 +156,10 @@ def main(args: list[str] | None = None) -> int:
     return 0
 
 
-def console() -> None:
+def console() -> int | None:
     """probe.py and posart-probe (setup.cfg's console script): a run Ctrl-C stopped ends by SIGINT (core.signals)."""
-    finish(main())
+    return exit_status(main())
 
 
 if __name__ == "__main__":
-    console()
+    sys.exit(console())

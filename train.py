@@ -27,7 +27,7 @@ from __future__ import annotations
 # ruff: noqa: E402  (`train.py --help` is answered before the heavy imports below)
 import sys
 
-from core.signals import Interrupted, finish, first_process, quiet_start, stop_on_signals
+from core.signals import Interrupted, exit_status, first_process, quiet_start, stop_on_signals
 from core.usage import help_first
 
 OVERRIDES = [
@@ -389,10 +389,10 @@ def _cli_main(args: list[str] | None = None) -> int:
     return 0
 
 
-def console() -> None:
+def console() -> int | None:
     """train.py and posart-train (setup.cfg's console script): a run Ctrl-C stopped ends by SIGINT (core.signals)."""
-    finish(cli_main())
+    return exit_status(cli_main())
 
 
 if __name__ == "__main__":
-    console()
+    sys.exit(console())

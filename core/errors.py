@@ -16,7 +16,7 @@ import re
 import sys
 import warnings
 
-from core.signals import finish
+from core.signals import exit_status
 
 
 class UserError(Exception):
@@ -98,8 +98,8 @@ def exit_with(main, quick_under_torchrun: bool = False) -> None:
     With `quick_under_torchrun`, a process torchrun started (WORLD_SIZE > 1) ends with os._exit once its output is
     flushed: its process group is gone and its files are written, and the interpreter's teardown is where gloo's
     threads can abort it ("terminate called without an active exception", exit status 134) now and then. For an entry
-    point that needs no atexit work (analyze.py: no W&B run). Otherwise core.signals.finish ends it (a run stopped by
-    Ctrl-C: by SIGINT, as Python ends any Ctrl-C'd program)."""
+    point that needs no atexit work (analyze.py: no W&B run). A run stopped by Ctrl-C ends by SIGINT, as Python ends
+    any Ctrl-C'd program (core.signals.exit_status)."""
     try:
         code = main()
         sys.stdout.flush()
@@ -109,4 +109,4 @@ def exit_with(main, quick_under_torchrun: bool = False) -> None:
     if quick_under_torchrun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 0 if code is None else 1)
-    finish(code)
+    sys.exit(exit_status(code))

@@ -7,7 +7,7 @@ W&B), and the program ends with one line and the shell's status for that signal 
         print(f"analyze.py outliers: {stop}; ...", file=sys.stderr); return stop.status
     with deferred_signals():                                # core/output.py: a report's files move in all or none
         ...
-    finish(status)                                          # the end of a program (see finish)
+    sys.exit(exit_status(status))                           # the end of a program: a Ctrl-C'd one ends by SIGINT
     quiet_start("train.py")                                 # before the heavy imports: a Ctrl-C is one line there too
 """
 
@@ -111,14 +111,14 @@ def first_process() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
-def finish(status: int | None) -> None:
-    """End the program with `status`, except a run Ctrl-C stopped (130): KeyboardInterrupt leaves the program, shown
-    by nothing (its line is printed already), so that Python, once its exit handlers have run (W&B's, temporary
-    files'), ends the process by SIGINT itself, as it does for any Ctrl-C. The shell reports 130 either way, but only
-    a process ended by SIGINT stops a shell loop around the command (`for f in ...; do python analyze.py ...; done`);
-    one that exits with 130 lets the loop go on to the next item."""
+def exit_status(status: int | None) -> int | None:
+    """`status`, for sys.exit (a console script is sys.exit(function())), except for a run Ctrl-C stopped (130):
+    KeyboardInterrupt leaves the program, shown by nothing (its line is printed already), so that Python, once its
+    exit handlers have run (W&B's, temporary files'), ends the process by SIGINT itself, as it does for any Ctrl-C.
+    The shell reports 130 either way, but only a process ended by SIGINT stops a shell loop around the command
+    (`for f in ...; do python analyze.py ...; done`); one that exits with 130 lets the loop go on to the next item."""
     if status != 128 + signal.SIGINT or threading.current_thread() is not threading.main_thread():
-        sys.exit(status)
+        return status
     sys.stdout.flush()
     sys.stderr.flush()
     hook = sys.excepthook

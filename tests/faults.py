@@ -156,6 +156,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from core.signals import finish
+    from core.signals import exit_status
 
-    finish(main(sys.argv[1:]))  # as the programs end (a run Ctrl-C stopped: by SIGINT)
+    sys.exit(exit_status(main(sys.argv[1:])))  # as the programs end (a run Ctrl-C stopped: by SIGINT)
