@@ -1266,6 +1266,16 @@ ERROR_ROW_TESTS = {
     ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
 }
 FAULT_ROW_TESTS = {
+    "Ctrl-C (SIGINT) to `train.py`": [
+        "test_faults.py::test_ctrl_c_stops_at_once_names_the_checkpoint_and_the_rerun_resumes_exactly",
+    ],
+    "Ctrl-C or SIGTERM to `analyze.py`, `probe.py` or `study.py`": [
+        "test_interrupt.py::test_analyze_stopped_by_ctrl_c_is_one_line_and_leaves_the_earlier_report_as_it_was",
+        "test_interrupt.py::test_probe_stopped_by_sigterm_says_so_with_status_143_and_the_rerun_writes_the_report_a_fresh_run_does",
+        "test_interrupt.py::test_study_stopped_by_ctrl_c_mid_arm_says_so_and_the_rerun_ends_the_arm_as_an_uninterrupted_run",
+        "test_interrupt.py::test_a_reports_files_all_move_in_before_a_signal_stops_the_run",
+        "test_interrupt.py::test_a_checkpoint_kept_as_previous_has_its_successor_in_place_before_a_signal_stops_the_run",
+    ],
     "the W&B run of a stopped run": [
         "test_one_run.py::test_a_stopped_resumed_and_rerun_training_run_is_one_wandb_run_with_every_step_once",
         "test_callbacks.py::test_two_process_ddp_logs_what_one_process_logs",
