@@ -364,8 +364,7 @@ def _cli_main(args: list[str] | None = None) -> int:
         return 2
     except Interrupted as stop:  # the run's checkpoint callback adds where it stopped and what to resume from
         if first_process():
-            print(f"train.py: {stop}{stop.detail or ' before training started'} (exit status {stop.status})",
-                  file=sys.stderr)
+            print(f"train.py: {stop}{stop.detail} (exit status {stop.status})", file=sys.stderr)
         return stop.status
     except Preempted as stop:
         if stop.rank == 0:
