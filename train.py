@@ -66,6 +66,7 @@ from callbacks.checkpointing import (
     PREEMPTED_EXIT,
     PREVIOUS,
     AtomicCheckpointIO,
+    LoggingStep,
     Preempted,
     PretrainCheckpoint,
     check_fits,
@@ -143,6 +144,7 @@ class TrainCLI(ProjectCLI):
             check_fresh_start(trainer.default_root_dir)
             arguments["ckpt_path"] = None
         keep_runs(trainer, path)  # one W&B run per training run: a resume continues the one it kept
+        trainer.callbacks.insert(0, LoggingStep())  # a resume from step 0 logs every step at its own step
 
     def checkpoint_path(self, ckpt_path: str | None, purpose: str) -> Path | None:
         """The file --ckpt_path names: `last` (the run's last.ckpt, or last.ckpt to fall back from when only

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_only
 
 from core.errors import UserError
@@ -68,7 +68,6 @@ class PretrainCheckpoint(ModelCheckpoint):
     """
 
     _sigterm = False
-    _align_logging = False
     _previous_handler = None
     _stop: Preempted | None = None
 
@@ -89,7 +88,6 @@ class PretrainCheckpoint(ModelCheckpoint):
             if self.save_last:  # first: a run stopped between the two saves resumes (--ckpt_path last) and saves both
                 self._save_last_checkpoint(trainer, candidates)
             self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
-        self._align_logging = True
         self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
         self._stop = None
         self._step_seen = trainer.global_step
@@ -126,12 +124,6 @@ class PretrainCheckpoint(ModelCheckpoint):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._stop is not None:  # raised here, once this step's loss is logged (and a validation due has run)
             raise self._stop
-        if self._align_logging and pl_module.automatic_optimization:
-            # Lightning's restart adds 1 to its logging step for a checkpoint saved at a batch's end (it is saved
-            # before the step counts): from the step-0 checkpoint (save_initial: at the start), every step of the
-            # resumed run was logged one step late (CSV, W&B). Its logging step counts optimizer steps: the same.
-            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
-        self._align_logging = False
 
     def on_validation_end(self, trainer, pl_module) -> None:
         """A validation right after a save of its step (val_check_interval and every_n_train_steps meeting, as at the
@@ -208,6 +200,22 @@ class PretrainCheckpoint(ModelCheckpoint):
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
         self._previous_handler = None
+
+
+class LoggingStep(Callback):
+    """At the first batch of a fit, Lightning's logging step (the steps that stepped the optimizer: the live
+    statistics' and train/loss's step) is the optimizer steps done. Lightning's restart adds 1 to it, for a checkpoint
+    saved at a batch's end before the step counts; the step-0 checkpoint (save_initial) is saved before any batch, and
+    a run resumed from it logged every step one step late (CSV, W&B, the live statistics' captures). First of the
+    trainer's callbacks (train.py puts it there): the live statistics read the step in the same hook."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._first = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if getattr(self, "_first", False) and pl_module.automatic_optimization:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+        self._first = False
 
 
 def _no_broadcast() -> None:
