@@ -209,11 +209,13 @@ class LoggingStep(Callback):
     a run resumed from it logged every step one step late (CSV, W&B, the live statistics' captures). First of the
     trainer's callbacks (train.py puts it there): the live statistics read the step in the same hook."""
 
+    _first = False
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._first = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if getattr(self, "_first", False) and pl_module.automatic_optimization:
+        if self._first and pl_module.automatic_optimization:
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
         self._first = False
 
