@@ -364,6 +364,11 @@ def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm", ma
     checkpoint = read_checkpoint(path, kind)
     check_resumed_schedule(checkpoint.get("lr_schedulers"), model.hparams, max_steps, path)
     check_fits(checkpoint, path, model, data)
+    saved, seed = (checkpoint.get("datamodule_hyper_parameters") or {}).get("seed"), data.hparams.get("seed")
+    if kind == "mlm" and isinstance(saved, int) and saved != seed:
+        raise UserError(f"checkpoint {path} was trained with data seed {saved} (its blocks' order and masks) but this "
+                        f"run's is {seed}: resume with the run's own --seed_everything (a run started before the data "
+                        f"followed it: --data.seed {saved})")
     data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
 
 

@@ -290,12 +290,15 @@ def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str
         "other arm": (good, ("--model.objective", "causal"), "checkpoint {} was trained as the mlm-learned arm but "
                       "the config asks for causal-learned; resume with the matching --model.objective and "
                       "--model.positions"),
+        "other seed": (good, ("--seed_everything", "1"), "checkpoint {} was trained with data seed 0 (its blocks' "
+                       "order and masks) but this run's is 1: resume with the run's own --seed_everything (a run "
+                       "started before the data followed it: --data.seed 0)"),
         "missing": (missing, (), "checkpoint not found: {}"),
     }
 
 
 @pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth",
-                                  "other attention", "other arm", "missing"])
+                                  "other attention", "other arm", "other seed", "missing"])
 def test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written(straight, corpus, cache, tmp_path,
                                                                           capsys, case):
     good = tmp_path / "good.ckpt"
@@ -654,6 +657,9 @@ ERROR_ROW_TESTS = {
     ],
     ('train.py', 'fine-tuning: `--model.softdecay_alpha_mode` or `--model.softdecay_placement` not one of its choices (with or without `--model.softdecay true`)'): [
         'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'resume with another seed (`--seed_everything`, `--data.seed`)'): [
+        'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
     ],
     ('train.py', 'resume with another arm (`--model.objective`, `--model.positions`)'): [
         'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
