@@ -53,6 +53,7 @@ from core.defaults import (
     STS_SETS,
 )
 from core.errors import UserError, exit_with, plain_warnings
+from core.signals import STOPS, Interrupted, first_process, stop_on_signals
 
 # Nothing above imports torch: `--help` answers at once. A subcommand's runner is named "package.module:function" and
 # imported after the arguments are parsed (load_runner), as is everything `validate` needs.
@@ -318,18 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     plain_warnings()
     args = build_parser().parse_args(argv)
     try:
-        validate(args)
-        run = load_runner(args.run)
-        if not args.ranks:  # reads reports only: no process group, no torch
-            run(args, 0, 1)
-            return 0
-        from analyses.session import distributed
+        with stop_on_signals(*STOPS):  # Ctrl-C, SIGTERM: one line, status 130 / 143, nothing half-written
+            validate(args)
+            run = load_runner(args.run)
+            if not args.ranks:  # reads reports only: no process group, no torch
+                run(args, 0, 1)
+                return 0
+            from analyses.session import distributed
 
-        with distributed() as (rank, world):
-            run(args, rank, world)
+            with distributed() as (rank, world):
+                run(args, rank, world)
     except UserError as error:
         print(f"analyze.py {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        if first_process():
+            print(f"analyze.py {args.command}: {stop} (exit status {stop.status}); its reports are written whole, at "
+                  "the end, or not at all", file=sys.stderr)
+        return stop.status
     return 0
 
 

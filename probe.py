@@ -18,6 +18,7 @@ from __future__ import annotations
 # ruff: noqa: E402  (`probe.py --help` is answered before the heavy imports below)
 import sys
 
+from core.signals import STOPS, Interrupted, exit_status, first_process, quiet_start, stop_on_signals
 from core.usage import help_first
 
 OVERRIDES = [
@@ -37,6 +38,7 @@ OVERRIDES = [
 ]
 if __name__ == "__main__":
     help_first("probe.py", __doc__, OVERRIDES)
+    quiet_start("probe.py")  # a Ctrl-C during the imports below: one line, no traceback
 
 import warnings
 from pathlib import Path
@@ -123,27 +125,41 @@ def print_summary(report: dict, output_dir) -> None:
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:
-    """Run the CLI; a UserError prints one line and exits with status 2. run=False parses the arguments (no
-    subcommand) and builds the model, data module and trainer without running anything."""
+    """Run the CLI; a UserError prints one line and exits with status 2, a Ctrl-C or SIGTERM one line and 130 / 143
+    (Lightning's own SIGTERM handling would end the run with status 0 and no report). run=False parses the arguments
+    (no subcommand) and builds the model, data module and trainer without running anything."""
     plain_warnings()
     try:
-        return ProbeCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                        seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args, run=run)
+        with stop_on_signals(*STOPS):
+            return ProbeCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                            seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args, run=run)
     except UserError as error:
         print(f"probe.py: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Interrupted as stop:
+        if first_process():
+            print(f"probe.py: {stop} (exit status {stop.status}); its report is written whole, at the end, or not at "
+                  "all: rerun the same command to train the probes again", file=sys.stderr)
+        raise SystemExit(stop.status) from None
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def main(args: list[str] | None = None) -> int:
-    """posart-probe (setup.cfg's console script, which exits with what this returns): 0 when the run ends, status 2
-    on an input error (cli_main's SystemExit). cli_main itself returns its ProbeCLI, which a console script would
-    print and exit 1 with."""
-    cli_main(args)
+    """0 when the run ends, the status of cli_main's SystemExit otherwise (2: an input error; 130 / 143: Ctrl-C,
+    SIGTERM). cli_main itself returns its ProbeCLI, which a console script would print and exit 1 with."""
+    try:
+        cli_main(args)
+    except SystemExit as stop:
+        return stop.code
     return 0
 
 
+def console() -> int | None:
+    """probe.py and posart-probe (setup.cfg's console script): a run Ctrl-C stopped ends by SIGINT (core.signals)."""
+    return exit_status(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

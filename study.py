@@ -20,6 +20,7 @@ import analyze
 from analyses.study import arms_help
 from core.arguments import HelpFormatter, OneLineArgumentParser
 from core.errors import UserError, exit_with, plain_warnings
+from core.signals import STOPS, Interrupted, first_process, stop_on_signals
 
 DEFAULT_STUDY = "configs/study/study.yaml"
 
@@ -68,16 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     peek.add_argument("--config", default=None)
     args = build_parser(peek.parse_known_args(argv)[0].config).parse_args(argv)
     try:
-        config = study_file(args.config)
-        if args.config is None and not config.is_file():
-            raise UserError(f"no --config given, and no {DEFAULT_STUDY} in the working directory or beside study.py "
-                            "(a pip install ships no configs/: pass --config, e.g. a clone's configs/study/study.yaml)")
-        from analyses.study import run_study  # imported after parsing: --help imports no torch
+        with stop_on_signals(*STOPS):  # Ctrl-C, SIGTERM: one line, status 130 / 143 (an arm's SIGTERM: its last.ckpt)
+            config = study_file(args.config)
+            if args.config is None and not config.is_file():
+                raise UserError(f"no --config given, and no {DEFAULT_STUDY} in the working directory or beside "
+                                "study.py (a pip install ships no configs/: pass --config, e.g. a clone's "
+                                "configs/study/study.yaml)")
+            from analyses.study import run_study  # imported after parsing: --help imports no torch
 
-        run_study(config, args.output_dir, parse_trajectory, args.arms, args.max_steps, args.seeds)
+            run_study(config, args.output_dir, parse_trajectory, args.arms, args.max_steps, args.seeds)
     except UserError as error:
         print(f"study.py: error: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        if first_process():
+            print(f"study.py: {stop}{stop.detail} (exit status {stop.status}); rerun the same command to go on: "
+                  "finished arms are skipped, a stopped one resumes from its last checkpoint", file=sys.stderr)
+        return stop.status
     return 0
 
 

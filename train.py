@@ -27,6 +27,7 @@ from __future__ import annotations
 # ruff: noqa: E402  (`train.py --help` is answered before the heavy imports below)
 import sys
 
+from core.signals import Interrupted, exit_status, first_process, quiet_start, stop_on_signals
 from core.usage import help_first
 
 OVERRIDES = [
@@ -44,6 +45,7 @@ OVERRIDES = [
 ]
 if __name__ == "__main__":
     help_first("train.py", __doc__, OVERRIDES)
+    quiet_start("train.py")  # a Ctrl-C during the imports below: one line, no traceback
 
 import json
 import signal
@@ -64,6 +66,7 @@ from callbacks.checkpointing import (
     PREEMPTED_EXIT,
     PREVIOUS,
     AtomicCheckpointIO,
+    LoggingStep,
     Preempted,
     PretrainCheckpoint,
     check_fits,
@@ -141,6 +144,7 @@ class TrainCLI(ProjectCLI):
             check_fresh_start(trainer.default_root_dir)
             arguments["ckpt_path"] = None
         keep_runs(trainer, path)  # one W&B run per training run: a resume continues the one it kept
+        trainer.callbacks.insert(0, LoggingStep())  # a resume from step 0 logs every step at its own step
 
     def checkpoint_path(self, ckpt_path: str | None, purpose: str) -> Path | None:
         """The file --ckpt_path names: `last` (the run's last.ckpt, or last.ckpt to fall back from when only
@@ -349,16 +353,21 @@ def _cli_main(args: list[str] | None = None) -> int:
         torch.set_float32_matmul_precision("high")
     argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(args, dict) else []
     try:
-        if (model_class_path(argv) or "").rsplit(".", 1)[-1] == FineTuneModule.__name__:
-            FineTuneCLI(FineTuneModule, FineTuneDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                        seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                        save_config_kwargs={"overwrite": True}, args=args)
-        else:
-            PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
-                        save_config_kwargs={"overwrite": True}, args=args)
+        with stop_on_signals(signal.SIGINT):  # Ctrl-C: stop at once (SIGTERM: PretrainCheckpoint saves first)
+            if (model_class_path(argv) or "").rsplit(".", 1)[-1] == FineTuneModule.__name__:
+                FineTuneCLI(FineTuneModule, FineTuneDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                            seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                            save_config_kwargs={"overwrite": True}, args=args)
+            else:
+                PretrainCLI(MLMModule, MLMDataModule, seed_everything_default=0, trainer_defaults=TRAINER_DEFAULTS,
+                            save_config_kwargs={"overwrite": True}, args=args)
     except UserError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:  # the run's checkpoint callback adds where it stopped and what to resume from
+        if first_process():
+            print(f"train.py: {stop}{stop.detail} (exit status {stop.status})", file=sys.stderr)
+        return stop.status
     except Preempted as stop:
         if stop.rank == 0:
             saved = f"saved {stop.path}" if stop.path else "no checkpoint saved (--checkpoint.save_last false)"
@@ -381,5 +390,10 @@ def _cli_main(args: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> int | None:
+    """train.py and posart-train (setup.cfg's console script): a run Ctrl-C stopped ends by SIGINT (core.signals)."""
+    return exit_status(cli_main())
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    sys.exit(console())

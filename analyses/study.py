@@ -38,12 +38,13 @@ import yaml
 
 from core.errors import UserError
 from core.output import atomic_file, check_writable, write_error
+from core.signals import STOPPED, Interrupted
 
 STUDY_KEYS = ("train_config", "arms", "seeds", "verdict", "trajectory")
 VERDICT_DEFAULTS = {"gaussian_samples": 3, "margin": 0.5}  # the study file's `verdict` (analyses/null.py, docs/study.md)
 ARM_FILE = "study_arm.json"  # in each run directory: its train.py arguments, resolved config and training time
 SET_BY_STUDY = ("trainer.default_root_dir", "trainer.max_steps", "checkpoint.dirpath", "checkpoint.save_top_k",
-                "checkpoint.save_initial", "seed_everything", "ckpt_path")  # an arm may not set these: the study does
+                "checkpoint.save_initial", "seed_everything", "data.seed", "ckpt_path")  # the study sets these
 # (one run directory per arm and seed, every checkpoint, step 0 too)
 LEGACY = {"model.token_type_embeddings": True, "checkpoint.save_initial": False}  # what a run made before these
 # settings existed had (a learned token-type row, no step-0 checkpoint): not this study's runs any more
@@ -176,8 +177,11 @@ def arm_arguments(study: dict, name: str, seed: int, output_dir: Path, max_steps
     args = [argument for config in study["train_config"] for argument in ("--config", config)]
     for key, value in study["arms"][name].items():
         args += [f"--{key.lstrip('-')}", setting_text(value)]
-    args += ["--seed_everything", str(seed), "--trainer.default_root_dir", str(run_directory(output_dir, name, seed)),
-             "--checkpoint.save_top_k", "-1", "--checkpoint.save_initial", "true"]
+    # the seed of the blocks' order and masks too, said outright: a run made when the data seed was 0 for every seed
+    # (it did not follow --seed_everything) resolves to another config, and is refused
+    args += ["--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.default_root_dir",
+             str(run_directory(output_dir, name, seed)), "--checkpoint.save_top_k", "-1", "--checkpoint.save_initial",
+             "true"]
     if max_steps is not None:
         args += ["--trainer.max_steps", str(max_steps)]
     return args
@@ -354,6 +358,10 @@ def train_arm(arm: Arm, rank: int = 0) -> float | None:
     with quiet_cli(), wandb_grouping(arm):
         # resumes an arm stopped midway; under torchrun the next arm (and the comparison) joins its process group
         code = train.cli_main(["fit", *arm.args, "--ckpt_path", "last"], keep_process_group=True)
+    if code in STOPPED:  # Ctrl-C or SIGTERM (train.py said where it stopped): the study stops with that status
+        stop = Interrupted(code - 128)
+        stop.detail = f" while training arm {arm.label}"
+        raise stop
     if code != 0:
         if rank == 0 and forget_untrained(arm.run_dir, record):
             raise UserError(f"arm {arm.label}: train.py refused it before training (its error above, exit status "

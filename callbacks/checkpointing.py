@@ -21,12 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_only
 
 from core.errors import UserError
 from core.output import atomic_file, disk_full, write_error
 from core.safe_load import WeightsOnlyCheckpointIO
+from core.signals import Interrupted
 from core.tokenizers import fingerprint
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.mlm import check_architecture
@@ -84,9 +85,9 @@ class PretrainCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         if self.save_initial and trainer.global_step == 0 and not trainer.fast_dev_run:  # a fresh run, not a resume
             candidates = self._monitor_candidates(trainer)
-            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
-            if self.save_last:
+            if self.save_last:  # first: a run stopped between the two saves resumes (--ckpt_path last) and saves both
                 self._save_last_checkpoint(trainer, candidates)
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))  # e.g. epoch=0-step=0.ckpt
         self._sigterm = bool(trainer.received_sigterm)  # one that came during the set-up, under Lightning's handler
         self._stop = None
         self._step_seen = trainer.global_step
@@ -164,9 +165,32 @@ class PretrainCheckpoint(ModelCheckpoint):
                 self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._saved = (trainer.global_step, self.last_model_path)
+
+    _saved: tuple[int, str] | None = None  # (step, path) of the last.ckpt this process saved last
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_handler()
         super().on_exception(trainer, pl_module, exception)
+        if isinstance(exception, Interrupted) and trainer.state.fn == "fit":
+            exception.detail = self.resume_advice(trainer)
+
+    def resume_advice(self, trainer) -> str:
+        """Where a run stopped at once (Ctrl-C) stands, for train.py's line: the step, and the checkpoint a rerun with
+        --ckpt_path last resumes from (its step when this process saved it), or that none was saved yet."""
+        found = last_checkpoint(self.dirpath) if self.dirpath else None
+        if found is None:
+            others = sorted(Path(self.dirpath).glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if self.dirpath and \
+                Path(self.dirpath).is_dir() else []
+            if not others:
+                return (f" after step {trainer.global_step}, before its first checkpoint: rerun the same command to "
+                        "start again")
+            return f" after step {trainer.global_step}; rerun with --ckpt_path {others[-1]} to resume"
+        step = f" (step {self._saved[0]})" if self._saved and Path(self._saved[1]) == found else ""
+        return f" after step {trainer.global_step}; rerun with --ckpt_path last to resume from {found}{step}"
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore_handler()
@@ -176,6 +200,24 @@ class PretrainCheckpoint(ModelCheckpoint):
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
         self._previous_handler = None
+
+
+class LoggingStep(Callback):
+    """At the first batch of a fit, Lightning's logging step (the steps that stepped the optimizer: the live
+    statistics' and train/loss's step) is the optimizer steps done. Lightning's restart adds 1 to it, for a checkpoint
+    saved at a batch's end before the step counts; the step-0 checkpoint (save_initial) is saved before any batch, and
+    a run resumed from it logged every step one step late (CSV, W&B, the live statistics' captures). First of the
+    trainer's callbacks (train.py puts it there): the live statistics read the step in the same hook."""
+
+    _first = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._first = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._first and pl_module.automatic_optimization:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+        self._first = False
 
 
 def _no_broadcast() -> None:
@@ -322,6 +364,11 @@ def check_resume(path: Path, model, data, world_size: int, kind: str = "mlm", ma
     checkpoint = read_checkpoint(path, kind)
     check_resumed_schedule(checkpoint.get("lr_schedulers"), model.hparams, max_steps, path)
     check_fits(checkpoint, path, model, data)
+    saved, seed = (checkpoint.get("datamodule_hyper_parameters") or {}).get("seed"), data.hparams.get("seed")
+    if kind == "mlm" and isinstance(saved, int) and saved != seed:
+        raise UserError(f"checkpoint {path} was trained with data seed {saved} (its blocks' order and masks) but this "
+                        f"run's is {seed}: resume with the run's own --seed_everything (a run started before the data "
+                        f"followed it: --data.seed {saved})")
     data.check_position(checkpoint.get(type(data).__qualname__, {}), world_size, f"checkpoint {path}")
 
 

@@ -5,6 +5,7 @@
     plain_warnings()                                       # warnings print as "warning: <message>"
     warn_once("IsoScore* not computed: ...")               # a warning this process has not given yet (else nothing)
     exit_with(main)                                        # analyze.py / study.py: `| head` stops it without a traceback
+                                                           # (and a run Ctrl-C stopped ends by SIGINT: core/signals.py)
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import re
 import sys
 import warnings
+
+from core.signals import exit_status
 
 
 class UserError(Exception):
@@ -63,8 +66,9 @@ def plain_warnings() -> None:
     warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*", FutureWarning)
     # Lightning's lines that say nothing to act on (UNACTIONABLE: its tips, an advert for its cloud logger; "GPU
     # available: False" on a CPU; "Seed set to 0", the seed being in the config; why fit stopped, the run's summary
-    # says). At the loggers that make them, at the package loggers (core.cli.HeldLogs hands held lines to those), and
-    # at the package loggers' handlers (which also see what their child loggers propagate)
+    # says; "Received SIGTERM: 15", the program's own line says what it did). At the loggers that make them, at the
+    # package loggers (core.cli.HeldLogs hands held lines to those), and at the package loggers' handlers (which also
+    # see what their child loggers propagate)
     for package in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
         for name in (package, f"{package}.utilities.rank_zero", f"{package}.utilities.seed"):
             logger = logging.getLogger(name)
@@ -74,7 +78,7 @@ def plain_warnings() -> None:
 
 
 UNACTIONABLE = re.compile(r"💡 Tip|(GPU|TPU|HPU|IPU) available: False|Seed set to -?\d+$|`Trainer\.fit` stopped: "
-                          r"`max_(steps|epochs)=\d+` reached\.$")
+                          r"`max_(steps|epochs)=\d+` reached\.$|(\[rank: \d+\] )?Received SIGTERM: \d+$")
 
 
 class _Unactionable(logging.Filter):
@@ -94,7 +98,8 @@ def exit_with(main, quick_under_torchrun: bool = False) -> None:
     With `quick_under_torchrun`, a process torchrun started (WORLD_SIZE > 1) ends with os._exit once its output is
     flushed: its process group is gone and its files are written, and the interpreter's teardown is where gloo's
     threads can abort it ("terminate called without an active exception", exit status 134) now and then. For an entry
-    point that needs no atexit work (analyze.py: no W&B run)."""
+    point that needs no atexit work (analyze.py: no W&B run). A run stopped by Ctrl-C ends by SIGINT, as Python ends
+    any Ctrl-C'd program (core.signals.exit_status)."""
     try:
         code = main()
         sys.stdout.flush()
@@ -104,4 +109,4 @@ def exit_with(main, quick_under_torchrun: bool = False) -> None:
     if quick_under_torchrun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 0 if code is None else 1)
-    sys.exit(code)
+    sys.exit(exit_status(code))

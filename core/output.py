@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.signals import deferred_signals
 
 try:
     import fcntl
@@ -56,7 +57,9 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
 
     The directory is created (and checked writable) up front; on any error the staged files are removed, and so are
     `output_dir` and every parent directory this call created, if they are left empty. Each file lands with an atomic
-    `os.replace`. With `owner` (e.g. analyze.py's subcommand), the files an earlier run of that owner wrote into
+    `os.replace`, all of them before a Ctrl-C or SIGTERM that comes meanwhile stops the run (deferred_signals): the
+    report lands whole, never half this run's files and half the earlier run's. With `owner` (e.g. analyze.py's
+    subcommand), the files an earlier run of that owner wrote into
     `output_dir` and this run does not write again are removed once the new ones are in place (`remove_stale`): a
     second `outliers` run on a model without a position table leaves no position_embeddings.png of the first model
     beside its report, a second `all` with fewer --sts sets no sts_<set>.json of the first. The files move in and the
@@ -75,7 +78,7 @@ def staged_output(output_dir: str | os.PathLike, what: str = "report", owner: st
     try:
         yield stage
         written = [path.relative_to(stage) for path in sorted(stage.rglob("*")) if path.is_file()]
-        with owners_lock(output) if owner is not None else contextlib.nullcontext():
+        with deferred_signals(), owners_lock(output) if owner is not None else contextlib.nullcontext():
             earlier = legacy(output) if legacy is not None and owner is not None else set()
             for name in written:
                 target = output / name
@@ -302,9 +305,10 @@ def atomic_file(path: str | os.PathLike, keep_previous: str | os.PathLike | None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(handle.name, 0o666 & ~umask)  # as open() would have created it (mkstemp uses 0600)
-        if keep_previous is not None and path.exists():
-            os.replace(path, keep_previous)
-        os.replace(handle.name, path)
+        with deferred_signals():  # a Ctrl-C between the two renames would leave previous.ckpt without last.ckpt
+            if keep_previous is not None and path.exists():
+                os.replace(path, keep_previous)
+            os.replace(handle.name, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(handle.name)

@@ -30,6 +30,7 @@ from datamodules.position import DataPosition
 from datamodules.sampling import BlockDataset, BlockSampler, ResumableLoader, StreamingBlocks, ignore_sigterm
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, iter_texts
 from datamodules.tokenizer import check_vocab_size
+from lightning_modules.training import run_seed
 
 
 class MLMDataModule(pl.LightningDataModule):
@@ -57,7 +58,8 @@ class MLMDataModule(pl.LightningDataModule):
         num_workers: loader worker processes per device (masking runs there; streaming: tokenising too, one shard
             of the stream each, so a streaming run resumes with the same number).
         num_proc: processes for tokenising in prepare_data (default: one; the tokenizer itself is multi-threaded).
-        seed: shuffling and masking seed.
+        seed: the blocks' order and their masks (default: the run's one seed, --seed_everything; a checkpoint holds
+            it, and a resume must have the same).
         objective: mlm (15% masked) or causal (the blocks unmasked, every next token predicted); train.py sets it from
             --model.objective.
         next_token_share: the causal arms' share of a block's next tokens predicted in training (1: every one, the
@@ -84,12 +86,14 @@ class MLMDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         num_workers: int = 0,
         num_proc: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         objective: str = "mlm",
         next_token_share: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if seed is None:  # the run's one seed: every seed of a study's arm its own blocks' order and masks
+            self.hparams["seed"] = self._hparams_initial["seed"] = run_seed()
         self._existing_tokenizer = load_tokenizer(tokenizer, mask=objective == "mlm") if tokenizer != "train" else None
         if self._existing_tokenizer is not None:  # ignored, so set to the model's (linked): loggers merge both hparams
             self.hparams["vocab_size"] = self._hparams_initial["vocab_size"] = vocab_limit(self._existing_tokenizer)

@@ -20,10 +20,11 @@ import warnings
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from core.errors import UserError
 from datamodules.features import FeatureExtractor, ItemBatches
+from datamodules.sampling import ShuffledBatches
 from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, TextColumn, iter_records
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
@@ -163,10 +164,9 @@ class ProbeDataModule(pl.LightningDataModule):
         """Blocks of `steps_per_block` batches of `batch_size` items (token vectors drawn across sentences, or pooled
         sentences), in the order of one seeded shuffle per epoch: the probe takes one optimizer step per batch of the
         block, in order (the same steps as one batch per loader batch, fewer trainer round trips)."""
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        sampler = RandomSampler(range(self.stores["train"].items), generator=generator)
-        return self._loader("train", sampler, self.hparams.batch_size * self.steps_per_block(),
-                            step=self.hparams.batch_size)
+        batches = ShuffledBatches(self.stores["train"].items, self.hparams.batch_size * self.steps_per_block(),
+                                  self.hparams.seed)  # epoch e's order from (seed, e): a resumed run reads the same
+        return self._loader("train", batches, None, step=self.hparams.batch_size)
 
     def steps_per_block(self) -> int:
         """`steps_per_block`, fewer when a block's float32 features would pass BLOCK_BYTES (at least one batch)."""
@@ -180,10 +180,10 @@ class ProbeDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", SequentialSampler(range(self.stores["test"].items)), self.hparams.eval_batch_size)
 
-    def _loader(self, split: str, sampler, batch_size: int, step: int | None = None) -> DataLoader:
+    def _loader(self, split: str, sampler, batch_size: int | None, step: int | None = None) -> DataLoader:
         on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(ItemBatches(self.stores[split], step), batch_size=None,
-                          sampler=BatchSampler(sampler, batch_size, drop_last=False),
+        return DataLoader(ItemBatches(self.stores[split], step), batch_size=None,  # (batch_size None: batches given)
+                          sampler=sampler if batch_size is None else BatchSampler(sampler, batch_size, drop_last=False),
                           num_workers=self.hparams.num_workers, pin_memory=on_cuda)
 
     # ---- the one pass ---------------------------------------------------------------------------------------------

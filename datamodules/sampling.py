@@ -3,6 +3,7 @@
     sampler = BlockSampler(num_blocks, batch_size=16, rank=0, world=2, seed=0, group=32)  # batches of block keys
     dataset = BlockDataset(blocks)                  # cached Arrow blocks; dataset[keys] -> {"blocks", "keys"}
     stream = StreamingBlocks(corpus, None, tokenizer, 128, 16, rank=0, world=2, skip_texts=2000, workers=4)  # no cache
+    batches = ShuffledBatches(items, batch_size=128, seed=0)   # the probes' items: one seeded shuffle per epoch
 
 Every rank walks one seeded permutation of the blocks per epoch; rank r of w takes its items r, r + w, ... so a
 global batch holds the same blocks for any (devices × nodes × per-device batch × accumulation). A streaming rank
@@ -70,6 +71,31 @@ class BlockSampler(Sampler[list[int]]):
         mine = self._mine(epoch)
         for start in range(skip * self.batch_size, len(self) * self.batch_size, self.batch_size):
             yield (epoch * self.num_blocks + mine[start:start + self.batch_size]).tolist()
+
+
+class ShuffledBatches(Sampler[list[int]]):
+    """Batches of `batch_size` of `items` indices (the last one shorter) in one seeded shuffle per epoch: the order
+    torch's RandomSampler(generator=Generator().manual_seed(seed)) gives epoch after epoch, cut as BatchSampler
+    (drop_last=False) cuts it, but epoch e's order follows from (seed, e) alone. Lightning tells the epoch
+    (set_epoch), so a probe run resumed at epoch e reads what the uninterrupted run read there (a RandomSampler made
+    again on resume starts from its seed: epoch 0's order again). Without set_epoch, each pass is the next epoch."""
+
+    def __init__(self, items: int, batch_size: int, seed: int = 0) -> None:
+        self.items, self.batch_size, self.seed, self.epoch = items, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.items // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(2 * self.epoch):  # RandomSampler draws two permutations a pass (the second, for the rest of
+            torch.randperm(self.items, generator=generator)  # num_samples // items, is cut to nothing)
+        order, self.epoch = torch.randperm(self.items, generator=generator).tolist(), self.epoch + 1
+        for start in range(0, self.items, self.batch_size):
+            yield order[start:start + self.batch_size]
 
 
 class BlockDataset(torch.utils.data.Dataset):

@@ -206,6 +206,18 @@ class LinearProbes(pl.LightningModule):
             if self.probe.bias is not None:
                 self.best_bias[improved] = self.probe.bias[improved]
 
+    BEST = ("best_val_accuracy", "best_epoch", "best_weight", "best_bias")  # each slot's best validation so far
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The best validation so far goes with the weights (its buffers are not the model's state): a run resumed
+        with --ckpt_path tests each slot with the weights of its best epoch, before the stop or after it."""
+        checkpoint["best_validation"] = {name: getattr(self, name) for name in self.BEST if hasattr(self, name)}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        for name, value in checkpoint.get("best_validation", {}).items():
+            if name in self.BEST and hasattr(self, name) and getattr(self, name).shape == value.shape:
+                getattr(self, name).copy_(value)
+
     def on_test_start(self) -> None:
         """Each slot is tested with its weights of the epoch of best validation accuracy (the final weights when
         no validation ran)."""

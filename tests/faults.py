@@ -4,6 +4,8 @@
     python -m tests.faults train --die-in-save 2 [train.py arguments]  # SIGKILL half-way through the 2nd torch.save
     python -m tests.faults train --full-disk-in-save 2 [train.py ...]  # the disk is full from the 2nd torch.save on
     torchrun --nproc_per_node 2 -m tests.faults analyze --fail-rank 1 outliers ...   # that rank raises mid-run
+    python -m tests.faults analyze --pause-in-analysis READY outliers ...   # writes READY and waits before encoding
+    python -m tests.faults probe [probe.py arguments]; python -m tests.faults study [study.py arguments]
 
 The callbacks are given to train.py with `--trainer.callbacks+ '{"class_path": "tests.faults.Pause", ...}'`.
 """
@@ -11,6 +13,7 @@ The callbacks are given to train.py with `--trainer.callbacks+ '{"class_path": "
 from __future__ import annotations
 
 import errno
+import importlib
 import io
 import os
 import signal
@@ -113,6 +116,20 @@ def fail_on_rank(rank: int) -> None:
     outliers.collect_statistics = collect
 
 
+def pause_in_analysis(ready: str) -> None:
+    """analyze.py: the outlier statistics write `ready` and wait (up to 120 s) before they encode anything; the test
+    sends its signal while the run waits there."""
+    from analyses import outliers
+
+    real = outliers.collect_statistics
+
+    def collect(*args, **kwargs):
+        Pause(ready)._wait()
+        return real(*args, **kwargs)
+
+    outliers.collect_statistics = collect
+
+
 def main(argv: list[str]) -> int:
     program, argv = argv[0], argv[1:]
     if argv[:1] == ["--die-in-save"]:
@@ -124,14 +141,21 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--fail-rank"]:
         fail_on_rank(int(argv[1]))
         argv = argv[2:]
+    if argv[:1] == ["--pause-in-analysis"]:
+        pause_in_analysis(argv[1])
+        argv = argv[2:]
     if program == "train":
         import train
 
         return train.cli_main(argv)
+    if program in ("probe", "study"):
+        return importlib.import_module(program).main(argv)
     import analyze
 
     return analyze.main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from core.signals import exit_status
+
+    sys.exit(exit_status(main(sys.argv[1:])))  # as the programs end (a run Ctrl-C stopped: by SIGINT)

@@ -27,6 +27,7 @@ import train
 from callbacks.checkpointing import last_checkpoint
 from core.errors import UserError
 from core.output import atomic_file, check_writable, staged_output
+from core.signals import Interrupted
 from tests.test_train import STEPS, checkpoint, fit, tiny_args, train_losses
 from tests.tiny import save_tiny_encoder
 
@@ -216,6 +217,54 @@ def test_sigterm_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(s
     assert_same_weights(root, straight["accumulated"])
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_at_once_names_the_checkpoint_and_the_rerun_resumes_exactly(straight, corpus, cache, tmp_path):
+    """Lightning turned a Ctrl-C into its own line and exit status 1; now one line naming last.ckpt and its step (every
+    2 steps: step 4's), the process ended by SIGINT (status 130), the lock and no export left, and the resume equals
+    the uninterrupted run."""
+    root = tmp_path / "run"
+    spec, ready, _ = pause(tmp_path, at=5, where="batch_start")  # before step 5's micro-batch
+    process = spawn("train", tiny_args(root, corpus, cache, "--trainer.callbacks+", spec))
+    wait_for(ready, process)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == (f"train.py: stopped by SIGINT after step 5; rerun with --ckpt_path last to "
+                                            f"resume from {root}/checkpoints/last.ckpt (step 4) (exit status 130)")
+    assert checkpoint(root)["global_step"] == 4
+    assert not (root / "export").exists() and not (root / ".run.lock").exists()
+    assert fit(root, corpus, cache, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+
+
+@pytest.mark.slow
+def test_a_stop_between_the_step_0_checkpoints_resumes_and_logs_every_step_at_its_own_step(straight, corpus, cache,
+                                                                                          tmp_path, monkeypatch):
+    """--checkpoint.save_initial (every study arm) saves step 0 twice: last.ckpt now first, then epoch=0-step=0.ckpt.
+    The other way round, a run stopped between the two (here by a Ctrl-C inside the second) left a checkpoint but no
+    last.ckpt, and `--ckpt_path last` (a study's rerun) was refused as a fresh start into an earlier run's directory.
+    And a run resumed from step 0 logged every step one step late (Lightning's restart adds 1 to its logging step)."""
+    root = tmp_path / "run"
+    initial = ("--checkpoint.save_initial", "true")
+    real, calls = torch.save, []
+
+    def save(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise Interrupted(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    assert fit(root, corpus, cache, *initial) == 130
+    monkeypatch.setattr(torch, "save", real)
+    assert checkpoint(root)["global_step"] == 0
+    assert fit(root, corpus, cache, *initial, "--ckpt_path", "last") == 0
+    assert_same_weights(root, straight["plain"])
+    first = torch.load(root / "checkpoints" / "epoch=0-step=0.ckpt", map_location="cpu", weights_only=True)
+    assert first["global_step"] == 0 and sorted(first["state_dict"]) == sorted(checkpoint(root)["state_dict"])
+
+
 def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str, ...], str]]:
     """name: (checkpoint file, extra arguments, the error line after 'train.py: error: ')."""
     data = good.read_bytes()
@@ -241,12 +290,15 @@ def bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, tuple[str
         "other arm": (good, ("--model.objective", "causal"), "checkpoint {} was trained as the mlm-learned arm but "
                       "the config asks for causal-learned; resume with the matching --model.objective and "
                       "--model.positions"),
+        "other seed": (good, ("--seed_everything", "1"), "checkpoint {} was trained with data seed 0 (its blocks' "
+                       "order and masks) but this run's is 1: resume with the run's own --seed_everything (a run "
+                       "started before the data followed it: --data.seed 0)"),
         "missing": (missing, (), "checkpoint not found: {}"),
     }
 
 
 @pytest.mark.parametrize("case", ["truncated", "corrupt", "empty", "foreign", "other size", "other depth",
-                                  "other attention", "other arm", "missing"])
+                                  "other attention", "other arm", "other seed", "missing"])
 def test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written(straight, corpus, cache, tmp_path,
                                                                           capsys, case):
     good = tmp_path / "good.ckpt"
@@ -605,6 +657,9 @@ ERROR_ROW_TESTS = {
     ],
     ('train.py', 'fine-tuning: `--model.softdecay_alpha_mode` or `--model.softdecay_placement` not one of its choices (with or without `--model.softdecay true`)'): [
         'test_finetune.py::test_softdecay_bad_input_is_one_line_exit_2_and_writes_nothing',
+    ],
+    ('train.py', 'resume with another seed (`--seed_everything`, `--data.seed`)'): [
+        'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
     ],
     ('train.py', 'resume with another arm (`--model.objective`, `--model.positions`)'): [
         'test_faults.py::test_a_bad_checkpoint_is_one_line_naming_it_exit_2_and_nothing_written',
@@ -1235,6 +1290,16 @@ ERROR_ROW_TESTS = {
     ("study.py", "a missing study file"): ["test_study.py::test_bad_input_is_one_line_exit_2_and_writes_nothing"],
 }
 FAULT_ROW_TESTS = {
+    "Ctrl-C (SIGINT) to `train.py`": [
+        "test_faults.py::test_ctrl_c_stops_at_once_names_the_checkpoint_and_the_rerun_resumes_exactly",
+    ],
+    "Ctrl-C or SIGTERM to `analyze.py`, `probe.py` or `study.py`": [
+        "test_interrupt.py::test_analyze_stopped_by_ctrl_c_is_one_line_and_leaves_the_earlier_report_as_it_was",
+        "test_interrupt.py::test_probe_stopped_by_sigterm_says_so_with_status_143_and_the_rerun_writes_the_report_a_fresh_run_does",
+        "test_interrupt.py::test_study_stopped_by_ctrl_c_mid_arm_says_so_and_the_rerun_ends_the_arm_as_an_uninterrupted_run",
+        "test_interrupt.py::test_a_reports_files_all_move_in_before_a_signal_stops_the_run",
+        "test_interrupt.py::test_a_checkpoint_kept_as_previous_has_its_successor_in_place_before_a_signal_stops_the_run",
+    ],
     "the W&B run of a stopped run": [
         "test_one_run.py::test_a_stopped_resumed_and_rerun_training_run_is_one_wandb_run_with_every_step_once",
         "test_callbacks.py::test_two_process_ddp_logs_what_one_process_logs",

@@ -631,10 +631,9 @@ def test_position_batches_hold_batch_size_token_vectors_drawn_across_sentences(t
     epochs = []
     loader = dm.train_dataloader()  # made once per fit, iterated once per epoch
     for _ in range(2):
-        generator = loader.sampler.sampler.generator  # BatchSampler(RandomSampler(items, seeded generator))
-        state = generator.get_state()
+        epoch = loader.sampler.epoch  # ShuffledBatches: each pass the next epoch's seeded permutation
         blocks = [list(ids) for ids in loader.sampler]
-        generator.set_state(state)  # the loader then draws the same permutation
+        loader.sampler.set_epoch(epoch)  # the loader then draws the same permutation
         features = list(loader)
         assert [len(ids) for ids in blocks[:-1]] == [48] * (len(blocks) - 1) and len(blocks) > 2
         order = [i for ids in blocks for i in ids]  # the epoch's permutation, cut into batches of 16

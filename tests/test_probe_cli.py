@@ -409,3 +409,42 @@ def test_a_subcommand_other_than_fit_is_refused_rather_than_scoring_untrained_pr
     assert errors == [f"probe.py: error: probe.py {subcommand} is not supported: the probes are trained, validated, "
                       "tested and reported in one probe.py fit run (their weights are not kept): run probe.py fit"]
     assert not out.exists()
+
+
+def test_the_shuffle_of_each_epoch_is_torchs_random_sampler_and_follows_from_the_epoch_alone():
+    """ShuffledBatches: the batches RandomSampler(generator seeded) + BatchSampler give, epoch after epoch (the order
+    every probe run trained in before); and epoch e's from a new sampler told the epoch (a resumed run's)."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    from datamodules.sampling import ShuffledBatches
+
+    torchs = BatchSampler(RandomSampler(range(23), generator=torch.Generator().manual_seed(5)), 4, drop_last=False)
+    epochs = [list(torchs) for _ in range(3)]
+    ours = ShuffledBatches(23, 4, seed=5)
+    assert [list(ours) for _ in range(3)] == epochs and len(ours) == len(torchs) == 6
+    resumed = ShuffledBatches(23, 4, seed=5)
+    resumed.set_epoch(2)
+    assert list(resumed) == epochs[2] and epochs[2] != epochs[1]
+
+
+@pytest.mark.slow
+def test_a_probe_run_resumed_from_an_epoch_checkpoint_reports_what_the_uninterrupted_run_does(tmp_path, bert_tok):
+    """probe.py fit with its checkpoints on (--trainer.enable_checkpointing true), 1 epoch, then --ckpt_path that
+    epoch's checkpoint to 3: the report of 3 epochs straight. Before, the resumed run read epoch 0's order again and
+    forgot each probe's best validation so far (tested with an epoch's weights the straight run did not choose)."""
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(corpus_sentences(60)) + "\n", encoding="utf-8")
+
+    def fit(root: Path, epochs: int, *extra) -> dict:
+        run_cli("position", "--model.encoder", encoder, "--data.source", data, "--data.batch_size", 8,
+                "--trainer.max_epochs", epochs, "--trainer.enable_checkpointing", "true", "--model.lr", "0.2",
+                "--trainer.default_root_dir", root, *extra)
+        return json.loads((root / "position_probe.json").read_text())
+
+    straight = fit(tmp_path / "straight", 3)
+    fit(tmp_path / "resumed", 1)
+    [first] = (tmp_path / "resumed" / "checkpoints").glob("epoch=0-*.ckpt")
+    resumed = fit(tmp_path / "resumed", 3, "--ckpt_path", first)
+    assert resumed == straight
+    assert 0 in {row["best_epoch"] for row in straight["layers"]}  # some probe's best epoch is the one before the stop

@@ -258,11 +258,12 @@ def test_a_two_arm_study_writes_both_files_each_run_equal_to_its_own_analyses(fi
     # the runs differ in their own settings (their arm, seed and directories) only
     configs = {label: flat(json.loads((output / label / ARM_FILE).read_text())["config"]) for label in report["labels"]}
     for first, second, expected in (("baseline/seed0", "nope/seed0", {"model.position_embeddings"}),
-                                    ("baseline/seed0", "baseline/seed1", {"seed_everything"})):
+                                    ("baseline/seed0", "baseline/seed1", {"seed_everything", "data.seed"})):
         a, b = configs[first], configs[second]
         assert {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)} == {*expected, "trainer.default_root_dir"}
     assert configs["nope/seed1"]["trainer.default_root_dir"] == str(output / "nope" / "seed1")
     assert configs["nope/seed1"]["trainer.max_steps"] == 4 and configs["nope/seed1"]["seed_everything"] == 1
+    assert configs["nope/seed1"]["data.seed"] == 1  # its blocks' order and masks: its own, as its initialisation
 
 
 @pytest.mark.slow
