@@ -44,7 +44,7 @@ def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magni
 
 
 def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitudes: Magnitudes | None = None,
-                    more: str = "more sentences (--max_sentences)") -> dict:
+                    more: str = "more sentences (--max_sentences, or a larger --data)") -> dict:
     """outliers.json of a reference pass with statistics; with `magnitudes`, each layer's row also holds
     massive_activations, attention_sinks and magnitude_outliers, and the report their rules. Each layer's chance_bound
     and the report's chance_warning (ours; metrics/null.py, metrics/outliers.py); `more`: what gives the rule more

@@ -133,7 +133,7 @@ def outlier_verdict(layers: list[LayerOutliers], kurtosis: list[float]) -> dict:
 
 
 def chance_warning(layers: list[LayerOutliers], num_tokens: int, hidden_size: int, rule: OutlierRule,
-                   more: str = "more sentences (--max_sentences)") -> str | None:
+                   more: str = "more sentences (--max_sentences, or a larger --data)") -> str | None:
     """One line when the outliers that enter the persistent verdict (those of the non-input layers 1..L) could be
     chance alone: some such layer has outliers and the chance bound of `num_tokens` token vectors of width
     `hidden_size` is above CHANCE_LIMIT; None otherwise (ours). `more`: what gives the rule more tokens."""
