@@ -288,7 +288,7 @@ def warn_chance(points: list[dict]) -> None:
     """One line on stderr for the checkpoints whose outliers could be chance (ours): the first one's chance_warning."""
     warned = [point for point in points if point.get("chance_warning")]
     if warned:
-        more = f" (and {len(warned) - 1} more checkpoints)" if len(warned) > 1 else ""
+        more = f" (and {len(warned) - 1} more checkpoint{'s' if len(warned) > 2 else ''})" if len(warned) > 1 else ""
         print(f"warning: at step {warned[0]['step']}{more}, {warned[0]['chance_warning']}", file=sys.stderr)
 
 
