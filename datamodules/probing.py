@@ -209,8 +209,7 @@ class ProbeDataModule(pl.LightningDataModule):
         self.check_counts(extracted.counts)
         max_length = h.max_length or primary.max_length
         control = self._control_task(len(classes))
-        statistics = extracted.statistics.compute()  # the training split's counted token vectors
-        outlier_layers = detect_outliers(statistics, OutlierRule(h.min_share, h.sigma))
+        outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
             layer.layer = layers[layer.layer]
         if h.outlier_dims is not None:
@@ -227,7 +226,7 @@ class ProbeDataModule(pl.LightningDataModule):
                                                                *(variant.key for variant in self.variants())]
                                     for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
-            outlier_chance_bound=chance_outlier_bound(statistics.num_tokens, primary.hidden_size, h.min_share),
+            outlier_chance_bound=chance_outlier_bound(extracted.statistics.compute().num_tokens, primary.hidden_size, h.min_share),
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             control=control,
             data={"source": str(h.source), "splits_from": splits.described,
