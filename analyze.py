@@ -115,7 +115,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
 def add_rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min_share", type=float, default=OUTLIER_MIN_SHARE,
                         help="share of the token vectors whose max or min a dimension must hold to be an outlier "
-                             "(default 0.2: ours, for the paper's 'most vectors')")
+                             "(default 0.2: ours, for the paper's 'most vectors'); the report's chance_bound (ours) "
+                             "bounds how often chance alone flags a dim on that many tokens, and warns above 0.01")
     parser.add_argument("--sigma", type=float, default=None,
                         help="opt-in, ours: also an outlier when the robust z-score of the dimension's mean exceeds "
                              "this (default: off)")

@@ -25,6 +25,7 @@ from core.defaults import INTERVENE_PROBE, INTERVENTIONS
 from core.figures import layer_bands_figure
 from core.tables import table_lines
 from lightning_modules.interventions import DIMENSION_BASED, edit_sites, norm_sites
+from metrics.null import chance_outlier_bound
 from metrics.outliers import all_outlier_dims, persistent_dims
 
 PROBE = INTERVENE_PROBE  # --probe's quick settings (ours; the paper trains 10 epochs): core/defaults.py
@@ -89,6 +90,7 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
         "hidden_size": encoder.hidden_size, "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
         "persistent_dims": persistent_dims(outliers),
+        "chance_bound": chance_outlier_bound(baseline.statistics.num_tokens, encoder.hidden_size, rule.min_share),
         "dims": dims,
         "dims_from": "auto: the persistent outlier dims of the unmodified model on the same data (the outliers "
                      "analysis' rule)" if args.dims == "auto" else "given (--dims)",

@@ -14,6 +14,8 @@ eager attention), and the opt-in token-frequency correlation from metrics/freque
 
 from __future__ import annotations
 
+import sys
+
 from analyses.magnitudes import Magnitudes
 from analyses.reference import Reference, number, reference_pass
 from analyses.session import finish, prepare, read_sentences, run_header, setting_of, warn_text_counts
@@ -25,8 +27,9 @@ from core.tokenizers import readable_token
 from lightning_modules.encoder import FrozenEncoder
 from metrics.frequency import TokenDimensionMagnitude, frequency_correlation
 from metrics.neuron_stats import NeuronStatisticsResult
+from metrics.null import chance_outlier_bound
 from metrics.origins import summarise_origins, trace_origins
-from metrics.outliers import OutlierRule, all_outlier_dims, detect_outliers, persistent_dims
+from metrics.outliers import OutlierRule, all_outlier_dims, chance_warning, detect_outliers, persistent_dims
 
 
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magnitudes: Magnitudes | None = None
@@ -40,15 +43,19 @@ def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magni
     return reference
 
 
-def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitudes: Magnitudes | None = None) -> dict:
+def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitudes: Magnitudes | None = None,
+                    more: str = "more sentences (--max_sentences, or a larger --data)") -> dict:
     """outliers.json of a reference pass with statistics; with `magnitudes`, each layer's row also holds
-    massive_activations, attention_sinks and magnitude_outliers, and the report their rules."""
+    massive_activations, attention_sinks and magnitude_outliers, and the report their rules. Each layer's chance_bound
+    and the report's chance_warning (ours; metrics/null.py, metrics/outliers.py); `more`: what gives the rule more
+    tokens, as the warning says it."""
     result = reference.statistics
     if result.num_tokens == 0:
         raise UserError(f"no tokens counted in {args.data} (all special tokens excluded?)")
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
     layers = detect_outliers(result, rule)
     extra = magnitudes.layers() if magnitudes is not None else [{} for _ in layers]
+    chance = {"chance_bound": chance_outlier_bound(result.num_tokens, encoder.hidden_size, rule.min_share)}
     return {
         **run_header(args, encoder),
         "num_sentences": reference.num_sentences,
@@ -59,9 +66,10 @@ def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitud
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe(),
                  "persistence": rule.describe_persistence()},
         **(magnitudes.header() if magnitudes is not None else {}),
-        "layers": [{**layer.to_dict(), **values, **more} for layer, values, more in zip(layers, result.magnitudes(),
-                                                                                         extra)],
+        "layers": [{**layer.to_dict(), **chance, **values, **added} for layer, values, added in zip(
+            layers, result.magnitudes(), extra)],
         "persistent_dims": persistent_dims(layers),
+        "chance_warning": chance_warning(layers, result.num_tokens, encoder.hidden_size, rule, more),
         "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
     }
 
@@ -163,7 +171,14 @@ def run_outliers(args, rank: int, world: int) -> dict:
     if rank == 0:
         print_outliers(report)
         warn_text_counts({"outliers": report})
+        warn_chance(report)
     return report
+
+
+def warn_chance(report: dict) -> None:
+    """The report's chance_warning (ours), when it has one, as one line on stderr."""
+    if report.get("chance_warning"):
+        print(f"warning: {report['chance_warning']}", file=sys.stderr)
 
 
 def print_outliers(report: dict) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import pytorch_lightning as pl
 
 from analyses import geometry, semantic
-from analyses.outliers import outlier_figures, outliers_report
+from analyses.outliers import outlier_figures, outliers_report, warn_chance
 from analyses.paper_report import figure6, paper_markdown, paper_summary
 from analyses.reference import Setting
 from analyses.reports import figures_of
@@ -132,7 +132,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
                            for name in inputs.outlier_sources)
     found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
-    reports["outliers"] = {**outliers_report(args, encoder, found),
+    reports["outliers"] = {**outliers_report(args, encoder, found, more="more sentences (--outlier_sentences)"),
                            "sentences_from": inputs.outlier_sources, "sentences_asked": args.outlier_sentences}
     clip = explicit_clip(found.clipped)
     rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
@@ -235,4 +235,5 @@ def run_paper(args, rank: int, world: int) -> dict:
         (stage / "paper.md").write_text(markdown, encoding="utf-8")
     print(markdown)
     print(f"wrote {args.output_dir}/paper.md, paper.json and the reports and figures beside them")
+    warn_chance(reports["outliers"])
     return summary

@@ -10,7 +10,7 @@ protocol (analyses/geometry.py, analyses/semantic.py) and writes the report (ana
 from __future__ import annotations
 
 from analyses import geometry, semantic
-from analyses.outliers import mean_vectors_png, outliers_report
+from analyses.outliers import mean_vectors_png, outliers_report, warn_chance
 from analyses.reference import refit_on_sentences
 from analyses.reports import figures_of, summarise, summary_figure, summary_markdown
 from analyses.session import (
@@ -136,4 +136,5 @@ def run_all(args, rank: int, world: int) -> dict:
     if rank == 0:
         print("\n" + summary_markdown(summary))
         warn_text_counts(reports)
+        warn_chance(reports["outliers"])
     return summary

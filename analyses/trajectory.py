@@ -16,10 +16,11 @@ analysis whatever the number of checkpoints. Checkpoints are read weights-only (
 Per layer, each point also holds the outlier magnitudes of NeuronStatistics (kurtosis_mean, kurtosis_max, max_abs,
 top1_share; Bondarenko et al.'s kurtosis_sequence, inf_norm_sequence) and of analyses/magnitudes.py
 (massive_activations, attention_sinks, magnitude_outliers, as in outliers.json; the sinks in one more pass with eager
-attention, unless --no_attention_sinks), and each point the MLM validation loss its checkpoint records (val_loss, at
-val_loss_step; null when none). Several runs (`--run A --run B`, each `LABEL=DIR` or labelled by its directory's
-name) are analysed on the same sentences and written together: one JSON holding each run's own trajectory report, one
-figure with the runs as lines (compare_runs).
+attention, unless --no_attention_sinks) and the outlier rule's chance_bound (ours, as in outliers.json), and each
+point the MLM validation loss its checkpoint records (val_loss, at val_loss_step; null when none) and its
+chance_warning (ours, as in outliers.json; the first one printed). Several runs (`--run A --run B`, each `LABEL=DIR`
+or labelled by its directory's name) are analysed on the same sentences and written together: one JSON holding each
+run's own trajectory report, one figure with the runs as lines (compare_runs).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
 from lightning_modules.mlm import ARCHITECTURE
-from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
+from metrics.null import chance_outlier_bound
+from metrics.outliers import OutlierRule, chance_warning, detect_outliers, persistent_dims
 from metrics.summary import over_layers, top_share
 from metrics.transforms import RAW
 
@@ -162,7 +164,9 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
     magnitudes.attention_pass(setting, sentences)
     if reference.statistics.num_tokens == 0:
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
-    layers = detect_outliers(reference.statistics, OutlierRule(args.min_share, args.sigma))
+    rule, tokens = OutlierRule(args.min_share, args.sigma), reference.statistics.num_tokens
+    layers = detect_outliers(reference.statistics, rule)
+    chance = chance_outlier_bound(tokens, encoder.hidden_size, rule.min_share)  # ours: metrics/null.py
     statistics, more = reference.statistics.magnitudes(), magnitudes.layers()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
@@ -173,12 +177,14 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
     if shortfall and rank == 0:
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
-              "persistent_dims": persistent_dims(layers), "num_tokens": reference.statistics.num_tokens,
+              "persistent_dims": persistent_dims(layers), "num_tokens": tokens,
+              "chance_warning": chance_warning(layers, tokens, encoder.hidden_size, rule),
               **reference.counts(), "num_pairs": pairs, "num_minibatches": batches,
               "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions (a causal / rotary arm)
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, **statistics[layer.layer], **more[layer.layer],
+                          "outlier_dims": layer.outlier_dims, "chance_bound": chance, **statistics[layer.layer],
+                          **more[layer.layer],
                           "scale": number(reference.statistics.layer_scale[layer.layer]),
                           "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
@@ -274,7 +280,16 @@ def run_trajectory(args, rank: int, world: int) -> dict:
         print_trajectory(report)  # the same sentences and tokenizer at every point: one count (each point keeps its own)
         warn_text_counts({"trajectory": {**report, **{key: max(point[key] for point in report["checkpoints"])
                                                       for key in ("num_truncated", "num_unknown")}}})
+        warn_chance(report["checkpoints"])
     return report
+
+
+def warn_chance(points: list[dict]) -> None:
+    """One line on stderr for the checkpoints whose outliers could be chance (ours): the first one's chance_warning."""
+    warned = [point for point in points if point.get("chance_warning")]
+    if warned:
+        more = f" (and {len(warned) - 1} more checkpoint{'s' if len(warned) > 2 else ''})" if len(warned) > 1 else ""
+        print(f"warning: at step {warned[0]['step']}{more}, {warned[0]['chance_warning']}", file=sys.stderr)
 
 
 def compare_runs(args, runs: list[tuple[str, str]], output_dir: str, stem: str = "trajectory", rank: int = 0,

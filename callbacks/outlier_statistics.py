@@ -57,6 +57,11 @@ W&B also gets, every `image_every_n_steps` and at each validation, the images `o
 each validation and at the end of training the table `outliers_by_layer/table` (a row per layer at each of those image
 steps and validations: outlier dims, dominant dims, shares, ratio, anisotropy; it grows over time). TensorBoard gets
 the images and the table as text; CSV the scalars.
+
+The outlier rule's chance bound (ours; metrics/null.py) is not logged per capture: it is a function of
+outliers_by_layer/num_tokens, the width and the share alone, and ~0 for any real batch (a global batch of 256 x 512
+tokens). The last capture's verdict (`last`: train.py's end-of-run summary) holds it, as chance_bound, and its one-line
+chance_warning, printed once in that summary, when a capture of few tokens could have found its outliers by chance.
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations
 from metrics.neuron_stats import NeuronStatistics
+from metrics.null import chance_outlier_bound
 from metrics.outliers import (
     OutlierRule,
+    chance_warning,
     detect_outliers,
     max_median_ratio,
     outlier_verdict,
@@ -91,6 +98,7 @@ TABLE_COLUMNS = ["step", "split", "layer", "outlier_dims", "argmax_dim", "argmax
                  "top_dims", "max_median_ratio", "anisotropy"]
 TABLE = "outliers_by_layer/table"
 HISTORY = ["top_share", "kurtosis", "max_median_ratio"]  # per layer and capture: the by_layer image
+LIVE_MORE = "more tokens per capture (validation: --data.max_val_blocks; training: the global batch)"
 
 
 def pair_positions(seq_len: int, num_pairs: int, seed: int, device=None) -> tuple[Tensor, Tensor]:
@@ -224,7 +232,10 @@ class OutlierStatistics(LiveCallback):
         for layer, outliers in zip(self.layers, found):
             outliers.layer = layer
         kurtosis = [row["kurtosis_mean"] for row in cpu.magnitudes()]
-        return {"stage": stage, "step": step, **outlier_verdict(found, kurtosis)}
+        tokens = result.num_tokens  # the chance bound (ours): here, in the end-of-run summary, not a metric per capture
+        return {"stage": stage, "step": step, **outlier_verdict(found, kurtosis), "num_tokens": tokens,
+                "chance_bound": chance_outlier_bound(tokens, self.hidden_size, self.rule.min_share),
+                "chance_warning": chance_warning(found, tokens, self.hidden_size, self.rule, LIVE_MORE)}
 
     def log_result(self, trainer, stage: str, step: int, result, anisotropy: list[float] | None, extra: dict
                    ) -> None:

@@ -11,6 +11,9 @@ printed by train.py after the fit.
       validation   loss 6.338 at step 200
       outliers     the validation at step 200: persistent dims [77]; top share 61.2% (layer 3, dim 77); kurtosis 9.1 (layer 3)
 
+When that capture held so few tokens that chance alone could have made its outliers (ours: metrics/null.py's chance
+bound above 0.01), a sixth line, "chance", says so.
+
 A run that never validated says why, as its settings tell: "validation   not run (--trainer.limit_val_batches 0)", or
 "not run (the run ended before its first validation was due: --trainer.val_check_interval 500,
 --trainer.check_val_every_n_epoch null)". Without a validation the reading is the last live capture of training: "the
@@ -116,6 +119,8 @@ def summary_lines(summary: dict) -> list[str]:
                      f"{reading['persistent_dims'] or 'none'}; top share {reading['top_share']:.1%} (layer "
                      f"{reading['top_share_layer']}, dim {reading['top_share_dim']}); kurtosis "
                      f"{reading['kurtosis']:.3g} (layer {reading['kurtosis_layer']}; dims 0-indexed)")
+        if reading.get("chance_warning"):  # a capture of few tokens (ours: callbacks/outlier_statistics.py)
+            lines.append(f"  chance       {reading['chance_warning']}")
     return lines
 
 

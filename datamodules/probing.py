@@ -31,6 +31,7 @@ from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encod
 from lightning_modules.linear_probes import FeatureSpec
 from lightning_modules.pooling import mean_pool
 from metrics.control import CONSTRUCTION, control_labels, text_key
+from metrics.null import chance_outlier_bound
 from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
@@ -225,6 +226,7 @@ class ProbeDataModule(pl.LightningDataModule):
                                                                *(variant.key for variant in self.variants())]
                                     for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
+            outlier_chance_bound=chance_outlier_bound(extracted.statistics.compute().num_tokens, primary.hidden_size, h.min_share),
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
             control=control,
             data={"source": str(h.source), "splits_from": splits.described,

@@ -43,6 +43,7 @@ class FeatureSpec:
     outlier_dims: list[int]  # detected on the training split, or given
     outlier_source: str  # "detected" or "given"
     outlier_layers: list[LayerOutliers] = field(default_factory=list)
+    outlier_chance_bound: float | None = None  # chance alone flags a dim of a layer at most this often (ours)
     counts: dict = field(default_factory=dict)  # per split: sentences, items, and more
     majority: dict = field(default_factory=dict)  # majority and chance baselines
     data: dict = field(default_factory=dict)  # source, max_length, special tokens, ... for the report

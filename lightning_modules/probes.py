@@ -89,6 +89,7 @@ class PositionProbe(LinearProbes):
             "outlier_dims": spec.outlier_dims,
             "outlier_dims_source": spec.outlier_source,
             "outlier_layers": {str(lay.layer): lay.outlier_dims for lay in spec.outlier_layers},
+            "outlier_chance_bound": spec.outlier_chance_bound,
             "contribution": "c(i) = |w_i * v_i|, w the probe's weight row of the gold position, mean over test tokens",
             "layers": layers,
             "baselines": self.baselines(),
@@ -204,6 +205,8 @@ class SentenceClassifier(LinearProbes):
             "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",
+            "outlier_chance_bound": spec.outlier_chance_bound if self.clip_request.needs_outliers and
+            spec.outlier_source == "detected" else None,
             "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip, **self.control_columns(i),
                         **chosen,
                         **({"accuracy_softdecay": softdecay[i]} if softdecay else {})}

@@ -6,6 +6,7 @@ across seeds; and the verdict "beyond the null".
     expected_top_share(128)           # 1 / d: the share of tokens whose max (or min) any one dimension holds
     across_seeds([0.31, 0.42, 0.40])  # {"mean", "sd"}: sample standard deviation (n - 1), None for one seed
     beyond(value, null, margin=0.5)   # value > (1 + margin) * null
+    chance_outlier_bound(7, 384, 0.2) # 0.108: chance alone makes some dim an outlier of a layer, at most (ours)
 
 Gaussian vectors are what a model without outliers looks like to these statistics: isotropic, independent components
 of one scale. The study (analyses/null.py) puts them through the very Metrics a checkpoint goes through
@@ -23,6 +24,12 @@ A statistic that scales with the activations (max |x|, the inf-norm) is compared
 that layer to the null's (NeuronStatisticsResult.layer_scale: the median over dimensions of each dimension's root mean
 square, 1 for standard Gaussian vectors, and not moved by a few outlier dimensions, so that an outlier does not raise
 its own null). Scale-free statistics (kurtosis, shares) are used as they are.
+
+The outlier rule's chance bound (ours; `chance_outlier_bound`, in outliers.json as each layer's chance_bound): on n
+counted token vectors of width d, the rule (metrics/outliers.py: a dimension holding the max or the min of at least a
+share s of the tokens) flags some dimension of a layer by chance alone with probability at most
+2 d P(Binomial(n, 1 / d) >= ceil(s n)), capped at 1 (the union bound over the d dimensions, each as the max and as the
+min). Exact binomial tail, summed in log space (binomial_tail), stable for n up to 1e8.
 
 "Beyond the null", precisely: the statistic exceeds (1 + margin) times the largest of its null values (the same run at
 step 0, and every Gaussian sample), margin 0.5 unless the study file says otherwise. A verdict over seeds counts the
@@ -85,3 +92,84 @@ def beyond(value: float | None, null: float | None, margin: float) -> bool:
 
 def verdict_text(count: int, total: int) -> str:
     return f"beyond the null in {count} of {total} seed{'s' if total != 1 else ''}"
+
+
+# ---- the outlier rule's chance bound (ours) ----
+
+
+def share_count(num_tokens: int, share: float) -> int:
+    """The fewest of `num_tokens` token vectors a dimension must hold for the rule's test count / n >= share (float64,
+    as detect_outliers compares) to pass: ceil(share * n), corrected where the product rounds (0.1 * 30 gives
+    3.0000000000000004); n + 1 when no count passes (share > 1)."""
+    n = int(num_tokens)
+    if n <= 0:
+        return 0
+    count = min(max(math.ceil(share * n), 0), n + 1)
+    while count > 0 and (count - 1) / n >= share:
+        count -= 1
+    while count <= n and count / n < share:
+        count += 1
+    return count
+
+
+def _log_pmf(n: int, p: float, k: Tensor) -> Tensor:
+    """log P(Binomial(n, p) = k), k a float64 tensor (lgamma: relative error ~1e-7 at n = 1e8)."""
+    return (math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1) + k * math.log(p)
+            + (n - k) * math.log1p(-p))
+
+
+def _log_tail_sum(n: int, p: float, start: int, step: int) -> float:
+    """log of the sum of P(X = k) from k = `start` away from the mode (`step` +1: up to n; -1: down to 0). Summed in
+    chunks of growing length, stopped when the rest, at most the last term times r / (1 - r) (a geometric series: the
+    ratio r of neighbouring terms only falls away from the mode), is below 1e-17 of the sum."""
+    end, size, total, k0 = (n if step > 0 else 0), 256, -math.inf, start
+    while True:
+        stop = min(end, k0 + size - 1) if step > 0 else max(end, k0 - size + 1)
+        ks = torch.arange(k0, stop + step, step, dtype=torch.float64)
+        logs = _log_pmf(n, p, ks)
+        total = float(torch.logaddexp(torch.tensor(total, dtype=torch.float64), torch.logsumexp(logs, 0)))
+        if stop == end:
+            return total
+        k = stop
+        ratio = (n - k) / (k + 1) * p / (1 - p) if step > 0 else k / (n - k + 1) * (1 - p) / p
+        if float(logs[-1]) + math.log(ratio) - math.log1p(-ratio) < total - 40.0:  # e^-40 < 1e-17
+            return total
+        k0, size = stop + step, size * 2
+
+
+def binomial_tail(num_trials: int, probability: float, at_least: int) -> float:
+    """P(Binomial(n, p) >= k), exact in float64: the upper tail summed from k when k lies above the mean n p, else
+    1 - the lower tail summed from k - 1 down (each sum from its largest term, in log space)."""
+    n, p, k = int(num_trials), float(probability), int(at_least)
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0:
+        return 0.0
+    if p >= 1:
+        return 1.0
+    if k > n * p:
+        return math.exp(_log_tail_sum(n, p, k, 1))
+    return -math.expm1(_log_tail_sum(n, p, k - 1, -1))
+
+
+def chance_outlier_bound(num_tokens: int, dimension: int, min_share: float) -> float:
+    """An upper bound on the probability that chance alone makes some dimension an outlier of one layer under the
+    share rule (metrics/outliers.py), on `num_tokens` counted token vectors of width `dimension` (ours):
+
+        2 d P(Binomial(n, 1 / d) >= ceil(s n)), capped at 1
+
+    Why this null is the one for the rule: the rule reads only which dimension holds each token's max and min, never a
+    magnitude. If the dimensions are exchangeable (every dimension as likely as any other to hold a token's max, and
+    its min: Gaussian states are one case, any iid or exchangeable components without ties another) and the tokens
+    independent, a dimension's count of maxima is Binomial(n, 1 / d), as is its count of minima; "some dimension is
+    an outlier" is the union of these 2 d events, each of probability P(Binomial(n, 1 / d) >= ceil(s n)).
+
+    What it does not cover: a trained model's dimensions are not exchangeable, so a small bound does not make an
+    outlier real (nor does a large one make it chance: it says the sample cannot tell); the tokens of a sentence are
+    not independent (they share context), so the sample is worth fewer than n tokens and the bound understates chance;
+    the layers of one pass share the residual stream, so a persistent verdict's chance is not a product over layers;
+    the opt-in sigma rule is outside it. A floor on caution, not a test."""
+    if num_tokens <= 0:
+        return 1.0
+    tail = binomial_tail(num_tokens, 1.0 / dimension, share_count(num_tokens, min_share))
+    return min(1.0, 2.0 * dimension * tail)

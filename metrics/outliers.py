@@ -5,6 +5,7 @@ of ours).
     persistent_dims(layers)                                                    # outliers of half the non-input layers
     rule.describe(); rule.describe_persistence()                               # the reports' words, whose is which
     dims, means = top_mean_dims(result.mean, k=5); ratio = max_median_ratio(result.mean)   # [layers, k], [layers]
+    chance_warning(layers, num_tokens, hidden_size, rule)      # a line when the verdict could be chance (ours), or None
 
 The rule (Luo et al. 2021, §3: a neuron that bears the largest or the smallest value of "most vectors"; the paper
 gives no number, so the 0.2 share and the half-the-layers rule for persistence are ours). In layer l, dimension d is
@@ -15,6 +16,11 @@ vectors. Opt-in, ours (`sigma`, off by default): d is also an outlier when its m
 A dimension is *persistent* when it is an outlier in at least half of the non-input layers 1..L: layer 0 (the
 embedding output) is reported but never counted. Nothing here knows any model's dimensions: everything is read off
 the statistics.
+
+Chance (ours, it changes no verdict): metrics/null.py's chance_outlier_bound is, per layer, an upper bound on the
+probability that chance alone (exchangeable dimensions, independent tokens) makes some dimension an outlier of the
+layer on the tokens counted; `chance_warning` says so in one line when a non-input layer with outliers has a bound
+above CHANCE_LIMIT (0.01): on one sentence of 7 tokens of a 384-wide model, 0.108.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from torch import Tensor
 
 from core.defaults import OUTLIER_MIN_SHARE
 from metrics.neuron_stats import NeuronStatisticsResult
+from metrics.null import chance_outlier_bound
+
+CHANCE_LIMIT = 0.01  # a layer's chance bound above which the outlier verdict is said to be possibly chance (ours)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,21 @@ def outlier_verdict(layers: list[LayerOutliers], kurtosis: list[float]) -> dict:
     peak, peak_layer = max((k, row.layer) for row, k in chosen)
     return {"persistent_dims": persistent_dims(layers), "top_share": share, "top_share_layer": layer,
             "top_share_dim": dim, "kurtosis": peak, "kurtosis_layer": peak_layer}
+
+
+def chance_warning(layers: list[LayerOutliers], num_tokens: int, hidden_size: int, rule: OutlierRule,
+                   more: str = "more sentences (--max_sentences, or a larger --data)") -> str | None:
+    """One line when the outliers that enter the persistent verdict (those of the non-input layers 1..L) could be
+    chance alone: some such layer has outliers and the chance bound of `num_tokens` token vectors of width
+    `hidden_size` is above CHANCE_LIMIT; None otherwise (ours). `more`: what gives the rule more tokens."""
+    bound = chance_outlier_bound(num_tokens, hidden_size, rule.min_share)
+    found = [layer.layer for layer in layers if layer.layer >= 1 and layer.outlier_dims]
+    if bound <= CHANCE_LIMIT or not found:
+        return None
+    return (f"the outlier rule rested on {num_tokens:,} token vector{'s' if num_tokens != 1 else ''}: chance alone "
+            f"makes some of {hidden_size} dims an outlier of a layer with probability up to {bound:.3g} (chance_bound; "
+            f"ours: a union bound for exchangeable dims and independent tokens), so the outliers of {len(found)} "
+            f"non-input layer{'s' if len(found) != 1 else ''} and the persistent dims may be chance: {more} would tell")
 
 
 def all_outlier_dims(layers: list[LayerOutliers]) -> list[int]:

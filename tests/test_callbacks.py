@@ -1344,12 +1344,29 @@ def live_heatmap(tmp_path, monkeypatch, *others) -> tuple:
     return ax, numbers
 
 
+def check_chance_in_the_summary(reading: dict, tokens: int, width: int) -> None:
+    """A capture of 32 token vectors of width 16: a dim needs 7 of them (20%), which chance alone gives some dim with
+    probability up to 2 x 16 x P(Binomial(32, 1 / 16) >= 7) ~ 0.1 (summed here); the verdict holds it, and the run's
+    summary says it on one line of its own (the live callback logs no metric for it)."""
+    from callbacks.summary import summary_lines
+
+    tail = sum(math.comb(tokens, k) * width ** -k * (1 - 1 / width) ** (tokens - k) for k in range(7, tokens + 1))
+    assert reading["num_tokens"] == tokens and reading["chance_bound"] == pytest.approx(2 * width * tail, rel=1e-12)
+    assert 0.01 < reading["chance_bound"] < 1 and f"rested on {tokens} token vectors" in reading["chance_warning"]
+    summary = {"step": 1, "run_dir": "run", "export": None, "checkpoint": None, "wandb": None, "validation": None,
+               "no_validation": "--trainer.limit_val_batches 0", "outliers": reading}
+    lines = summary_lines(summary)
+    assert lines[-1] == f"  chance       {reading['chance_warning']}" and lines[-2].startswith("  outliers     ")
+    assert summary_lines({**summary, "outliers": {**reading, "chance_warning": None}}) == lines[:-1]
+
+
 def test_live_contribution_heatmap_numbers_the_outlier_dims_outlier_statistics_found(tmp_path, monkeypatch):
     """Beside OutlierStatistics the live heatmap numbers exactly its persistent outlier dims (the planted two) above the
     panel, as probe.py's heatmap does; without it, no number."""
     outliers = OutlierStatistics(every_n_steps=1, image_every_n_steps=0)
     ax, numbers = live_heatmap(tmp_path / "with", monkeypatch, outliers)
     assert sorted(outliers.last["persistent_dims"]) == sorted(PlantedOutlierModule.PLANTED)
+    check_chance_in_the_summary(outliers.last, tokens=4 * 8, width=16)
     assert numbers == sorted(PlantedOutlierModule.PLANTED)
     assert "persistent outlier dims" in ax.get_title()
     ax, numbers = live_heatmap(tmp_path / "without", monkeypatch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -181,6 +182,9 @@ def test_planted_outlier_matters_and_random_dims_do_not(tmp_path, bert_tok, monk
                "--num_pairs", 15, "--output_dir", out) == 0
     report = json.loads((out / "intervene.json").read_text())
     assert 7 in report["dims"] and report["mlm"]["head"] is False and "no MLM head" in report["mlm"]["note"]
+    n = report["num_tokens"]  # the baseline's ~1000 tokens: 2 x 32 x P(Binomial(n, 1 / 32) >= 0.2 n), in integers
+    tail = sum(math.comb(n, k) * 31 ** (n - k) for k in range(math.ceil(0.2 * n), n + 1)) / 32 ** n
+    assert report["chance_bound"] == pytest.approx(64 * tail, rel=1e-9) and report["chance_bound"] < 1e-10
     assert report["baseline"]["stats"]["share"]["7"][1:] == pytest.approx([1.0] * LAYERS, abs=0.02)
     result = report["interventions"]["layernorm_zero"]
     assert result["stats"]["share"]["7"] == pytest.approx([0.0] * (LAYERS + 1), abs=0.05)

@@ -1,6 +1,8 @@
 """The study's null, seeds and verdicts (metrics/null.py, lightning_modules/null.py, analyses/null.py), on synthetic
 hidden states and reports: the Gaussian null against its closed forms and a direct sample, the seed statistics
-against numbers computed by hand, the verdict on a planted outlier dimension and on pure noise.
+against numbers computed by hand, the verdict on a planted outlier dimension and on pure noise; the outlier rule's
+chance bound against a direct binomial sum, the birthday problem, scipy at large n and a Monte-Carlo of Gaussian
+states through the rule.
 
     .venv/bin/pytest tests/test_null.py -q
 """
@@ -24,11 +26,15 @@ from metrics.neuron_stats import NeuronStatistics
 from metrics.null import (
     across_seeds,
     beyond,
+    binomial_tail,
+    chance_outlier_bound,
     expected_kurtosis,
     expected_top_share,
     gaussian_states,
+    share_count,
     top_share_sd,
 )
+from metrics.outliers import OutlierRule, detect_outliers
 from tests.tiny import corpus_sentences, tiny_config
 
 # ---- the Gaussian null against its closed forms and a direct computation ----
@@ -83,6 +89,59 @@ def test_the_gaussian_twin_is_the_seeded_formula_on_the_encoders_tokens(bert_tok
     first = next(iter(twin.batches(texts, 5, progress=False)))  # the twin drew on: a new sample
     assert torch.equal(again, next(iter(gaussian_encoder(real, 3).batches(texts, 5, progress=False))).hidden_states)
     assert not torch.equal(again, first.hidden_states)
+
+
+# ---- the outlier rule's chance bound (ours) ----
+
+
+@pytest.mark.parametrize("n, d, share", [(7, 384, 0.2), (8, 64, 0.2), (30, 10, 0.1), (40, 3, 0.3), (1, 5, 0.2),
+                                         (26, 384, 0.2), (200, 50, 0.05), (12, 4, 1.0)])
+def test_the_chance_bound_is_twice_d_times_a_direct_binomial_sum(n, d, share):
+    """The count a dim needs, found by scanning c / n >= share as the rule compares (0.1 * 30 rounds above 3, 3 / 30
+    does not), and the tail as a float64 sum of the binomial terms; both branches of binomial_tail (above and below the
+    mean n / d: (40, 3, 0.3) and (200, 50, 0.05) sit below it)."""
+    needed = next(c for c in range(n + 2) if c > n or c / n >= share)
+    assert share_count(n, share) == needed
+    p = 1 / d
+    direct = math.fsum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(needed, n + 1))
+    assert binomial_tail(n, p, needed) == pytest.approx(direct, rel=1e-12, abs=1e-300)
+    assert chance_outlier_bound(n, d, share) == pytest.approx(min(1.0, 2 * d * direct), rel=1e-12, abs=1e-300)
+
+
+def test_the_chance_bound_is_nearly_the_birthday_probability_where_two_tokens_suffice():
+    """7 tokens of width 384 at share 0.2: two tokens sharing a dim's max is an outlier; the chance that some two of
+    7 maxima fall on one dim is the birthday problem's 1 - prod(1 - i / d), which the bound's half (the max alone)
+    covers and nearly equals (the union bound is tight for rare events), the 0.108 the docs quote."""
+    birthday = 1 - math.prod(1 - i / 384 for i in range(7))
+    half = chance_outlier_bound(7, 384, 0.2) / 2
+    assert birthday <= half <= 1.02 * birthday
+    assert round(2 * half, 3) == 0.108
+
+
+def test_the_binomial_tail_is_stable_at_large_n():
+    """Up to n = 1e8 against scipy (boost's incomplete beta), on both sides of the mean and far out in the tail."""
+    from scipy.stats import binom
+
+    for n, p, k in [(10 ** 8, 0.2, 20_010_000), (10 ** 8, 0.2, 19_990_000), (10 ** 8, 1 / 384, 2 * 10 ** 7),
+                    (10 ** 6, 1 / 384, 3000), (3 * 10 ** 7, 1 / 3, 10 ** 7 + 3000)]:
+        expected = binom.sf(k - 1, n, p)
+        assert binomial_tail(n, p, k) == pytest.approx(expected, rel=1e-5, abs=1e-300)
+    assert chance_outlier_bound(10 ** 8, 384, 0.2) == 0.0  # underflows: 2e7 maxima on one dim of 384
+    assert chance_outlier_bound(0, 384, 0.2) == 1.0  # no tokens: the rule says nothing
+
+
+def test_gaussian_states_through_the_real_rule_find_chance_outliers_no_more_often_than_the_bound():
+    """3000 seeded draws of 8 Gaussian token vectors of width 64 (each draw one 'layer' of NeuronStatistics), through
+    detect_outliers at share 0.2 (two tokens on one dim's max or min): the share of draws with an outlier is at most the
+    bound, and the bound is not vacuous (within a factor 1.5; about 0.60 observed against 0.82)."""
+    draws, tokens, width = 3000, 8, 64
+    states = gaussian_states((draws, 1, tokens, width), torch.Generator().manual_seed(0))
+    metric = NeuronStatistics(draws, width)
+    metric.update(states)
+    observed = sum(bool(layer.outlier_dims) for layer in detect_outliers(metric.compute(), OutlierRule(0.2))) / draws
+    bound = chance_outlier_bound(tokens, width, 0.2)
+    assert observed <= bound <= 1.5 * observed
+    assert 0.5 < observed < 0.7  # the max's birthday problem and the min's, about independent: 1 - 0.635^2
 
 
 # ---- statistics across seeds, by hand ----

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -15,7 +16,7 @@ from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers, persistent_dims, robust_z
 from metrics.ranks import rank_by_magnitude
 from tests.figure_data import panels, same, saved_figures
-from tests.tiny import LAYERS, MAX_POSITIONS, save_tiny_encoder
+from tests.tiny import HIDDEN, LAYERS, MAX_POSITIONS, save_tiny_encoder
 
 PE_DIM, LATE_DIM, LATE_LAYER = 5, 17, 2  # LATE_DIM is planted in the LayerNorm that writes hidden state 2
 
@@ -75,6 +76,9 @@ def test_planted_outliers_found_in_right_layers_and_traced(planted, sentences_fi
     assert planted_norm["bias_rank"] == 1 and planted_norm["layer"] == LATE_LAYER and planted_norm["bias"] == -8.0
     assert late["embeddings.LayerNorm"]["bias_rank"] > 1
     assert report["num_tokens"] == direct_token_count(path, sentences_file)
+    # hundreds of tokens: chance alone cannot give a dim 20% of them (2 x 32 x P(Binomial(n, 1 / 32) >= 0.2 n) ~ 1e-28)
+    assert all(0 <= row["chance_bound"] == layers[0]["chance_bound"] < 1e-20 for row in layers)
+    assert report["chance_warning"] is None
     check_position_rows_figure(panels(saved["position_embeddings.png"]), path, 0 if kind == "bert" else 2,
                                report["persistent_dims"])
 
@@ -105,6 +109,28 @@ def direct_token_count(path, sentences_file) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     lines = [line.strip() for line in sentences_file.read_text().splitlines() if line.strip()]
     return sum(min(len(ids), MAX_POSITIONS) for ids in tokenizer(lines)["input_ids"])  # truncated at 64 tokens
+
+
+def test_one_short_sentence_warns_in_one_line_that_its_outliers_could_be_chance(tmp_path, bert_tok, capsys):
+    """One sentence of a handful of tokens: two tokens on one dim's max make an outlier, which chance alone gives with
+    probability near 1 in 32 dims; every layer's chance_bound is 2 x 32 x the binomial tail summed here, capped at 1,
+    and the warning (the planted dim is still found persistent) is one line on stderr, the report's chance_warning."""
+    path = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=lambda m: plant(m, 0))
+    data = tmp_path / "one.txt"
+    data.write_text("the cat sat.\n", encoding="utf-8")
+    capsys.readouterr()
+    report = run(path, data, tmp_path / "out")
+    n = report["num_tokens"]
+    assert n == direct_token_count(path, data) and n < 10
+    needed = math.ceil(0.2 * n - 1e-9)
+    tail = sum(math.comb(n, k) * (1 / HIDDEN) ** k * (1 - 1 / HIDDEN) ** (n - k) for k in range(needed, n + 1))
+    bound = min(1.0, 2 * HIDDEN * tail)
+    assert bound > 0.01 and PE_DIM in report["persistent_dims"]
+    assert [row["chance_bound"] for row in report["layers"]] == pytest.approx([bound] * (LAYERS + 1), rel=1e-12)
+    said = [line for line in capsys.readouterr().err.splitlines() if "chance" in line]
+    assert said == [f"warning: {report['chance_warning']}"]
+    assert f"rested on {n} token vectors" in said[0] and f"up to {bound:.3g}" in said[0]
+    assert f"the outliers of {LAYERS} non-input layers" in said[0] and "(--max_sentences" in said[0]
 
 
 def test_exclude_special_counts_fewer_tokens(planted, sentences_file, tmp_path):

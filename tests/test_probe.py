@@ -22,6 +22,7 @@ from datamodules.probing import ClassificationDataModule, PositionDataModule
 from lightning_modules.encoder import FrozenEncoder, load_encoder
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from lightning_modules.stacked import StackedLinearCrossEntropy, StackedProbe, slot_seed
+from metrics.null import chance_outlier_bound
 from tests.tiny import HIDDEN as TINY_HIDDEN
 from tests.tiny import LAYERS, corpus_sentences, save_tiny_encoder
 
@@ -185,6 +186,8 @@ def test_probe_recovers_planted_position_and_contributions_single_out_its_dimens
     report = model.write_outputs(tmp_path / "out")
     by_hand = hand_outlier_dims(dm.stores["train"].features())  # detected on the training split
     assert {int(layer): dims for layer, dims in report["outlier_layers"].items()} == dict(enumerate(by_hand))
+    train = dm.stores["train"].features()  # [layers, tokens, hidden]: the token vectors the rule counted
+    assert report["outlier_chance_bound"] == chance_outlier_bound(train.shape[1], train.shape[2], 0.2)
     for layer, dim in enumerate(PLANTED):  # detected: each layer's planted dim holds most tokens' maximum there
         assert dim in report["outlier_layers"][str(layer)]
     # persistent: an outlier in at least half of layers 1..2 (here: in either), most frequent first, then by dim
@@ -246,6 +249,7 @@ def test_classifier_learns_separable_task_and_clipping_its_dimension_leaves_the_
     train_majority = torch.bincount(dm.stores["train"].labels).argmax()
     majority = float((test_labels == train_majority).double().mean())
     assert model.report()["majority_baseline"] == pytest.approx(majority)
+    assert model.report()["outlier_chance_bound"] is None  # the clipped dims are given: no detection enters
     accuracy, clipped = model.accuracy_of("encoder"), model.accuracy_of("clipped")
     assert accuracy == [1.0, 1.0, 1.0]
     # Clipping dim 9 removes the signal from layer 2 only (its planted dim): its features are then one constant
@@ -486,6 +490,7 @@ def test_outliers_are_detected_by_neuron_statistics_on_the_cached_training_featu
     share = torch.maximum(max_share, min_share)  # [layers, hidden]
     near = (share - 0.2).abs() < 0.01
     assert len(dm.spec.outlier_layers) == LAYERS + 1
+    assert dm.spec.outlier_chance_bound == chance_outlier_bound(count, TINY_HIDDEN, 0.2)  # of the training tokens
     for layer, (spec_layer, dims) in enumerate(zip(dm.spec.outlier_layers, expected, strict=True)):
         assert spec_layer.layer == layer
         differ = set(spec_layer.outlier_dims) ^ set(dims)

@@ -7,6 +7,7 @@ of that checkpoint alone; `--encoders` keeps the order given; the refusals.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -367,6 +368,34 @@ def test_a_trajectory_of_truncated_sentences_says_how_many_were_cut(bert_tok, tm
                          "--max_length", "12", "--output_dir", str(tmp_path / "t")]) == 0
     report = json.loads((tmp_path / "t" / "trajectory.json").read_text())
     assert [point["num_truncated"] for point in report["checkpoints"]] == [longer, longer]
+    for point in report["checkpoints"]:  # hundreds of tokens: no chance outlier (ours: metrics/null.py)
+        assert all(row["chance_bound"] < 1e-10 for row in point["layers"]) and point["chance_warning"] is None
     assert [line for line in capsys.readouterr().err.splitlines() if "truncated" in line] == [
         f"warning: {longer} of {len(texts)} sentences were longer than 12 tokens and were truncated (counted in the "
         "report as num_truncated)"]
+
+
+@pytest.mark.filterwarnings("ignore:IsoScore\\* not computed")
+def test_a_trajectory_of_two_short_sentences_says_once_that_its_outliers_could_be_chance(bert_tok, tmp_path, capsys):
+    """Two sentences of a few tokens: a dim planted in every LayerNorm is persistent at both points, but on so few
+    tokens chance alone would flag some dim too: each layer's chance_bound is 2 x 32 x the binomial tail summed here
+    (capped at 1), each point holds its chance_warning, and one line on stderr says it for both."""
+    def plant(model):
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.bias[7] = 8.0
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=plant)
+    data = tmp_path / "s.txt"
+    data.write_text("Yes.\nNo.\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["trajectory", "--encoders", str(encoder), str(encoder), "--data", str(data), *COMMON,
+                         "--output_dir", str(tmp_path / "t")]) == 0
+    points = json.loads((tmp_path / "t" / "trajectory.json").read_text())["checkpoints"]
+    for point in points:
+        n = point["num_tokens"]
+        tail = sum(math.comb(n, k) * 32.0 ** -k * (31 / 32) ** (n - k) for k in range(math.ceil(0.2 * n), n + 1))
+        assert [row["chance_bound"] for row in point["layers"]] == pytest.approx([min(1.0, 64 * tail)] * 4, rel=1e-12)
+        assert 7 in point["persistent_dims"] and f"rested on {n} token vectors" in point["chance_warning"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "chance" in line]
+    assert said == [f"warning: at step {points[0]['step']} (and 1 more checkpoint), {points[0]['chance_warning']}"]
