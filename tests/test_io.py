@@ -544,3 +544,10 @@ def test_a_hard_wrapped_text_file_is_said_to_give_fragments_once(tmp_path):
     with warnings.catch_warnings():  # a sentence a line, and wrapped lines between blank lines (paragraphs): quiet
         warnings.simplefilter("error")
         assert list(iter_texts(lines)) == sentences + wrapped[:40]
+    symbols = [" ".join("a" + chr(97 + (7 * n + k) % 26) for k in range(30)) for n in range(40)]
+    synthetic = tmp_path / "symbols.txt"  # a toy language a sequence a line (scripts/bigram_backcopy.py): no prose
+    synthetic.write_text("\n".join(symbols) + "\n", encoding="utf-8")
+    assert all(line[0].islower() and not line.endswith(".") for line in symbols)  # every break looks 'inside'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(iter_texts(synthetic)) == symbols
