@@ -554,6 +554,26 @@ def test_the_copies_of_a_repeated_sentence_stay_in_one_split(tmp_path):
         read_splits(str(source), reader(["one line"] * 200), bool)
 
 
+def test_a_repeated_sentence_is_held_out_as_often_as_any_other(tmp_path):
+    """A sentence's copies go to one split, drawn as often as a sentence of one copy: here 50 copies of one line among
+    950 other lines, test and validation 10% each. Ordered by the first of its copies in the seeded order, the
+    repeated line led that order for every seed and went to test each time (half the test split one sentence). Over
+    200 seeds it lands in test about a tenth of the time, as the sentences of one copy do on average."""
+    from datamodules.splits import read_splits
+
+    source = write_lines(tmp_path / "any.txt", ["unused: the reader below gives the texts"])
+    texts = [f"sentence {i}" for i in range(950)] + ["a boilerplate line"] * 50
+    in_test, singles = 0, 0.0
+    for seed in range(200):
+        splits = read_splits(str(source), lambda source, split: (list(texts), [None] * len(texts)), bool, seed=seed)
+        test = set(splits.texts["test"])
+        assert not test & set(splits.texts["train"]) and not test & set(splits.texts["val"])
+        in_test += "a boilerplate line" in test
+        singles += len(test - {"a boilerplate line"}) / 950  # the share of the sentences of one copy held in test
+    assert singles / 200 == pytest.approx(0.1, abs=0.02)
+    assert in_test / 200 == pytest.approx(singles / 200, abs=0.07)
+
+
 def test_a_whole_number_written_with_a_decimal_point_is_the_class_of_that_number_in_every_file_format(tmp_path):
     """A csv exported by pandas from a float column writes 1.0; JSON, parquet and datasets give the float 1.0, which
     is the class 1: read from the csv it was the class '1.0', another class than a '1' of the same column (a third
