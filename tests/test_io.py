@@ -551,3 +551,55 @@ def test_a_hard_wrapped_text_file_is_said_to_give_fragments_once(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert list(iter_texts(synthetic)) == symbols
+
+
+PENN_TREEBANK = [  # the Penn Treebank's language-modelling text (ptb.train.txt's style): lowercased, a sentence a
+    'aer banknote berlitz calloway centrust cluett fromstein gitano guterman hydro-quebec ipo kia memotec mlx nahb punts rake regatta rubens sim snack-food ssangyong swapo wachter',
+    'pierre <unk> N years old will join the board as a nonexecutive director nov. N',
+    'mr. <unk> is chairman of <unk> n.v. the dutch publishing group',
+    'rudolph <unk> N years old and former chairman of consolidated gold fields plc was named a nonexecutive director of this british industrial conglomerate',
+    'a form of asbestos once used to make kent cigarette filters has caused a high percentage of cancer deaths among a group of workers exposed to it more than N years ago researchers reported',
+    'the asbestos fiber <unk> is unusually <unk> once it enters the <unk> with even brief exposures to it causing symptoms that show up decades later researchers said',
+    '<unk> inc. the unit of new york-based <unk> corp. that makes kent cigarettes stopped using <unk> in its <unk> cigarette filters in N',
+    "although preliminary findings were reported more than a year ago the latest results appear in today 's new england journal of medicine a forum likely to bring new attention to the problem",
+    'a <unk> <unk> said this is an old story',
+    "we 're talking about years ago before anyone heard of asbestos having any questionable properties",
+    'there is no asbestos in our products now',
+    'neither <unk> nor the researchers who studied the workers were aware of any research on smokers of the kent cigarettes',
+    "we have no useful information on whether users are at risk said james a. <unk> of boston 's <unk> cancer institute",
+    'dr. <unk> led a team of researchers from the national cancer institute and the medical schools of harvard university and boston university',
+    'the <unk> spokeswoman said asbestos was a <unk> material and used in making paper-thin filters',
+    "mr. <unk> said the company 's results for the quarter ended sept. N were in line with expectations",
+    'the u.s. trade deficit widened in august as imports rose to a record',
+    'shares of the company closed at $ N a share down N cents in new york stock exchange composite trading',
+    'the company said it expects to report net income of $ N million or N cents a share for the year',
+    'analysts said the move by the fed was widely expected',
+    'the dow jones industrial average fell N points to N',
+    'prices of treasury bonds rose in quiet trading',
+    'the plan would allow the company to buy back as many as N million shares',
+]  # line, its final points dropped, numbers as N, abbreviations keeping their points
+
+
+def test_a_lowercased_sentence_a_line_corpus_with_abbreviations_is_not_said_to_be_hard_wrapped(tmp_path):
+    """The Penn Treebank (lowercased, a sentence a line, no final point) has every break 'inside' a sentence by the
+    line test, and an abbreviation's point ("mr. <unk>", "nov. N", "corp. that") in 7 of these 23 lines: read as
+    sentence ends, they made it prose, and it was said to be hard-wrapped. A sentence's end inside a line is one before
+    a capitalised word (or at the line's end); the same lines with their sentences capitalised and wrapped in pairs
+    are still said to be."""
+    import textwrap
+    import warnings
+
+    assert sum(". " in line for line in PENN_TREEBANK) == 7
+    assert all((line[0].islower() or line.startswith("<unk>")) and not line.endswith(".") for line in PENN_TREEBANK)
+    path = tmp_path / "ptb.train.txt"
+    path.write_text("".join(f" {line} \n" for line in PENN_TREEBANK), encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(iter_texts(path)) == PENN_TREEBANK
+    prose = [line[0].upper() + line[1:] + "." for line in PENN_TREEBANK]  # sentences, two to a paragraph, wrapped
+    joined = [" ".join(prose[i:i + 2]) for i in range(0, len(prose), 2)]
+    wrapped = [piece for paragraph in joined for piece in textwrap.wrap(paragraph, 50)]
+    path = tmp_path / "wrapped.txt"
+    path.write_text("\n".join(wrapped) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="line breaks fall inside a sentence"):
+        assert list(iter_texts(path)) == wrapped
