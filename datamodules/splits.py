@@ -38,7 +38,7 @@ class Splits:
     texts: dict[str, list[str]] = field(default_factory=dict)
     labels: dict[str, list] = field(default_factory=dict)
     described: dict[str, str] = field(default_factory=dict)
-    repeats: int = 0  # carved sentences that repeat another (each kept in its first copy's split)
+    repeats: int = 0  # carved sentences that repeat another (each kept in the split of its first row)
 
 
 def read_splits(source: str, read: Reader, labelled: Callable[[list], bool], val_fraction: float = 0.1,
