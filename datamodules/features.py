@@ -22,6 +22,7 @@ are taken from its states, not transformed afterwards), in `layers` order.
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import warnings
@@ -37,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from core.errors import UserError
 from core.output import FEATURES, new_stage
 from core.tokenizers import unknown_count, unknown_line
 from datamodules.splits import SPLITS
@@ -161,8 +163,9 @@ class FeatureExtractor:
 
     def __init__(self, layers: list[int], batch_size: int = 32, max_length: int | None = None,
                  exclude_special: bool = False, max_memory_gb: float = 4.0, cache_root: str | Path | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, memory_option: str = "--data.max_memory_gb") -> None:
         self.layers, self.batch_size, self.max_length = layers, batch_size, max_length
+        self.memory_option = memory_option  # how the entry point names max_memory_gb (in the float16 range's line)
         self.exclude_special, self.max_memory_gb, self.cache_root = exclude_special, max_memory_gb, cache_root
         self.progress = progress
         self._cleanups: list[weakref.finalize] = []  # memory-mapped files live as long as this extractor
@@ -242,6 +245,7 @@ class FeatureExtractor:
                     for states in hidden:
                         features, item_labels, per_sentence = task.pool(states, split_keep, rows, sentence_labels)
                         parts.append(features.float().cpu())
+                    self.check_range(parts, dtype, sum(numbers.values()))
                     if split == "train":
                         statistics.update(hidden[0], split_keep)
                     types = task.item_types(inputs["input_ids"].to(split_keep.device), split_keep, rows, batch_texts)
@@ -264,6 +268,20 @@ class FeatureExtractor:
                    "gib": round(sum(numbers.values()) * dtype.itemsize / GIB, 4),
                    "splits": {split: "memory" if paths[split] is None else "memory-mapped file" for split in SPLITS}}
         return Extracted(stores, ordered_texts, ordered_labels, counts, truncated, statistics, storage, in_text, unknown)
+
+    def check_range(self, parts: list[Tensor], dtype: torch.dtype, values: int) -> None:
+        """Features held in float16 must fit its range: a hidden state past 65504 (a massive activation of a large
+        model) would be cached as inf, and every probe reading it would train to nan, silently. One line instead, with
+        the budget that keeps them in float32 (`values`: the features of all splits)."""
+        if dtype != torch.float16:
+            return
+        peak = max(float(part.abs().amax()) for part in parts if part.numel())
+        if peak > torch.finfo(torch.float16).max:
+            need = values * 4 / GIB
+            raise UserError(f"hidden states reach |x| = {peak:.4g}, past float16's largest value (65504): the features "
+                            f"({need:.2f} GiB in float32) are over {self.memory_option} {self.max_memory_gb}, so they "
+                            f"would be held in float16, as inf; give {self.memory_option} {math.ceil(need * 100) / 100} "
+                            "or more to hold them in float32")
 
     def select(self, hidden_states: Tensor) -> Tensor:
         """[all layers, batch, seq, hidden] → [chosen layers, ...] (no copy when all are chosen)."""
