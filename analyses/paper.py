@@ -131,8 +131,9 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     reports = {}
     args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
                            for name in inputs.outlier_sources)
-    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
-    reports["outliers"] = {**outliers_report(args, encoder, found, more="more sentences (--outlier_sentences)"),
+    more = "more sentences (--outlier_sentences)"
+    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True, more=more)
+    reports["outliers"] = {**outliers_report(args, encoder, found, more=more),
                            "sentences_from": inputs.outlier_sources, "sentences_asked": args.outlier_sentences}
     clip = explicit_clip(found.clipped)
     rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
@@ -159,6 +160,8 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
                                                          **semantic.sts(setting, pairs, reference.variants, args.static,
                                                                         args.static_lowercase)}
+    reports = {name: report if name == "outliers" else found.with_chance(report)  # the clipping's detection: §3's
+               for name, report in reports.items()}
     return reports, found.statistics, clip
 
 

@@ -48,8 +48,7 @@ from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
 from lightning_modules.mlm import ARCHITECTURE
-from metrics.null import chance_outlier_bound
-from metrics.outliers import OutlierRule, chance_warning, detect_outliers, persistent_dims
+from metrics.outliers import OutlierRule, chance_of, detect_outliers, persistent_dims
 from metrics.summary import over_layers, top_share
 from metrics.transforms import RAW
 
@@ -166,7 +165,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     rule, tokens = OutlierRule(args.min_share, args.sigma), reference.statistics.num_tokens
     layers = detect_outliers(reference.statistics, rule)
-    chance = chance_outlier_bound(tokens, encoder.hidden_size, rule.min_share)  # ours: metrics/null.py
+    chance = chance_of(layers, tokens, encoder.hidden_size, rule)  # ours: metrics/outliers.py, metrics/null.py
     statistics, more = reference.statistics.magnitudes(), magnitudes.layers()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
@@ -178,13 +177,13 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
               "persistent_dims": persistent_dims(layers), "num_tokens": tokens,
-              "chance_warning": chance_warning(layers, tokens, encoder.hidden_size, rule),
+              "chance_warning": chance["chance_warning"],
               **reference.counts(), "num_pairs": pairs, "num_minibatches": batches,
               "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions (a causal / rotary arm)
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, "chance_bound": chance, **statistics[layer.layer],
-                          **more[layer.layer],
+                          "outlier_dims": layer.outlier_dims, "chance_bound": chance["chance_bound"],
+                          **statistics[layer.layer], **more[layer.layer],
                           "scale": number(reference.statistics.layer_scale[layer.layer]),
                           "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
