@@ -24,6 +24,7 @@ from core.figures import layer_panels_figure, mean_vectors_figure, position_rows
 from core.models import position_rows
 from core.tables import shown_token
 from core.tokenizers import readable_token
+from core.wording import plural
 from lightning_modules.encoder import FrozenEncoder
 from metrics.frequency import TokenDimensionMagnitude, frequency_correlation
 from metrics.neuron_stats import NeuronStatisticsResult
@@ -188,8 +189,8 @@ def warn_chance(report: dict) -> None:
 
 
 def print_outliers(report: dict) -> None:
-    print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {report['num_sentences']} sentences, "
-          f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
+    print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {plural(report['num_sentences'], 'sentence')}, "
+          f"{plural(report['num_tokens'], 'token', spec=',')} (special tokens {report['special_tokens']}; dims 0-indexed)")
     print(f"{'layer':>5}  {'argmax dim (share)':>19}  {'argmin dim (share)':>19}  outlier dims")
     for layer in report["layers"]:
         print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "

@@ -37,6 +37,7 @@ from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
 from core.tokenizers import lowercases, special_strings
+from core.wording import plural
 from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
@@ -129,11 +130,10 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     """(reports, the outlier statistics, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
     encoder = setting.encoder
     reports = {}
-    args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
+    args.data = " + ".join(f"{plural(inputs.outlier_sources[name], 'sentence')} of {getattr(args, name)}"
                            for name in inputs.outlier_sources)
-    more = "more sentences (--outlier_sentences)"
-    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True, more=more)
-    reports["outliers"] = {**outliers_report(args, encoder, found, more=more),
+    found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
+    reports["outliers"] = {**outliers_report(args, encoder, found, more="more sentences (--outlier_sentences)"),
                            "sentences_from": inputs.outlier_sources, "sentences_asked": args.outlier_sentences}
     clip = explicit_clip(found.clipped)
     rule = f"{found.clip_rule}; detected on {args.data} and applied as {clip}"
@@ -160,8 +160,6 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
                                                          **semantic.sts(setting, pairs, reference.variants, args.static,
                                                                         args.static_lowercase)}
-    reports = {name: report if name == "outliers" else found.with_chance(report)  # the clipping's detection: §3's
-               for name, report in reports.items()}
     return reports, found.statistics, clip
 
 

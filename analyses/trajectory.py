@@ -44,6 +44,7 @@ from core.models import model_family
 from core.output import check_writable
 from core.sources import cannot_load, local_path
 from core.step_figures import over_steps_figure
+from core.wording import plural
 from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
@@ -287,7 +288,7 @@ def warn_chance(points: list[dict]) -> None:
     """One line on stderr for the checkpoints whose outliers could be chance (ours): the first one's chance_warning."""
     warned = [point for point in points if point.get("chance_warning")]
     if warned:
-        more = f" (and {len(warned) - 1} more checkpoint{'s' if len(warned) > 2 else ''})" if len(warned) > 1 else ""
+        more = f" (and {plural(len(warned) - 1, 'more checkpoint')})" if len(warned) > 1 else ""
         print(f"warning: at step {warned[0]['step']}{more}, {warned[0]['chance_warning']}", file=sys.stderr)
 
 
@@ -385,7 +386,7 @@ def trajectory_figure(report: dict):
     steps = [point["step"] for point in checkpoints]
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
     empty = (f"IsoScore* needs mini-batches of {report.get('minibatch_tokens')} tokens, one per sentence: "
-             f"{report.get('num_sentences')} sentences here")
+             f"{plural(report.get('num_sentences') or 0, 'sentence')} here")
     panels = [{"title": title, "ylabel": YLABELS[key], "log": key in ("kurtosis_mean", "max_abs"), "series": {
         f"layer {layer}": (steps, [
             point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
@@ -403,7 +404,7 @@ def print_trajectory(report: dict) -> None:
     name = report["label"] if report["label"] and report["run"] and report["label"] != Path(report["run"]).name \
         else None
     print(f"\ntrajectory of {report['run'] or ', '.join(report['encoders'])}{f' ({name})' if name else ''} on "
-          f"{report['data']} ({report['num_sentences']} sentences; dims 0-indexed)")
+          f"{report['data']} ({plural(report['num_sentences'], 'sentence')}; dims 0-indexed)")
     print(f"{'step':>8}  {'persistent dims':<20} last layer: argmax dim (share), kurtosis, max |x|, anisotropy, "
           "IsoScore*")
     for point in report["checkpoints"]:

@@ -23,9 +23,10 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from core.errors import UserError
+from core.wording import plural
 from datamodules.features import FeatureExtractor, ItemBatches
 from datamodules.sampling import ShuffledBatches
-from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
+from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels, warn_blank_rows
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, TextColumn, iter_records
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.linear_probes import FeatureSpec
@@ -355,8 +356,8 @@ class PositionDataModule(ProbeDataModule):
         dropped = sum(split["dropped_positions"] for split in counts.values())
         if dropped:
             name = self.max_positions_option or "the position probe's max_positions"
-            warnings.warn(f"{dropped} tokens at positions >= {name} {self.max_positions} are left out "
-                          "of the probe (counted in the report as dropped_positions)", stacklevel=2)
+            warnings.warn(f"the probe leaves out {plural(dropped, 'token')} at positions >= {name} "
+                          f"{self.max_positions} (counted in the report as dropped_positions)", stacklevel=2)
 
 
 class ClassificationDataModule(ProbeDataModule):
@@ -404,8 +405,7 @@ class ClassificationDataModule(ProbeDataModule):
                 continue
             texts.append(text)
             labels.append(label)
-        if blank:
-            warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)
+        warn_blank_rows(blank, source)
         if not texts:
             raise UserError(f"no labelled texts in {source}")
         return texts, labels

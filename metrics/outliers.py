@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from core.defaults import OUTLIER_MIN_SHARE
+from core.wording import plural
 from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.null import chance_outlier_bound
 
@@ -144,10 +145,10 @@ def chance_warning(layers: list[LayerOutliers], num_tokens: int, hidden_size: in
     found = [layer.layer for layer in layers if layer.layer >= 1 and layer.outlier_dims]
     if bound <= CHANCE_LIMIT or not found:
         return None
-    return (f"the outlier rule rested on {num_tokens:,} token vector{'s' if num_tokens != 1 else ''}: chance alone "
+    return (f"the outlier rule rested on {plural(num_tokens, 'token vector', spec=',')}: chance alone "
             f"makes some of {hidden_size} dims an outlier of a layer with probability up to {bound:.3g} (chance_bound; "
-            f"ours: a union bound for exchangeable dims and independent tokens), so the outliers of {len(found)} "
-            f"non-input layer{'s' if len(found) != 1 else ''} and the persistent dims may be chance: {more} would tell")
+            f"ours: a union bound for exchangeable dims and independent tokens), so the outliers of "
+            f"{plural(len(found), 'non-input layer')} and the persistent dims may be chance: {more} would tell")
 
 
 def chance_of(layers: list[LayerOutliers], num_tokens: int, hidden_size: int, rule: OutlierRule,
