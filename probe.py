@@ -122,6 +122,8 @@ def print_summary(report: dict, output_dir) -> None:
               "dim (top_contribution_ranks, top_contribution_ties in position_probe.json)")
     print(f"majority baseline {report['baselines']['majority']:.3f}, chance {report['baselines']['chance']:.3f}")
     print(f"wrote the report to {output_dir}")
+    if report.get("outlier_chance_warning"):  # the outlier detection could be chance (ours: metrics/outliers.py)
+        print(f"warning: {report['outlier_chance_warning']}", file=sys.stderr)
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> ProbeCLI:

@@ -83,6 +83,7 @@ from callbacks.summary import RunSummary, run_summary, summary_lines
 from callbacks.wandb_logging import AutoWandbLogger, keep_runs, use_root_dir
 from core.cli import HeldLogs, ProjectCLI
 from core.errors import UserError, plain_warnings
+from core.wording import plural
 from datamodules.finetune import FineTuneDataModule
 from datamodules.mlm import MLMDataModule, check_block_length
 from lightning_modules.checkpoints import read_checkpoint
@@ -282,7 +283,7 @@ def add_run_summary(trainer) -> None:
 
 def print_summary(report: dict, path: Path) -> None:
     weight = f" (λ = {report['reg_weight']:g}, layers {report['reg_layers']})" if report["regularizer"] != "none" else ""
-    print(f"\nfine-tuned {report['encoder']} for {report['steps']} steps, regularizer {report['regularizer']}{weight}: "
+    print(f"\nfine-tuned {report['encoder']} for {plural(report['steps'], 'step')}, regularizer {report['regularizer']}{weight}: "
           f"test accuracy {report['accuracy']:.3f} (majority {report['majority']['test_accuracy']:.3f}), "
           f"validation {report['val_accuracy']:.3f}")
     print("IsoScore* of the test tokens by layer: " + ", ".join(f"{row['layer']}: {row['isoscore_star']:.3f}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from core.errors import UserError
 from core.sources import short_name
 from core.tables import table_lines
+from core.wording import plural
 
 KEYS = ("encoder", "layers", "persistent_dims")  # what every outliers.json has (analyses/outliers.py)
 
@@ -65,8 +66,8 @@ def comparison_lines(items: list[tuple[str | None, Path, dict]]) -> list[str]:
     lines = ["", "outlier dimensions per layer (dims 0-indexed; layer 0 = embeddings); each cell: the dim holding "
                  "most tokens' max and its share, the same for the min, then the layer's outlier dims"]
     for name, report in zip(names, reports):
-        tokens = f", {report['num_tokens']:,} tokens" if "num_tokens" in report else ""
-        lines.append(f"  {name}: {report['encoder']} ({len(report['layers']) - 1} layers{tokens})")
+        tokens = f", {plural(report['num_tokens'], 'token', spec=',')}" if "num_tokens" in report else ""
+        lines.append(f"  {name}: {report['encoder']} ({plural(len(report['layers']) - 1, 'layer')}{tokens})")
     rows = [[str(layer), *(cell(found.get(layer)) for found in by_layer)] for layer in layers]
     lines += table_lines(["layer", *names], rows, align=[">", *"<" * len(names)])  # each column as wide as its cells
     for name, report in zip(names, reports):

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from analyses.reference import Reference, Setting, counter, number, per_layer, reference_pass, views
 from core.errors import UserError
+from core.wording import plural
 from datamodules.words import WordContexts
 from lightning_modules.pooling import lost_spans, span_vectors
 from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
@@ -53,7 +54,7 @@ def anisotropy(setting: Setting, reference: Reference, num_pairs: int | None = N
     got, total = int(reference.sample[1].sum()), reference.num_sentences
     if pairs == 0:
         raise UserError(f"anisotropy needs at least 2 sentences with a token, got {got}"
-                        + (f" of {total} sentences" if got != total else ""))
+                        + (f" of {plural(total, 'sentence')}" if got != total else ""))
     shortfall = None
     if num_pairs is not None and pairs < num_pairs:
         shortfall = (f"anisotropy from {pairs} random token pairs, not --num_pairs {num_pairs}: one random token from "
@@ -107,12 +108,12 @@ def minibatch_shortfall(batches: int, minibatch: int, minibatches: int, sentence
     sentences of --data, --num_pairs, --max_sentences); None when all were."""
     if batches >= minibatches:
         return None
-    needs = (f"--minibatches {minibatches} of --minibatch {minibatch} tokens need {minibatch * minibatches} sentences "
-             f"with a token (one random token each), got {sentences}")
+    needs = (f"--minibatches {minibatches} of --minibatch {plural(minibatch, 'token')} need "
+             f"{plural(minibatch * minibatches, 'sentence')} with a token (one random token each), got {sentences}")
     caps = sample_caps(read, num_pairs, max_sentences)
     if batches == 0:
         return f"IsoScore* not computed ('-'): {needs}; lower --minibatch or {caps}"
-    return f"IsoScore* averaged over {batches} mini-batches, not {minibatches}: {needs}; lower --minibatch or {caps}"
+    return f"IsoScore* averaged over {plural(batches, 'mini-batch', 'mini-batches')}, not {minibatches}: {needs}; lower --minibatch or {caps}"
 
 
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
@@ -194,8 +195,8 @@ class Baseline:
         pairs, sentences = self.report["num_pairs"], self.report["num_sentences"]
         short = self.wanted_pairs is not None and pairs < self.wanted_pairs
         return {"adjusted_by": self.name, "baseline_pairs": pairs, "baseline_sentences": sentences,
-                "baseline_note": (f"the source has {sentences} sentences with a token, not the protocol's "
-                                  f"{2 * self.wanted_pairs}: {pairs} pairs instead of {self.wanted_pairs}")
+                "baseline_note": (f"the source has {plural(sentences, 'sentence')} with a token, not the "
+                                  f"protocol's {2 * self.wanted_pairs}: {plural(pairs, 'pair')} instead of {self.wanted_pairs}")
                 if short else None}
 
 
@@ -262,7 +263,7 @@ def self_similarity(setting: Setting, contexts: WordContexts, variants: list[Var
     cut_off, in_specials = int(lost.compute()), int(in_special.compute())
     if not counted:  # every self-similarity is nan: say why rather than print empty columns
         warning = (f"self-similarity not computed ('-'): no word of the {len(contexts.words)} sampled kept 2 of its "
-                   f"contexts ({cut_off} contexts lost to truncation: a larger --max_length keeps them"
+                   f"contexts ({plural(cut_off, 'context')} lost to truncation: a larger --max_length keeps them"
                    + (f"; {in_specials} written inside a special token, as 'mask' in '[MASK]'" if in_specials else "") + ")")
     return {"num_words": counted, "contexts_per_word": contexts.contexts_per_word,
             "num_candidates": contexts.num_candidates, "pool_sentences": contexts.pool,

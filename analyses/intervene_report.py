@@ -24,6 +24,7 @@ from analyses.session import run_header
 from core.defaults import INTERVENE_PROBE, INTERVENTIONS
 from core.figures import layer_bands_figure
 from core.tables import table_lines
+from core.wording import plural
 from lightning_modules.interventions import DIMENSION_BASED, edit_sites, norm_sites
 from metrics.null import chance_outlier_bound
 from metrics.outliers import all_outlier_dims, persistent_dims
@@ -136,15 +137,15 @@ def fmt(value, digits: int = 3) -> str:
 
 def print_intervene(report: dict) -> None:
     dims = report["dims"]
-    print(f"\ninterventions on {report['encoder']}, {report['data']}: {report['num_sentences']} sentences, "
-          f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
+    print(f"\ninterventions on {report['encoder']}, {report['data']}: {plural(report['num_sentences'], 'sentence')}, "
+          f"{plural(report['num_tokens'], 'token', spec=',')} (special tokens {report['special_tokens']}; dims 0-indexed)")
     controls = report["controls"]
     drawn = f"{controls['count']} random sets of {len(dims)} non-outlier dims (seed {controls['seed']})" \
         if controls["count"] else "none"
     print(f"dims: {dims or 'none'} ({report['dims_from']}); controls: {drawn}")
     mlm, lm = report["mlm"], report["lm"]
     if lm["head"]:
-        print(f"next-token loss (ours): {lm['tokens']:,} tokens predicted from the tokens before them, no masking")
+        print(f"next-token loss (ours): {plural(lm['tokens'], 'token', spec=',')} predicted from the tokens before them, no masking")
     elif report["model_family"]["causal"]:
         print(f"next-token loss (ours): {lm['note']}")
     else:

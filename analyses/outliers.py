@@ -24,12 +24,19 @@ from core.figures import layer_panels_figure, mean_vectors_figure, position_rows
 from core.models import position_rows
 from core.tables import shown_token
 from core.tokenizers import readable_token
+from core.wording import plural
 from lightning_modules.encoder import FrozenEncoder
 from metrics.frequency import TokenDimensionMagnitude, frequency_correlation
 from metrics.neuron_stats import NeuronStatisticsResult
-from metrics.null import chance_outlier_bound
 from metrics.origins import summarise_origins, trace_origins
-from metrics.outliers import OutlierRule, all_outlier_dims, chance_warning, detect_outliers, persistent_dims
+from metrics.outliers import (
+    MORE_SENTENCES,
+    OutlierRule,
+    all_outlier_dims,
+    chance_of,
+    detect_outliers,
+    persistent_dims,
+)
 
 
 def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magnitudes: Magnitudes | None = None
@@ -44,7 +51,7 @@ def collect_statistics(encoder: FrozenEncoder, sentences: list[str], args, magni
 
 
 def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitudes: Magnitudes | None = None,
-                    more: str = "more sentences (--max_sentences, or a larger --data)") -> dict:
+                    more: str = MORE_SENTENCES) -> dict:
     """outliers.json of a reference pass with statistics; with `magnitudes`, each layer's row also holds
     massive_activations, attention_sinks and magnitude_outliers, and the report their rules. Each layer's chance_bound
     and the report's chance_warning (ours; metrics/null.py, metrics/outliers.py); `more`: what gives the rule more
@@ -55,7 +62,7 @@ def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitud
     rule = OutlierRule(min_share=args.min_share, sigma=args.sigma)
     layers = detect_outliers(result, rule)
     extra = magnitudes.layers() if magnitudes is not None else [{} for _ in layers]
-    chance = {"chance_bound": chance_outlier_bound(result.num_tokens, encoder.hidden_size, rule.min_share)}
+    chance = chance_of(layers, result.num_tokens, encoder.hidden_size, rule, more)
     return {
         **run_header(args, encoder),
         "num_sentences": reference.num_sentences,
@@ -66,10 +73,10 @@ def outliers_report(args, encoder: FrozenEncoder, reference: Reference, magnitud
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe(),
                  "persistence": rule.describe_persistence()},
         **(magnitudes.header() if magnitudes is not None else {}),
-        "layers": [{**layer.to_dict(), **chance, **values, **added} for layer, values, added in zip(
-            layers, result.magnitudes(), extra)],
+        "layers": [{**layer.to_dict(), "chance_bound": chance["chance_bound"], **values, **added}
+                   for layer, values, added in zip(layers, result.magnitudes(), extra)],
         "persistent_dims": persistent_dims(layers),
-        "chance_warning": chance_warning(layers, result.num_tokens, encoder.hidden_size, rule, more),
+        "chance_warning": chance["chance_warning"],
         "origins": trace_origins(encoder.model, all_outlier_dims(layers)),
     }
 
@@ -182,8 +189,8 @@ def warn_chance(report: dict) -> None:
 
 
 def print_outliers(report: dict) -> None:
-    print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {report['num_sentences']} sentences, "
-          f"{report['num_tokens']:,} tokens (special tokens {report['special_tokens']}; dims 0-indexed)")
+    print(f"\noutlier dimensions of {report['encoder']} on {report['data']}: {plural(report['num_sentences'], 'sentence')}, "
+          f"{plural(report['num_tokens'], 'token', spec=',')} (special tokens {report['special_tokens']}; dims 0-indexed)")
     print(f"{'layer':>5}  {'argmax dim (share)':>19}  {'argmin dim (share)':>19}  outlier dims")
     for layer in report["layers"]:
         print(f"{layer['layer']:>5}  {layer['argmax_dim']:>10} ({layer['argmax_share']:6.1%})  "

@@ -37,6 +37,7 @@ from core.errors import UserError
 from core.figures import save_figure
 from core.output import check_writable, staged_output, write_json
 from core.tokenizers import lowercases, special_strings
+from core.wording import plural
 from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
@@ -129,7 +130,7 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
     """(reports, the outlier statistics, the resolved clip text) of §3's outliers and §4's intrinsic evaluations."""
     encoder = setting.encoder
     reports = {}
-    args.data = " + ".join(f"{inputs.outlier_sources[name]} sentences of {getattr(args, name)}"
+    args.data = " + ".join(f"{plural(inputs.outlier_sources[name], 'sentence')} of {getattr(args, name)}"
                            for name in inputs.outlier_sources)
     found = reference_of(args, setting, inputs.outlier_sentences, statistics=True)
     reports["outliers"] = {**outliers_report(args, encoder, found, more="more sentences (--outlier_sentences)"),

@@ -10,6 +10,7 @@ Layer 0 is the embedding output; the best layers of Tables 1-3 are searched over
 from __future__ import annotations
 
 from core.figures import layer_panels_figure
+from core.wording import plural
 from metrics.ranks import ranked
 
 VARIANTS = ("raw", "clipped")
@@ -120,7 +121,7 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
 def sample_line(used: dict[str, int], asked: int) -> str:
     """Where §3's sentences came from: "N sentences of SST-2 and M of QQP (of A asked of each; QQP has only M: used
     whole)"."""
-    found = " and ".join(f"{count} sentences of {NAMES[name]}" for name, count in used.items())
+    found = " and ".join(f"{plural(count, 'sentence')} of {NAMES[name]}" for name, count in used.items())
     short = [f"{NAMES[name]} has only {count}" for name, count in used.items() if count < asked]
     return f"{found} ({asked} asked of each{'; ' + ', '.join(short) + ': used whole' if short else ''})"
 
@@ -161,9 +162,9 @@ def paper_markdown(summary: dict) -> str:
     figure = summary["figure6"]
     for name, data in figure.items():
         words = data["words"]
-        lines.append(f"{NAMES[name]}: {words['num_words']} words of the {words['num_candidates']} that occur in at "
-                     f"least {words['contexts_per_word']} of its {words['pool_sentences']} sentences, "
-                     f"{words['contexts_per_word']} contexts each ({words['num_sentences']} sentences encoded; words "
+        lines.append(f"{NAMES[name]}: {plural(words['num_words'], 'word')} of the {words['num_candidates']} that occur in at "
+                     f"least {words['contexts_per_word']} of its {plural(words['pool_sentences'], 'sentence')}, "
+                     f"{plural(words['contexts_per_word'], 'context')} each ({plural(words['num_sentences'], 'sentence')} encoded; words "
                      f"{words['word_case']}).")
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
@@ -183,7 +184,7 @@ def paper_markdown(summary: dict) -> str:
         lines.append("(skipped)")
     else:
         split = f"its {wic['split']!r} split" if wic["split"] else "the whole file"
-        lines += [f"{wic['data']}, {split}: {wic['num_pairs']} pairs, {wic['num_scored']} scored ({wic['skipped']} "
+        lines += [f"{wic['data']}, {split}: {plural(wic['num_pairs'], 'pair')}, {wic['num_scored']} scored ({wic['skipped']} "
                   "skipped: target not at its offsets).", "","| | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
         lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
                   for key in VARIANTS if wic.get(key)]

@@ -42,7 +42,7 @@ from lightning_modules.encoder import EncodedBatch, FrozenEncoder, TokenizedBatc
 from lightning_modules.pooling import mean_pool, random_tokens
 from metrics.geometry import Covariance, CovarianceResult, TokenSample
 from metrics.neuron_stats import NeuronStatistics, NeuronStatisticsResult
-from metrics.outliers import LayerOutliers, OutlierRule, detect_outliers
+from metrics.outliers import MORE_SENTENCES, LayerOutliers, OutlierRule, chance_of, detect_outliers
 from metrics.transforms import (
     RAW,
     REPORT_KEYS,
@@ -131,6 +131,7 @@ class Reference:
     moments: dict = field(default_factory=dict)  # {per-sentence variant key: CovarianceResult of its own tokens}
     num_special_in_text: int = 0  # special tokens written in the sentences ("[SEP]" in a line; EncodedBatch)
     num_unknown: int = 0  # the tokenizer's unknown tokens in the sentences ([UNK]; EncodedBatch)
+    chance: dict | None = None  # the chance of the detection that chose the clipping (metrics.outliers.chance_of)
 
     def header(self) -> dict:
         header = {"clip": self.clip, "clip_rule": self.clip_rule, "clipped_dims": clipped_dims(self.clipped or {}),
@@ -146,6 +147,15 @@ class Reference:
         """What the reports say of the text read: sentences truncated, special tokens written in it, unknown tokens."""
         return {"num_truncated": self.num_truncated, "num_special_in_text": self.num_special_in_text,
                 "num_unknown": self.num_unknown}
+
+    def with_chance(self, report: dict) -> dict:
+        """`report` with what the outlier detection that chose its clipping (--clip auto / per-layer) says of chance
+        (ours, as outliers.json: metrics/outliers.py chance_of): chance_bound in each of its layer rows, and
+        chance_warning; as it is when no detection chose it (--clip none, dims, layers:dims)."""
+        if self.chance is None:
+            return report
+        return {**report, "layers": [{**row, "chance_bound": self.chance["chance_bound"]} for row in report["layers"]],
+                "chance_warning": self.chance["chance_warning"]}
 
     def sample_of(self, variant: Variant) -> tuple[Tensor, Tensor]:
         """The token sample `variant` is applied to: its own for a per-sentence variant, else the raw one."""
@@ -188,14 +198,17 @@ def views(batch: EncodedBatch, variants: list[Variant]) -> list[tuple[str | None
 def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = NO_CLIP, normalize: str = "none",
                    rule: OutlierRule = OutlierRule(), statistics: bool = False, covariance: bool = False,
                    sample: int = 0, desc: str = "reference pass", fit: str = "tokens",
-                   softdecay_alpha: float = SOFTDECAY_ALPHA, magnitudes=None) -> Reference:
+                   softdecay_alpha: float = SOFTDECAY_ALPHA, magnitudes=None, more: str = MORE_SENTENCES
+                   ) -> Reference:
     """Encode `sentences` once for the outlier statistics, the token covariance and one random token from each of
     `sample` seeded random sentences (all when fewer), as far as `clip` (metrics.transforms.parse_clip), `normalize` and
     `statistics`, `covariance`, `sample` need them. `normalize` whiten / standardize is estimated from the token
     vectors (`fit="tokens"`) or from the mean-pooled sentence embeddings (`fit="sentences"`, for STS); softdecay
     (`softdecay_alpha`) is fit on nothing, and the pass keeps the token sample and covariance of its transformed
     states too. `magnitudes` (analyses.magnitudes.Magnitudes: massive activations, the magnitude criterion; or anything
-    with `update(batch)`: intervene's next-token loss) is updated with every batch. Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number
+    with `update(batch)`: intervene's next-token loss) is updated with every batch. When `clip` detects the outliers
+    it clips, the reference holds the detection's chance (`chance`; `more`: what gives the rule more tokens, as its
+    warning says it). Memory: fixed-size states plus the [sample, layers, hidden] token sample(s), whatever the number
     of sentences."""
     if fit not in ("tokens", "sentences"):
         raise ValueError(f"fit must be 'tokens' or 'sentences', got {fit!r}")
@@ -245,6 +258,8 @@ def reference_pass(setting: Setting, sentences: list[str], clip: ClipRequest = N
     if stats is not None:
         reference.statistics = stats.compute()
         reference.outliers = detect_outliers(reference.statistics, rule)
+        if clip.needs_outliers:
+            reference.chance = chance_of(reference.outliers, reference.statistics.num_tokens, hidden, rule, more)
     if clip.mode != "none":
         reference.clipped = clip.resolve(reference.outliers, layers, hidden)
         reference.variants.append(Clipping(reference.clipped, layers))

@@ -14,6 +14,7 @@ import sys
 
 from core.figures import layer_panels_figure, spectrum_figure
 from core.tables import table_lines
+from core.wording import plural
 
 VARIANT_LABELS = ("raw", "clipped", "whitened", "standardized", "softdecay")
 
@@ -57,8 +58,9 @@ def panels_of(name: str, report: dict) -> list[dict]:
         return [panel(report, "IsoScore (all tokens)", "IsoScore", "isoscore"),
                 panel(report, f"IsoScore* (mini-batches of {report['minibatch_tokens']}, zeta {report['zeta']})",
                       "IsoScore*", "isoscore_star",
-                      empty=f"{report['num_minibatches']} mini-batches of {report['minibatch_tokens']} tokens (one "
-                            f"token per sentence: {report['num_sentences']} sentences here, at least "
+                      empty=f"{plural(report['num_minibatches'], 'mini-batch', 'mini-batches')} of "
+                            f"{plural(report['minibatch_tokens'], 'token')} (one token per sentence: "
+                            f"{plural(report['num_sentences'], 'sentence')} here, at least "
                             f"{report['minibatch_tokens']} needed)"),
                 panel(report, "token uniformity per sentence: mean sigma_1^2 / sum sigma^2 (tokenUni)", "share",
                       "sequence_energy_top1")]
@@ -116,9 +118,9 @@ def print_report(name: str, report: dict) -> None:
             print(f"{key}: {report[key]}")
     if name == "wic":
         split = f"its {report['split']!r} split" if report.get("split") else "the whole file"
-        print(f"{report['data']}, {split}: {report['num_pairs'] + report['skipped']['count']} pairs, "
+        print(f"{report['data']}, {split}: {plural(report['num_pairs'] + report['skipped']['count'], 'pair')}, "
               f"{report['num_scored']} scored; all-true baseline: {report['baseline']}; skipped "
-              f"{report['skipped']['count']} items whose target is not at its offsets")
+              f"{plural(report['skipped']['count'], 'item')} whose target is not at its offsets")
     if report.get("static_baseline"):
         print(f"static vectors: Spearman x 100 = {report['static_baseline']['spearman']}")
     for warning in report_warnings(report):
@@ -186,7 +188,7 @@ def summary_markdown(summary: dict) -> str:
                   for key in keys]
         lines += [f"| all-true baseline | {fmt(wic['baseline'])} | | |", "",
                   f"{wic['data']}, " + (f"its {wic['split']!r} split" if wic["split"] else "the whole file")
-                  + f": {wic['num_pairs']} pairs scored; {wic['skipped']} skipped (target not at its offsets).", ""]
+                  + f": {plural(wic['num_pairs'], 'pair')} scored; {wic['skipped']} skipped (target not at its offsets).", ""]
     lines += ["## Table 2: STS (Spearman x 100 of mean-pooled embeddings, best layer)", ""]
     if not summary["table2_sts"]:
         lines += ["(skipped: no --sts data)", ""]

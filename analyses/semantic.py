@@ -14,6 +14,7 @@ from torch import Tensor
 
 from analyses.reference import Setting, counter, number, per_layer, views
 from core.errors import UserError
+from core.wording import plural
 from datamodules.pairs import StsPair, WicItem
 from datamodules.words import read_static_vectors, sentence_words, static_sentence_vector
 from lightning_modules.pooling import lost_spans, mean_pool, span_vectors
@@ -94,8 +95,8 @@ def wic(setting: Setting, items: list[WicItem], variants: list[Variant]) -> dict
         cosines, seen = metrics[variant.key].compute()
         seen = seen.reshape(-1).cpu()  # [pairs] (metrics/base.py keeps a one-pair state [1])
         if int(seen.sum()) < 2:
-            raise UserError(f"only {int(seen.sum())} WiC pair{'' if int(seen.sum()) == 1 else 's'} could be scored "
-                            f"({lost} sentences lost their target word to truncation; a larger --max_length keeps "
+            raise UserError(f"only {plural(int(seen.sum()), 'WiC pair')} could be scored "
+                            f"({plural(lost, 'sentence')} lost their target word to truncation; a larger --max_length keeps "
                             "it" + (f"; {counts['targets_in_special_tokens']} have it written inside a special token, "
                                     "as 'mask' in '[MASK]'" if counts["targets_in_special_tokens"] else "")
                             + "): WiC needs at least 2")

@@ -16,6 +16,7 @@ from analyses.null import STATISTICS, SUMMARIES, gaussian_nulls, seed_statistics
 from analyses.session import finish
 from analyses.trajectory import run_trajectories
 from core.step_figures import over_steps_figure
+from core.wording import plural
 
 NULL_DEFINITION = ("a statistic's null at a checkpoint is the larger of (a) the same run at step 0 and (b) the largest "
                    "over the Gaussian samples (N(0, 1) hidden states of the same size on the same tokens), each "
@@ -91,8 +92,8 @@ def study_figure(report: dict):
         panels.append({"title": "validation loss: masked or next token, by the arm (latest at each checkpoint)", "ylabel": "cross-entropy",
                        "series": {arm["arm"]: band(arm, lambda point: point["val_loss"]) for arm in report["arms"]}})
     seeds = report["seeds"]
-    return over_steps_figure(panels, columns=3, title=f"outlier study: mean over {len(seeds)} seed"
-                             f"{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}), band: the seeds' range")
+    return over_steps_figure(panels, columns=3, title=f"outlier study: mean over {plural(len(seeds), 'seed')} "
+                             f"({', '.join(map(str, seeds))}), band: the seeds' range")
 
 
 def number(entry: dict, digits: int = 3) -> str:

@@ -44,12 +44,12 @@ from core.models import model_family
 from core.output import check_writable
 from core.sources import cannot_load, local_path
 from core.step_figures import over_steps_figure
+from core.wording import plural
 from lightning_modules.arms import arm_of
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.encoder import resolve_model_dir
 from lightning_modules.mlm import ARCHITECTURE
-from metrics.null import chance_outlier_bound
-from metrics.outliers import OutlierRule, chance_warning, detect_outliers, persistent_dims
+from metrics.outliers import OutlierRule, chance_of, detect_outliers, persistent_dims
 from metrics.summary import over_layers, top_share
 from metrics.transforms import RAW
 
@@ -166,7 +166,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
         raise UserError("no tokens counted for the outlier statistics (all special tokens excluded?)")
     rule, tokens = OutlierRule(args.min_share, args.sigma), reference.statistics.num_tokens
     layers = detect_outliers(reference.statistics, rule)
-    chance = chance_outlier_bound(tokens, encoder.hidden_size, rule.min_share)  # ours: metrics/null.py
+    chance = chance_of(layers, tokens, encoder.hidden_size, rule)  # ours: metrics/outliers.py, metrics/null.py
     statistics, more = reference.statistics.magnitudes(), magnitudes.layers()
     anisotropy, pairs = pair_anisotropy(reference.sample, [RAW], args.seed)
     if pairs == 0:
@@ -178,13 +178,13 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
               "persistent_dims": persistent_dims(layers), "num_tokens": tokens,
-              "chance_warning": chance_warning(layers, tokens, encoder.hidden_size, rule),
+              "chance_warning": chance["chance_warning"],
               **reference.counts(), "num_pairs": pairs, "num_minibatches": batches,
               "model_family": model_family(encoder.model).to_dict(),  # causal or not, positions (a causal / rotary arm)
               "layers": [{"layer": layer.layer, "argmax_dim": layer.argmax_dim, "argmax_share": layer.argmax_share,
                           "argmin_dim": layer.argmin_dim, "argmin_share": layer.argmin_share,
-                          "outlier_dims": layer.outlier_dims, "chance_bound": chance, **statistics[layer.layer],
-                          **more[layer.layer],
+                          "outlier_dims": layer.outlier_dims, "chance_bound": chance["chance_bound"],
+                          **statistics[layer.layer], **more[layer.layer],
                           "scale": number(reference.statistics.layer_scale[layer.layer]),
                           "anisotropy": number(anisotropy["raw"][layer.layer]),
                           "isoscore_star": number(star[layer.layer])} for layer in layers]}
@@ -288,7 +288,7 @@ def warn_chance(points: list[dict]) -> None:
     """One line on stderr for the checkpoints whose outliers could be chance (ours): the first one's chance_warning."""
     warned = [point for point in points if point.get("chance_warning")]
     if warned:
-        more = f" (and {len(warned) - 1} more checkpoint{'s' if len(warned) > 2 else ''})" if len(warned) > 1 else ""
+        more = f" (and {plural(len(warned) - 1, 'more checkpoint')})" if len(warned) > 1 else ""
         print(f"warning: at step {warned[0]['step']}{more}, {warned[0]['chance_warning']}", file=sys.stderr)
 
 
@@ -386,7 +386,7 @@ def trajectory_figure(report: dict):
     steps = [point["step"] for point in checkpoints]
     layers = [row["layer"] for row in checkpoints[0]["layers"]]
     empty = (f"IsoScore* needs mini-batches of {report.get('minibatch_tokens')} tokens, one per sentence: "
-             f"{report.get('num_sentences')} sentences here")
+             f"{plural(report.get('num_sentences') or 0, 'sentence')} here")
     panels = [{"title": title, "ylabel": YLABELS[key], "log": key in ("kurtosis_mean", "max_abs"), "series": {
         f"layer {layer}": (steps, [
             point["layers"][layer][key] if point["layers"][layer][key] is not None else float("nan")
@@ -404,7 +404,7 @@ def print_trajectory(report: dict) -> None:
     name = report["label"] if report["label"] and report["run"] and report["label"] != Path(report["run"]).name \
         else None
     print(f"\ntrajectory of {report['run'] or ', '.join(report['encoders'])}{f' ({name})' if name else ''} on "
-          f"{report['data']} ({report['num_sentences']} sentences; dims 0-indexed)")
+          f"{report['data']} ({plural(report['num_sentences'], 'sentence')}; dims 0-indexed)")
     print(f"{'step':>8}  {'persistent dims':<20} last layer: argmax dim (share), kurtosis, max |x|, anisotropy, "
           "IsoScore*")
     for point in report["checkpoints"]:

@@ -81,10 +81,9 @@ from metrics.geometry import TokenSample, random_tokens, sample_anisotropy
 from metrics.magnitude import MagnitudeCounts, MagnitudeRule
 from metrics.massive import MassiveActivations
 from metrics.neuron_stats import NeuronStatistics
-from metrics.null import chance_outlier_bound
 from metrics.outliers import (
     OutlierRule,
-    chance_warning,
+    chance_of,
     detect_outliers,
     max_median_ratio,
     outlier_verdict,
@@ -234,8 +233,7 @@ class OutlierStatistics(LiveCallback):
         kurtosis = [row["kurtosis_mean"] for row in cpu.magnitudes()]
         tokens = result.num_tokens  # the chance bound (ours): here, in the end-of-run summary, not a metric per capture
         return {"stage": stage, "step": step, **outlier_verdict(found, kurtosis), "num_tokens": tokens,
-                "chance_bound": chance_outlier_bound(tokens, self.hidden_size, self.rule.min_share),
-                "chance_warning": chance_warning(found, tokens, self.hidden_size, self.rule, LIVE_MORE)}
+                **chance_of(found, tokens, self.hidden_size, self.rule, LIVE_MORE)}
 
     def log_result(self, trainer, stage: str, step: int, result, anisotropy: list[float] | None, extra: dict
                    ) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from pytorch_lightning.callbacks import Callback
 
 from callbacks.wandb_logging import AutoWandbLogger, real_loggers
+from core.wording import plural
 
 
 class RunSummary(Callback):
@@ -133,5 +134,5 @@ def capture_said(reading: dict, steps: int) -> str:
         return f"the validation at step {step}"
     if step == 0 and every is not None and every >= steps:
         return (f"the last live capture, at step 0 (the model before its first update; no capture after it: "
-                f"every_n_steps {every} >= the run's {steps} steps)")
-    return f"the last live capture, at training step {step}" + (f" (every {every} steps)" if every else "")
+                f"every_n_steps {every} >= the run's {plural(steps, 'step')})")
+    return f"the last live capture, at training step {step}" + (f" (every {plural(every, 'step')})" if every else "")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from core.errors import UserError, library_line
 from core.sources import cannot_load, check_hub, local_path
+from core.wording import plural
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
 
@@ -167,7 +168,8 @@ def unknown_count(input_ids, attention_mask, unknown: int | None) -> int:
 
 def unknown_line(unknown: int, tokens: int | None = None, where: str = "the report") -> str:
     """What a report's num_unknown means, in one line (of `tokens` when known): every entry point says it so."""
-    share = f"{unknown} of the {tokens} tokens ({100 * unknown / tokens:.2g}%)" if tokens else f"{unknown} tokens"
+    share = f"{unknown} of the {plural(tokens, 'token')} ({100 * unknown / tokens:.2g}%)" if tokens else \
+        plural(unknown, "token")
     return (f"{share} are the tokenizer's unknown token: text its vocabulary lacks (emoji, another script, ...), each "
             f"read as the one unknown token's vector, not as what was written (counted in {where} as num_unknown)")
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from core.errors import UserError, first_line
+from core.wording import plural
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 
@@ -120,10 +121,10 @@ def check_accelerator(accelerator, devices) -> None:
                             "use --trainer.accelerator cpu (or auto)")
         wanted = requested_indices(devices)
         if wanted is not None and max(wanted, default=-1) >= count:
-            asked = f"{len(wanted)} GPUs" if isinstance(devices, int) or str(devices).isdigit() else \
+            asked = plural(len(wanted), "GPU") if isinstance(devices, int) or str(devices).isdigit() else \
                 f"GPUs {sorted(wanted)}"
-            raise UserError(f"--trainer.devices {devices} asks for {asked} but this machine has {count} GPU"
-                            f"{'s' if count != 1 else ''}; use --trainer.devices {count} or fewer")
+            raise UserError(f"--trainer.devices {devices} asks for {asked} but this machine has "
+                            f"{plural(count, 'GPU')}; use --trainer.devices {count} or fewer")
     elif name == "mps" and not (torch.backends.mps.is_available()):
         raise UserError(f"--trainer.accelerator {accelerator}: Apple's MPS is not available on this machine; use "
                         "--trainer.accelerator cpu (or auto)")
@@ -198,7 +199,7 @@ def check_device(device: str | None, option: str = "--device") -> None:
         if count == 0:
             raise UserError(f"{option} {device}: this machine has no CUDA GPU ({no_gpu_reason()}); use {option} cpu")
         if parsed.index is not None and parsed.index >= count:
-            raise UserError(f"{option} {device}: this machine has {count} GPU{'s' if count != 1 else ''} "
+            raise UserError(f"{option} {device}: this machine has {plural(count, 'GPU')} "
                             f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})")
     elif parsed.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"{option} {device}: Apple's MPS is not available on this machine; use {option} cpu")

@@ -28,6 +28,7 @@ import numpy as np
 from core.errors import UserError, first_line
 from core.output import new_stage, publish_directory
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, vocab_limit
+from core.wording import plural
 from datamodules.text import DATA_OPTION, iter_texts
 from datamodules.tokenizer import train_tokenizer
 
@@ -109,7 +110,7 @@ def build_blocks(output: Path, source: str, text_column: str | None, max_texts: 
                            fn_kwargs={"tokenizer": tokenizer, "block_length": block_length}, features=features,
                            num_proc=num_proc, desc=f"tokenising and packing into {block_length}-token blocks")
         if len(blocks) < 2 and not only_val:
-            raise UserError(f"corpus {source} gives {len(blocks)} full blocks of {block_length} tokens; "
+            raise UserError(f"corpus {source} gives {plural(len(blocks), 'full block')} of {block_length} tokens; "
                             "need at least 2 (a bigger corpus or a shorter --data.block_length)")
         if len(blocks) == 0:
             raise UserError(f"corpus {source} gives no full block of {block_length} tokens")

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from core.errors import UserError
 from core.output import FEATURES, new_stage
 from core.tokenizers import unknown_count, unknown_line
+from core.wording import plural
 from datamodules.splits import SPLITS
 from lightning_modules.encoder import FrozenEncoder, in_text_specials
 from metrics.neuron_stats import NeuronStatistics
@@ -259,7 +260,7 @@ class FeatureExtractor:
                 counts[split] = {"sentences": counts[split]["sentences"], task.item_name: items, **counts[split]}
         truncated = sum(truncated for _, truncated in batches)
         if truncated:  # said as analyze.py says them (the report's num_truncated and num_unknown count them too)
-            warnings.warn(f"{truncated} sentences were longer than {self.max_length or primary.max_length} tokens and "
+            warnings.warn(f"{plural(truncated, 'sentence was', 'sentences were')} longer than {self.max_length or primary.max_length} tokens and "
                           "were truncated (counted in the report as num_truncated)", stacklevel=2)
         if unknown:
             warnings.warn(unknown_line(unknown, sum(int(inputs["attention_mask"].sum()) for inputs, _ in batches)),

@@ -26,7 +26,7 @@ from core.errors import UserError
 from core.tokenizers import truncating_right
 from datamodules.position import DataPosition
 from datamodules.sampling import BlockSampler, ResumableLoader
-from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
+from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels, warn_blank_rows
 from datamodules.text import DATA_OPTION, TextColumn, iter_records
 
 
@@ -162,8 +162,7 @@ class FineTuneDataModule(pl.LightningDataModule):
                 continue
             texts.append((text, pair))
             labels.append(label)
-        if blank:
-            warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)
+        warn_blank_rows(blank, source)
         if not texts:
             raise UserError(f"no labelled texts in {source}")
         return texts, labels

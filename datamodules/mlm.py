@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from core.errors import UserError
 from core.sources import looks_local
 from core.tokenizers import boundary_ids, fingerprint, load_tokenizer, tokenizer_files, vocab_limit
+from core.wording import plural
 from datamodules.blocks import BlockCache, build_blocks, check_training_texts
 from datamodules.masking import MaskCollator, NextTokenCollator
 from datamodules.position import DataPosition
@@ -311,7 +312,7 @@ class MLMDataModule(pl.LightningDataModule):
         val = info.get("validation")
         validates = getattr(self.trainer, "limit_val_batches", 1) != 0 if self.trainer is not None else True
         if val is not None and val < world_size and validates:
-            raise UserError(f"{val} validation block{'s' if val != 1 else ''} cannot give each of the {world_size} "
+            raise UserError(f"{plural(val, 'validation block')} cannot give each of the {world_size} "
                             "processes one: raise --data.val_fraction (or --data.max_val_blocks), or train on fewer "
                             "devices")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from core.defaults import STS_PRESETS  # name -> (datasets source, rows kept): core/defaults.py
 from core.errors import UserError
+from core.wording import plural
 from datamodules.characters import clean_text, text_value, text_value_offsets
 from datamodules.text import iter_records, read_split
 from datamodules.words import WORD
@@ -185,7 +186,7 @@ def _original_wic(path: Path, gold: str | None) -> Iterator[dict]:
     data = _lines(path)
     labels = [line.strip() for line in _lines(gold_path)]
     if len(data) != len(labels):
-        raise UserError(f"{path} has {len(data)} pairs but {gold_path} has {len(labels)} labels")
+        raise UserError(f"{path} has {plural(len(data), 'pair')} but {gold_path} has {plural(len(labels), 'label')}")
     for number, (line, label) in enumerate(zip(data, labels), 1):
         fields = line.rstrip("\r\n").split("\t")
         if len(fields) != 5:
@@ -294,7 +295,7 @@ def read_sts(source: str, gold: str | None = None, score_range: tuple[float, flo
     if not pairs:
         raise UserError(f"no scored pairs in {source}")
     if len(pairs) < 3:
-        warnings.warn(f"{source} has only {len(pairs)} scored pair{'s' if len(pairs) > 1 else ''}: a Spearman "
+        warnings.warn(f"{source} has only {plural(len(pairs), 'scored pair')}: a Spearman "
                       f"correlation needs at least 3 to mean anything" +
                       ("; every value is reported as null" if len(pairs) == 1 else ""), stacklevel=2)
     elif len({pair.score for pair in pairs}) == 1:
@@ -309,7 +310,7 @@ def _senteval_sts(path: Path, gold: str | None) -> Iterator[tuple[str, str, str 
         raise UserError(f"no gold file for {path} (expected {gold_path}; pass --gold)")
     data, scores = _lines(path), _lines(gold_path)
     if len(data) != len(scores):
-        raise UserError(f"{path} has {len(data)} pairs but {gold_path} has {len(scores)} scores")
+        raise UserError(f"{path} has {plural(len(data), 'pair')} but {gold_path} has {plural(len(scores), 'score')}")
     for number, (line, score) in enumerate(zip(data, scores), 1):
         fields = line.rstrip("\r\n").split("\t")
         if len(fields) < 2:

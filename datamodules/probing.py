@@ -23,19 +23,20 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from core.errors import UserError
+from core.wording import plural
 from datamodules.features import FeatureExtractor, ItemBatches
 from datamodules.sampling import ShuffledBatches
-from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels
+from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels, warn_blank_rows
 from datamodules.text import DATA_OPTION, DEFAULT_CORPUS, TextColumn, iter_records
 from lightning_modules.encoder import FrozenEncoder, default_encoder, load_encoder, random_encoder
 from lightning_modules.linear_probes import FeatureSpec
 from lightning_modules.pooling import mean_pool
 from metrics.control import CONSTRUCTION, control_labels, text_key
-from metrics.null import chance_outlier_bound
-from metrics.outliers import OutlierRule, detect_outliers, persistent_dims
+from metrics.outliers import OutlierRule, chance_of, detect_outliers, persistent_dims
 from metrics.transforms import SOFTDECAY_ALPHA, SoftDecay, check_softdecay_alpha
 
 BLOCK_BYTES = 64 * 2 ** 20  # a training block's float32 features at most (unless one batch is more)
+MORE = "more sentences (--data.max_sentences, or a larger --data.source)"  # the chance warning's remedy (ours)
 
 
 class ProbeDataModule(pl.LightningDataModule):
@@ -207,11 +208,12 @@ class ProbeDataModule(pl.LightningDataModule):
         extracted = self.extractor.extract(encoders, splits.texts, labels, self, self.variants())
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
-        max_length = h.max_length or primary.max_length
         control = self._control_task(len(classes))
-        outlier_layers = detect_outliers(extracted.statistics.compute(), OutlierRule(h.min_share, h.sigma))
+        rule, statistics = OutlierRule(h.min_share, h.sigma), extracted.statistics.compute()  # of the training split
+        outlier_layers = detect_outliers(statistics, rule)
         for layer in outlier_layers:  # the hidden-state layer, not the index into the cached subset
             layer.layer = layers[layer.layer]
+        chance = chance_of(outlier_layers, statistics.num_tokens, primary.hidden_size, rule, MORE)  # ours
         if h.outlier_dims is not None:
             bad = [d for d in h.outlier_dims if not 0 <= d < primary.hidden_size]
             if bad:
@@ -226,11 +228,10 @@ class ProbeDataModule(pl.LightningDataModule):
                                                                *(variant.key for variant in self.variants())]
                                     for layer in layers],
             outlier_dims=outlier_dims, outlier_source=outlier_source, outlier_layers=outlier_layers,
-            outlier_chance_bound=chance_outlier_bound(extracted.statistics.compute().num_tokens, primary.hidden_size, h.min_share),
+            outlier_chance_bound=chance["chance_bound"], outlier_chance_warning=chance["chance_warning"], control=control,
             counts=extracted.counts, majority=self._majority(len(classes)), seed=h.seed, batch_size=h.batch_size,
-            control=control,
             data={"source": str(h.source), "splits_from": splits.described,
-                  "max_length": max_length, "num_truncated": extracted.num_truncated,
+                  "max_length": h.max_length or primary.max_length, "num_truncated": extracted.num_truncated,
                   "num_special_in_text": extracted.num_special_in_text, "num_unknown": extracted.num_unknown,
                   "special_tokens": "excluded" if h.exclude_special else "included", "features": extracted.storage,
                   **self.describe()},
@@ -355,8 +356,8 @@ class PositionDataModule(ProbeDataModule):
         dropped = sum(split["dropped_positions"] for split in counts.values())
         if dropped:
             name = self.max_positions_option or "the position probe's max_positions"
-            warnings.warn(f"{dropped} tokens at positions >= {name} {self.max_positions} are left out "
-                          "of the probe (counted in the report as dropped_positions)", stacklevel=2)
+            warnings.warn(f"the probe leaves out {plural(dropped, 'token')} at positions >= {name} "
+                          f"{self.max_positions} (counted in the report as dropped_positions)", stacklevel=2)
 
 
 class ClassificationDataModule(ProbeDataModule):
@@ -404,8 +405,7 @@ class ClassificationDataModule(ProbeDataModule):
                 continue
             texts.append(text)
             labels.append(label)
-        if blank:
-            warnings.warn(f"{blank} rows of {source} have no text and were skipped", stacklevel=2)
+        warn_blank_rows(blank, source)
         if not texts:
             raise UserError(f"no labelled texts in {source}")
         return texts, labels

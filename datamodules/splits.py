@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from core.errors import UserError
+from core.wording import plural
 from datamodules.text import sample_texts, split_names
 
 SPLITS = ("train", "val", "test")
@@ -130,6 +132,12 @@ def _sample(texts: list[str], labels: list, limit: int, seed: int) -> tuple[list
         return texts, labels
     keep = sample_texts(iter(range(len(texts))), limit, seed)
     return [texts[i] for i in keep], [labels[i] for i in keep]
+
+
+def warn_blank_rows(blank: int, source) -> None:
+    """The one warning of a labelled source's rows without text, skipped (none when `blank` is 0)."""
+    if blank:
+        warnings.warn(f"{plural(blank, 'row')} of {source} had no text: skipped", stacklevel=3)
 
 
 def normalise_label(value):

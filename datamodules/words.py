@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
+from core.wording import plural
 from datamodules.text import iter_texts, sample_texts
 
 # letters, with inner apostrophes ("don't"), typographic ones too ("don’t": edited text, unlike the bundled corpus,
@@ -118,8 +119,8 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     if len(candidates) < num_words:
         more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
         distinct = f"{total - duplicates} distinct sentences ({duplicates} more repeat them)" \
-            if duplicates else f"{total} sentences"
-        raise UserError(f"only {len(candidates)} words occur in at least {min_sentences} of the {distinct}; "
+            if duplicates else plural(total, "sentence")
+        raise UserError(f"only {plural(len(candidates), 'word')} occur in at least {min_sentences} of the {distinct}; "
                         f"self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
                         f"word: --min_sentences, or more sentences: {more})")
     rng = random.Random(seed)
@@ -220,7 +221,7 @@ def read_static_vectors(path: str, vocabulary: set[str], progress: bool = False,
             if dim is None:
                 dim = len(fields) - 1
             elif len(fields) - 1 < dim:
-                raise UserError(f"{path}:{number}: {len(fields) - 1} values, expected {dim} as on the first line")
+                raise UserError(f"{path}:{number}: {plural(len(fields) - 1, 'value')}, expected {dim} as on the first line")
             word = " ".join(fields[:-dim])  # a few GloVe 840B words contain spaces
             word = word.lower() if lowercase else word
             if word in vocabulary and not (lowercase and word in vectors):

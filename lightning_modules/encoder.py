@@ -44,6 +44,7 @@ from core.models import (
 )
 from core.sources import cannot_load, check_hub, local_path
 from core.tokenizers import special_ids, truncating_right, unknown_count, unknown_id, vocab_limit
+from core.wording import plural
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
 from lightning_modules.loading import (
     check_loading,
@@ -395,7 +396,7 @@ class FrozenEncoder(nn.Module):
                 bar.update(len(item.rows))
                 yield batch
         if truncated_total:
-            warnings.warn(f"{truncated_total} sentences were longer than {max_length or self.max_length} tokens and "
+            warnings.warn(f"{plural(truncated_total, 'sentence was', 'sentences were')} longer than {max_length or self.max_length} tokens and "
                           "were truncated", stacklevel=2)
 
     def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,

@@ -44,6 +44,7 @@ class FeatureSpec:
     outlier_source: str  # "detected" or "given"
     outlier_layers: list[LayerOutliers] = field(default_factory=list)
     outlier_chance_bound: float | None = None  # chance alone flags a dim of a layer at most this often (ours)
+    outlier_chance_warning: str | None = None  # metrics.outliers.chance_warning's line when that could matter
     counts: dict = field(default_factory=dict)  # per split: sentences, items, and more
     majority: dict = field(default_factory=dict)  # majority and chance baselines
     data: dict = field(default_factory=dict)  # source, max_length, special tokens, ... for the report

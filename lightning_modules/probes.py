@@ -90,6 +90,7 @@ class PositionProbe(LinearProbes):
             "outlier_dims_source": spec.outlier_source,
             "outlier_layers": {str(lay.layer): lay.outlier_dims for lay in spec.outlier_layers},
             "outlier_chance_bound": spec.outlier_chance_bound,
+            "outlier_chance_warning": spec.outlier_chance_warning,  # probe.py prints it once
             "contribution": "c(i) = |w_i * v_i|, w the probe's weight row of the gold position, mean over test tokens",
             "layers": layers,
             "baselines": self.baselines(),
@@ -189,6 +190,7 @@ class SentenceClassifier(LinearProbes):
         clipped = self.accuracy_of("clipped") or [None] * len(spec.layers)
         softdecay = self.accuracy_of("softdecay")  # with --data.normalize softdecay: pooled from SoftDecay's states
         baselines = self.baselines()
+        detected = self.clip_request.needs_outliers and spec.outlier_source == "detected"  # what the clipping used
         return {
             "encoder": spec.encoder,
             **spec.data,
@@ -205,8 +207,8 @@ class SentenceClassifier(LinearProbes):
             "clipped_dims": clipped_dims(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_per_layer": per_layer_report(self.clipped) if self.clip_request.mode != "none" else None,
             "clipped_dims_source": spec.outlier_source if self.clip_request.needs_outliers else "given",
-            "outlier_chance_bound": spec.outlier_chance_bound if self.clip_request.needs_outliers and
-            spec.outlier_source == "detected" else None,
+            "outlier_chance_bound": spec.outlier_chance_bound if detected else None,
+            "outlier_chance_warning": spec.outlier_chance_warning if detected else None,  # probe.py prints it
             "layers": [{"layer": layer, "accuracy": accuracy, "accuracy_clipped": clip, **self.control_columns(i),
                         **chosen,
                         **({"accuracy_softdecay": softdecay[i]} if softdecay else {})}

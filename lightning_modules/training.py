@@ -33,6 +33,7 @@ from torch import Tensor
 
 from core.capture import HiddenStateTap
 from core.errors import UserError
+from core.wording import plural
 from lightning_modules.monitor import StepMonitor
 from lightning_modules.regularizers import Regularizer
 
@@ -268,7 +269,7 @@ def check_warmup(warmup_steps: int, decay_steps: int | None, max_steps: int | No
                        "schedule")
     elif max_steps is not None and 0 < max_steps <= warmup_steps:
         rank_zero_warn(f"this run stops at step {max_steps} (--trainer.max_steps), inside the warm-up of "
-                       f"{warmup_steps} steps: the learning rate stays below --model.lr until a resumed run goes on")
+                       f"{plural(warmup_steps, 'step')}: the learning rate stays below --model.lr until a resumed run goes on")
 
 
 class PolynomialSchedule:

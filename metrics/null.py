@@ -44,6 +44,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from core.wording import plural
+
 
 def gaussian_states(shape: Sequence[int], generator: torch.Generator, dtype: torch.dtype = torch.float32) -> Tensor:
     """Standard Gaussian hidden states of `shape` (e.g. [layers, batch, seq, hidden]), drawn from `generator` (CPU)."""
@@ -91,7 +93,7 @@ def beyond(value: float | None, null: float | None, margin: float) -> bool:
 
 
 def verdict_text(count: int, total: int) -> str:
-    return f"beyond the null in {count} of {total} seed{'s' if total != 1 else ''}"
+    return f"beyond the null in {count} of {plural(total, 'seed')}"
 
 
 # ---- the outlier rule's chance bound (ours) ----

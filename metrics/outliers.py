@@ -6,6 +6,7 @@ of ours).
     rule.describe(); rule.describe_persistence()                               # the reports' words, whose is which
     dims, means = top_mean_dims(result.mean, k=5); ratio = max_median_ratio(result.mean)   # [layers, k], [layers]
     chance_warning(layers, num_tokens, hidden_size, rule)      # a line when the verdict could be chance (ours), or None
+    chance_of(layers, num_tokens, hidden_size, rule)           # {"chance_bound", "chance_warning"}: what reports carry
 
 The rule (Luo et al. 2021, §3: a neuron that bears the largest or the smallest value of "most vectors"; the paper
 gives no number, so the 0.2 share and the half-the-layers rule for persistence are ours). In layer l, dimension d is
@@ -20,7 +21,8 @@ the statistics.
 Chance (ours, it changes no verdict): metrics/null.py's chance_outlier_bound is, per layer, an upper bound on the
 probability that chance alone (exchangeable dimensions, independent tokens) makes some dimension an outlier of the
 layer on the tokens counted; `chance_warning` says so in one line when a non-input layer with outliers has a bound
-above CHANCE_LIMIT (0.01): on one sentence of 7 tokens of a 384-wide model, 0.108.
+above CHANCE_LIMIT (0.01): on one sentence of 7 tokens of a 384-wide model, 0.108. `chance_of` gives both, as every
+report of a detection carries them (outliers.json, the --clip auto reports, the probes, the live callback).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import torch
 from torch import Tensor
 
 from core.defaults import OUTLIER_MIN_SHARE
+from core.wording import plural
 from metrics.neuron_stats import NeuronStatisticsResult
 from metrics.null import chance_outlier_bound
 
 CHANCE_LIMIT = 0.01  # a layer's chance bound above which the outlier verdict is said to be possibly chance (ours)
+MORE_SENTENCES = "more sentences (--max_sentences, or a larger --data)"  # analyze.py: what gives the rule more tokens
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def outlier_verdict(layers: list[LayerOutliers], kurtosis: list[float]) -> dict:
 
 
 def chance_warning(layers: list[LayerOutliers], num_tokens: int, hidden_size: int, rule: OutlierRule,
-                   more: str = "more sentences (--max_sentences, or a larger --data)") -> str | None:
+                   more: str = MORE_SENTENCES) -> str | None:
     """One line when the outliers that enter the persistent verdict (those of the non-input layers 1..L) could be
     chance alone: some such layer has outliers and the chance bound of `num_tokens` token vectors of width
     `hidden_size` is above CHANCE_LIMIT; None otherwise (ours). `more`: what gives the rule more tokens."""
@@ -141,10 +145,19 @@ def chance_warning(layers: list[LayerOutliers], num_tokens: int, hidden_size: in
     found = [layer.layer for layer in layers if layer.layer >= 1 and layer.outlier_dims]
     if bound <= CHANCE_LIMIT or not found:
         return None
-    return (f"the outlier rule rested on {num_tokens:,} token vector{'s' if num_tokens != 1 else ''}: chance alone "
+    return (f"the outlier rule rested on {plural(num_tokens, 'token vector', spec=',')}: chance alone "
             f"makes some of {hidden_size} dims an outlier of a layer with probability up to {bound:.3g} (chance_bound; "
-            f"ours: a union bound for exchangeable dims and independent tokens), so the outliers of {len(found)} "
-            f"non-input layer{'s' if len(found) != 1 else ''} and the persistent dims may be chance: {more} would tell")
+            f"ours: a union bound for exchangeable dims and independent tokens), so the outliers of "
+            f"{plural(len(found), 'non-input layer')} and the persistent dims may be chance: {more} would tell")
+
+
+def chance_of(layers: list[LayerOutliers], num_tokens: int, hidden_size: int, rule: OutlierRule,
+              more: str = MORE_SENTENCES) -> dict:
+    """What a report of one detection (`layers`, by `rule` on `num_tokens` token vectors of width `hidden_size`) says
+    of chance (ours): {"chance_bound": metrics/null.py's chance_outlier_bound, the same for every layer of the pass,
+    "chance_warning": chance_warning's line or None}."""
+    return {"chance_bound": chance_outlier_bound(num_tokens, hidden_size, rule.min_share),
+            "chance_warning": chance_warning(layers, num_tokens, hidden_size, rule, more)}
 
 
 def all_outlier_dims(layers: list[LayerOutliers]) -> list[int]:

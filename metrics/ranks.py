@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from core.wording import plural
+
 
 def ranks_and_ties(values: Tensor) -> tuple[Tensor, Tensor]:
     """(rank [hidden], ties [hidden]) of values [hidden] by magnitude: rank[d] = 1 + the number of entries with a
@@ -47,4 +49,4 @@ def strictly_top(rank: int, ties: int, k: int) -> bool:
 
 def ranked(rank: int, ties: int) -> str:
     """'rank 2', or 'rank 1, tied with 383 other dims' (ranks 1-384 shared)."""
-    return f"rank {rank}" + (f", tied with {ties} other dim{'s' if ties > 1 else ''}" if ties else "")
+    return f"rank {rank}" + (f", tied with {plural(ties, 'other dim')}" if ties else "")

@@ -456,7 +456,7 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
         "sts empty sentence": (["sts", "--data", blank], "has an empty sentence"),
         "sts columns": (["sts", "--data", tmp_path / "noscore.csv"], "has no score column"),
         "sts range": (["sts", "--data", sts, "--score_range", "5,1"], "LO must be below HI"),
-        "static ragged": (["sts", "--data", sts, "--static", tmp_path / "ragged.txt"], "1 values, expected 2"),
+        "static ragged": (["sts", "--data", sts, "--static", tmp_path / "ragged.txt"], "1 value, expected 2"),
         "static unrelated": (["sts", "--data", sts, "--static", tmp_path / "unrelated.txt"], "none of the"),
         "words too few": (["self-similarity", "--data", sentences], "only "),
         "empty sentences": (["anisotropy", "--data", tmp_path / "empty.jsonl"], "data file is empty"),

@@ -233,7 +233,7 @@ def test_a_context_named_otherwise_is_the_limit(tmp_path, bert_tok):
     encoder = load_encoder(directory)
     assert bert_tok.model_max_length > 12 and encoder.max_length == 12
     text = " ".join(["the"] * 40)
-    with pytest.warns(UserWarning, match="^1 sentences were longer than 12"):
+    with pytest.warns(UserWarning, match="^1 sentence was longer than 12"):
         (batch,) = list(encoder.batches([text], batch_size=1, progress=False))
     ids = torch.tensor([bert_tok(text, truncation=True, max_length=12)["input_ids"]])
     with torch.no_grad():

@@ -522,7 +522,7 @@ def test_a_pair_missing_from_a_row_skips_the_row_as_a_missing_text_does(inputs, 
                             + "\n" for i, line in enumerate(lines)), encoding="utf-8")
     module = FineTuneDataModule(source=str(data), text_column="premise", text_pair_column="hypothesis",
                                 val_fraction=0.2, test_fraction=0.2)
-    with pytest.warns(UserWarning, match=f"^{len(missing)} rows of {data} have no text and were skipped$"):
+    with pytest.warns(UserWarning, match=f"^{len(missing)} rows of {data} had no text: skipped$"):
         module.attach(AutoTokenizer.from_pretrained(inputs["encoder"]))
     kept = [(text, pair) for split in ("train", "val", "test") for text, pair in module.splits.texts[split]]
     assert sorted(kept) == sorted((line, lines[i - 1]) for i, line in enumerate(lines) if i not in missing)
