@@ -53,7 +53,7 @@ from lightning_modules.loading import (
     split_head,
     tokenizer_of,
 )
-from metrics.sinks import key_attention
+from metrics.sinks import key_masses
 
 Span = tuple[int, int]
 CAUSAL_HEAD = "no MLM head (a causal language model: the masked-LM loss does not apply)"
@@ -73,6 +73,7 @@ class EncodedBatch:
     covered: list[int] | None = None  # with offsets: each row's characters read (its length unless truncated)
     attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
     # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
+    first_key_seen: Tensor | None = None  # [layers 1..L, batch]: with it, the share of those queries seeing token 0
 
 
 @dataclass
@@ -158,8 +159,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     head, info = split_head(model, info, "LM head" if causal else "MLM head") if masked_lm else (None, info)
     base = model.base_model if masked_lm else model
     check_loading(source, info, base, allow_random_weights, allow_option)
-    encoder = FrozenEncoder(base, tokenizer, name=str(source),
-                            exclude_special=exclude_special)
+    encoder = FrozenEncoder(base, tokenizer, name=str(source), exclude_special=exclude_special)
     if masked_lm:
         encoder.attach_head(model if head is None else None, head or "", causal=causal)
     return encoder.to(device=device, dtype=dtype)
@@ -286,7 +286,7 @@ class FrozenEncoder(nn.Module):
                 raise NoFullAttention(f"{self.name} returns attention weights of shape "
                                       f"{tuple(attentions[0].shape[-2:])}, not a query x key matrix over the {seq} tokens "
                                       "(Longformer's windowed, BigBird's block-sparse attention)")
-            batch.attention_mass = torch.stack([key_attention(weights, mask) for weights in attentions])
+            batch.attention_mass, batch.first_key_seen = key_masses(attentions, mask)
         return batch
 
     @contextlib.contextmanager
