@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from core.capture import HiddenStateCapture
+from core.capture import HiddenStateCapture, check_finite
 from core.errors import UserError
 from core.families import is_causal, output_projection
 from core.models import (
@@ -267,7 +267,7 @@ class FrozenEncoder(nn.Module):
             raise UserError(f"{self.name}: its hidden states have different widths "
                             f"({sorted({state.shape[-1] for state in states})}: a projection after the "
                             "last layer), so its layers cannot be compared")
-        mask = inputs["attention_mask"].bool()
+        mask = check_finite(states, inputs["attention_mask"], self.name)  # [batch, seq] bool: the real tokens
         if self.exclude_special:
             added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
             mask &= ~(added | in_text).to(device)
