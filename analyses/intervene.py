@@ -37,6 +37,7 @@ from analyses.paper import fit_probe
 from analyses.reference import Setting, counter, reference_pass
 from analyses.session import collectively, finish, prepare, read_sentences, setting_of, warn_text_counts
 from core.errors import UserError
+from core.models import layer_norms
 from datamodules.masking import SentenceMasker
 from datamodules.pairs import read_sts
 from datamodules.probing import PositionDataModule
@@ -105,6 +106,11 @@ def check_request(request: Request, encoder: FrozenEncoder) -> None:
     if bad:
         raise UserError(f"--layers {bad}: the layers of {encoder.name} run 0..{encoder.num_hidden_states - 1} "
                         "(0 = embedding output)")
+    if "layernorm_zero" in request.names and request.layers is not None and not any(
+            set(written) & set(request.layers) for _, written, _ in layer_norms(encoder.model)):
+        raise UserError(f"layernorm_zero --layers {','.join(map(str, request.layers))}: no LayerNorm or RMSNorm of "
+                        f"{encoder.name} writes these layers, so nothing would be zeroed (a norm inside block l writes "
+                        "layer l, a final norm layer L; layer 0 only an embedding norm)")
 
 
 @dataclass

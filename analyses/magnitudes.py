@@ -136,7 +136,8 @@ class Magnitudes:
                 chunks = row_chunks(setting.tokenized(sentences), lambda seq: attention_rows(layers, heads, seq))
                 for batch in self.encoder.encode(chunks, len(setting.shard(len(sentences))), setting.progress,
                                                  "attention sinks", setting.max_length):
-                    self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids))
+                    self.sinks.update(batch.attention_mass, batch.mask, self.kinds(batch.input_ids),
+                                      batch.first_key_seen)
         except NoFullAttention as error:  # every rank runs the same model: all of them drop the sinks
             self.sinks, self.sinks_note = None, f"attention sinks not measured: {error}"
             warnings.warn(self.sinks_note, stacklevel=2)

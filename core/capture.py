@@ -26,6 +26,19 @@ from torch import Tensor, nn
 from core.errors import UserError
 
 
+def check_finite(states, attention_mask: Tensor, what: str) -> Tensor:
+    """attention_mask [batch, seq] as bool (the real tokens), after checking that no hidden state [batch, seq, hidden] of
+    `states` (layers 0..L) holds inf or nan at a real token; one line (UserError) if one does: float16 past its range
+    (65504: a massive activation, a residual stream) gives inf, and nan after the next norm, which every statistic would
+    count (or crash on: the massive activations' histogram)."""
+    real = attention_mask.bool()
+    for layer, state in enumerate(states):
+        if not bool(state[real].isfinite().all()):
+            raise UserError(f"{what}: its hidden states hold inf or nan in {str(state.dtype).removeprefix('torch.')} "
+                            f"(from layer {layer}: activations past the dtype's range); use --dtype float32 or bfloat16")
+    return real
+
+
 def layer_output(output) -> Tensor:
     """A layer's output tensor: itself, or the first element of a tuple / ModelOutput."""
     if isinstance(output, Tensor):

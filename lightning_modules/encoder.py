@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from core.capture import HiddenStateCapture
+from core.capture import HiddenStateCapture, check_finite
 from core.errors import UserError
 from core.families import is_causal, output_projection
 from core.models import (
@@ -54,7 +54,7 @@ from lightning_modules.loading import (
     split_head,
     tokenizer_of,
 )
-from metrics.sinks import key_attention
+from metrics.sinks import key_masses
 
 Span = tuple[int, int]
 CAUSAL_HEAD = "no MLM head (a causal language model: the masked-LM loss does not apply)"
@@ -74,6 +74,7 @@ class EncodedBatch:
     covered: list[int] | None = None  # with offsets: each row's characters read (its length unless truncated)
     attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
     # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
+    first_key_seen: Tensor | None = None  # [layers 1..L, batch]: with it, the share of those queries seeing token 0
 
 
 @dataclass
@@ -159,8 +160,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     head, info = split_head(model, info, "LM head" if causal else "MLM head") if masked_lm else (None, info)
     base = model.base_model if masked_lm else model
     check_loading(source, info, base, allow_random_weights, allow_option)
-    encoder = FrozenEncoder(base, tokenizer, name=str(source),
-                            exclude_special=exclude_special)
+    encoder = FrozenEncoder(base, tokenizer, name=str(source), exclude_special=exclude_special)
     if masked_lm:
         encoder.attach_head(model if head is None else None, head or "", causal=causal)
     return encoder.to(device=device, dtype=dtype)
@@ -268,7 +268,7 @@ class FrozenEncoder(nn.Module):
             raise UserError(f"{self.name}: its hidden states have different widths "
                             f"({sorted({state.shape[-1] for state in states})}: a projection after the "
                             "last layer), so its layers cannot be compared")
-        mask = inputs["attention_mask"].bool()
+        mask = check_finite(states, inputs["attention_mask"], self.name)  # [batch, seq] bool: the real tokens
         if self.exclude_special:
             added = special_tokens_mask.bool() if special_tokens_mask is not None else torch.zeros_like(in_text)
             mask &= ~(added | in_text).to(device)
@@ -287,7 +287,7 @@ class FrozenEncoder(nn.Module):
                 raise NoFullAttention(f"{self.name} returns attention weights of shape "
                                       f"{tuple(attentions[0].shape[-2:])}, not a query x key matrix over the {seq} tokens "
                                       "(Longformer's windowed, BigBird's block-sparse attention)")
-            batch.attention_mass = torch.stack([key_attention(weights, mask) for weights in attentions])
+            batch.attention_mass, batch.first_key_seen = key_masses(attentions, mask)
         return batch
 
     @contextlib.contextmanager

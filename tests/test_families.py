@@ -86,6 +86,9 @@ def direct_sinks(path, texts: list[str], max_length: int) -> tuple[torch.Tensor,
         for layer, weights in enumerate(attentions):
             weights = weights[0].double()
             seen = weights.shape[-1] - torch.arange(weights.shape[-1])  # Gu et al.'s `ratios`: queries that see key k
+            if getattr(model.config, "layer_types", [None] * LAYERS)[layer] == "sliding_attention":
+                seen = seen.clamp(max=model.config.local_attention // 2 + 1)  # ModernBERT's local layers: key 0 is
+                # seen by the queries at most half a window after it (its count is the only one read below)
             if model.config.model_type in DECODERS:
                 assert float(weights.triu(1).abs().max()) == 0.0  # no query sees a later key
             first[layer].append((weights / seen).sum(-2)[:, 0])
@@ -98,6 +101,26 @@ def models(tmp_path_factory, decoder_tok, roberta_tok):
     root = tmp_path_factory.mktemp("families")
     return {kind: save_tiny_family(root / kind, kind, decoder_tok if kind in DECODERS else roberta_tok, plant=plant)
             for kind in FAMILIES}
+
+
+def test_sinks_of_modernberts_local_layers_average_over_the_queries_inside_their_window(texts, roberta_tok, tmp_path):
+    """ModernBERT's local layers attend within a window (128 tokens; 4 here): the queries further from the first token
+    than half a window cannot see it and give it exactly 0, so Gu et al.'s importance of key 0 is the mean over the
+    queries inside the window, not over the whole sentence (which was diluted by the sentence's length)."""
+    sentences, data = texts
+    path = save_tiny_family(tmp_path / "modernbert", "modernbert", roberta_tok, plant=plant, local_attention=4)
+    assert AutoModel.from_pretrained(path).config.layer_types[1:] == ["sliding_attention"] * (LAYERS - 1)
+    first, _ = direct_sinks(path, sentences, 24)
+    epsilon = round(float(first.median()), 4)
+    out = tmp_path / "report"
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data), "--output_dir",
+                         str(out), "--max_length", "24", "--batch_size", "5", "--sink_epsilon", str(epsilon)]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    for row, heads in zip(report["layers"][1:], first):
+        sinks = row["attention_sinks"]
+        assert sinks["first_token_mass"] == pytest.approx(float(heads.mean()), abs=2e-6)
+        assert sinks["sink_share"] == pytest.approx(float((heads > epsilon).double().mean()), abs=1e-6)
+    assert first[1:].mean() > 1.5 * first[0].mean()  # inside the window: well above a whole sentence's mean
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

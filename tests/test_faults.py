@@ -590,6 +590,12 @@ ERROR_ROW_TESTS = {
     ('analyze.py', 'intervene: `layernorm_zero` on a model without a LayerNorm or RMSNorm over the hidden size'): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
     ],
+    ('analyze.py', 'intervene: `layernorm_zero` with `--layers` that no LayerNorm or RMSNorm writes (layer 0 of GPT-2, Llama, OPT: no norm before the first block)'): [
+        'test_intervene_families.py::test_what_a_family_cannot_take_is_one_line_and_writes_nothing',
+    ],
+    ('analyze.py', "hidden states past the `--dtype`'s range (float16: 65504) at a real token (any analysis)"): [
+        'test_intervene.py::test_hidden_states_past_float16s_range_are_one_line_and_write_nothing',
+    ],
     ('analyze.py', 'intervene: a dimension outside the model'): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
     ],

@@ -523,3 +523,25 @@ def test_a_checkpoints_head_gives_the_training_loss(tmp_path, roberta_tok):
             value, n = mlm_loss(model, alone, vocab_size=vocab)
         total, expected_count = total + value.item() * int(n), expected_count + int(n)
     assert int(count) == expected_count and loss.item() == pytest.approx(total / expected_count, abs=1e-5)
+
+
+def test_hidden_states_past_float16s_range_are_one_line_and_write_nothing(tmp_path, bert_tok, capfd):
+    """Dim 5 of every token's embedding sums to 120,000, past float16's 65,504: inf, then nan after the embedding
+    LayerNorm. The massive activations' histogram crashed on it (torch's bincount) and every other statistic counted
+    it; in float32 the same model runs."""
+    def plant(model):
+        model.embeddings.word_embeddings.weight[:, 5] = 6e4
+        model.embeddings.position_embeddings.weight[:, 5] = 6e4
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=plant)
+    data = data_file(tmp_path, 6)
+    for command in (["outliers"], ["intervene", "--dims", "5"]):
+        out = tmp_path / command[0]
+        argv = [*command, "--no_progress", "--encoder", str(encoder), "--data", str(data), "--device", "cpu"]
+        assert analyze.main([*argv, "--dtype", "float16", "--output_dir", str(out)]) == 2
+        errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "its hidden states hold inf or nan in float16 (from layer 0" in errors[0], errors
+        assert not out.exists()
+    assert analyze.main([*argv, "--dtype", "float32", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "intervene.json").read_text())
+    assert report["baseline"]["stats"]["share"]["5"][0] == 1.0  # after the LayerNorm dim 5 is every token's max

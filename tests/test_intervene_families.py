@@ -18,7 +18,7 @@ import analyze
 from core.capture import layer_output
 from core.families import decoder_stack
 from core.models import mlm_head
-from lightning_modules.interventions import Intervention, intervene
+from lightning_modules.interventions import Intervention, intervene, norm_sites
 from tests.test_intervene import data_file, edited_activation, hidden, snapshot, unchanged
 from tests.tiny import LAYERS, MAX_POSITIONS, corpus_sentences
 from tests.tiny_families import decoder_tokenizer, family_config, save_tiny_family
@@ -207,14 +207,18 @@ def test_what_a_family_cannot_take_is_one_line_and_writes_nothing(tmp_path, robe
     cases = [(llama, "position_shuffle", "position_shuffle " + rotary.format(llama)),
              (roformer, "position_mean", "position_mean " + rotary.format(roformer)),
              (gpt2, "token_type_zero", f"token_type_zero needs token-type embeddings, and {gpt2} has none (no "
-                                       "token-type table in the embeddings of its 'gpt2' model)")]
+                                       "token-type table in the embeddings of its 'gpt2' model)"),
+             # GPT-2 has no norm before its first block: layer 0 has none to zero (it was measured as an effect of 0)
+             (gpt2, "activation_zero --layers 0", f"layernorm_zero --layers 0: no LayerNorm or RMSNorm of {gpt2} "
+                                                  "writes these layers, so nothing would be zeroed")]
     for index, (encoder, name, message) in enumerate(cases):
         out = tmp_path / f"out{index}"
         assert analyze.main(["intervene", "--no_progress", "--encoder", str(encoder), "--data", str(data),
-                             "--interventions", "layernorm_zero", name, "--output_dir", str(out)]) == 2
+                             "--interventions", "layernorm_zero", *name.split(), "--output_dir", str(out)]) == 2
         errors = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
-        assert errors == [f"analyze.py intervene: error: {message}"]
+        assert len(errors) == 1 and errors[0].startswith(f"analyze.py intervene: error: {message}"), errors
         assert not out.exists()
+    assert [norm["name"] for norm in norm_sites(AutoModel.from_pretrained(gpt2), (0,))] == []  # what it would edit
 
 
 def test_activation_at_layer_0_of_a_roformer_with_a_narrower_embedding_acts_after_its_projection():
