@@ -29,6 +29,7 @@ from core.figures import save_figure
 from core.models import model_family
 from core.output import check_writable, staged_output, write_json
 from core.tokenizers import unknown_line
+from core.wording import plural
 from datamodules.pairs import STS_PRESETS
 from datamodules.text import iter_texts, sample_texts
 from lightning_modules.encoder import FrozenEncoder, encoder_tokenizer, load_encoder
@@ -184,8 +185,9 @@ def warn_text_counts(reports: dict[str, dict]) -> None:
     for key, names in counts.items():
         where = "the report" if len(reports) == 1 else ", ".join(names)
         if len(key) == 3:
-            print(f"warning: {key[0]} of {key[1]} sentences were longer than {key[2]} tokens and were truncated "
-                  f"(counted in {where} as num_truncated)", file=sys.stderr)
+            verb = "was" if key[0] == 1 else "were"
+            print(f"warning: {key[0]} of {plural(key[1], 'sentence')} {verb} longer than {key[2]} tokens and {verb} "
+                  f"truncated (counted in {where} as num_truncated)", file=sys.stderr)
         else:
             print(f"warning: {unknown_line(key[0], tokens[key[0]], where)}", file=sys.stderr)
 

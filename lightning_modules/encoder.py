@@ -72,9 +72,8 @@ class EncodedBatch:
     rows: list[int] | None = None  # each row's index in the texts given to `batches`
     offsets: list[list[Span]] | None = None  # each token's (start, end) characters, when asked for
     covered: list[int] | None = None  # with offsets: each row's characters read (its length unless truncated)
-    attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: attention each key receives, averaged
-    # over the counted queries (`mask`), within FrozenEncoder.attention_weights()
-    first_key_seen: Tensor | None = None  # [layers 1..L, batch]: with it, the share of those queries seeing token 0
+    attention_mass: Tensor | None = None  # [layers 1..L, batch, heads, seq]: each key's attention, mean over `mask`'s
+    first_key_seen: Tensor | None = None  # queries (in attention_weights()); [layers 1..L, batch]: their share seeing token 0
 
 
 @dataclass
@@ -396,8 +395,8 @@ class FrozenEncoder(nn.Module):
                 bar.update(len(item.rows))
                 yield batch
         if truncated_total:
-            warnings.warn(f"{plural(truncated_total, 'sentence was', 'sentences were')} longer than {max_length or self.max_length} tokens and "
-                          "were truncated", stacklevel=2)
+            warnings.warn(f"{plural(truncated_total, 'sentence was', 'sentences were')} longer than "
+                          f"{max_length or self.max_length} tokens and were truncated", stacklevel=2)
 
     def batches(self, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
                 offsets: bool = False, progress: bool = True, desc: str = "encoding", sort_buffer: int = 32
