@@ -132,11 +132,14 @@ class PretrainCheckpoint(ModelCheckpoint):
         a resume or a re-run of the finished run reads it, and analyze.py trajectory reports it at its step. Only what
         was saved is saved again: a SIGTERM's step gets no periodic checkpoint, and a monitored top-k's entry of the
         step competes once, with this validation's value. last.ckpt is replaced in place (still written then
-        renamed): previous.ckpt stays the checkpoint of the step before, not this step's before its validation."""
+        renamed): previous.ckpt stays the checkpoint of the step before, not this step's before its validation.
+        A validation inside a gradient-accumulation window (--trainer.val_check_interval counts micro-batches, so one
+        that is not a multiple of the accumulation falls there) saves nothing: the data position and loops are then
+        part-way into the next step, whose resume would take its optimizer step on the rest of its global batch."""
         saved_before = self._last_global_step_saved == trainer.global_step  # (not by this validation's own save)
         super().on_validation_end(trainer, pl_module)
         if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != "fit" or not saved_before or \
-                trainer.global_step == 0:
+                trainer.global_step == 0 or trainer.fit_loop.epoch_loop._should_accumulate():
             return
         candidates = self._monitor_candidates(trainer)
         topk = self._topk_saved if self._topk_saved and self._topk_saved[0] == trainer.global_step else None

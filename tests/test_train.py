@@ -526,6 +526,28 @@ def test_a_checkpoint_of_a_step_a_validation_follows_holds_that_validation_and_r
         torch.testing.assert_close(checkpoint(extended)["state_dict"][name], value, rtol=0, atol=0, msg=name)
 
 
+def test_a_validation_inside_an_accumulation_window_leaves_every_checkpoint_at_a_whole_step(corpus, cache, tmp_path):
+    """2 micro-batches a step and a validation every 3 micro-batches (val_check_interval counts micro-batches): the
+    one after micro-batch 3 falls inside step 2's window. The checkpoint of step 1, saved before it, must not be saved
+    again there (its data position would be 1.5 global batches in), and a resume from it equals the straight run."""
+    window = ("--data.batch_size", "4", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
+              "--checkpoint.every_n_train_steps", "1", "--trainer.max_steps", "2")
+    straight = tmp_path / "straight"
+    assert fit(straight, corpus, cache, *window) == 0
+    assert [int(row["step"]) for row in metrics(straight) if row.get("val/loss")] == [1]  # mid-window: after step 1
+    step1 = torch.load(straight / "checkpoints" / "previous.ckpt", map_location="cpu", weights_only=True)
+    assert step1["global_step"] == 1
+    assert step1["MLMDataModule"]["position"]["blocks"] == 8  # one global batch of 8 blocks, not 12
+    assert step1["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 2
+    resumed = shutil.copytree(straight / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    shutil.copy(resumed / "previous.ckpt", resumed / "last.ckpt")
+    (resumed / "previous.ckpt").unlink()
+    assert fit(resumed.parent, corpus, cache, *window, "--ckpt_path", "last") == 0
+    assert train_losses(resumed.parent)[1] == train_losses(straight)[1]
+    for name, value in checkpoint(straight)["state_dict"].items():
+        torch.testing.assert_close(checkpoint(resumed.parent)["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
 class PoisonAt(pl.Callback):
     """Test helper: makes one weight NaN just before the training step `step` (so that step's loss is NaN)."""
 
