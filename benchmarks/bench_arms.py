@@ -10,7 +10,7 @@ in an order that rotates with the round; timed: optimizer steps 1..--steps (step
 logger, no callbacks, no validation. A ratio is the median over rounds of the paired per-round ratio of wall times to
 the round's mlm-learned run (RobertaForMaskedLM, the default). One intra-op thread by default. Output: `RATIO
 <arm>_step` for causal-learned, causal-none, mlm-rope and causal-rope (target <= 1.10 each), with the per-round
-ratios and the median ratio of process CPU times as METRIC lines. A causal arm predicts every next token (T - 1 per
+ratios and the median ratio of process CPU times as METRIC lines. A causal arm predicts every next token (T - 2 per
 block) where the MLM predicts 15% of them: the LM head and its cross-entropy run on ~6.7 times the positions, which is
 the objective's own cost (docs/benchmarks.md). So the script also times the stack alone (embeddings and layers,
 forward and backward of the same blocks, no LM head, in this process, interleaved over --rounds x 5 repeats):

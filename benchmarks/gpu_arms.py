@@ -7,7 +7,7 @@ FLOP utilisation (MFU). A GPU is needed; CPU timings of the same arms are benchm
     python benchmarks/bench_arms.py                     # runs it too where a GPU is (after the CPU arms)
 
 What is timed is the project's own step (lightning_modules/mlm.py: `build_model`, `mlm_step`; the batches in the
-form the collators give them: 15% masked positions for the MLM, every next token for the causal arms, 15% of them
+form the collators give them: 15% masked positions for the MLM, every next token but the closing </s> for the causal arms, 15% of them
 with `--data.next_token_share 0.15`), forward, backward and optimizer step, CUDA-synchronised; Lightning's loop
 adds nothing to a step on a GPU (benchmarks/bench_train.py). Rounds rotate the arms' order; a ratio is the median
 over rounds of the per-round ratio to that round's MLM step, printed beside the ratio of counted FLOPs. The FLOPs of a step are counted, not measured
@@ -49,8 +49,8 @@ def batch_of(objective: str, share: float, batch: int, length: int, vocab: int, 
         inputs.scatter_(1, positions, 4)  # <mask>
         return {"input_ids": inputs, "positions": positions, "targets": targets}
     k = predicted(objective, share, length)
-    positions = torch.arange(length - 1).expand(batch, -1) if share >= 1 else torch.sort(
-        torch.rand(batch, length - 1, generator=generator).argsort(1)[:, :k], 1).values
+    positions = torch.arange(length - 2).expand(batch, -1) if share >= 1 else torch.sort(  # not the closing </s>
+        torch.rand(batch, length - 2, generator=generator).argsort(1)[:, :k], 1).values
     return {"input_ids": ids, "positions": positions.contiguous(), "targets": ids.gather(1, positions + 1)}
 
 
@@ -58,7 +58,7 @@ def predicted(objective: str, share: float, length: int) -> int:
     """Predicted positions a block: the MLM's 15% of the maskable tokens, the causal arms' next tokens (or a share)."""
     if objective == "mlm":
         return round(0.15 * (length - 2))
-    return length - 1 if share >= 1 else round(share * (length - 1))
+    return length - 2 if share >= 1 else round(share * (length - 2))
 
 
 def time_arm(arm: str, args, device, profile: bool = False) -> tuple[float, float]:

@@ -15,8 +15,12 @@ The causal arms (lightning_modules/arms.py) predict the next token instead, on t
 
     collator = NextTokenCollator()
     batch = collator({"blocks": blocks [batch, seq], "keys": keys [batch]})
-    batch["input_ids"] = blocks, batch["positions"] = 0..seq-2 [batch, seq - 1], batch["targets"] = blocks[:, 1:]
-    NextTokenCollator(share=0.15, seed=0)   # ours: round(0.15 (seq - 1)) positions of each block, drawn per block key
+    batch["input_ids"] = blocks, batch["positions"] = 0..seq-3 [batch, seq - 2], batch["targets"] = blocks[:, 1:-1]
+    NextTokenCollator(share=0.15, seed=0)   # ours: round(0.15 (seq - 2)) positions of each block, drawn per block key
+
+The block's closing </s>, which the packing adds at its last position, is never a target: its place is fixed, so
+predicting it would reward knowing the position (a no-position causal arm would be taught positions by it), and the
+MLM never predicts a special token either. A text's own </s> inside the piece, where a text ends, is a target.
 """
 
 from __future__ import annotations
@@ -99,10 +103,11 @@ class SentenceMasker:
 
 
 class NextTokenCollator:
-    """Blocks [batch, seq] → input_ids (the blocks, unmasked), positions 0..seq-2 and targets the next tokens
-    [batch, seq - 1]: the causal objective in the MLM batch's form (lightning_modules/mlm.py's `mlm_step`). With
-    `share` < 1 (ours), only round(share (seq - 1)) positions of each block are predicted, drawn (sorted) from (seed,
-    the block's key) as MaskCollator draws its positions: as many predictions as the MLM's at share 0.15."""
+    """Blocks [batch, seq] → input_ids (the blocks, unmasked), positions 0..seq-3 and targets the next tokens
+    [batch, seq - 2], the block's closing </s> left out (module docstring): the causal objective in the MLM batch's
+    form (lightning_modules/mlm.py's `mlm_step`). With `share` < 1 (ours), only round(share (seq - 2)) positions of
+    each block are predicted, drawn (sorted) from (seed, the block's key) as MaskCollator draws its positions: as many
+    predictions as the MLM's at share 0.15."""
 
     def __init__(self, share: float = 1.0, seed: int = 0) -> None:
         self.share, self.seed = share, seed
@@ -110,12 +115,13 @@ class NextTokenCollator:
     def __call__(self, item: dict) -> dict[str, torch.Tensor]:
         blocks = np.asarray(item["blocks"], dtype=np.int64)  # [batch, seq]
         batch, length = blocks.shape
+        predictable = length - 2  # positions 0..seq-3: the next tokens up to the piece's last, not the closing </s>
         if self.share >= 1:
-            positions = np.broadcast_to(np.arange(length - 1), (batch, length - 1))
+            positions = np.broadcast_to(np.arange(predictable), (batch, predictable))
         else:
-            k = max(1, round(self.share * (length - 1)))
+            k = max(1, round(self.share * predictable))
             positions = np.stack([np.sort(np.random.Generator(np.random.PCG64([self.seed, int(key)])).choice(
-                length - 1, size=k, replace=False)) for key in np.asarray(item["keys"], dtype=np.int64)])
+                predictable, size=k, replace=False)) for key in np.asarray(item["keys"], dtype=np.int64)])
         positions = np.ascontiguousarray(positions)
         out = {"input_ids": torch.from_numpy(blocks), "positions": torch.from_numpy(positions),
                "targets": torch.from_numpy(np.take_along_axis(blocks, positions + 1, axis=1))}

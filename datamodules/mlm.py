@@ -61,8 +61,8 @@ class MLMDataModule(pl.LightningDataModule):
         num_proc: processes for tokenising in prepare_data (default: one; the tokenizer itself is multi-threaded).
         seed: the blocks' order and their masks (default: the run's one seed, --seed_everything; a checkpoint holds
             it, and a resume must have the same).
-        objective: mlm (15% masked) or causal (the blocks unmasked, every next token predicted); train.py sets it from
-            --model.objective.
+        objective: mlm (15% masked) or causal (the blocks unmasked, every next token predicted but the block's
+            closing </s>); train.py sets it from --model.objective.
         next_token_share: the causal arms' share of a block's next tokens predicted in training (1: every one, the
             causal LM's loss; 0.15: as many as the MLM predicts, drawn per block; ours); validation predicts every one.
     """

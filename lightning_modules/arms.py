@@ -25,8 +25,9 @@ positions, 2 more), and RoFormer's attention runs through SDPA (lightning_module
 attends eagerly only, which doubles a GPU step; an export loads with that eager attention, the same hidden states). The attention variants (clipped softmax, gated) are RoBERTa's only.
 
 The causal objective is the next token's cross-entropy at every position of the same packed blocks (no masking):
-the data module serves the blocks as they are, with `positions` 0..T-2 and `targets` the tokens 1..T-1
-(datamodules/masking.py NextTokenCollator), so `mlm_step` computes both objectives.
+the data module serves the blocks as they are, with `positions` 0..T-3 and `targets` the tokens 1..T-2, the block's
+closing </s> left out (its place is fixed: predicting it would teach position; datamodules/masking.py
+NextTokenCollator), so `mlm_step` computes both objectives.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def mlm_step(model, batch: dict[str, Tensor], hidden_states: bool = False, vocab
     """The MLM loss of a batch, and (`hidden_states`) the hidden states of every layer of the same forward pass.
 
     batch: input_ids [batch, seq]; positions [batch, k] (indices into seq); targets [batch, k] (-100 = none). The
-    causal arms' batches predict the next token: positions 0..seq-2, targets the tokens 1..seq-1 (the same code).
+    causal arms' batches predict the next token: positions 0..seq-3, targets the tokens 1..seq-2 (the same code).
     Only the [batch, k, hidden] masked hidden states go through the LM head (the same result as the full logits);
     logits past `vocab_size` (padding rows of the LM head) are cut off, so they are never predicted. The hidden states
     are transformers' own `hidden_states` (0 = embedding output), detached, or with their graph (`grad_states`: a

@@ -155,10 +155,11 @@ def test_export_reloads_each_arm_in_plain_transformers_with_equal_hidden_states(
 def test_the_arms_loss_equals_transformers_own_loss_of_the_same_class(objective, positions):
     module = arm(objective, positions)
     blocks = torch.randint(5, 600, (3, 20))
-    if objective == "causal":  # the data module's batch: the blocks unmasked, every next token a target
-        batch = NextTokenCollator()({"blocks": blocks.numpy(), "keys": np.arange(3)})
-        assert torch.equal(batch["input_ids"], blocks) and torch.equal(batch["targets"], blocks[:, 1:])
-        labels = blocks  # transformers' causal LMs shift the labels themselves
+    if objective == "causal":  # the data module's batch: the blocks unmasked, every next token a target but the
+        batch = NextTokenCollator()({"blocks": blocks.numpy(), "keys": np.arange(3)})  # block's closing </s>
+        assert torch.equal(batch["input_ids"], blocks) and torch.equal(batch["targets"], blocks[:, 1:-1])
+        labels = blocks.clone()  # transformers' causal LMs shift the labels themselves
+        labels[:, -1] = -100
     else:
         positions_ = torch.tensor([[2, 5, 11]] * 3)
         batch = {"input_ids": blocks.scatter(1, positions_, 4), "positions": positions_,
@@ -167,12 +168,12 @@ def test_the_arms_loss_equals_transformers_own_loss_of_the_same_class(objective,
     with torch.no_grad():
         ours, count = mlm_loss(module.model, batch)
         reference = module.model(input_ids=batch["input_ids"], labels=labels).loss
-    assert int(count) == (3 * 19 if objective == "causal" else 9)
+    assert int(count) == (3 * 18 if objective == "causal" else 9)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
     if objective == "causal":  # --data.next_token_share 0.15: as many predictions as the MLM's, drawn per block key
         keys = np.array([4, 9, 4])
         batch = NextTokenCollator(0.15, seed=3)({"blocks": blocks.numpy(), "keys": keys})
-        assert batch["positions"].shape == (3, round(0.15 * 19)) and torch.equal(batch["positions"][0],
+        assert batch["positions"].shape == (3, round(0.15 * 18)) and torch.equal(batch["positions"][0],
                                                                                   batch["positions"][2])  # same key
         assert torch.equal(batch["targets"], blocks.gather(1, batch["positions"] + 1))
         labels = torch.full_like(blocks, -100).scatter(1, batch["positions"] + 1, batch["targets"])
@@ -297,3 +298,19 @@ def test_the_rotary_arms_sdpa_attention_equals_rope_by_hand_and_roformers_eager_
     eager = states(module, ids, attention_mask=mask)
     for a, b in zip(ours.hidden_states, eager.hidden_states, strict=True):
         torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+def test_the_causal_arms_predict_a_texts_end_but_never_the_blocks_closing_separator():
+    from datamodules.blocks import pack_blocks
+
+    texts = [[7, 8, 9], [10, 11], [12, 13, 14, 15, 16], [17, 18]]  # each text followed by </s> (2) in the stream
+    blocks, _ = pack_blocks(texts, block_length=6, bos=0, eos=2)  # <s> 4 tokens </s>
+    blocks = np.asarray(blocks)
+    batch = NextTokenCollator()({"blocks": blocks, "keys": np.arange(len(blocks))})
+    stream = [token for text in texts for token in (*text, 2)]
+    expected = [stream[i * 4:(i + 1) * 4] for i in range(len(blocks))]  # by hand: each block's piece, the targets
+    assert batch["targets"].tolist() == expected
+    assert (batch["targets"] == 2).sum() == sum(piece.count(2) for piece in expected) > 0  # a text's own end is one
+    assert int(batch["positions"].max()) == blocks.shape[1] - 3  # no query predicts the packing's </s> at seq - 1
+    shared = NextTokenCollator(0.5, seed=1)({"blocks": blocks, "keys": np.arange(len(blocks))})
+    assert shared["positions"].shape[1] == round(0.5 * 4) and int(shared["positions"].max()) <= blocks.shape[1] - 3

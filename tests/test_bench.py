@@ -139,7 +139,8 @@ def test_the_gpu_arms_batches_and_flops_are_each_arms_own(arm):
     assert inputs["positions"].shape == inputs["targets"].shape == (batch, k)
     if objective == "causal":  # the next token of each predicted position, the blocks unmasked
         assert torch.equal(inputs["targets"], inputs["input_ids"].gather(1, inputs["positions"] + 1))
-        assert k == (seq - 1 if share == 1 else round(share * (seq - 1)))
+        assert k == (seq - 2 if share == 1 else round(share * (seq - 2)))  # never the block's closing </s>
+        assert int(inputs["positions"].max()) <= seq - 3
     else:  # 15% of the maskable tokens, each replaced by <mask> (4) in the input
         assert k == round(0.15 * (seq - 2)) and bool((inputs["input_ids"].gather(1, inputs["positions"]) == 4).all())
     assert bool((inputs["positions"].diff(dim=1) > 0).all())  # sorted, distinct
