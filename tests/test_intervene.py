@@ -312,7 +312,7 @@ def test_probe_reports_the_sentences_it_used_and_warns_once_about_dropped_positi
     assert probe["sentences"] == len(texts) == sum(split["sentences"] for split in probe["splits"].values())
     assert sum(split["tokens"] + split["dropped_positions"] for split in probe["splits"].values()) == sum(lengths)
     assert sum(split["dropped_positions"] for split in probe["splits"].values()) == dropped
-    warned = [str(w.message) for w in recwarn if "left out of the probe" in str(w.message)]
+    warned = [str(w.message) for w in recwarn if "the probe leaves out" in str(w.message)]
     assert len(warned) == 1 and f"{dropped} tokens" in warned[0] and "--data." not in warned[0]
     cut = sum(len(ids) > length for ids in bert_tok(texts)["input_ids"])  # the probe's sentences over --max_length
     truncated = [str(w.message) for w in recwarn if "were longer than" in str(w.message)]
