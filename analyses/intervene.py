@@ -205,8 +205,9 @@ def probe_pass(run: Run) -> Tensor:
     args = run.args
     with tempfile.TemporaryDirectory() as root, quiet_lightning(), warnings.catch_warnings():
         if run.probe_splits is not None:  # the same sentences as the first pass: its warnings were given
-            warnings.filterwarnings("ignore", message=".* are left out of the probe")
-            warnings.filterwarnings("ignore", message=".* sentences were longer than .* and were truncated")
+            warnings.filterwarnings("ignore", message="the probe leaves out ")
+            warnings.filterwarnings("ignore", message=r".* (sentence was|sentences were) longer than .* and (was|were) "
+                                    "truncated")
         data = PositionDataModule(source=args.data, encoder=run.encoder, text_column=args.text_column,
                                   max_length=args.max_length, max_sentences=args.probe_sentences,
                                   batch_size=PROBE["batch_size"], random_baseline=False,
