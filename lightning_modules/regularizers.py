@@ -144,6 +144,10 @@ class Regularizer:
         sums = all_reduce(torch.cat([count.view(1), total, outer.flatten()]))
         count, mean, outer = sums[0], sums[1:1 + hidden] / sums[0], sums[1 + hidden:].view(hidden, hidden)
         cov = (outer - count * mean.unsqueeze(1) * mean) / (count - 1).clamp_min(1)  # unbiased, as isoscore_star's
+        if self.shrinkage is not None and self.shrinkage.device != cov.device:
+            # once: a resumed C0 is restored before Lightning moves the model (on the CPU), and copying it from the
+            # host at every step would wait for the device each time
+            self.shrinkage = self.shrinkage.to(cov.device)
         return isoscore_star_of_covariance(cov, self.zeta, self.shrinkage)
 
     def _mean_cosine(self, layers: list[Tensor], w: Tensor | None) -> Tensor:

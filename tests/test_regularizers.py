@@ -344,3 +344,23 @@ def test_pretraining_with_istar_compiles_into_one_graph_and_logs_what_the_eager_
     assert sorted(a) == sorted(b) == list(range(6))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
+
+
+def test_a_resumed_c0_moves_to_the_states_device_once():
+    """A checkpoint's C0 is restored before Lightning moves the model to its device (on_load_checkpoint runs with the
+    module on the CPU): the first regularised step keeps C0 on the states' device, so later steps copy nothing from
+    the host (before, every step of the resumed epoch copied the [hidden, hidden] matrix from the host, waiting for
+    the device). The meta device stands in for an accelerator; the value on the CPU is unchanged."""
+    states, mask = planted_states(seed=5)
+    c0 = torch.cov((torch.randn(300, 12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)).T)
+    saved = Regularizer("istar", weight=1.0, zeta=0.3)
+    saved.bind(num_layers=3)
+    saved.shrinkage, saved.shrinkage_epoch = c0, 0
+    reg = Regularizer("istar", weight=1.0, zeta=0.3)
+    reg.bind(num_layers=3)
+    reg.load_state_dict(saved.state_dict(), torch.device("cpu"))
+    expected = isoscore_star(torch.cat([state[mask] for state in states]), 0.3, c0).item()
+    assert reg(states, mask)[1].item() == pytest.approx(expected, abs=1e-12)
+    points = [state.to("meta").reshape(-1, 12) for state in states]  # as __call__ gives them (no autocast on meta)
+    reg._isoscore_star(points, mask.to("meta").reshape(-1, 1).double())
+    assert reg.shrinkage.device.type == "meta"
