@@ -18,9 +18,10 @@
   Layers default to all transformer layers (1..L).
 - CosReg (Gao et al., "Representation Degeneration Problem in Training Natural Language Generation Models", ICLR
   2019; the baseline of Rudman & Eickhoff): term = weight x R_cos of the chosen layers' token states, R_cos = 1/N^2
-  sum_i sum_j cos(h_i, h_j), the mean of the N x N cosine matrix, its diagonal included, as Gao et al. define it and
-  the I-STAR authors' baseline computes it (metrics/geometry.py's cosine_matrix_mean; averaged over the layers when
-  several are chosen). Default: the last layer.
+  sum_i sum_j cos(h_i, h_j), the mean of the N x N cosine matrix, its diagonal included, as Gao et al. define it
+  (metrics/geometry.py's cosine_matrix_mean; averaged over the layers when several are chosen; the I-STAR authors'
+  baseline, I-STAR/regularizers.py, takes the diagonal's N out of the sum and still divides by N^2: 1/N lower, the
+  same gradient). Default: the last layer.
 
 The batch statistic is the micro-batch's over every rank (gathered): each rank's moments (token count, sum, centred
 outer products; for CosReg the sum of unit vectors) are summed over ranks with a differentiable all-reduce, so every rank

@@ -85,8 +85,8 @@ def mean_pairwise_cosine(unit_sum: Tensor, norm_sum: Tensor, count: Tensor) -> T
 
 
 def cosine_matrix_mean(unit_sum: Tensor, count: Tensor) -> Tensor:
-    """CosReg's R_cos (Gao et al. 2019, eq. 4; Rudman & Eickhoff 2024's CosReg baseline): the mean of the n x n cosine
-    matrix of n vectors, its diagonal included, 1/n^2 sum_i sum_j u_i . u_j = ||sum u||^2 / n^2, from the sum of their
+    """CosReg's R_cos (Gao et al. 2019, eq. 4; Rudman & Eickhoff 2024's CosReg baseline less 1/n: their code leaves the
+    diagonal out of the sum, still over n^2): the mean of the n x n cosine matrix of n vectors, its diagonal included, 1/n^2 sum_i sum_j u_i . u_j = ||sum u||^2 / n^2, from the sum of their
     unit vectors [..., hidden] and n [...] (a zero vector's unit is zero: its row, column and diagonal add 0). It is
     (n - 1)/n x mean_pairwise_cosine + 1/n for nonzero vectors. nan for no vector. Differentiable."""
     value = unit_sum.pow(2).sum(-1) / count.pow(2).clamp_min(1)

@@ -93,7 +93,7 @@ def test_istar_through_autograd_equals_the_metric_and_its_gradient_matches_finit
 
 def test_cosreg_equals_gao_et_als_cosine_matrix_mean_by_a_direct_computation():
     """CosReg: Gao et al.'s R_cos = 1/N^2 sum_i sum_j cos(h_i, h_j) over the unpadded tokens, the N x N matrix with its
-    diagonal (the I-STAR authors' baseline too), per chosen layer, averaged over the layers (a zero vector counts as
+    diagonal (the I-STAR authors' code leaves it out of the sum: 1/N lower), per chosen layer, averaged over the layers (a zero vector counts as
     cosine 0, its diagonal too); the last layer by default. The mean over distinct pairs alone (what CosReg computed
     before) differs by about (1 - that mean) / N: 0.002 here, far above the tolerance."""
     states, mask = planted_states(seed=3)
