@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "the runs are drawn together (each labelled LABEL= or by its directory's name); under "
                               "torchrun write --run_dir (torchrun's own parser takes --run for its --run-path)")
     sources.add_argument("--encoders", nargs="+", default=None,
-                         help="an ordered list of encoders (checkpoints, directories, hub ids) of one architecture")
+                         help="encoders (checkpoints, directories, hub ids) of one architecture, analysed by step (a "
+                              "checkpoint's, or step_20k / step=100 in its name); without steps, in the order given")
     add_magnitude_arguments(trajectory)
     intervene = command("intervene", "analyses.intervene:run_intervene", INTERVENE_HELP, "intervene", variants=False)
     add_intervene_arguments(intervene)

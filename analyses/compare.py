@@ -17,6 +17,7 @@ from core.errors import UserError
 from core.sources import short_name
 from core.tables import table_lines
 from core.wording import plural
+from metrics.summary import top_share
 
 KEYS = ("encoder", "layers", "persistent_dims")  # what every outliers.json has (analyses/outliers.py)
 
@@ -72,9 +73,11 @@ def comparison_lines(items: list[tuple[str | None, Path, dict]]) -> list[str]:
     lines += table_lines(["layer", *names], rows, align=[">", *"<" * len(names)])  # each column as wide as its cells
     for name, report in zip(names, reports):
         note = (report.get("origins") or {}).get("position_embeddings_note") or "position table traced"
-        share = max(max(row["argmax_share"], row["argmin_share"]) for row in report["layers"])
+        rows = report["layers"]  # the share of layers 1..L, as the persistent dims (layer 0 alone: its own)
+        share = top_share([row["argmax_share"] for row in rows], [row["argmin_share"] for row in rows],
+                          [row["layer"] for row in rows])
         lines.append(f"{name}: persistent outlier dims {report['persistent_dims'] or 'none'}; largest max/min share "
-                     f"{share:.0%}; positional embeddings: {note}")
+                     f"of layers 1..L {share:.0%}; positional embeddings: {note}")
     return lines
 
 

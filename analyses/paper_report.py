@@ -94,7 +94,9 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
                                                                         "argmin_dim", "argmin_share", "outlier_dims")}
                                          for layer in outliers["layers"]],
                               "persistent_dims": outliers["persistent_dims"], "rule": outliers["rule"]["description"],
-                              "persistence": outliers["rule"]["persistence"]},
+                              "persistence": outliers["rule"]["persistence"],  # Figures 3-4 only with a table to draw
+                              "position_figure": outliers["origins"]["position_embeddings"] is not None,
+                              "position_embeddings_note": outliers["origins"]["position_embeddings_note"]},
         "section3_position_probe": None if probe is None else {
             "layers": [probe_row(row) for row in probe["layers"]],
             "random_encoder": [row["accuracy"] for row in probe["baselines"].get("random_encoder", {}).get("layers", [])],
@@ -133,8 +135,10 @@ def paper_markdown(summary: dict) -> str:
              f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
              f"{summary['clip_rule']}). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]
     section = summary["section3_outliers"]
-    lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)",
-              "![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)", "",
+    rows = ("![Figures 3-4: position-embedding rows](outliers/position_embeddings.png)"
+            if section.get("position_figure", True) else
+            f"(no Figures 3-4: {section.get('position_embeddings_note') or 'no position-embedding table'})")
+    lines += ["## §3 Outlier neurons", "", "![Figure 1: average vector per layer](outliers/mean_vectors.png)", rows, "",
               f"Rule: {section['rule']}. Dims {section['persistence']}: {section['persistent_dims'] or 'none'}.", "",
               "| layer | argmax dim (share) | argmin dim (share) | outlier dims |", "| --- | --- | --- | --- |"]
     lines += [f"| {row['layer']} | {row['argmax_dim']} ({row['argmax_share']:.1%}) | {row['argmin_dim']} "

@@ -5,7 +5,7 @@ models and has no trajectories).
     python analyze.py trajectory --run runs/pretrain/tiny --output_dir runs/pretrain/tiny/trajectory
     python analyze.py trajectory --run runs/pretrain/roberta-base-nope --data core/corpus/austen.txt --max_sentences 2000 \\
         --output_dir runs/trajectory/nope                     # train.py with --checkpoint.save_top_k -1 keeps them all
-    python analyze.py trajectory --encoders ckpt_a ckpt_b hub/id-step_20k ... --output_dir D   # any ordered list
+    python analyze.py trajectory --encoders ckpt_a ckpt_b hub/id-step_20k ... --output_dir D   # by step
     python analyze.py trajectory --run pe=runs/pretrain/tiny --run nope=runs/pretrain/tiny-nope --output_dir D
     compare_runs(args, [("pe", "runs/a"), ("nope", "runs/b")], "runs/study", stem="study")   # study.json, study.png
 
@@ -85,8 +85,9 @@ def run_points(run: str) -> list[Point]:
 
 
 def encoder_points(sources: list[str]) -> list[Point]:
-    """--encoders in the order given; each step from a checkpoint's global_step, a name's step (step_20k, step=100),
-    or the position in the list."""
+    """--encoders by step, each step from a checkpoint's global_step or a name's step (step_20k, step=100), so that a
+    shell glob's string order (step=1000 before step=250) is no trajectory's order; encoders without steps are kept in
+    the order given, each at its position in the list."""
     points = []
     for index, source in enumerate(sources):
         resolved = resolve_model_dir(source)
@@ -97,7 +98,7 @@ def encoder_points(sources: list[str]) -> list[Point]:
         points.append(Point(source, int(found.group(1)) * (1000 if found.group(2) else 1), "name") if found
                       else Point(source, index, "order"))
     check_steps(points)
-    return points
+    return sorted(points, key=lambda point: point.step)  # stable: positions in the list are already in order
 
 
 def check_steps(points: list[Point]) -> None:

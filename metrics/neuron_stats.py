@@ -7,7 +7,9 @@
     result.kurtosis_sequence, result.inf_norm_sequence    # [layers]: Bondarenko et al.'s, per sequence, averaged
 
 Per dimension (over tokens): mean, population variance, max |value|, and how many tokens have their largest
-(smallest) component on the dimension (the outlier rule, metrics/outliers.py, reads these). Per token vector x (its `hidden`
+(smallest) component on the dimension (the outlier rule, metrics/outliers.py, reads these); a token whose largest
+(smallest) value several dims hold (ties: bf16's coarse values, a zeroed dim) counts 1/k on each of its k dims, so no
+dim gains from its index and the counts of a layer still sum to its tokens. Per token vector x (its `hidden`
 components), averaged (or maximised) over the tokens of a layer, outlier magnitudes of ours (the kurtosis after
 Bondarenko et al., NeurIPS 2023, whose code takes it per sequence: below):
 
@@ -53,8 +55,8 @@ class NeuronStatisticsResult:
     mean: Tensor  # [layers, hidden]
     var: Tensor  # [layers, hidden], population variance over tokens
     max_abs: Tensor  # [layers, hidden]
-    argmax_count: Tensor  # [layers, hidden]: tokens whose largest value lies on the dimension
-    argmin_count: Tensor  # [layers, hidden]: tokens whose smallest value lies on the dimension
+    argmax_count: Tensor  # [layers, hidden] float64: tokens whose largest value lies on the dimension (ties split)
+    argmin_count: Tensor  # [layers, hidden] float64: tokens whose smallest value lies on the dimension (ties split)
     kurtosis_sum: Tensor | None = None  # [layers]: sum over tokens of each token vector's Pearson kurtosis
     kurtosis_max: Tensor | None = None  # [layers]: its maximum over tokens
     top1_share_sum: Tensor | None = None  # [layers]: sum over tokens of max_i x_i^2 / |x|^2
@@ -107,6 +109,21 @@ class NeuronStatisticsResult:
         return self.argmin_count.double() / max(self.num_tokens, 1)
 
 
+def count_extremes(count: Tensor, tokens: Tensor, largest: bool) -> Tensor:
+    """Add to count [layers, hidden] (float64), per token of tokens [layers, tokens, hidden], 1 on the dim holding its
+    largest (`largest`, else smallest) value, split equally among the dims when several hold it (torch's argmax would
+    give a tie to the lowest index). Returns the extreme values [layers, tokens]."""
+    top = tokens.topk(min(2, tokens.shape[-1]), dim=-1, largest=largest)  # values, indices [layers, tokens, <= 2]
+    tied = top.values[..., 0] == top.values[..., -1] if tokens.shape[-1] > 1 else torch.zeros_like(top.values[..., 0],
+                                                                                                     dtype=torch.bool)
+    count.scatter_add_(1, top.indices[..., 0], (~tied).to(count.dtype))
+    if tied.any():  # rare outside coarse dtypes: only the tied tokens' rows are compared
+        layer, token = tied.nonzero(as_tuple=True)
+        holders = (tokens[layer, token] == top.values[layer, token, :1]).to(count.dtype)  # [tied tokens, hidden]
+        count.index_put_((layer,), holders / holders.sum(-1, keepdim=True), accumulate=True)
+    return top.values[..., 0]
+
+
 class NeuronStatistics(Metric):
     """Mean, variance, max |value| and argmax/argmin counts per layer and dimension, over unmasked tokens."""
 
@@ -123,8 +140,8 @@ class NeuronStatistics(Metric):
         self.add_state("sum", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("sum_sq", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("max_abs", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="max")
-        self.add_state("argmax_count", torch.zeros(shape, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("argmin_count", torch.zeros(shape, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("argmax_count", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")  # ties split
+        self.add_state("argmin_count", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("kurtosis_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("kurtosis_max", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="max")
         self.add_state("top1_share_sum", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
@@ -151,11 +168,8 @@ class NeuronStatistics(Metric):
         n = tokens.shape[1]
         batch_sum = token_sums(tokens)  # [layers, hidden]
         self.max_abs = torch.maximum(self.max_abs, torch.maximum(tokens.amax(1), -tokens.amin(1)).double())
-        ones = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
-        largest, argmax = tokens.max(-1)  # [layers, tokens]
-        smallest, argmin = tokens.min(-1)
-        self.argmax_count.scatter_add_(1, argmax, ones)
-        self.argmin_count.scatter_add_(1, argmin, ones)
+        largest = count_extremes(self.argmax_count, tokens, largest=True)  # [layers, tokens]
+        smallest = count_extremes(self.argmin_count, tokens, largest=False)
         # Squares are summed around the batch mean (accurate in float32 even where the mean dwarfs the spread, as
         # an outlier's does), then shifted back exactly in float64: sum x² = M2 + (sum x)² / n.
         centred = tokens - (batch_sum / n).float().unsqueeze(1)

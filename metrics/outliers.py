@@ -11,7 +11,7 @@ of ours).
 The rule (Luo et al. 2021, §3: a neuron that bears the largest or the smallest value of "most vectors"; the paper
 gives no number, so the 0.2 share and the half-the-layers rule for persistence are ours). In layer l, dimension d is
 an outlier when it holds the maximum or the minimum value of at least `min_share` (0.2) of the counted token
-vectors. Opt-in, ours (`sigma`, off by default): d is also an outlier when its mean lies more than
+vectors (a token whose maximum or minimum k dims hold, a tie, counts 1/k on each: NeuronStatistics). Opt-in, ours (`sigma`, off by default): d is also an outlier when its mean lies more than
 `sigma` robust standard deviations from the median of the layer's mean vector, the robust standard deviation being
 1.4826 × the median absolute deviation ("|mean| above k standard deviations" of Kovaleva et al. 2021, made robust).
 A dimension is *persistent* when it is an outlier in at least half of the non-input layers 1..L: layer 0 (the

@@ -77,9 +77,23 @@ def test_any_number_of_reports_and_given_names(reports, capsys):
     assert sorted(rows) == list(range(8)) and all(len(cells) == 4 for cells in rows.values())
     assert [cells[1] == "-" for layer, cells in sorted(rows.items())] == [layer > 4 for layer in range(8)]
     assert rows[5][0] == rows[5][3] != "-"  # the same report twice, under two names
-    share = max(max(row["argmax_share"], row["argmin_share"]) for row in made["nope"]["layers"])
-    assert f"tiny-nope: persistent outlier dims none; largest max/min share {share:.0%}; positional embeddings: all " \
-           "zeros: no positional embeddings" in out.splitlines()
+    share = max(max(row["argmax_share"], row["argmin_share"]) for row in made["nope"]["layers"][1:])
+    assert f"tiny-nope: persistent outlier dims none; largest max/min share of layers 1..L {share:.0%}; positional " \
+           "embeddings: all zeros: no positional embeddings" in out.splitlines()
+
+
+def test_the_summary_share_is_that_of_layers_1_to_l_as_the_persistent_dims_not_the_embedding_outputs(tmp_path,
+                                                                                                      capsys):
+    def row(layer: int, argmax: float, argmin: float) -> dict:
+        return {"layer": layer, "argmax_dim": 3, "argmax_share": argmax, "argmin_dim": 5, "argmin_share": argmin,
+                "outlier_dims": [3] if argmax >= 0.2 else []}
+
+    path = tmp_path / "outliers.json"  # layer 0 (the embedding output) holds the largest share: 90%
+    path.write_text(json.dumps({"encoder": "m", "persistent_dims": [],
+                                "layers": [row(0, 0.9, 0.1), row(1, 0.1, 0.35), row(2, 0.15, 0.05)]}))
+    assert analyze.main(["compare", f"m={path}"]) == 0
+    assert "m: persistent outlier dims none; largest max/min share of layers 1..L 35%; positional embeddings: " \
+           "position table traced" in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -180,8 +180,10 @@ def test_bfloat16_hidden_states_close_to_float32_and_counted(tmp_path, bert_tok)
     assert result.num_tokens == direct.shape[1] and result.mean.dtype == torch.float64
     torch.testing.assert_close(result.mean, direct.mean(1))
     torch.testing.assert_close(result.var, direct.var(1, unbiased=False), atol=1e-6, rtol=1e-6)
-    for layer in range(LAYERS + 1):
-        assert torch.equal(result.argmax_count[layer], torch.bincount(direct[layer].argmax(-1), minlength=HIDDEN))
+    holders = (direct == direct.amax(-1, keepdim=True)).double()  # [layers, tokens, hidden]: bf16's coarse values tie
+    assert int((holders.sum(-1) > 1).sum()) > 0  # here too: each tie is split among its dims, not given to the first
+    torch.testing.assert_close(result.argmax_count, (holders / holders.sum(-1, keepdim=True)).sum(1), rtol=0,
+                               atol=1e-9)
 
 
 def test_a_masked_lm_checkpoint_loads_quietly_and_a_missing_encoder_weight_is_named(tmp_path, roberta_tok):

@@ -32,8 +32,8 @@ def random_batches(seed: int, n: int = 5):
 
 def direct(batches):
     tokens = torch.cat([hidden[:, mask] for hidden, mask in batches], dim=1).double()  # [layers, N, hidden]
-    argmax = torch.stack([torch.bincount(t.argmax(-1), minlength=HIDDEN) for t in tokens])
-    argmin = torch.stack([torch.bincount(t.argmin(-1), minlength=HIDDEN) for t in tokens])
+    argmax = torch.stack([torch.bincount(t.argmax(-1), minlength=HIDDEN) for t in tokens]).double()  # no ties here
+    argmin = torch.stack([torch.bincount(t.argmin(-1), minlength=HIDDEN) for t in tokens]).double()
     return tokens.shape[1], tokens.mean(1), tokens.var(1, unbiased=False), tokens.abs().amax(1), argmax, argmin
 
 
@@ -62,6 +62,42 @@ def assert_matches(result, expected):
     assert torch.equal(result.argmin_count, argmin)
     torch.testing.assert_close(result.argmax_share, argmax.double() / count)  # the share of the tokens, by hand
     torch.testing.assert_close(result.argmin_share, argmin.double() / count)
+
+
+def split_ties(tokens: torch.Tensor, largest: bool) -> torch.Tensor:
+    """[hidden] counts of tokens [N, hidden] by hand, one token at a time: 1 / k on each of the k dims that hold its
+    largest (smallest) value."""
+    counts = torch.zeros(tokens.shape[-1], dtype=torch.float64)
+    for vector in tokens.tolist():
+        extreme = max(vector) if largest else min(vector)
+        holders = [d for d, value in enumerate(vector) if value == extreme]
+        for d in holders:
+            counts[d] += 1 / len(holders)
+    return counts
+
+
+def test_a_tie_for_the_max_or_min_is_split_among_its_dims_not_given_to_the_lowest_index():
+    from metrics.outliers import OutlierRule, detect_outliers
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = 8
+    tied = torch.tensor([2.0, 2.0, 0.0, 0.5, -1.0, 0.25, -1.0, 0.0]).expand(3, hidden)  # dims 0, 1 hold the max
+    spread = torch.randn(9, hidden, generator=generator) * 0.1
+    spread[torch.arange(9), 2 + torch.arange(9) % 6] = 1.0  # the max of the others on dims 2..7, one or two each
+    coarse = torch.randn(40, hidden, generator=generator).bfloat16().float()  # bf16: some ties of their own
+    tokens = torch.cat([tied, spread, torch.zeros(1, hidden), coarse])[None]  # [1 layer, 53 tokens, hidden]
+    metric = NeuronStatistics(1, hidden)
+    metric.update(tokens)
+    result = metric.compute()
+    torch.testing.assert_close(result.argmax_count[0], split_ties(tokens[0], largest=True), rtol=0, atol=1e-12)
+    torch.testing.assert_close(result.argmin_count[0], split_ties(tokens[0], largest=False), rtol=0, atol=1e-12)
+    assert float(result.argmax_count.sum()) == pytest.approx(53) and float(result.argmin_count.sum()) == pytest.approx(53)
+    # the tied tokens alone: half a token each to dims 0 and 1, so the rule flags neither (torch's argmax: dim 0 only)
+    alone = NeuronStatistics(1, hidden)
+    alone.update(torch.cat([tied, spread])[None])
+    counts = alone.compute()
+    assert counts.argmax_count[0, :2].tolist() == [1.5, 1.5] and counts.argmax_share[0, 0] == 1.5 / 12  # not 3 / 12
+    assert not {0, 1} & set(detect_outliers(counts, OutlierRule(min_share=0.2))[0].outlier_dims)
 
 
 def test_streaming_equals_direct_computation():

@@ -356,3 +356,33 @@ def test_text_column_names_sst2s_column_for_its_sentences_and_its_probes(tmp_pat
     analyze.validate(detected)
     with pytest.raises(analyze.UserError, match="no text column .* pass --text_column"):
         paper.read_inputs(detected)
+
+
+@pytest.mark.parametrize("table", ["learned", "zeros"])
+def test_paper_md_links_figures_3_4_only_when_there_is_a_position_table_to_draw(table, tmp_path, bert_tok,
+                                                                                 sentences_file):
+    """outlier_figures writes position_embeddings.png only for a model with a (non-zero) position table; paper.md links
+    it then, and otherwise says why there is none instead of a link to a file that is not there."""
+    from types import SimpleNamespace
+
+    from analyses.paper_report import paper_markdown, paper_summary
+
+    def zero_table(model):
+        model.embeddings.position_embeddings.weight.zero_()
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=zero_table if table == "zeros" else None)
+    out = tmp_path / "outliers"
+    assert analyze.main(["outliers", "--encoder", str(encoder), "--data", str(sentences_file), "--no_progress",
+                         "--output_dir", str(out)]) == 0
+    report = json.loads((out / "outliers.json").read_text())
+    drawn = (out / "position_embeddings.png").exists()
+    assert drawn is (table == "learned")
+    args = SimpleNamespace(encoder=str(encoder), seed=0, sst2="sst2", qqp="none", wic="none", sts=[], imdb="none",
+                           sst5="none")
+    summary = paper_summary({"outliers": {**report, "sentences_from": {"sst2": 4}, "sentences_asked": 4}}, args,
+                            "none", [])
+    markdown = paper_markdown(summary)
+    assert ("outliers/position_embeddings.png" in markdown) is drawn
+    assert summary["section3_outliers"]["position_figure"] is drawn
+    if not drawn:
+        assert "(no Figures 3-4: the position-embedding table is all zeros" in markdown

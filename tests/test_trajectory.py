@@ -1,5 +1,5 @@
 """`analyze.py trajectory`: every checkpoint of a tiny train.py run, in step order, equals a separate `analyze.py all`
-of that checkpoint alone; `--encoders` keeps the order given; the refusals.
+of that checkpoint alone; `--encoders` by step (without steps, in the order given); the refusals.
 
     .venv/bin/pytest tests/test_trajectory.py -q
 """
@@ -137,13 +137,32 @@ def test_the_trajectory_of_three_checkpoints_equals_three_separate_analyses(run,
     assert points[0]["layers"][1]["attention_sinks"]["first_token_mass"] > 0
     # the weights moved: the points differ
     assert points[0]["layers"][2]["anisotropy"] != points[2]["layers"][2]["anisotropy"]
-    # --encoders: any list, in the order given, each step read from its checkpoint
+    # --encoders: any list, analysed by step, each step read from its checkpoint
     assert analyze.main(["trajectory", "--encoders", points[2]["path"], points[0]["path"], "--data", str(sentences),
                          *COMMON, "--output_dir", str(tmp_path / "e")]) == 0
     listed = json.loads((tmp_path / "e" / "trajectory.json").read_text())
-    assert listed["run"] is None and [p["step"] for p in listed["checkpoints"]] == [6, 2]
+    assert listed["run"] is None and [p["step"] for p in listed["checkpoints"]] == [2, 6]
     assert [p["step_from"] for p in listed["checkpoints"]] == ["checkpoint", "checkpoint"]
-    assert listed["checkpoints"][1]["layers"] == points[0]["layers"]
+    assert listed["checkpoints"][0]["layers"] == points[0]["layers"]
+
+
+def test_encoders_with_steps_are_analysed_by_step_not_in_a_globs_string_order(tmp_path):
+    from analyses.trajectory import encoder_points
+
+    def exports(*names: str) -> list[str]:
+        for name in names:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+        return [str(tmp_path / name) for name in names]
+
+    globbed = sorted(exports("step=1000", "step=250", "step=500", "step_2k"))  # a shell glob's order: by string
+    assert [Path(source).name for source in globbed] == ["step=1000", "step=250", "step=500", "step_2k"]
+    points = encoder_points(globbed)
+    assert [(Path(p.source).name, p.step, p.step_from) for p in points] == [
+        ("step=250", 250, "name"), ("step=500", 500, "name"), ("step=1000", 1000, "name"), ("step_2k", 2000, "name")]
+    unstepped = exports("zeta", "alpha")  # no step anywhere: the order given, each at its position
+    assert [(Path(p.source).name, p.step, p.step_from) for p in encoder_points(unstepped)] == [
+        ("zeta", 0, "order"), ("alpha", 1, "order")]
 
 
 @pytest.mark.slow
