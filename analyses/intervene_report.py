@@ -17,17 +17,19 @@ norms it edits (`norms`: an RMSNorm's gain, it has no bias).
 
 from __future__ import annotations
 
+import sys
+
 from torch import Tensor
 
 from analyses.reference import number
+from analyses.reports import report_warnings
 from analyses.session import run_header
 from core.defaults import INTERVENE_PROBE, INTERVENTIONS
 from core.figures import layer_bands_figure
 from core.tables import table_lines
 from core.wording import plural
 from lightning_modules.interventions import DIMENSION_BASED, edit_sites, norm_sites
-from metrics.null import chance_outlier_bound
-from metrics.outliers import all_outlier_dims, persistent_dims
+from metrics.outliers import all_outlier_dims, chance_of, persistent_dims
 
 PROBE = INTERVENE_PROBE  # --probe's quick settings (ours; the paper trains 10 epochs): core/defaults.py
 LABELS = {"outlier_share": "summed share of the dims", "kurtosis": "kurtosis (per token, mean)",
@@ -91,7 +93,7 @@ def report_of(args, encoder, run, baseline, results: dict, dims: list[int], outl
         "hidden_size": encoder.hidden_size, "num_layers": encoder.num_layers,
         "rule": {"min_share": rule.min_share, "sigma": rule.sigma, "description": rule.describe()},
         "persistent_dims": persistent_dims(outliers),
-        "chance_bound": chance_outlier_bound(baseline.statistics.num_tokens, encoder.hidden_size, rule.min_share),
+        **chance_of(outliers, baseline.statistics.num_tokens, encoder.hidden_size, rule),  # ours: chance_bound, _warning
         "dims": dims,
         "dims_from": "auto: the persistent outlier dims of the unmodified model on the same data (the outliers "
                      "analysis' rule)" if args.dims == "auto" else "given (--dims)",
@@ -188,6 +190,8 @@ def print_intervene(report: dict) -> None:
         if "sublayer_output" in placements:
             print(f"{name}: norms placed sublayer_output normalise a sub-layer's output: the dims are removed from what "
                   "it adds to the residual stream")
+    for warning in report_warnings(report):
+        print(f"warning: {warning}", file=sys.stderr)
         if "acts_at" in entry and report["model_family"]["norms"] == "pre-LN":
             print(f"{name} acts at: " + "; ".join(f"layer {layer}: {where}" for layer, where in entry["acts_at"].items()))
 

@@ -136,3 +136,15 @@ def test_the_outliers_table_of_one_sentence_says_sentence(planted_bert, tmp_path
     assert report["num_sentences"] == 1
     assert f"on {data}: 1 sentence, {token_count(planted_bert, ['the cat sat.'])} tokens (special" in out
 
+
+
+def test_intervene_reports_and_prints_the_outliers_reports_chance_line_once(planted_bert, tmp_path, capsys):
+    data = tmp_path / "short.txt"
+    data.write_text("\n".join(SHORT) + "\n", encoding="utf-8")
+    bound = chance_outlier_bound(token_count(planted_bert, SHORT), HIDDEN, 0.2)  # called directly on the same n, d, s
+    outliers = run("outliers", planted_bert, data, tmp_path / "o")
+    capsys.readouterr()
+    report = run("intervene", planted_bert, data, tmp_path / "i", "--controls", 1, "--num_pairs", 1)
+    assert PE_DIM in report["dims"]  # the detection chose what to intervene on
+    assert report["chance_bound"] == bound and report["chance_warning"] == outliers["chance_warning"]
+    assert chance_lines(capsys) == [f"warning: {report['chance_warning']}"]  # one line, the report's
