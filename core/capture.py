@@ -32,10 +32,11 @@ def check_finite(states, attention_mask: Tensor, what: str) -> Tensor:
     (65504: a massive activation, a residual stream) gives inf, and nan after the next norm, which every statistic would
     count (or crash on: the massive activations' histogram)."""
     real = attention_mask.bool()
-    for layer, state in enumerate(states):
-        if not bool(state[real].isfinite().all()):
-            raise UserError(f"{what}: its hidden states hold inf or nan in {str(state.dtype).removeprefix('torch.')} "
-                            f"(from layer {layer}: activations past the dtype's range); use --dtype float32 or bfloat16")
+    bad = torch.stack([((~state.isfinite()).any(-1) & real).any() for state in states])  # [layers]: one sync, no copy
+    if bool(bad.any()):
+        layer = int(bad.nonzero()[0])
+        raise UserError(f"{what}: its hidden states hold inf or nan in {str(states[layer].dtype).removeprefix('torch.')} "
+                        f"(from layer {layer}: activations past the dtype's range); use --dtype float32 or bfloat16")
     return real
 
 

@@ -260,8 +260,9 @@ class FeatureExtractor:
                 counts[split] = {"sentences": counts[split]["sentences"], task.item_name: items, **counts[split]}
         truncated = sum(truncated for _, truncated in batches)
         if truncated:  # said as analyze.py says them (the report's num_truncated and num_unknown count them too)
-            warnings.warn(f"{plural(truncated, 'sentence was', 'sentences were')} longer than {self.max_length or primary.max_length} tokens and "
-                          "were truncated (counted in the report as num_truncated)", stacklevel=2)
+            warnings.warn(f"{plural(truncated, 'sentence was', 'sentences were')} longer than "
+                          f"{self.max_length or primary.max_length} tokens and were truncated (counted in the report as "
+                          "num_truncated)", stacklevel=2)
         if unknown:
             warnings.warn(unknown_line(unknown, sum(int(inputs["attention_mask"].sum()) for inputs, _ in batches)),
                           stacklevel=2)
@@ -276,7 +277,7 @@ class FeatureExtractor:
         the budget that keeps them in float32 (`values`: the features of all splits)."""
         if dtype != torch.float16:
             return
-        peak = max(float(part.abs().amax()) for part in parts if part.numel())
+        peak = max((float(part.abs().amax()) for part in parts if part.numel()), default=0.0)
         if peak > torch.finfo(torch.float16).max:
             need = values * 4 / GIB
             raise UserError(f"hidden states reach |x| = {peak:.4g}, past float16's largest value (65504): the features "
