@@ -73,9 +73,9 @@ def comparison_lines(items: list[tuple[str | None, Path, dict]]) -> list[str]:
     lines += table_lines(["layer", *names], rows, align=[">", *"<" * len(names)])  # each column as wide as its cells
     for name, report in zip(names, reports):
         note = (report.get("origins") or {}).get("position_embeddings_note") or "position table traced"
-        rows = report["layers"]  # the share of layers 1..L, as the persistent dims (layer 0 alone: its own)
-        share = top_share([row["argmax_share"] for row in rows], [row["argmin_share"] for row in rows],
-                          [row["layer"] for row in rows])
+        found = report["layers"]  # the largest share of layers 1..L, as the persistent dims are read
+        share = top_share([row["argmax_share"] for row in found], [row["argmin_share"] for row in found],
+                          [row["layer"] for row in found])
         lines.append(f"{name}: persistent outlier dims {report['persistent_dims'] or 'none'}; largest max/min share "
                      f"of layers 1..L {share:.0%}; positional embeddings: {note}")
     return lines

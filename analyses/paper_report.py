@@ -166,10 +166,10 @@ def paper_markdown(summary: dict) -> str:
     figure = summary["figure6"]
     for name, data in figure.items():
         words = data["words"]
-        lines.append(f"{NAMES[name]}: {plural(words['num_words'], 'word')} of the {words['num_candidates']} that occur in at "
-                     f"least {words['contexts_per_word']} of its {plural(words['pool_sentences'], 'sentence')}, "
-                     f"{plural(words['contexts_per_word'], 'context')} each ({plural(words['num_sentences'], 'sentence')} encoded; words "
-                     f"{words['word_case']}).")
+        lines.append(f"{NAMES[name]}: {plural(words['num_words'], 'word')} of the {words['num_candidates']} that occur "
+                     f"in at least {words['contexts_per_word']} of its {plural(words['pool_sentences'], 'sentence')}, "
+                     f"{plural(words['contexts_per_word'], 'context')} each "
+                     f"({plural(words['num_sentences'], 'sentence')} encoded; words {words['word_case']}).")
     labels = {"anisotropy": "anisotropy", "self_similarity_adjusted": "adjusted self-sim"}
     columns = [(name, measure, key) for name, data in figure.items() for measure in labels for key in data[measure]]
     if columns:
@@ -188,8 +188,9 @@ def paper_markdown(summary: dict) -> str:
         lines.append("(skipped)")
     else:
         split = f"its {wic['split']!r} split" if wic["split"] else "the whole file"
-        lines += [f"{wic['data']}, {split}: {plural(wic['num_pairs'], 'pair')}, {wic['num_scored']} scored ({wic['skipped']} "
-                  "skipped: target not at its offsets).", "","| | accuracy | layer | threshold |", "| --- | --- | --- | --- |"]
+        lines += [f"{wic['data']}, {split}: {plural(wic['num_pairs'], 'pair')}, {wic['num_scored']} scored "
+                  f"({wic['skipped']} skipped: target not at its offsets).", "", "| | accuracy | layer | threshold |",
+                  "| --- | --- | --- | --- |"]
         lines += [f"| {key} | {fmt(wic[key]['accuracy'])} | {wic[key]['layer']} | {wic[key]['threshold']} |"
                   for key in VARIANTS if wic.get(key)]
         lines.append(f"| all-true baseline | {fmt(wic['baseline'])} | | |")
