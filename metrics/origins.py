@@ -4,7 +4,9 @@
 
 For each dimension d:
 - position_embeddings: the rows (positions, 0-indexed from the first position a token can take) whose largest or
-  smallest value lies on d, their shares of all rows, and d's rank by |column mean| of the table. The whole entry
+  smallest value lies on d, their shares of all rows, and d's rank by |column mean| of the table. A row whose largest
+  (smallest) value k dims hold exactly is listed under each of them and counts 1/k in each one's share, as a token
+  does in the outlier rule (metrics.neuron_stats.count_extremes), so no dim gains from its index. The whole entry
   is None, with a reason, when the model has no absolute position table or an all-zero one (this project's no-PE
   models). A factorised table [positions, E] narrower than the hidden size H (ALBERT's, ELECTRA's) has its rows
   traced into the hidden space through the E-to-H projection (`embedding_hidden_mapping_in`, `embeddings_project`:
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from core.families import decoder_stack, norm_placement, pre_norm
 from core.models import layer_norms, position_rows
 from core.norms import norm_affine
+from metrics.neuron_stats import count_extremes
 from metrics.ranks import ranked, ranks_and_ties, strictly_top
 
 
@@ -36,16 +39,18 @@ def trace_origins(model: nn.Module, dims: list[int]) -> dict:
     table, note = position_rows(model)
     report: dict = {"position_embeddings": None, "position_embeddings_note": note, "layer_norms": {}}
     if table is not None:
-        row_max, row_min = table.argmax(1), table.argmin(1)  # [positions]
+        counts = torch.zeros(2, 1, table.shape[1], dtype=torch.float64)  # [max | min, 1 table, hidden]: ties split
+        extremes = [count_extremes(counts[i], table[None], largest=i == 0)[0] for i in (0, 1)]  # [positions] each
+        holds_max, holds_min = (table == value[:, None] for value in extremes)  # [positions, hidden]
         column_rank, column_ties = ranks_and_ties(table.mean(0))
         report["position_embeddings"] = {
             "num_positions": int(table.shape[0]),
             "dims": {
                 str(d): {
-                    "positions_as_max": (row_max == d).nonzero().flatten().tolist(),
-                    "positions_as_min": (row_min == d).nonzero().flatten().tolist(),
-                    "share_as_max": round(float((row_max == d).float().mean()), 6),
-                    "share_as_min": round(float((row_min == d).float().mean()), 6),
+                    "positions_as_max": holds_max[:, d].nonzero().flatten().tolist(),
+                    "positions_as_min": holds_min[:, d].nonzero().flatten().tolist(),
+                    "share_as_max": round(float(counts[0, 0, d]) / table.shape[0], 6),
+                    "share_as_min": round(float(counts[1, 0, d]) / table.shape[0], 6),
                     "column_mean": round(float(table[:, d].mean()), 6),
                     "column_mean_rank": int(column_rank[d]),
                     "column_mean_ties": int(column_ties[d]),

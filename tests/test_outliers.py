@@ -425,3 +425,36 @@ def test_electra_positions_traced_through_its_embedding_projection():
     report = trace_origins(model, [30])
     as_max = (expected.argmax(1) == 30).nonzero().flatten().tolist()
     assert set(planted) <= set(as_max) and report["position_embeddings"]["dims"]["30"]["positions_as_max"] == as_max
+
+
+def test_a_position_row_whose_max_or_min_several_dims_hold_counts_1_over_k_on_each():
+    """A planted table with exact ties: a tied row is listed under every dim that holds its max (min) and counts 1/k in
+    each one's share, as a token does in the outlier rule (torch's argmax gave it to the lowest index: dim 0's share of
+    maxima would be 3/5)."""
+    from transformers import BertConfig, BertModel
+
+    from metrics.origins import trace_origins
+
+    config = BertConfig(vocab_size=20, hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8,
+                        max_position_embeddings=5)
+    model = BertModel(config).eval()
+    with torch.no_grad():
+        model.embeddings.position_embeddings.weight.copy_(torch.tensor([
+            [3.0, 3.0, 0.0, -1.0],  # max: dims 0, 1 (1/2 each); min: dim 3
+            [1.0, 2.0, 2.0, 2.0],  # max: dims 1, 2, 3 (1/3 each); min: dim 0
+            [5.0, 0.0, 0.0, 0.0],  # max: dim 0; min: dims 1, 2, 3 (1/3 each)
+            [-2.0, 1.0, -2.0, 0.0],  # max: dim 1; min: dims 0, 2 (1/2 each)
+            [0.0, 0.0, 0.0, 0.0],  # max and min: all four dims (1/4 each)
+        ]))
+    table = trace_origins(model, [0, 1, 2, 3])["position_embeddings"]
+    assert table["num_positions"] == 5
+    as_max = {0: 1 / 2 + 1 + 1 / 4, 1: 1 / 2 + 1 / 3 + 1 + 1 / 4, 2: 1 / 3 + 1 / 4, 3: 1 / 3 + 1 / 4}
+    as_min = {0: 1 + 1 / 2 + 1 / 4, 1: 1 / 3 + 1 / 4, 2: 1 / 3 + 1 / 2 + 1 / 4, 3: 1 + 1 / 3 + 1 / 4}
+    assert sum(as_max.values()) == pytest.approx(5) and sum(as_min.values()) == pytest.approx(5)  # every row, once
+    rows_max = {0: [0, 2, 4], 1: [0, 1, 3, 4], 2: [1, 4], 3: [1, 4]}
+    rows_min = {0: [1, 3, 4], 1: [2, 4], 2: [2, 3, 4], 3: [0, 2, 4]}
+    for d in range(4):
+        info = table["dims"][str(d)]
+        assert info["share_as_max"] == pytest.approx(as_max[d] / 5, abs=1e-6)
+        assert info["share_as_min"] == pytest.approx(as_min[d] / 5, abs=1e-6)
+        assert info["positions_as_max"] == rows_max[d] and info["positions_as_min"] == rows_min[d]
