@@ -11,7 +11,9 @@ is one line. Batches: {"input_ids", "attention_mask" (, "token_type_ids"), "labe
 batches are drawn as the MLM blocks are (datamodules/sampling.py: one seeded permutation per epoch, rank r taking
 every world-th example, the tail that makes no whole global batch dropped), so a global batch holds the same examples
 on any number of devices, and the data position is saved in checkpoints and restored exactly
-(datamodules/position.py).
+(datamodules/position.py). Validation and test batches are the one-process batches of --data.eval_batch_size
+consecutive examples, each read whole by one rank (rank r of w taking batches r, r + w, ...: DealtBatches), so a
+statistic of each batch is the same on any number of devices.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import Tensor
 from core.errors import UserError
 from core.tokenizers import truncating_right
 from datamodules.position import DataPosition
-from datamodules.sampling import BlockSampler, ResumableLoader
+from datamodules.sampling import BlockSampler, DealtBatches, ResumableLoader
 from datamodules.splits import SPLITS, Splits, normalise_label, read_splits, sort_labels, warn_blank_rows
 from datamodules.text import DATA_OPTION, TextColumn, iter_records
 
@@ -277,7 +279,7 @@ class FineTuneDataModule(pl.LightningDataModule):
 
     def _eval_loader(self, split: str) -> ResumableLoader:
         rank, world = self._rank_world()
-        sampler = BlockSampler(len(self.sets[split]), self.hparams.eval_batch_size, rank, world, shuffle=False)
+        sampler = DealtBatches(len(self.sets[split]), self.hparams.eval_batch_size, rank, world)  # whole batches
         return self._loader(self.sets[split], sampler)
 
     def _loader(self, dataset, sampler) -> ResumableLoader:

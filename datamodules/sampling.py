@@ -4,6 +4,7 @@
     dataset = BlockDataset(blocks)                  # cached Arrow blocks; dataset[keys] -> {"blocks", "keys"}
     stream = StreamingBlocks(corpus, None, tokenizer, 128, 16, rank=0, world=2, skip_texts=2000, workers=4)  # no cache
     batches = ShuffledBatches(items, batch_size=128, seed=0)   # the probes' items: one seeded shuffle per epoch
+    batches = DealtBatches(items, batch_size=64, rank=0, world=2)  # evaluation: the one-process batches, dealt out
 
 Every rank walks one seeded permutation of the blocks per epoch; rank r of w takes its items r, r + w, ... so a
 global batch holds the same blocks for any (devices × nodes × per-device batch × accumulation). A streaming rank
@@ -71,6 +72,24 @@ class BlockSampler(Sampler[list[int]]):
         mine = self._mine(epoch)
         for start in range(skip * self.batch_size, len(self) * self.batch_size, self.batch_size):
             yield (epoch * self.num_blocks + mine[start:start + self.batch_size]).tolist()
+
+
+class DealtBatches(Sampler[list[int]]):
+    """Evaluation batches: the one-process batches of `items` in order (`batch_size` consecutive indices, the last
+    shorter), rank r of w taking batches r, r + w, ...: every item read once, and each batch whole on one rank, the
+    same batch on any device count. A statistic of each batch (the mean over test batches of IsoScore* of a batch's
+    tokens, lightning_modules/finetune.py) then sums over ranks to the one-process value; BlockSampler's every w-th
+    item would give each rank batches of other items."""
+
+    def __init__(self, items: int, batch_size: int, rank: int = 0, world: int = 1) -> None:
+        self.items, self.batch_size, self.rank, self.world = items, batch_size, rank, world
+
+    def __len__(self) -> int:
+        return len(range(self.rank, -(-self.items // self.batch_size), self.world))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(self.rank * self.batch_size, self.items, self.world * self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.items)))
 
 
 class ShuffledBatches(Sampler[list[int]]):

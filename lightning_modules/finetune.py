@@ -11,7 +11,8 @@ module found). The loss is the cross-entropy plus the regulariser's term on the 
 excluded). At the end of fit, on every rank: the validation and test splits are evaluated with the final weights
 (accuracy; per layer the IsoScore* of the test tokens: the mean over test batches of IsoScore* of the batch's tokens,
 shrunk with --model.zeta towards the covariance of all test tokens, as `analyze.py isotropy` shrinks towards the
-covariance of all tokens), then rank zero writes <default_root_dir>/export/ (transformers, `analyze.py --encoder` and
+covariance of all tokens; the batches are the one-process batches of --data.eval_batch_size consecutive examples, each
+whole on one rank, and metrics.isotropy.IsoScoreStar sums their scores over ranks: the same on any device count), then rank zero writes <default_root_dir>/export/ (transformers, `analyze.py --encoder` and
 `probe.py --model.encoder` load it) and <default_root_dir>/finetune.json.
 """
 
@@ -247,7 +248,8 @@ class FineTuneModule(TrainingModule):
     @torch.no_grad()
     def evaluate(self, loader, isotropy: bool) -> dict:
         """Accuracy over every rank's examples of `loader`; with `isotropy`, per layer the IsoScore* of the tokens
-        (each batch's, shrunk with zeta towards the covariance of all of them: a first pass)."""
+        (each batch's, shrunk with zeta towards the covariance of all of them: a first pass), averaged over every
+        rank's batches (the data module deals whole batches to the ranks: the one-process batches)."""
         layers, hidden = self.model.config.num_hidden_layers + 1, self.model.config.hidden_size
         training = self.training
         self.eval()
@@ -302,7 +304,8 @@ class FineTuneModule(TrainingModule):
             "classes": list(h.classes), "majority": data.majority(), "splits": data.described(),
             "isoscore_star_note": f"per layer (0 = embedding output), the mean over test batches of IsoScore* of the "
                                   f"batch's tokens (padding excluded) shrunk with zeta {h.zeta} towards the "
-                                  "covariance of all test tokens",
+                                  "covariance of all test tokens; the batches are eval_batch_size consecutive test "
+                                  "examples, the same on any device count",
         }
 
     @rank_zero_only

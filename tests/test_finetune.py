@@ -23,6 +23,7 @@ import yaml
 
 import train
 from datamodules.finetune import FineTuneDataModule
+from datamodules.sampling import DealtBatches
 from lightning_modules.encoder import load_encoder
 from metrics.geometry import Covariance
 from metrics.isotropy import isoscore_star
@@ -84,6 +85,35 @@ def checkpoint(root: Path) -> dict:
     return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
+def direct_test_statistics(export: Path, inputs: dict) -> tuple[float, list[float]]:
+    """(test accuracy, per-layer IsoScore*) of an export on the test split, computed here: the one-process test
+    batches (5 consecutive examples), every test token's covariance C0 (metrics.geometry.Covariance) and the mean over
+    batches of metrics.isotropy.isoscore_star of each batch's tokens shrunk with zeta 0.2 towards C0."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    exported = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, eval_batch_size=5)
+    data.attach(AutoTokenizer.from_pretrained(export))
+    test = data.sets["test"]
+    batches = [test[list(range(i, min(i + 5, len(test))))] for i in range(0, len(test), 5)]
+    correct, states = 0, []
+    with torch.no_grad():
+        for batch in batches:
+            out = exported(**{k: v for k, v in batch.items() if k != "labels"}, output_hidden_states=True)
+            correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+            states.append((torch.stack(out.hidden_states), batch["attention_mask"].bool()))
+    layers, hidden = states[0][0].shape[0], states[0][0].shape[-1]
+    covariance = Covariance(layers, hidden)
+    for hidden_states, mask in states:
+        covariance.update(hidden_states, mask)
+    c0 = covariance.compute().cov
+    stars = []
+    for layer in range(layers):
+        star = [isoscore_star(h[layer][m], 0.2, c0[layer]).item() for h, m in states if int(m.sum()) >= 2]
+        stars.append(sum(star) / len(star))
+    return correct / len(test), stars
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, inputs) -> Path:
     """12 steps with I-STAR (λ 0.5; C0 at steps 0 and 8, the second epoch's start)."""
@@ -119,24 +149,11 @@ def test_the_export_gives_the_modules_logits_and_finetune_json_what_a_direct_com
             "layers"} <= set(report)
     assert (report["regularizer"], report["reg_weight"], report["zeta"], report["reg_layers"], report["steps"]) == \
         ("istar", 0.5, 0.2, [1, 2, 3], 12)
-    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, eval_batch_size=5)
-    data.attach(tokenizer)
-    batches = [data.sets["test"][list(range(i, min(i + 5, len(data.sets["test"]))))]
-               for i in range(0, len(data.sets["test"]), 5)]
-    correct, states = 0, []
-    with torch.no_grad():
-        for test in batches:
-            out = exported(**{k: v for k, v in test.items() if k != "labels"}, output_hidden_states=True)
-            correct += int((out.logits.argmax(-1) == test["labels"]).sum())
-            states.append((torch.stack(out.hidden_states), test["attention_mask"].bool()))
-    assert report["accuracy"] == pytest.approx(correct / len(data.sets["test"]), abs=1e-6)
-    covariance = Covariance(4, 32)
-    for hidden_states, mask in states:
-        covariance.update(hidden_states, mask)
-    c0 = covariance.compute().cov
+    accuracy, stars = direct_test_statistics(straight / "export", inputs)
+    assert report["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert len(report["layers"]) == len(stars) == 4
     for layer in range(4):
-        star = [isoscore_star(h[layer][m], 0.2, c0[layer]).item() for h, m in states if int(m.sum()) >= 2]
-        assert report["layers"][layer]["isoscore_star"] == pytest.approx(sum(star) / len(star), abs=1e-6)
+        assert report["layers"][layer]["isoscore_star"] == pytest.approx(stars[layer], abs=1e-6)
 
     rows = logged(straight)
     assert sorted(rows) == list(range(12))
@@ -173,7 +190,9 @@ def test_resume_with_istar_is_exact(straight, inputs, tmp_path, stop):
 @pytest.mark.slow
 def test_two_process_ddp_gives_the_regularised_loss_of_one_process(inputs, tmp_path):
     """I-STAR under DDP: 2 processes (gloo) × 4 examples a step against 1 × 8, dropout off: the same loss, I-STAR term
-    and IsoScore* every step (the moments of every rank's tokens together), the same C0 and weights."""
+    and IsoScore* every step (the moments of every rank's tokens together), the same C0 and weights; finetune.json's
+    test accuracy and per-layer IsoScore* the one-process run's, each the direct computation on its export's test
+    features (the test batches are the one-process batches, each whole on one rank)."""
     common = (*ISTAR, "--model.dropout", "0.0", "--trainer.max_steps", "5")
     one, two = tmp_path / "one", tmp_path / "two"
     assert train.cli_main(ft_args(one, inputs, *common)) == 0
@@ -195,6 +214,26 @@ def test_two_process_ddp_gives_the_regularised_loss_of_one_process(inputs, tmp_p
                                rtol=1e-4, atol=1e-7)
     reports = [json.loads((root / "finetune.json").read_text()) for root in (one, two)]
     assert reports[1]["accuracy"] == pytest.approx(reports[0]["accuracy"], abs=1e-6)
+    # the per-layer IsoScore* of the test tokens: each run's equals the direct computation on its own export's test
+    # features (the one-process test batches, C0 of every test token), and the two runs' agree
+    for root, report in zip((one, two), reports):
+        accuracy, stars = direct_test_statistics(root / "export", inputs)
+        assert report["accuracy"] == pytest.approx(accuracy, abs=1e-6), root.name
+        assert [row["isoscore_star"] for row in report["layers"]] == pytest.approx(stars, abs=1e-6), root.name
+    assert [row["isoscore_star"] for row in reports[1]["layers"]] == \
+        pytest.approx([row["isoscore_star"] for row in reports[0]["layers"]], abs=1e-5)
+
+
+@pytest.mark.parametrize("items, size", [(8, 5), (23, 4), (3, 5), (0, 5)])
+def test_evaluation_batches_are_the_one_process_batches_dealt_whole_to_the_ranks(items, size):
+    """DealtBatches: on one process, consecutive batches of `size` (the last shorter); on w processes, rank r reads
+    batches r, r + w, ... of those, whole, and __len__ counts them."""
+    one = [list(range(start, min(start + size, items))) for start in range(0, items, size)]
+    assert list(DealtBatches(items, size)) == one
+    for world in (2, 3):
+        samplers = [DealtBatches(items, size, rank, world) for rank in range(world)]
+        assert [list(sampler) for sampler in samplers] == [one[rank::world] for rank in range(world)]
+        assert [len(sampler) for sampler in samplers] == [len(one[rank::world]) for rank in range(world)]
 
 
 def glue_standin(folder: Path) -> Path:
