@@ -77,7 +77,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, output: str, data: str
     """The options every subcommand shares; `sample`: --max_sentences' default and whose it is (the paper's, ours)."""
     if encoder:
         parser.add_argument("--encoder", default=None,
-                            help="hub id, local model directory, or this project's export (default: packaged MiniLM)")
+                            help="hub id (org/name@REVISION pins a commit, tag or branch), local model directory, or "
+                                 "this project's export (default: packaged MiniLM)")
     if data is not False:
         parser.add_argument("--data", default=data, required=data is None,
                             help="txt (a sentence a line), csv/tsv/jsonl with a text column, a datasets directory, "
@@ -222,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "torchrun write --run_dir (torchrun's own parser takes --run for its --run-path)")
     sources.add_argument("--encoders", nargs="+", default=None,
                          help="encoders (checkpoints, directories, hub ids) of one architecture, analysed by step (a "
-                              "checkpoint's, or step_20k / step=100 in its name); without steps, in the order given")
+                              "checkpoint's, or step_20k / step=100 in its name or a hub id's revision: "
+                              "org/name@step3000); without steps, in the order given")
     add_magnitude_arguments(trajectory)
     intervene = command("intervene", "analyses.intervene:run_intervene", INTERVENE_HELP, "intervene", variants=False)
     add_intervene_arguments(intervene)

@@ -23,7 +23,8 @@ from core.usage import help_first
 
 OVERRIDES = [
     ("--config FILE", "configs/probe/position.yaml (§3), sst2.yaml, imdb.yaml, sst5.yaml, classify.yaml"),
-    ("--model.encoder ENCODER", "a hub id, a local directory or this project's export (default: packaged MiniLM)"),
+    ("--model.encoder ENCODER", "a hub id (org/name@REVISION pins one), a local directory or this project's export "
+                                "(default: packaged MiniLM)"),
     ("--data.source SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
     ("--data.max_sentences N", "a seeded sample of N sentences per split (0: all)"),
     ("--data.max_length N", "tokens per sentence"),

@@ -39,7 +39,8 @@ OVERRIDES = [
     ("--trainer.devices N --trainer.num_nodes M", "DDP; the global batch stays --data.global_batch_size"),
     ("--data.corpus SOURCE", "a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT]"),
     ("--data.batch_size N", "sequences per device and micro-batch (accumulation makes up the global batch)"),
-    ("--model.encoder ENCODER", "fine-tuning: a hub id, a local directory or this project's export"),
+    ("--model.encoder ENCODER", "fine-tuning: a hub id (org/name@REVISION pins one), a local directory or this "
+                                "project's export"),
     ("--trainer.logger false", "no W&B (it is offline by itself without credentials or network)"),
     ("--seed_everything N", "the run's one seed (default 0)"),
 ]

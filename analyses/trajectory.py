@@ -42,7 +42,7 @@ from analyses.session import collectively, finish, open_encoder, read_sentences,
 from core.errors import UserError, library_line, warn_once
 from core.models import model_family
 from core.output import check_writable
-from core.sources import cannot_load, local_path
+from core.sources import cannot_load, local_path, pretrained, split_revision
 from core.step_figures import over_steps_figure
 from core.wording import plural
 from lightning_modules.arms import arm_of
@@ -53,6 +53,7 @@ from metrics.outliers import OutlierRule, chance_of, detect_outliers, persistent
 from metrics.summary import over_layers, top_share
 from metrics.transforms import RAW
 
+STEP = r"step[_=-]?(\d+)(k?)"  # a step in a name: step_20k, step=100, step3000
 PREFERENCE = ("last.ckpt", "previous.ckpt")  # of two checkpoints of one step, a periodic one's name is kept first
 
 
@@ -85,16 +86,18 @@ def run_points(run: str) -> list[Point]:
 
 
 def encoder_points(sources: list[str]) -> list[Point]:
-    """--encoders by step, each step from a checkpoint's global_step or a name's step (step_20k, step=100), so that a
-    shell glob's string order (step=1000 before step=250) is no trajectory's order; encoders without steps are kept in
-    the order given, each at its position in the list."""
+    """--encoders by step, each step from a checkpoint's global_step or a name's step (step_20k, step=100; a hub id's
+    revision before its name: Pythia's org/name@step3000), so that a shell glob's string order (step=1000 before
+    step=250) is no trajectory's order; encoders without steps are kept in the order given, each at its position in the
+    list."""
     points = []
     for index, source in enumerate(sources):
         resolved = resolve_model_dir(source)
         if resolved.endswith(".ckpt"):
             points.append(Point(source, int(read_checkpoint(resolved).get("global_step", index)), "checkpoint"))
             continue
-        found = re.search(r"step[_=-]?(\d+)(k?)", Path(str(source)).name, re.IGNORECASE)
+        name, revision = split_revision(source)  # a hub id's revision names its step first (org/name@step3000)
+        found = re.search(STEP, revision or "", re.IGNORECASE) or re.search(STEP, Path(name).name, re.IGNORECASE)
         points.append(Point(source, int(found.group(1)) * (1000 if found.group(2) else 1), "name") if found
                       else Point(source, index, "order"))
     check_steps(points)
@@ -133,7 +136,7 @@ def architecture(source: str) -> dict:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=False)
+        config = pretrained(AutoConfig, resolved)
     except (OSError, ValueError) as error:
         raise cannot_load("encoder", source, library_line(error)) from None
     return {"model_type": config.model_type, **{key: getattr(config, key, None) for key in keys}}

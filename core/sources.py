@@ -3,6 +3,10 @@
     looks_local("core/corpus/austen.txt")        # True: a file suffix this project reads
     looks_local("bert-base-uncased")      # False: a hub id ("name" or "org/name")
     looks_local("glue/sst2")              # False, unless ./glue is a directory here
+    split_revision("org/name@v1.0")       # ("org/name", "v1.0"): a hub id pinned to a branch, tag or commit; a path
+                                          # that exists is never split ("runs/x@2" is that directory: (text, None))
+    pretrained(AutoModel, "org/name@v1.0", dtype=...)   # AutoModel.from_pretrained("org/name", revision="v1.0", ...):
+                                          # the one call that reads a model, config or tokenizer by path or hub id
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it
                                           # looks local but is not there; None for a hub id or datasets name
     short_name("runs/x/export")           # "x": a readable name for a model path (".../models--org--x/snapshots/<commit>"
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from pathlib import Path
@@ -49,18 +54,46 @@ HUB = "https://huggingface.co"
 _answered: dict[str, bool] = {}  # the hub's reachability, asked once per process
 
 
+def split_revision(source: str | os.PathLike) -> tuple[str, str | None]:
+    """(`org/name`, `REVISION`) of a hub id pinned to a revision, `org/name@REVISION` (a branch, a tag, a commit hash:
+    the first '@' splits, as a hub id holds none); (the text, None) when it holds no '@' or is a path that exists (a
+    local path wins: a directory `runs/x@2` is that directory, never `runs/x` at revision 2)."""
+    text = os.fspath(source)
+    if "@" not in text or Path(text).expanduser().exists():
+        return text, None
+    name, revision = text.split("@", 1)
+    return name, revision
+
+
+def pretrained(auto_class, source: str | os.PathLike, **kwargs):
+    """`auto_class.from_pretrained` (AutoConfig, AutoTokenizer, AutoModel...) of a model source that `local_path` has
+    passed: a local path as it is, a hub id at its revision (`org/name@v1.0`: config, weights and tokenizer files all
+    read at that revision; none: the repository's main branch). The one call through which every loader reads a model,
+    a config or a tokenizer; remote code never runs."""
+    name, revision = split_revision(source)
+    if revision is not None:
+        kwargs["revision"] = revision
+    return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
+
+
 def local_path(source: str | os.PathLike, what: str) -> Path | None:
-    """The existing local path `source` names (user directory expanded), None when it is a hub id or datasets name;
-    a UserError "`what` path not found: `source`" when it looks local but does not exist (`not_found`). A hub id with
-    a revision (`org/name@v1.0`) is refused in one line that names the way to pin one: its snapshot directory."""
-    if not looks_local(source):
+    """The existing local path `source` names (user directory expanded), None when it is a hub id (pinned to a revision
+    or not: `org/name@v1.0`) or a datasets name; a UserError "`what` path not found: `source`" when it looks local but
+    does not exist (`not_found`). A revision on a local path (`runs/x@v1`: a directory is one version already) and an
+    empty one (`org/name@`) are refused in one line."""
+    name, revision = split_revision(source)
+    if revision is not None:
         text = os.fspath(source)
-        if "@" in text:
-            repo, revision = text.split("@", 1)
-            folder = "--".join(["models", *repo.split("/")])
-            raise UserError(f"{what} {text!r}: a revision after '@' is not read (a hub id loads its main revision); "
-                            f"pin {revision!r} by passing its snapshot directory, e.g. "
-                            f"$HF_HUB_CACHE/{folder}/snapshots/<commit> (refs/{revision} there holds the commit)")
+        if name and looks_local(name):
+            if not Path(name).expanduser().exists():
+                raise not_found(source, what)
+            raise UserError(f"{what} {text!r}: a revision after '@' pins a hub id, and {name!r} is a local path (a "
+                            f"directory holds one version): pass it without '@{revision}'")
+        if not name or not revision:
+            raise UserError(f"{what} {text!r}: nothing {'after' if name else 'before'} '@': a hub id is pinned as "
+                            "org/name@REVISION (a branch, a tag or a commit hash)")
+        return None
+    if not looks_local(source):
         return None
     path = Path(os.fspath(source)).expanduser()
     if not path.exists():
@@ -83,7 +116,11 @@ def not_found(source: str | os.PathLike, what: str) -> UserError:
 
 def short_name(source: str) -> str:
     """A readable name for a model path: its last component that is not a generic folder name; for a snapshot of the
-    hub's cache (`.../models--org--name/snapshots/<commit>`), the repository's name."""
+    hub's cache (`.../models--org--name/snapshots/<commit>`), the repository's name; for a hub id at a revision,
+    `name@revision` (a commit hash shortened to its first 7 characters)."""
+    name, revision = split_revision(source)
+    if revision is not None:
+        return f"{short_name(name)}@{revision[:7] if re.fullmatch('[0-9a-f]{40}', revision) else revision}"
     parts = Path(str(source)).parts
     for index in range(len(parts) - 2, 0, -1):
         if parts[index] == "snapshots" and parts[index - 1].startswith("models--"):
@@ -121,7 +158,7 @@ def cannot_load(what: str, source: str | os.PathLike, reason: str) -> UserError:
     what 'source': reason", and for a hub name while the library fetching it is told to stay offline, the variables
     that tell it so, " (offline: HF_HUB_OFFLINE is set)", before the reason (the library's own line then says only
     that the files are not in its cache)."""
-    flags = [] if looks_local(source) else offline_flags(what)
+    flags = [] if looks_local(split_revision(source)[0]) else offline_flags(what)
     named = ", ".join(flags[:-1]) + " and " + flags[-1] if len(flags) > 1 else "".join(flags)
     note = f" (offline: {named} {'is' if len(flags) == 1 else 'are'} set)" if flags else ""
     return UserError(f"cannot load {what} {os.fspath(source)!r}{note}: {reason}")

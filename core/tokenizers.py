@@ -1,6 +1,6 @@
 """Tokenizers: loading one (hub id or local directory), its identity, and embedding it in a checkpoint as data.
 
-    tokenizer = load_tokenizer("roberta-base")          # hub id or local directory; fast, with <mask> and <pad>
+    tokenizer = load_tokenizer("roberta-base")          # hub id (org/name@REVISION too) or local directory; fast
     fingerprint(tokenizer)                              # sha256 of its full definition
     files = tokenizer_files(tokenizer); tokenizer_from_files(files)   # {name: text}: JSON and text, never a pickle
     boundary_ids(tokenizer)                             # the ids opening and closing a sequence (<s>, </s>)
@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from core.errors import UserError, library_line
-from core.sources import cannot_load, check_hub, local_path
+from core.sources import cannot_load, check_hub, local_path, pretrained
 from core.wording import plural
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # ids 0..4, RoBERTa's (fairseq's) order
@@ -45,8 +45,7 @@ def load_tokenizer(source: str | Path, mask: bool = True, pad: bool = True):
         if path is not None and path.is_file():
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
         else:
-            tokenizer = AutoTokenizer.from_pretrained(str(path) if path is not None else str(source),
-                                                      trust_remote_code=False)
+            tokenizer = pretrained(AutoTokenizer, path if path is not None else source)
     except Exception as error:  # OSError, ValueError, and the tokenizers library's plain Exception for a bad file
         raise cannot_load("tokenizer", source, library_line(error)) from None
     name_special_tokens(tokenizer, source)

@@ -41,7 +41,8 @@ class MLMDataModule(pl.LightningDataModule):
         corpus: a text/csv/tsv/jsonl file, a `datasets` directory, or a `datasets` NAME[:CONFIG][:SPLIT].
         text_column: the column holding the text (default: detected).
         max_texts: use only the first texts of the corpus.
-        tokenizer: "train" (a byte-level BPE on the corpus) or a tokenizer's hub id or directory.
+        tokenizer: "train" (a byte-level BPE on the corpus) or a tokenizer's hub id (org/name@REVISION pins one) or
+            directory.
         vocab_size: the trained tokenizer's vocabulary size (and the model's), ignored for an existing tokenizer.
         tokenizer_texts: train the tokenizer on the first this-many texts.
         block_length: tokens per sequence, <s> and </s> included.

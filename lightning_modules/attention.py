@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import UserError
+from core.sources import pretrained
 
 VARIANTS = ("softmax", "clipped_softmax", "gated")
 GAMMA, ZETA = -0.025, 1.0  # their BERT-base recipe: --attn_softmax "clipped(-.025:1)"
@@ -208,20 +209,20 @@ def load_pretrained(auto_class, source: str, **kwargs):
     for)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    config = pretrained(AutoConfig, source)
     settings = recorded_settings(config)
     if settings["attention"] == CLIPPED:
         register_clipped_softmax()
         kwargs.setdefault("attn_implementation", CLIPPED)
     if settings["attention"] != "gated":
-        loaded = auto_class.from_pretrained(source, trust_remote_code=False, **kwargs)
+        loaded = pretrained(auto_class, source, **kwargs)
         install_attention(loaded[0] if isinstance(loaded, tuple) else loaded, **settings, initialise=False)
         return loaded
     # gated: transformers' load report would call the gates unexpected (they are loaded next); it is silenced, and
     # anything else it would have reported is one warning
     wanted = kwargs.pop("output_loading_info", False)
     with _quiet():
-        model, info = auto_class.from_pretrained(source, output_loading_info=True, trust_remote_code=False, **kwargs)
+        model, info = pretrained(auto_class, source, output_loading_info=True, **kwargs)
     install_attention(model, **settings, initialise=False)
     load_gates(model, source)
     info["unexpected_keys"] = {key for key in info.get("unexpected_keys", ()) if ".gate_" not in key}

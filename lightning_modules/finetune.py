@@ -30,7 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
 from core.output import export_weights, staged_output, write_json
-from core.sources import cannot_load
+from core.sources import cannot_load, pretrained
 from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import default_encoder, resolve_model_dir
 from lightning_modules.loading import check_is_encoder, load_failure
@@ -64,12 +64,12 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
         initialise_new(model, {name for name, parameter in model.named_parameters() if id(parameter) not in base}, seed)
         return model, tokenizer
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        config = pretrained(AutoConfig, source)
     except (OSError, ValueError) as error:
         raise cannot_load("encoder", encoder, load_failure(error, 'its config')) from None
     check_is_encoder(config, encoder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        tokenizer = pretrained(AutoTokenizer, source)
     except Exception as error:
         raise cannot_load("encoder", encoder, load_failure(error, 'its tokenizer')) from None
     try:
@@ -111,8 +111,8 @@ class FineTuneModule(TrainingModule):
     regulariser's train/reg_loss, train/isoscore_star or train/mean_cosine), val/loss, val/accuracy.
 
     Args:
-        encoder: hub id, local directory, this project's export or run directory, or a pretraining .ckpt (None: the
-            packaged MiniLM).
+        encoder: hub id (org/name@REVISION pins one), local directory, this project's export or run directory, or a
+            pretraining .ckpt (None: the packaged MiniLM).
         classes: the class names, in label order (linked from the data module by train.py).
         lr: AdamW's peak learning rate (fused AdamW where the device has the kernels).
         betas: AdamW's (beta1, beta2) (default (0.9, 0.999), transformers' and BERT's).

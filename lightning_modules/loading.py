@@ -20,7 +20,7 @@ from torch import nn
 
 from core.errors import REMOTE_CODE, UserError, library_line
 from core.models import check_layer_groups, mlm_head
-from core.sources import cannot_load
+from core.sources import cannot_load, pretrained
 from core.tokenizers import check_tokenizer_files
 
 
@@ -115,11 +115,11 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
 
 def checked_config(model_dir: str, source):
     """The model's config (one line when it cannot be read), of an encoder or decoder this project reads, from a
-    directory that holds tokenizer files."""
+    directory that holds tokenizer files or a hub id (at its revision: `org/name@v1.0`)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        config = pretrained(AutoConfig, model_dir)
     except (OSError, ValueError) as error:
         raise cannot_load("encoder", source, library_line(error)) from None
     check_is_encoder(config, source, decoders=True)
@@ -129,12 +129,12 @@ def checked_config(model_dir: str, source):
 
 
 def tokenizer_of(model_dir: str, source):
-    """The tokenizer of a model directory or hub id (one line when it cannot be loaded)."""
+    """The tokenizer of a model directory or hub id (at its revision; one line when it cannot be loaded)."""
     from transformers import AutoTokenizer
 
     # a truncated or corrupt file of the user's raises OSError, ValueError, JSONDecodeError, SafetensorError, the
     # tokenizers library's plain Exception, torch's RuntimeError for a torn pytorch_model.bin: one line each
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        return pretrained(AutoTokenizer, model_dir)
     except Exception as error:
         raise cannot_load("encoder", source, load_failure(error, 'its tokenizer')) from None

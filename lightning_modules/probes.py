@@ -31,8 +31,8 @@ class PositionProbe(LinearProbes):
     """Bias-free linear probes hidden → positions on every layer's token vectors, with contribution vectors.
 
     Args:
-        encoder: the encoder whose features are probed: a hub id, a local directory or this project's export (None:
-            the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data module's.
+        encoder: the encoder whose features are probed: a hub id (org/name@REVISION pins one), a local directory or
+            this project's export (None: the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data module's.
         lr: the probes' Adam learning rate (default 1e-3: ours; the paper's §3 names Adam, batches of 128, 10 epochs).
         top_k: contributing dims listed per layer in the report, largest contribution first.
         seed: the probes' initialisation (probe.py links it to --seed_everything).
@@ -141,8 +141,8 @@ class SentenceClassifier(LinearProbes):
     the paper's §4.4, unless `bias`), with and without the outlier dimensions clipped (zeroed), all in one run.
 
     Args:
-        encoder: the encoder whose features are classified: a hub id, a local directory or this project's export
-            (None: the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data
+        encoder: the encoder whose features are classified: a hub id (org/name@REVISION pins one), a local directory
+            or this project's export (None: the packaged MiniLM); probe.py links it to --data.encoder, and setup checks it against the data
             module's.
         lr: the classifiers' Adam learning rate (default 1e-3: ours; the paper's §4.4 names Adam and 10 epochs).
         clip: also train classifiers on clipped features, --clip as in analyze.py (metrics.transforms.parse_clip):

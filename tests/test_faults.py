@@ -1060,13 +1060,13 @@ ERROR_ROW_TESTS = {
     ("every entry point", "a hub id or datasets name with no network and no `HF_HUB_OFFLINE`"): [
         "test_offline.py::test_unreachable_hub_fails_in_seconds_with_the_way_out_and_no_hub_call",
     ],
-    ("every entry point", "a hub id with a revision (`org/name@v1`, `--encoder`, `--model.encoder`, "
-                          "`--data.tokenizer`)"): [
-        "test_hub_cache.py::test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an_id_wins",
+    ("every entry point", "a revision on a local path (`runs/x@v1`) or an empty one (`org/name@`, `@v1`), in "
+                          "`--encoder`, `--encoders`, `--model.encoder`, `--data.tokenizer`"): [
+        "test_hub_revisions.py::test_a_revision_on_a_local_path_or_an_empty_one_is_one_line_exit_2_and_nothing_written",
     ],
     ("every entry point", "`org/name` meant as a hub id while a folder `./org` exists (the path rule reads it as a "
                           "path)"): [
-        "test_hub_cache.py::test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an_id_wins",
+        "test_hub_cache.py::test_a_snapshot_directory_loads_under_its_name_and_a_local_folder_named_as_an_id_wins",
     ],
     ("analyze.py compare", "no report given"): ["test_compare.py::test_bad_usage_is_one_line"],
     ("analyze.py compare", "a missing report, or a JSON file that is no outliers report"): [
@@ -1079,6 +1079,7 @@ ERROR_ROW_TESTS = {
                           "(`HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`; for datasets also `HF_DATASETS_OFFLINE`)"): [
         "test_offline.py::test_an_uncached_hub_name_offline_names_the_variable_that_says_offline",
         "test_offline.py::test_offline_flags_read_as_the_libraries_read_them",
+        "test_hub_revisions.py::test_a_revision_the_cache_lacks_offline_is_one_line_naming_the_flag",
     ],
     ("analyze.py", "missing encoder path"): [
         "test_analyze_outliers.py::test_bad_inputs_give_one_line_and_write_nothing",

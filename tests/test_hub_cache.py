@@ -144,15 +144,11 @@ def test_analyze_on_a_hub_id_reports_what_the_local_directory_gives_and_an_uncac
     assert not os.path.exists("none")
 
 
-def test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an_id_wins(offline, tmp_path):
+def test_a_snapshot_directory_loads_under_its_name_and_a_local_folder_named_as_an_id_wins(offline, tmp_path):
     from transformers import AutoModel
 
     sources, commits, root = offline
-    with pytest.raises(UserError) as error:
-        load_encoder("someorg/tiny-bert@v2", device="cpu")
-    assert str(error.value).startswith("encoder 'someorg/tiny-bert@v2': a revision after '@' is not read") and \
-        "models--someorg--tiny-bert/snapshots/<commit>" in str(error.value)
-    # the way out it names: the snapshot of refs/v2 (the RoBERTa), under the repository's name
+    # the snapshot of refs/v2 (the RoBERTa), passed as a directory, loads under the repository's name
     folder = root / "hub" / "models--someorg--tiny-bert"
     snapshot = folder / "snapshots" / (folder / "refs" / "v2").read_text()
     assert snapshot.name == commits["v2"]
@@ -170,6 +166,10 @@ def test_a_revision_is_refused_its_snapshot_loads_and_a_local_folder_named_as_an
     assert str(error.value) == ("encoder path not found: someorg/tiny-bert (read as a local path because ./someorg is "
                                 "a directory here; to load the hub name 'someorg/tiny-bert', run from a directory "
                                 "without it)")
+    with pytest.raises(UserError) as error:  # with a revision too: a path, not found, and why
+        load_encoder("someorg/tiny-bert@v2", device="cpu")
+    assert str(error.value).startswith("encoder path not found: someorg/tiny-bert@v2 (read as a local path because "
+                                       "./someorg is a directory here")
     with pytest.raises(UserError, match=r"^data path not found: someorg/tiny-sst2 \(read as a local path because "):
         list(iter_records("someorg/tiny-sst2"))
 

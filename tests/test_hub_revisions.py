@@ -1,0 +1,174 @@
+"""Hub ids pinned to a revision, `org/name@REVISION`, loaded offline (HF_HUB_OFFLINE=1) from a hand-built hub cache
+holding two snapshots of one repository: two tiny random BERTs whose weights and tokenizers differ. What each
+revision loads (through load_encoder, encoder_tokenizer, load_tokenizer, load_classifier, and `analyze.py outliers`
+run as a command) equals the model and tokenizer read directly from that snapshot's directory.
+
+    .venv/bin/pytest tests/test_hub_revisions.py -q
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import analyze
+from analyses.trajectory import architecture, encoder_points
+from core.errors import UserError
+from core.sources import short_name, split_revision
+from core.tokenizers import fingerprint, load_tokenizer
+from lightning_modules.encoder import encoder_tokenizer, load_encoder
+from lightning_modules.finetune import load_classifier
+from tests.hub_cache import cache_model, hub_caches
+from tests.tiny import bert_tokenizer, corpus_sentences, reports_close, save_tiny_encoder
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "someorg/tiny-bert-revs"
+TEXT = corpus_sentences(8)[5]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def revisions(tmp_path_factory, bert_tok):
+    """REPO cached at two commits: the first (tag v1, and the short hash an online load by it records in refs/) a BERT
+    with a 600-token vocabulary, the second (refs/main) another BERT, other weights, a 500-token vocabulary."""
+    root = tmp_path_factory.mktemp("hf-revisions")
+    first = save_tiny_encoder(root / "src" / "one", "bert", bert_tok, seed=1)
+    second = save_tiny_encoder(root / "src" / "two", "bert", bert_tokenizer(root / "tok2", vocab_size=500), seed=2)
+    commits = [hashlib.sha1(name.encode()).hexdigest() for name in ("first", "second")]
+    cache_model(root / "hub", REPO, first, ref="v1", commit=commits[0])
+    cache_model(root / "hub", REPO, second, ref="main", commit=commits[1])
+    folder = root / "hub" / "models--someorg--tiny-bert-revs"
+    (folder / "refs" / commits[0][:7]).write_text(commits[0])
+    return root, [folder / "snapshots" / commit for commit in commits], commits
+
+
+@pytest.fixture
+def offline(revisions, monkeypatch, tmp_path):
+    root, snapshots, commits = revisions
+    monkeypatch.chdir(tmp_path)  # no folder of the working directory shadows an id
+    with hub_caches(monkeypatch, root):
+        yield snapshots, commits
+
+
+def hidden(model, tokenizer, text: str = TEXT) -> torch.Tensor:
+    """[layers, tokens, hidden] of one sentence."""
+    with torch.no_grad():
+        return torch.stack(model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True).hidden_states)[:, 0]
+
+
+def direct(snapshot: Path):
+    """The model and tokenizer of a snapshot, read from its directory (a local path: no revision, no refs)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoModel.from_pretrained(snapshot).eval(), AutoTokenizer.from_pretrained(snapshot)
+
+
+def same_weights(mine: dict, theirs: dict) -> bool:
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[key], theirs[key]) for key in mine)
+
+
+def test_each_revision_loads_its_snapshot_and_the_bare_id_follows_refs_main(offline):
+    snapshots, (first, second) = offline
+    models = [direct(snapshot) for snapshot in snapshots]
+    # the two snapshots differ in weights and tokenizer, so what loads tells them apart
+    assert len(models[0][1]) == 600 != len(models[1][1]) == 500
+    assert models[0][1](TEXT)["input_ids"] != models[1][1](TEXT)["input_ids"]
+    layer = "encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(models[0][0].state_dict()[layer], models[1][0].state_dict()[layer])
+    cases = {f"{REPO}@{first}": 0, f"{REPO}@v1": 0, f"{REPO}@{first[:7]}": 0,
+             f"{REPO}@{second}": 1, f"{REPO}@main": 1, REPO: 1}
+    for source, which in cases.items():
+        model, tokenizer = models[which]
+        encoder = load_encoder(source, device="cpu")
+        assert encoder.name == source, source
+        assert encoder.tokenizer.get_vocab() == tokenizer.get_vocab(), source
+        assert same_weights(encoder.model.state_dict(), model.state_dict()), source
+        assert torch.equal(hidden(encoder.model, encoder.tokenizer), hidden(model, tokenizer)), source
+        # the tokenizer alone (analyses, train.py's --data.tokenizer) and the architecture (trajectory's check)
+        assert fingerprint(encoder_tokenizer(source)) == fingerprint(tokenizer), source
+        assert fingerprint(load_tokenizer(source, pad=False)) == fingerprint(tokenizer), source
+        assert architecture(source)["vocab_size"] == len(tokenizer), source
+    assert short_name(f"{REPO}@{first}") == f"tiny-bert-revs@{first[:7]}" and short_name(f"{REPO}@v1") == \
+        "tiny-bert-revs@v1" and short_name(REPO) == "tiny-bert-revs"
+    # fine-tuning's classifier (train.py / probe.py --model.encoder): its encoder is the revision's
+    classifier, tokenizer = load_classifier(f"{REPO}@{first}", [0, 1])
+    assert tokenizer.get_vocab() == models[0][1].get_vocab()
+    assert same_weights(classifier.base_model.state_dict(), models[0][0].state_dict())
+
+
+def test_a_revision_the_cache_lacks_offline_is_one_line_naming_the_flag(offline):
+    _, (_, second) = offline
+    for revision in ("v9", second[:7]):  # a tag never fetched; a short hash with no refs/ entry (offline, only a
+        with pytest.raises(UserError) as error:  # full commit hash is read without one)
+            load_encoder(f"{REPO}@{revision}", device="cpu")
+        assert str(error.value).startswith(f"cannot load encoder '{REPO}@{revision}' (offline: HF_HUB_OFFLINE"), \
+            str(error.value)
+
+
+def outliers(source, output: str, *extra: str) -> dict:
+    assert analyze.main(["outliers", "--encoder", str(source), "--no_progress", "--max_sentences", "6",
+                         "--output_dir", output, *extra]) == 0
+    return json.loads(Path(output, "outliers.json").read_text())
+
+
+def test_analyze_outliers_at_a_revision_reports_what_its_snapshot_directory_gives(offline, tmp_path):
+    snapshots, (first, _) = offline
+    # the command as a user runs it, in its own process: the cache and the offline flag from the environment alone
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run([sys.executable, str(ROOT / "analyze.py"), "outliers", "--encoder", f"{REPO}@{first}",
+                               "--no_progress", "--max_sentences", "6", "--output_dir", "by-revision"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    by_revision = json.loads((tmp_path / "by-revision" / "outliers.json").read_text())
+    by_main = outliers(REPO, "by-main")
+    by_snapshot = [outliers(snapshot, f"by-snapshot-{i}") for i, snapshot in enumerate(snapshots)]
+    assert by_revision["encoder"] == f"{REPO}@{first}" and by_main["encoder"] == REPO  # the revision is recorded
+    reports_close(by_revision, by_snapshot[0], skip=(".encoder",))
+    reports_close(by_main, by_snapshot[1], skip=(".encoder",), rel=0, abs=0)
+    with pytest.raises(AssertionError):  # the two snapshots' reports differ: the comparison tells them apart
+        reports_close(by_snapshot[0], by_snapshot[1], skip=(".encoder",))
+
+
+def test_a_revision_on_a_local_path_or_an_empty_one_is_one_line_exit_2_and_nothing_written(offline, tmp_path,
+                                                                                             capsys):
+    snapshots, (first, _) = offline
+    local = tmp_path / "model"
+    local.symlink_to(snapshots[0], target_is_directory=True)
+    cases = {f"{local}@v1": f"encoder '{local}@v1': a revision after '@' pins a hub id, and '{local}' is a local path "
+                            "(a directory holds one version): pass it without '@v1'",
+             f"{REPO}@": f"encoder '{REPO}@': nothing after '@': a hub id is pinned as org/name@REVISION",
+             f"@{first}": f"encoder '@{first}': nothing before '@'",
+             "./missing@v1": "encoder path not found: ./missing@v1"}
+    for case, (source, message) in enumerate(cases.items()):
+        assert analyze.main(["outliers", "--encoder", source, "--output_dir", f"out{case}"]) == 2, source
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"analyze.py outliers: error: {message}"), (source, lines)
+        assert not Path(f"out{case}").exists()
+    # the same rule for train.py's --data.tokenizer and fine-tuning's --model.encoder
+    with pytest.raises(UserError, match="^tokenizer .*: a revision after '@' pins a hub id"):
+        load_tokenizer(f"{local}@v1")
+    with pytest.raises(UserError, match="^encoder .*: nothing after '@'"):
+        load_classifier(f"{REPO}@", [0, 1])
+    # a local path wins: a directory whose name holds '@' is that directory, never split
+    pinned = tmp_path / "model@v1"
+    pinned.symlink_to(snapshots[1], target_is_directory=True)
+    assert split_revision(str(pinned)) == (str(pinned), None) and split_revision("model@v1") == ("model@v1", None)
+    assert split_revision(f"{REPO}@refs/pr/1") == (REPO, "refs/pr/1")
+    encoder, (model, tokenizer) = load_encoder("model@v1", device="cpu"), direct(snapshots[1])
+    assert same_weights(encoder.model.state_dict(), model.state_dict())
+    assert torch.equal(hidden(encoder.model, encoder.tokenizer), hidden(model, tokenizer))
+
+
+def test_trajectory_reads_a_step_from_a_revision_first(offline):
+    points = encoder_points([f"{REPO}@step2000", f"{REPO}@step_1k", "someorg/tiny-step_5k@main",
+                             "someorg/tiny-step_9k@step300"])
+    assert [(point.source, point.step, point.step_from) for point in points] == [
+        ("someorg/tiny-step_9k@step300", 300, "name"), (f"{REPO}@step_1k", 1000, "name"),
+        (f"{REPO}@step2000", 2000, "name"), ("someorg/tiny-step_5k@main", 5000, "name")]
