@@ -558,6 +558,53 @@ def test_slurm_script_requeues_only_a_run_stopped_by_sigterm(tmp_path, status, r
         assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
 
+# ---- bad input refused where it is first known, in the entry point's own words ----
+
+def outlier_at_20(model) -> None:
+    """A large constant on dim 20 of every hidden state (embedding and block LayerNorm biases): a persistent outlier
+    outside --dims 0-15."""
+    model.embeddings.LayerNorm.bias[20] = 8.0
+    for block in model.encoder.layer:
+        block.output.LayerNorm.bias[20] = 8.0
+
+
+def test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers(
+        tmp_path, bert_tok, capfd, monkeypatch):
+    """Given --dims that leave fewer other dims than each control set needs (as many as --dims) are refused before
+    the unmodified model's pass (they ran it first, then refused); --dims that leave enough until the baseline's
+    outliers are left out too can only be refused after that pass, which finds them. Nothing is written either way."""
+    import analyze
+    from analyses import intervene
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=outlier_at_20)
+    hidden = json.loads((encoder / "config.json").read_text())["hidden_size"]
+    capfd.readouterr()  # transformers' bar of the model saved
+    data = tmp_path / "sentences.txt"
+    data.write_text("\n".join(f"the {word} sat on the mat by the door today" for word in ("cat", "dog", "bird", "fox",
+                                                                                          "hen", "cow")) + "\n")
+    passes = []
+    real_measure = intervene.measure
+    monkeypatch.setattr(intervene, "measure", lambda run, intervention, desc: passes.append(desc) or
+                        real_measure(run, intervention, desc))
+    out = tmp_path / "runs" / "intervene"
+    argv = ["intervene", "--no_progress", "--encoder", str(encoder), "--data", str(data), "--batch_size", "4",
+            "--num_pairs", "5", "--controls", "1", "--device", "cpu", "--interventions", "activation_zero",
+            "--output_dir", str(out)]
+    assert analyze.main([*argv, "--dims", "0-20"]) == 2  # 21 dims: 11 others, fewer than 21
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(rf"analyze\.py intervene: error: 21 control dims wanted, but only {hidden - 21} of the {hidden} "
+                        rf"dims of .+ are not in --dims \(and its outliers are left out too\): give at most "
+                        rf"{hidden // 2} dims in --dims, or --controls 0", errors[0]), errors
+    assert passes == [] and not (tmp_path / "runs").exists()
+    assert analyze.main([*argv, "--dims", f"0-{hidden // 2 - 1}"]) == 2  # half the dims: enough until dim 20 is out
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    found = re.fullmatch(rf"analyze\.py intervene: error: {hidden // 2} control dims wanted, but only (\d+) dims are "
+                         "not outliers or chosen", errors[0]) if len(errors) == 1 else None
+    assert found and int(found.group(1)) < hidden // 2, errors  # the outlier dim 20 at least is left out
+    assert passes == ["unmodified model"] and not (tmp_path / "runs").exists()
+
+
 def longest_shared(text: str, source: str) -> int:
     """Length of the longest piece of `text` that occurs in `source`."""
     match = SequenceMatcher(None, text, source, autojunk=False).find_longest_match(0, len(text), 0, len(source))
@@ -614,8 +661,14 @@ ERROR_ROW_TESTS = {
     ('analyze.py', 'intervene: `--probe` under torchrun'): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
     ],
-    ('analyze.py', "intervene: fewer non-outlier dimensions than the controls need (after the unmodified model's pass; nothing written)"): [
+    ('analyze.py', 'intervene: `--dims` that leave fewer other dims than a control set needs (as many as `--dims`)'): [
+        'test_faults.py::test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers',
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', "intervene: fewer dims outside the outliers and `--dims` than the controls need, known only once the "
+                   "unmodified model's pass has found the outliers (`--dims auto`, or outliers outside the given "
+                   "`--dims`; nothing written)"): [
+        'test_faults.py::test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers',
     ],
     # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
     ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
