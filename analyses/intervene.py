@@ -219,8 +219,9 @@ def probe_pass(run: Run) -> Tensor:
         data = PositionDataModule(source=args.data, encoder=run.encoder, text_column=args.text_column,
                                   max_length=args.max_length, max_sentences=args.probe_sentences,
                                   batch_size=PROBE["batch_size"], random_baseline=False,
-                                  exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root)
-        data.max_positions_option = None  # analyze.py has no option for it
+                                  exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root,
+                                  max_memory_gb=args.max_memory_gb)
+        data.max_positions_option, data.max_memory_option = None, "--max_memory_gb"  # analyze.py's options
         model = PositionProbe(lr=PROBE["lr"], seed=args.seed)
         fit_probe(model, data, args.probe_epochs, False, root)
         if run.probe_splits is None:

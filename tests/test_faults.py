@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -605,6 +606,56 @@ def test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_onl
     assert passes == ["unmodified model"] and not (tmp_path / "runs").exists()
 
 
+def test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32(tmp_path, bert_tok,
+                                                                                      monkeypatch, capsys):
+    """`analyze.py paper`'s probes refuse hidden states past float16's range naming --max_memory_gb, an option
+    `paper --help` lists (they named probe.py's --data.max_memory_gb, which paper does not take); the budget the line
+    gives holds the features in float32, and the probe trains on them."""
+    import analyze
+    from analyses import paper
+    from lightning_modules.encoder import FrozenEncoder
+    from tests.test_probe import Planted
+
+    class Massive(Planted):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            for hidden in out.hidden_states:
+                hidden[..., 0] = 1e5  # past float16's largest value
+            return out
+
+    data = tmp_path / "sst2.txt"
+    data.write_text("\n".join(f"the {word} sat on the mat today" for word in ("cat", "dog", "bird", "fox", "hen",
+                                                                             "cow", "owl", "pig", "ram", "yak")) + "\n")
+    args = analyze.build_parser().parse_args([
+        "paper", "--sst2", str(data), "--qqp", "none", "--wic", "none", "--imdb", "none", "--sst5", "none", "--sts",
+        "none", "--epochs", "1", "--no_progress", "--max_length", "16", "--max_memory_gb", "1e-9", "--output_dir",
+        str(tmp_path / "out")])
+    analyze.validate(args)
+    monkeypatch.setattr(paper, "CLASSIFIERS", {})  # the position probe alone
+    encoder = FrozenEncoder(Massive(len(bert_tok), "position"), bert_tok, name="massive")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(UserError) as refused, pytest.warns(UserWarning, match=r"over --max_memory_gb 1e-09: streaming"):
+        paper.probes(args, encoder, "none", stage)
+    message = str(refused.value)
+    assert "past float16's largest value (65504)" in message
+    named = set(re.findall(r"--[\w.]+", message))
+    listed = subprocess.run([sys.executable, "analyze.py", "paper", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert named == {"--max_memory_gb"} and re.search(r"^\s+--max_memory_gb MAX_MEMORY_GB\s", listed, re.M), named
+    args.max_memory_gb = float(re.search(r"give --max_memory_gb ([\d.]+) or more", message).group(1))
+    report = paper.probes(args, encoder, "none", stage)["position_probe"]
+    assert report["features"]["dtype"] == "float32"
+    assert all(math.isfinite(row["accuracy"]) for row in report["layers"])
+    capsys.readouterr()
+    for command in ("paper", "intervene"):  # a budget that holds nothing: refused before anything is read
+        out = tmp_path / f"out-{command}"
+        assert analyze.main([command, "--max_memory_gb", "0", "--output_dir", str(out)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"analyze.py {command}: error: --max_memory_gb must be "
+                                                        "positive, got 0.0"]
+        assert not out.exists()
+
+
 def longest_shared(text: str, source: str) -> int:
     """Length of the longest piece of `text` that occurs in `source`."""
     match = SequenceMatcher(None, text, source, autojunk=False).find_longest_match(0, len(text), 0, len(source))
@@ -669,6 +720,13 @@ ERROR_ROW_TESTS = {
                    "unmodified model's pass has found the outliers (`--dims auto`, or outliers outside the given "
                    "`--dims`; nothing written)"): [
         'test_faults.py::test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers',
+    ],
+    ('analyze.py', 'paper, intervene: `--max_memory_gb` not positive'): [
+        'test_faults.py::test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32',
+    ],
+    ('analyze.py', "paper (and intervene `--probe`): hidden states past float16's range (\\|x\\| > 65504) while the "
+                   "probes' features, over `--max_memory_gb` in float32, would be held in float16"): [
+        'test_faults.py::test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32',
     ],
     # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
     ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
@@ -1412,7 +1470,7 @@ FAULT_ROW_TESTS = {
         "test_mlm.py::test_a_cache_build_removes_the_staging_directory_a_killed_build_left_and_not_a_live_ones",
     ],
     "a probe run (probe.py, `analyze.py paper`'s probes) killed while its features streamed from a memory-mapped file "
-    "(over `--data.max_memory_gb`: gigabytes)": [
+    "(over `--data.max_memory_gb`, `analyze.py paper`'s `--max_memory_gb`: gigabytes)": [
         "test_probe.py::test_a_killed_runs_memory_mapped_features_directory_is_removed_by_the_next_run_and_no_live_ones",
     ],
 }
