@@ -7,6 +7,7 @@ a full disk, a failing DDP rank (CPU, tiny configs; see docs/errors.md).
 from __future__ import annotations
 
 import errno
+import importlib.util
 import io
 import json
 import math
@@ -656,6 +657,85 @@ def test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_
         assert not out.exists()
 
 
+PROBE_CONFIG = str(ROOT / "configs" / "probe" / "position.yaml")
+# program: (an abbreviation of one of its options, with a missing input that ends a run at once should it be taken;
+# its one-line refusal; the full option; the value it parses to)
+ABBREVIATED = {
+    "train.py": (["fit", "--trainer.max_step", "3", "--data.corpus", "missing.txt"],
+                 "train.py: error: unknown option 'trainer.max_step' (did you mean 'trainer.max_steps'?)",
+                 ["fit", "--trainer.max_steps", "3"], "3"),
+    "probe.py": (["fit", "--config", PROBE_CONFIG, "--trainer.max_epoch", "3", "--data.source", "missing.txt"],
+                 "probe.py: error: unknown option 'trainer.max_epoch' (did you mean 'trainer.max_epochs'?)",
+                 ["fit", "--config", PROBE_CONFIG, "--trainer.max_epochs", "3"], "3"),
+    "analyze.py outliers": (["outliers", "--data", "missing.txt", "--enc", "bert-base-uncased"],
+                            "analyze.py: error: unknown option --enc (did you mean --encoder?)",
+                            ["outliers", "--encoder", "bert-base-uncased"], "bert-base-uncased"),
+    "analyze.py intervene": (["intervene", "--data", "missing.txt", "--interv", "position_mean"],
+                             "analyze.py: error: unknown option --interv (did you mean --interventions?)",
+                             ["intervene", "--interventions", "position_mean"], "['position_mean']"),
+    "analyze.py paper": (["paper", "--sst2", "missing.txt", "--max_memory", "8"],
+                         "analyze.py: error: unknown option --max_memory (did you mean --max_memory_gb?)",
+                         ["paper", "--max_memory_gb", "8"], "8.0"),
+    "study.py": (["--conf", "s.yaml"], "study.py: error: unknown option --conf (did you mean --config?)",
+                 ["--config", "s.yaml"], "s.yaml"),
+    "scripts/bigram_backcopy.py": (["--output", "bb.txt", "--seq", "3"],
+                                   "bigram_backcopy.py: error: unrecognized arguments: --seq 3",
+                                   ["--output", "bb.txt", "--sequences", "3"], "3"),
+    "scripts/live_sampling.py": (["--enc", "missing-encoder"],
+                                 "live_sampling.py: error: unrecognized arguments: --enc missing-encoder",
+                                 ["--encoder", "bert-base-uncased"], "bert-base-uncased"),
+}
+
+
+def parsed_value(program: str, argv: list[str], cwd: Path) -> str:
+    """The value of the full option (the one before the last word of `argv`) as `program` parses it (bigram_backcopy:
+    as it uses it, the number of sequences written)."""
+    key = argv[-2].removeprefix("--")
+    if program in ("train.py", "probe.py"):  # the config jsonargparse parsed
+        printed = subprocess.run([sys.executable, str(ROOT / program), *argv, "--print_config"], cwd=cwd,
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert printed.returncode == 0, printed.stderr
+        return re.search(rf"^\s+{key.rsplit('.', 1)[-1]}: (\S+)$", printed.stdout, re.M).group(1)
+    if program.startswith("analyze.py"):
+        import analyze
+
+        return str(getattr(analyze.build_parser().parse_args(argv), key))
+    if program == "study.py":
+        import study
+
+        return study.build_parser().parse_args(argv).config
+    script = script_module(ROOT / program)
+    if program == "scripts/bigram_backcopy.py":
+        assert script.main([argv[0], str(cwd / argv[1]), *argv[2:]]) == 0
+        return str(len((cwd / argv[1]).read_text().splitlines()))
+    return script.build_parser().parse_args(argv).encoder
+
+
+def script_module(path: Path):
+    """A script of scripts/ imported from its file (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("program", [pytest.param(program, marks=[pytest.mark.slow] if program in ("train.py", "probe.py")
+                                                  else []) for program in sorted(ABBREVIATED)])  # Lightning: 2 runs
+def test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken(program, tmp_path, capsys):
+    """argparse (allow_abbrev) and jsonargparse 4 (with a deprecation warning) read `--enc` as --encoder, silently:
+    an abbreviation is an unknown option, one line and exit status 2, nothing written; the full option still works."""
+    abbreviated, line, full, value = ABBREVIATED[program]
+    script = ROOT / program.split()[0]
+    refused = subprocess.run([sys.executable, str(script), *abbreviated], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == line
+    if not program.startswith("scripts/"):
+        assert refused.stderr.splitlines() == [line]  # the project's parsers: the line alone (the scripts' add usage)
+    assert list(tmp_path.iterdir()) == []
+    assert parsed_value(program, full, tmp_path) == value
+
+
 def longest_shared(text: str, source: str) -> int:
     """Length of the longest piece of `text` that occurs in `source`."""
     match = SequenceMatcher(None, text, source, autojunk=False).find_longest_match(0, len(text), 0, len(source))
@@ -727,6 +807,23 @@ ERROR_ROW_TESTS = {
     ('analyze.py', "paper (and intervene `--probe`): hidden states past float16's range (\\|x\\| > 65504) while the "
                    "probes' features, over `--max_memory_gb` in float32, would be held in float16"): [
         'test_faults.py::test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32',
+    ],
+    ('train.py', 'an abbreviated option (`--trainer.max_step` for `--trainer.max_steps`; jsonargparse 4 took it, with a '
+                 'deprecation warning)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('probe.py', 'an abbreviated option (`--trainer.max_epoch` for `--trainer.max_epochs`; jsonargparse 4 took it, with '
+                 'a deprecation warning)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('analyze.py', 'an abbreviated option (`--enc` for `--encoder`; argparse took it, silently)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('study.py', 'an abbreviated option (`--conf` for `--config`)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('scripts/bigram_backcopy.py, scripts/live_sampling.py', 'an abbreviated option (`--seq` for `--sequences`)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
     ],
     # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
     ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
