@@ -43,6 +43,7 @@ from core.arguments import HelpFormatter, OneLineArgumentParser, load_runner
 from core.defaults import (
     DEFAULT_CORPUS,
     DTYPES,
+    FEATURE_MEMORY_GB,
     MAX_SENTENCES,
     NORMALIZATIONS,
     NUM_PAIRS,
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_magnitude_arguments(trajectory)
     intervene = command("intervene", "analyses.intervene:run_intervene", INTERVENE_HELP, "intervene", variants=False)
     add_intervene_arguments(intervene)
+    for sub, whose in ((paper, "the probes' and classifiers'"), (intervene, "--probe's")):
+        sub.add_argument("--max_memory_gb", type=float, default=FEATURE_MEMORY_GB, help=f"{whose} cached features: "
+                         "float32 within this many GiB, else float16, and what does not fit streams from a "
+                         f"memory-mapped file (default {FEATURE_MEMORY_GB:g}, as probe.py's)")
     for sub in (sts, everything, paper):
         sub.add_argument("--score_range", default="0,5", help="declared range of the gold scores LO,HI (default 0,5: "
                          "STS-B, STS12-16; SICK-R is 1-5)")
@@ -286,6 +291,8 @@ def validate(args) -> None:
     if getattr(args, "minibatch", 2) < 2:
         raise UserError(f"--minibatch must be at least 2 (a mini-batch's covariance needs 2 tokens), "
                         f"got {args.minibatch}")
+    if getattr(args, "max_memory_gb", 1) <= 0:
+        raise UserError(f"--max_memory_gb must be positive, got {args.max_memory_gb}")
     if not 0 <= getattr(args, "zeta", 0) <= 1:
         raise UserError(f"--zeta must lie in [0, 1], got {args.zeta}")
     if getattr(args, "sigma", None) is not None and args.sigma <= 0:

@@ -65,7 +65,7 @@ def parse_trajectory(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     plain_warnings()
-    peek = argparse.ArgumentParser(add_help=False)  # the study file first: --help lists its arms
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the study file first: --help lists its arms
     peek.add_argument("--config", default=None)
     args = build_parser(peek.parse_known_args(argv)[0].config).parse_args(argv)
     try:

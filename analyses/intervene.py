@@ -95,8 +95,10 @@ def parse_request(args, world: int) -> Request:
     return Request(list(dict.fromkeys(args.interventions)), dims, layers)
 
 
-def check_request(request: Request, encoder: FrozenEncoder) -> None:
-    """One line, before any pass, when the model cannot take an intervention or a dim or layer is out of range."""
+def check_request(request: Request, encoder: FrozenEncoder, controls: int) -> None:
+    """One line, before any pass, when the model cannot take an intervention, a dim or layer is out of range, or
+    given --dims leave too few other dims for the controls (each is as many dims, none of them chosen: the bound known
+    before the pass; control_dims checks again once the baseline's outliers are left out too)."""
     for name in request.names:
         check_intervention(encoder.model, name, encoder.name)
     bad = [d for d in request.dims or [] if not 0 <= d < encoder.hidden_size]
@@ -106,6 +108,12 @@ def check_request(request: Request, encoder: FrozenEncoder) -> None:
     if bad:
         raise UserError(f"--layers {bad}: the layers of {encoder.name} run 0..{encoder.num_hidden_states - 1} "
                         "(0 = embedding output)")
+    wanted = len(request.dims or [])
+    if controls and wanted and any(name in DIMENSION_BASED for name in request.names) \
+            and encoder.hidden_size - wanted < wanted:
+        raise UserError(f"{wanted} control dims wanted, but only {encoder.hidden_size - wanted} of the "
+                        f"{encoder.hidden_size} dims of {encoder.name} are not in --dims (and its outliers are left "
+                        f"out too): give at most {encoder.hidden_size // 2} dims in --dims, or --controls 0")
     if "layernorm_zero" in request.names and request.layers is not None and not any(
             set(written) & set(request.layers) for _, written, _ in layer_norms(encoder.model)):
         raise UserError(f"layernorm_zero --layers {','.join(map(str, request.layers))}: no LayerNorm or RMSNorm of "
@@ -211,8 +219,9 @@ def probe_pass(run: Run) -> Tensor:
         data = PositionDataModule(source=args.data, encoder=run.encoder, text_column=args.text_column,
                                   max_length=args.max_length, max_sentences=args.probe_sentences,
                                   batch_size=PROBE["batch_size"], random_baseline=False,
-                                  exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root)
-        data.max_positions_option = None  # analyze.py has no option for it
+                                  exclude_special=args.exclude_special, seed=args.seed, progress=False, cache_dir=root,
+                                  max_memory_gb=args.max_memory_gb)
+        data.max_positions_option, data.max_memory_option = None, "--max_memory_gb"  # analyze.py's options
         model = PositionProbe(lr=PROBE["lr"], seed=args.seed)
         fit_probe(model, data, args.probe_epochs, False, root)
         if run.probe_splits is None:
@@ -263,7 +272,9 @@ def effects(after: Measured, before: Measured, dims: list[int]) -> dict[str, Ten
 
 
 def control_dims(hidden: int, excluded: set[int], size: int, count: int, seed: int) -> list[list[int]]:
-    """`count` seeded random sets of `size` dims, none of them in `excluded` (the outliers and the chosen dims)."""
+    """`count` seeded random sets of `size` dims, none of them in `excluded` (the outliers and the chosen dims). Too
+    few candidates is refused here only when the baseline's outliers take them (--dims auto, or the outliers outside
+    the given --dims): check_request refuses given --dims that leave too few before any pass."""
     candidates = [d for d in range(hidden) if d not in excluded]
     if count and len(candidates) < size:
         raise UserError(f"{size} control dims wanted, but only {len(candidates)} dims are not outliers or chosen")
@@ -299,7 +310,7 @@ def run_intervene(args, rank: int, world: int) -> dict:
         return sentences, read_sts(args.sts, None, args.score_range)[0] if args.sts else None
 
     (sentences, sts_pairs), encoder = prepare(args, rank, read, masked_lm=True)
-    collectively(lambda: check_request(request, encoder))
+    collectively(lambda: check_request(request, encoder, args.controls))
     setting = replace(setting_of(args, encoder, rank, world), replay={})  # tokenised once, replayed for every variant
     run = Run(args, encoder, setting, sentences, sts_pairs, causal=encoder.causal_lm is not None)
     if encoder.masked_lm is not None:  # the same masks for every variant: tied to (seed, sentence index)

@@ -185,11 +185,11 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
     """§3's position probe on SST-2's splits (unless --sst2 none) and §4.4's classifiers, raw and clipped."""
     common = dict(encoder=encoder, max_length=args.max_length, max_sentences=args.probe_sentences,
                   seed=args.seed, progress=not args.no_progress, exclude_special=args.exclude_special,
-                  cache_dir=str(stage))
+                  cache_dir=str(stage), max_memory_gb=args.max_memory_gb)
     reports = {}
     if args.sst2 not in (None, "none"):
         data = PositionDataModule(source=args.sst2, batch_size=128, text_column=args.text_column, **common)
-        data.max_positions_option = None  # analyze.py has no option for it
+        data.max_positions_option, data.max_memory_option = None, "--max_memory_gb"  # analyze.py's options
         reports["position_probe"] = train_probe(args, PositionProbe(lr=1e-3, seed=args.seed), data,
                                                 stage / "position_probe")
     for name, batch_size in CLASSIFIERS.items():
@@ -200,6 +200,7 @@ def probes(args, encoder: FrozenEncoder, clip: str, stage) -> dict:
         data = ClassificationDataModule(source=source, batch_size=batch_size, label_column="label",
                                         text_column=args.text_column if name == "sst2" else None, **common)
         data.label_hint = f"the paper's classifier on --{name} reads its labels from it (or --{name} none)"
+        data.max_memory_option = "--max_memory_gb"
         reports[f"classifier_{name}"] = train_probe(args, model, data, stage / f"classifier_{name}")
     return reports
 

@@ -4,7 +4,8 @@
     sub.set_defaults(run="analyses.outliers:run_outliers")    # a subcommand's runner, imported after parsing
     run = load_runner(args.run)                               # the function itself
 
-An error is one line (no usage), an unknown option names the closest one. HelpFormatter shows every option's default
+An error is one line (no usage), an unknown option names the closest one; an option is never abbreviated (`--enc` is
+an unknown option, not --encoder: allow_abbrev off, in every subcommand's parser too). HelpFormatter shows every option's default
 (appended as "(default: X)" unless the help text already says it) and keeps the description's line breaks.
 """
 
@@ -18,7 +19,12 @@ from collections.abc import Callable
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose error is one line (no usage), an unknown option with the closest one."""
+    """An argparse parser whose error is one line (no usage), an unknown option with the closest one; no option is
+    taken abbreviated (its subcommands' parsers are of this class, and refuse them too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # argparse's default would read --enc as --encoder, silently
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         unknown = re.search(r"unrecognized arguments: (--[^\s=]+)", message)

@@ -46,7 +46,13 @@ LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch
 
 
 class OneLineParser(LightningArgumentParser):
-    """jsonargparse's parser, whose errors are one line (a UserError) instead of the usage and a nested report."""
+    """jsonargparse's parser, whose errors are one line (a UserError) instead of the usage and a nested report; no
+    option is taken abbreviated (jsonargparse 4 expands `--trainer.max_step` to --trainer.max_steps with a deprecation
+    warning; its v5 refuses it, as this parser does now: an unknown option)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # LightningCLI builds each subcommand's parser with this class too
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:  # an inner parse that jsonargparse itself recovers from

