@@ -8,6 +8,7 @@ OPT) and rotary encoders (ModernBERT, RoFormer).
     output_projection(model)   # a Linear after the stack to another width (OPT-350m's project_out), or None
     norm_placement(model, norm)   # (hidden-state layers, placement) of a LayerNorm / RMSNorm
     rotary_queries_keys(model) # (q, k) -> (q, k) rotated as the model's attention does (RoFormer), or None
+    check_position_type(config, name)   # one line for a position_embedding_type transformers no longer implements
 
 Layers follow transformers' `hidden_states`: 0 is the input of the first transformer layer (the embedding output),
 l the output of layer l for l < L; for models with a final norm (GPT-2's ln_f, Llama's norm, GPT-NeoX's and OPT's
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor, nn
 
+from core.errors import UserError
 from core.norms import feeding_norms, norm_affine
 
 BLOCK_LISTS = ("h", "layers", "layer", "blocks")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer / MPT
@@ -180,6 +182,41 @@ def attention_biases(model: nn.Module) -> str | None:
 def is_sinusoidal(model: nn.Module) -> bool:
     """Fixed sinusoidal absolute positions added to the embeddings (XGLM's `embed_positions`), not rotary ones."""
     return not is_rotary(model) and any("Sinusoidal" in type(m).__name__ for m in model.modules())
+
+
+def check_position_type(config, name: str) -> None:
+    """One line for a config whose `position_embedding_type` the installed transformers' model of its type never reads:
+    a BERT-family checkpoint trained with transformers 4's relative positions ("relative_key", "relative_key_query";
+    transformers 5 removed them from BERT, RoBERTa, ELECTRA, ...) loads without complaint, drops its trained distance
+    embeddings and adds its absolute table, which transformers 4 built and never used (untrained). ESM's "rotary" is
+    read by its model and passes, and so does "absolute" anywhere."""
+    kind = getattr(config, "position_embedding_type", None)
+    if not isinstance(kind, str) or kind == "absolute":
+        return
+    source = _modeling_source(config.model_type)
+    if source is None or f'"{kind}"' in source or f"'{kind}'" in source:
+        return
+    import transformers
+
+    raise UserError(f"cannot read {name}: its config asks for position_embedding_type {kind!r}, which transformers "
+                    f"{transformers.__version__}'s {config.model_type!r} model does not implement: it would drop the "
+                    "checkpoint's relative-position weights and add its absolute position table instead (untrained "
+                    "where the checkpoint used relative positions), so its hidden states would not be the trained "
+                    "model's")
+
+
+def _modeling_source(model_type: str) -> str | None:
+    """The source of transformers' modeling module for `model_type` (None when it cannot be read)."""
+    import importlib
+    import inspect
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    try:
+        return inspect.getsource(importlib.import_module(f"transformers.models.{module}.modeling_{module}"))
+    except (ImportError, OSError, TypeError):
+        return None
 
 
 def pre_norm(model: nn.Module) -> bool:

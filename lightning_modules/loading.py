@@ -19,6 +19,7 @@ from pathlib import Path
 from torch import nn
 
 from core.errors import REMOTE_CODE, UserError, library_line
+from core.families import check_position_type
 from core.models import check_layer_groups, mlm_head
 from core.sources import cannot_load, pretrained
 from core.tokenizers import check_tokenizer_files
@@ -111,6 +112,7 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
         raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
                         "causal LM")
     check_layer_groups(config, str(source))
+    check_position_type(config, str(source))
 
 
 def checked_config(model_dir: str, source):

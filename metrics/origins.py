@@ -92,8 +92,8 @@ def norms_note(model: nn.Module, norms: list) -> str:
         parts.append("RMSNorm: traced like a LayerNorm's gain; it has no bias")
     if any(getattr(module, "weight", None) is None for module, _, _ in norms):
         parts.append("a norm without parameters (OLMo's LayerNorm) has gain 1 on every dim: it cannot single one out")
-    if any(isinstance(getattr(module, "weight", None), Tensor)
-           and not torch.allclose(affine.gain, module.weight.detach().float().cpu()) for module, affine, _ in norms):
+    if any(isinstance(getattr(module, "weight", None), Tensor) and not _applies_its_weight(module, affine)
+           for module, affine, _ in norms):
         parts.append("the gain is the one the norm applies, not its stored weight (Gemma's RMSNorm: 1 + weight)")
     if pre_norm(model):
         parts.append("pre-LN: a norm inside layer l (placement pre) normalises the input of its attention or MLP and "
@@ -105,6 +105,15 @@ def norms_note(model: nn.Module, norms: list) -> str:
     if stack is not None and stack.final_norm is not None:
         parts.append("the final norm (placement final) writes layer L, transformers' last hidden state")
     return "; ".join(parts)
+
+
+def _applies_its_weight(module: nn.Module, affine) -> bool:
+    """The gain read off the norm's forward pass is its stored weight, to float32 rounding of its output (about 1e-7
+    of the output's scale, |weight| + |bias|, whatever the weight: a weight near 0 is read as itself plus that, not as
+    another gain)."""
+    weight = module.weight.detach().float().cpu()
+    scale = 1.0 + float(weight.abs().max()) + (float(affine.bias.abs().max()) if affine.bias is not None else 0.0)
+    return torch.allclose(affine.gain, weight, rtol=1e-5, atol=1e-5 * scale)
 
 
 def summarise_origins(report: dict, top: int = 3) -> dict[int, str]:

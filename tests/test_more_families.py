@@ -391,3 +391,46 @@ def test_a_multimodal_model_is_one_line_that_says_so(roberta_tok, tmp_path, caps
                          "--output_dir", str(tmp_path / "out")]) == 2
     assert "is a 'gemma3' multimodal model (its language model's config is its text_config)" in \
         capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_bert_with_transformers_4_relative_key_positions_is_one_line(roberta_tok, tmp_path, capsys):
+    """A BERT trained with transformers 4's position_embedding_type relative_key (its file holds each layer's
+    distance_embedding, and the absolute table transformers 4 built and never added): transformers 5's BertModel never
+    reads the key, so it drops the distance embeddings and adds the table (shown here against the embeddings computed
+    by hand), a model other than the trained one: refused in one line, exit 2, nothing written. ESM's rotary type,
+    which its model reads, loads (test_padded_batches_are_each_sentence_alone)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    import analyze
+    from core.errors import UserError
+
+    config = tf.BertConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                           num_attention_heads=2, intermediate_size=32, max_position_embeddings=POSITIONS,
+                           position_embedding_type="relative_key")
+    torch.manual_seed(0)
+    path = save_planted(tf.BertModel(config), roberta_tok, tmp_path / "bert")
+    weights = load_file(path / "model.safetensors")
+    for layer in range(DEPTH):  # transformers 4's relative_key weights: [2 x positions - 1, head size]
+        weights[f"encoder.layer.{layer}.attention.self.distance_embedding.weight"] = torch.randn(2 * POSITIONS - 1, 8)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModel.from_pretrained(path).eval()
+    ids = torch.tensor([[0, 9, 14, 30, 2]])
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    embeddings = model.embeddings
+    by_hand = embeddings.LayerNorm(embeddings.word_embeddings.weight[ids[0]] + embeddings.position_embeddings.weight[:5]
+                                   + embeddings.token_type_embeddings.weight[0])
+    torch.testing.assert_close(states[0][0], by_hand)  # the absolute table is added; no distance embedding is read
+    assert not any("distance" in name for name in model.state_dict())
+    with pytest.raises(UserError, match="position_embedding_type 'relative_key', which transformers .*'bert' model "
+                                        "does not implement"):
+        load_encoder(str(path), device="cpu")
+    data = tmp_path / "s.txt"
+    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
+                         "--output_dir", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "its config asks for position_embedding_type 'relative_key'" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -165,3 +165,24 @@ def test_reading_a_norm_runs_none_of_its_hooks_and_leaves_the_models_modes():
                                                                  for layer in model.layers}
     assert feeding_norms(model, model.layers, 8) == fed  # Llama's: each feeds attention's or the MLP's projections
     assert {name: sub.training for name, sub in model.named_modules()} == modes
+
+
+
+@pytest.mark.parametrize("kind, gain, applied", [
+    ("gemma", lambda module: 1 + module.weight, True),
+    ("deberta", lambda module: module.weight, False),
+    ("olmo", lambda module: torch.ones(8), False),
+])
+def test_the_note_says_the_gain_is_not_the_stored_weight_only_where_it_is_not(kind, gain, applied):
+    """Gemma's RMSNorm applies 1 + weight, and layer_norms_note says so; DeBERTa's LayerNorm applies its weight (its
+    gain read off the forward pass to float32 rounding, ~1e-7), and the note does not claim otherwise where weights are
+    near 0 (a relative tolerance alone read 1e-4 against 1e-4 + 1e-7 as another gain); OLMo's has no weight."""
+    model = tiny(kind)
+    with torch.no_grad():
+        for _, _, module in layer_norms(model):
+            if getattr(module, "weight", None) is not None:
+                module.weight[::2] = 1e-4
+    report = trace_origins(model, [2])
+    assert [entry["weight"] for entry in report["layer_norms"]["2"]] == pytest.approx(
+        [float(gain(module)[2]) for _, _, module in layer_norms(model)], abs=1e-6)
+    assert ("not its stored weight" in report["layer_norms_note"]) is applied
