@@ -109,6 +109,13 @@ def open_encoder(args, masked_lm: bool = False, tokenizer=None) -> FrozenEncoder
     return encoder
 
 
+def readable(encoder: FrozenEncoder, max_length: int | None) -> Callable[[list[str]], list[int]]:
+    """Given sentences, the leading characters of each that `encoder` reads: all of a sentence, or where its tokens
+    end once truncated to `max_length` (FrozenEncoder.tokenize's `covered`). The self-similarity draws a word's
+    contexts there (datamodules.words.WordSample.contexts): an occurrence past the cut has no vector."""
+    return lambda sentences: encoder.tokenize(sentences, max_length, offsets=True)[0]["covered"]
+
+
 def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> Setting:
     return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
 
