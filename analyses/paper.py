@@ -215,7 +215,7 @@ def run_paper(args, rank: int, world: int) -> dict:
     check_writable(args.output_dir)
     encoder = open_encoder(args, tokenizer=tokenizer)
     visible = readable(encoder, args.max_length)  # each word's contexts where the encoder's tokens reach
-    inputs.contexts = {name: words.contexts(visible) for name, words in inputs.contexts.items()}
+    inputs.contexts = {name: words.contexts(visible, not args.no_progress) for name, words in inputs.contexts.items()}
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)

@@ -69,7 +69,7 @@ def run_self_similarity(args, rank: int, world: int) -> dict:
         return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences")
 
     (sentences, words), encoder = prepare(args, rank, read, tokenizer=True)
-    contexts = words.contexts(readable(encoder, args.max_length))
+    contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, contexts.sentences)
     baseline = geometry.anisotropy_baseline(setting, sentences, reference.variants, args.num_pairs, args.data)
@@ -105,7 +105,7 @@ def run_all(args, rank: int, world: int) -> dict:
         return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences)
 
     (sentences, wic_data, sts_data, words), encoder = prepare(args, rank, read, tokenizer=True)
-    contexts = words.contexts(readable(encoder, args.max_length))
+    contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
     notes = [note for note, missing in (("WiC skipped: no --wic file given", wic_data is None),
                                         ("STS skipped: no --sts data given", not sts_data)) if missing]
     for note in notes if rank == 0 else []:

@@ -191,14 +191,15 @@ class WordSample:
                             f"fewer contexts per word: --min_sentences{longer}, or more sentences: {more})")
         return candidates
 
-    def contexts(self, visible: Visible | None = None) -> WordContexts:
+    def contexts(self, visible: Visible | None = None, progress: bool = False) -> WordContexts:
         """`min_sentences` contexts of each word where the encoder reads it: `visible`, given a list of sentences,
         says how many leading characters of each its tokens cover (where truncation to the encoder's --max_length
         cuts a long one; None: every sentence whole). An occurrence past the cut has no vector: drawn, it was lost,
         and a long sentence, holding many words, was the one the draw preferred. When truncation cuts sentences, the
-        words are counted again where they are read (a pass more) and drawn among those that still qualify."""
+        words are counted again where they are read (a pass more) and drawn among those that still qualify.
+        `progress`: a bar over the sentences `visible` reads."""
         fold = str.lower if self.lowercase else str
-        cut = {} if visible is None else truncated(self.passes(), visible)  # {sentence: characters read}
+        cut = {} if visible is None else truncated(self.passes(), visible, progress)  # {sentence: characters read}
         sample = self
         if cut:
             sample = replace(self, candidates=self.qualifying(word_counts(
@@ -254,15 +255,19 @@ class WordSample:
 LIMIT_CHUNK = 256  # sentences `visible` is asked about at once
 
 
-def truncated(sentences: Iterable[str], visible: Visible) -> dict[int, int]:
+def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False) -> dict[int, int]:
     """{index: the characters of it the encoder reads} of each sentence it does not read whole, `visible` asked a
-    chunk at a time."""
+    chunk at a time (`progress`: a bar, the sentences counted: a whole source is tokenised)."""
+    from tqdm.auto import tqdm
+
     cut, start, iterator = {}, 0, iter(sentences)
-    while chunk := list(itertools.islice(iterator, LIMIT_CHUNK)):
-        for index, (sentence, limit) in enumerate(zip(chunk, visible(chunk), strict=True), start):
-            if limit < len(sentence):
-                cut[index] = limit
-        start += len(chunk)
+    with tqdm(unit="sent", desc="sentences the encoder reads", disable=not progress, leave=False) as bar:
+        while chunk := list(itertools.islice(iterator, LIMIT_CHUNK)):
+            for index, (sentence, limit) in enumerate(zip(chunk, visible(chunk), strict=True), start):
+                if limit < len(sentence):
+                    cut[index] = limit
+            start += len(chunk)
+            bar.update(len(chunk))
     return cut
 
 

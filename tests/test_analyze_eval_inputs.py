@@ -504,6 +504,25 @@ def test_word_contexts_are_drawn_where_the_encoder_reads_them():
         word_contexts(short[:1] + long, num_words=2, min_sentences=3, seed=0, visible=visible)
 
 
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_readable_tokenises_only_what_may_be_cut_and_equals_the_encoders_reading(kind, tmp_path, bert_tok,
+                                                                                  roberta_tok):
+    """analyses.session.readable (the characters of each sentence the encoder reads) leaves a sentence of fewer bytes
+    than the tokens left beside the special tokens untokenised: equal to FrozenEncoder.tokenize's own `covered` on
+    every prefix of a text of several scripts, emoji and combining marks, at lengths where some are cut."""
+    from analyses.session import readable
+    from lightning_modules.encoder import load_encoder
+
+    tokenizer = bert_tok if kind == "bert" else roberta_tok
+    encoder = load_encoder(save_tiny_encoder(tmp_path / kind, kind, tokenizer), device="cpu")
+    text = "a 😀 é́ 中文 word, שלום 👨‍👩‍👧 the ﬃ end of it all ok"
+    texts = [text[:n].strip() or "x" for n in range(1, len(text) + 1)]
+    for max_length in (4, 8, 16, 32):
+        expected = encoder.tokenize(texts, max_length, offsets=True)[0]["covered"]
+        assert any(c < len(t) for c, t in zip(expected, texts)) or max_length == 32
+        assert readable(encoder, max_length)(texts) == expected
+
+
 def test_self_similarity_draws_no_context_past_the_truncation(tmp_path, bert_tok):
     """analyze.py self-similarity draws each word's contexts among the occurrences its encoder reads at --max_length:
     'house' is in 2 short lines and 12 long ones, past the 16 tokens of the cut in each. Expected from the tokenizer
