@@ -11,6 +11,7 @@ Reads JSON only: no model, no torch. Dimensions are 0-indexed; layer 0 is the em
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from core.errors import UserError
@@ -81,8 +82,31 @@ def comparison_lines(items: list[tuple[str | None, Path, dict]]) -> list[str]:
     return lines
 
 
+def rule_of(report: dict) -> str | None:
+    """The options that decide a report's outlier dims, in words (None for a report that does not record them)."""
+    rule = report.get("rule")
+    if not isinstance(rule, dict) or "min_share" not in rule:
+        return None
+    sigma = f", --sigma {rule['sigma']}" if rule.get("sigma") is not None else ""
+    return f"--min_share {rule['min_share']}{sigma}, special tokens {report.get('special_tokens', 'included')}"
+
+
+def rule_warning(items: list[tuple[str | None, Path, dict]]) -> str | None:
+    """One line when the reports' outlier dims come from different rules (--min_share, --sigma, special tokens):
+    side by side, their outlier and persistent dims then differ by the rule as well as the model."""
+    rules = [rule_of(report) for _, _, report in items]
+    if len({rule for rule in rules if rule is not None}) < 2:
+        return None
+    named = "; ".join(f"{name}: {rule or 'not recorded'}" for name, rule in zip(names_of(items), rules))
+    return f"the reports' outlier dims come from different rules ({named}): they differ by the rule, not only the model"
+
+
 def run_compare(args, rank: int = 0, world: int = 1) -> list[str]:
-    """Print the reports side by side; returns the lines printed."""
-    lines = comparison_lines([read_report(text) for text in args.reports])
+    """Print the reports side by side (and, when their rules differ, one warning line on stderr); returns the lines
+    printed on stdout."""
+    items = [read_report(text) for text in args.reports]
+    lines = comparison_lines(items)
     print("\n".join(lines))
+    if (warning := rule_warning(items)) is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     return lines

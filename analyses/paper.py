@@ -29,6 +29,7 @@ from analyses.session import (
     dataset_name,
     open_encoder,
     pair_sentences,
+    readable,
     reference_of,
     run_header,
     setting_of,
@@ -41,7 +42,7 @@ from core.wording import plural
 from datamodules.pairs import read_sts, read_wic, wic_source
 from datamodules.probing import ClassificationDataModule, PositionDataModule
 from datamodules.text import iter_texts, sample_texts
-from datamodules.words import source_contexts
+from datamodules.words import source_words
 from lightning_modules.encoder import FrozenEncoder, encoder_tokenizer
 from lightning_modules.probes import PositionProbe, SentenceClassifier
 from metrics.transforms import parse_clip
@@ -57,7 +58,7 @@ class Inputs:
     qqp: list[str] | None
     outlier_sentences: list[str] = field(default_factory=list)  # §3: SST-2's and QQP's together
     outlier_sources: dict = field(default_factory=dict)  # {"sst2": count used, "qqp": count used}
-    contexts: dict = field(default_factory=dict)  # {"sst2": WordContexts, "qqp": ...}: read_contexts, by its tokenizer
+    contexts: dict = field(default_factory=dict)  # {"sst2": WordSample, ...}: read_contexts; WordContexts once loaded
     sources: dict = field(default_factory=dict)  # {"sst2": (source, column), ...}: the training sets read
     wic: tuple | None = None  # (items, skipped)
     wic_source: dict = field(default_factory=dict)  # {"data", "split"}
@@ -114,9 +115,9 @@ def read_contexts(args, inputs: Inputs, tokenizer) -> None:
     WikiText's "<unk>") does not occur there, and in its case (case-folded only when the tokenizer lowercases)."""
     specials, lowercase = special_strings(tokenizer), lowercases(tokenizer)
     for name, (source, column) in inputs.sources.items():
-        inputs.contexts[name] = source_contexts(source, column, args.pool_sentences, args.num_words,
-                                                args.min_sentences, args.seed, special_tokens=specials,
-                                                lowercase=lowercase)
+        inputs.contexts[name] = source_words(source, column, args.pool_sentences, args.num_words,
+                                             args.min_sentences, args.seed, special_tokens=specials,
+                                             lowercase=lowercase)
 
 
 def explicit_clip(clipped: dict[int, list[int]] | None) -> str:
@@ -214,6 +215,8 @@ def run_paper(args, rank: int, world: int) -> dict:
     read_contexts(args, inputs, tokenizer)
     check_writable(args.output_dir)
     encoder = open_encoder(args, tokenizer=tokenizer)
+    visible = readable(encoder, args.max_length)  # each word's contexts where the encoder's tokens reach
+    inputs.contexts = {name: words.contexts(visible, not args.no_progress) for name, words in inputs.contexts.items()}
     for note in inputs.notes:
         print(f"note: {note}")
     setting = setting_of(args, encoder)

@@ -20,6 +20,7 @@ from analyses.session import (
     prepare,
     publish,
     read_sentences,
+    readable,
     reference_of,
     run_header,
     setting_of,
@@ -27,7 +28,7 @@ from analyses.session import (
 )
 from core.tokenizers import lowercases, special_strings
 from datamodules.pairs import read_sts, scorable_wic, wic_source
-from datamodules.words import source_contexts
+from datamodules.words import source_words
 
 MORE_PAIRS = "more pairs (a larger --data)"  # what gives the outlier rule more tokens in wic and sts (their warning)
 
@@ -50,12 +51,13 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "isotropy", reference.with_chance(report), encoder)
 
 
-def read_contexts(args, tokenizer, limit: int, option: str = "--pool_sentences"):
-    """The self-similarity words and their contexts: from the whole of --data, streamed (limit 0), or a sample of
-    `limit` (the value of `option`); drawn with the encoder's tokenizer (loaded alone, before its weights: too few words
-    is refused before a hub model downloads), as a word written inside one of its special tokens ("unk" of WikiText's
-    "<unk>") does not occur there, and in its case ("The" and "the" one word only when the tokenizer lowercases)."""
-    return source_contexts(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
+def read_words(args, tokenizer, limit: int, option: str = "--pool_sentences"):
+    """The self-similarity words (their contexts: `.contexts(readable(encoder, args.max_length))`, once the encoder is
+    loaded): from the whole of --data, streamed (limit 0), or a sample of `limit` (the value of `option`); drawn with
+    the encoder's tokenizer (loaded alone, before its weights: too few words is refused before a hub model downloads),
+    as a word written inside one of its special tokens ("unk" of WikiText's "<unk>") does not occur there, and in its
+    case ("The" and "the" one word only when the tokenizer lowercases)."""
+    return source_words(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
                            special_strings(tokenizer), lowercases(tokenizer))
 
 
@@ -64,9 +66,10 @@ def run_self_similarity(args, rank: int, world: int) -> dict:
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
     def read(tokenizer):
         sentences = read_sentences(args, limit=2 * args.num_pairs)
-        return sentences, read_contexts(args, tokenizer(), args.max_sentences, "--max_sentences")
+        return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences")
 
-    (sentences, contexts), encoder = prepare(args, rank, read, tokenizer=True)
+    (sentences, words), encoder = prepare(args, rank, read, tokenizer=True)
+    contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
     setting = setting_of(args, encoder, rank, world)
     reference = reference_of(args, setting, contexts.sentences)
     baseline = geometry.anisotropy_baseline(setting, sentences, reference.variants, args.num_pairs, args.data)
@@ -99,9 +102,10 @@ def run_all(args, rank: int, world: int) -> dict:
         sentences = read_sentences(args)
         wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
-        return sentences, wic_data, sts_data, read_contexts(args, tokenizer(), args.pool_sentences)
+        return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences)
 
-    (sentences, wic_data, sts_data, contexts), encoder = prepare(args, rank, read, tokenizer=True)
+    (sentences, wic_data, sts_data, words), encoder = prepare(args, rank, read, tokenizer=True)
+    contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
     notes = [note for note, missing in (("WiC skipped: no --wic file given", wic_data is None),
                                         ("STS skipped: no --sts data given", not sts_data)) if missing]
     for note in notes if rank == 0 else []:

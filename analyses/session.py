@@ -109,6 +109,26 @@ def open_encoder(args, masked_lm: bool = False, tokenizer=None) -> FrozenEncoder
     return encoder
 
 
+def readable(encoder: FrozenEncoder, max_length: int | None) -> Callable[[list[str]], list[int]]:
+    """Given sentences, the leading characters of each that `encoder` reads: all of a sentence, or where its tokens
+    end once truncated to `max_length` (FrozenEncoder.tokenize's `covered`). The self-similarity draws a word's
+    contexts there (datamodules.words.WordSample.contexts): an occurrence past the cut has no vector. A sentence of
+    fewer UTF-8 bytes than the tokens left beside the special tokens is read whole untokenised: a token holds a byte at
+    least (a character of WordPiece, a byte of a byte-level BPE), and a SentencePiece adds one '▁' before the text."""
+    room = encoder.check_max_length(max_length) - encoder.tokenizer.num_special_tokens_to_add(pair=False) - 1
+
+    def visible(sentences: list[str]) -> list[int]:
+        covered = [len(sentence) for sentence in sentences]
+        long = [i for i, sentence in enumerate(sentences) if len(sentence.encode("utf-8")) > room]
+        if long:
+            cut = encoder.tokenize([sentences[i] for i in long], max_length, offsets=True)[0]["covered"]
+            for i, characters in zip(long, cut, strict=True):
+                covered[i] = characters
+        return covered
+
+    return visible
+
+
 def setting_of(args, encoder: FrozenEncoder, rank: int = 0, world: int = 1) -> Setting:
     return Setting(encoder, args.batch_size, args.max_length, args.seed, not args.no_progress, rank, world)
 

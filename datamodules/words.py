@@ -6,6 +6,8 @@ STS baseline of §4.3).
     contexts = source_contexts("glue/sst2", None, pool=0, num_words=1000, min_sentences=10, seed=0,
                                special_tokens=special_strings(tokenizer),   # "unk" of a literal "<unk>" is no word
                                lowercase=lowercases(tokenizer))             # "The" and "the": one word only if uncased
+    words = source_words("glue/sst2", None, 0, 1000, 10, 0)   # the words alone (too few: refused before a model loads),
+    contexts = words.contexts(visible)                        # their contexts where the encoder's tokens reach
     vectors, dim = read_static_vectors("glove.840B.300d.txt", vocabulary)   # GloVe text format, only `vocabulary`;
     static_sentence_vector("The cat sat.", vectors, dim)   # words looked up as written ("The" is not "the": SentEval's
                                                            # bag of words over a cased GloVe); lowercase=True: ours
@@ -13,12 +15,13 @@ STS baseline of §4.3).
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,7 @@ class WordContexts:
     duplicates: int = 0  # sentences of the pool that repeat an earlier one (no other context: left out)
 
 
+Visible = Callable[[list[str]], list[int]]  # sentences -> the leading characters of each the encoder reads
 RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
 
 
@@ -75,13 +79,24 @@ def special_pattern(special_tokens: Iterable[str]) -> re.Pattern | None:
 
 def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
                   seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = (),
-                  lowercase: bool = True) -> WordContexts:
-    """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each.
+                  lowercase: bool = True, visible: Visible | None = None) -> WordContexts:
+    """Sample `num_words` words occurring in at least `min_sentences` sentences and `min_sentences` contexts each:
+    `sample_words(...).contexts(visible)`, the words and their contexts at once."""
+    return sample_words(sentences, num_words, min_sentences, seed, pool_option, special_tokens,
+                        lowercase).contexts(visible)
+
+
+def sample_words(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
+                 seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = (),
+                 lowercase: bool = True) -> WordSample:
+    """Sample `num_words` words occurring in at least `min_sentences` sentences; their contexts come from
+    `WordSample.contexts`, once the encoder that reads them is known.
 
     `sentences` is a list, or a function giving a fresh iterator over a whole source each time it is called (read in
-    three streamed passes: count the sentences each word occurs in; keep a seeded uniform sample of RESERVOIR x
-    `min_sentences` occurrences of each sampled word; fetch the sentences finally drawn). Memory is the vocabulary's
-    counts plus num_words x RESERVOIR x min_sentences occurrences, and 9 bytes a sentence.
+    streamed passes: count the sentences each word occurs in, here; in `contexts`, find the sentences truncation cuts
+    and, when there are some, count again where the words are read; keep a seeded uniform sample of RESERVOIR x
+    `min_sentences` occurrences of each sampled word, and fetch the sentences finally drawn). Memory is the
+    vocabulary's counts plus num_words x RESERVOIR x min_sentences occurrences, and 9 bytes a sentence.
 
     A sentence that repeats an earlier one (a boilerplate line, a corpus concatenated twice) is one context, not
     several: its words count once, and only its first copy can be drawn (a pass more, only when there are repeats).
@@ -104,65 +119,156 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
     specials = special_pattern(special_tokens)
     fold = str.lower if lowercase else str
     passes = sentences if callable(sentences) else (lambda: iter(sentences))
-    counts: Counter[str] = Counter()
     hashes = array("q")  # each sentence's hash: which ones repeat an earlier one (8 bytes a sentence)
-    for sentence in passes():
-        hashes.append(hash(sentence))
-        counts.update({fold(match.group()) for match in word_matches(sentence, specials)})
+
+    def hashed() -> Iterator[tuple[str, None]]:
+        for sentence in passes():
+            hashes.append(hash(sentence))
+            yield sentence, None
+
+    counts = word_counts(hashed(), specials, fold)
     total, repeats = len(hashes), repeated(hashes)
     if repeats is not None:  # a repeated sentence is no other context: its words count once, in its first copy
-        for index, sentence in enumerate(passes()):
-            if repeats[index]:
-                counts.subtract({fold(match.group()) for match in word_matches(sentence, specials)})
-    duplicates = 0 if repeats is None else int(repeats.sum())
-    candidates = sorted(word for word, count in counts.items() if count >= min_sentences)
-    if len(candidates) < num_words:
-        more = "a larger source" if pool_option is None else f"a larger source, or {pool_option} 0 to search all of it"
-        distinct = f"{total - duplicates} distinct sentences ({duplicates} more repeat them)" \
-            if duplicates else plural(total, "sentence")
-        raise UserError(f"only {plural(len(candidates), 'word')} occur in at least {min_sentences} of the {distinct}; "
-                        f"self-similarity needs {num_words} (fewer words: --num_words, fewer contexts per "
-                        f"word: --min_sentences, or more sentences: {more})")
-    rng = random.Random(seed)
-    words = rng.sample(candidates, num_words)
-    num_candidates = len(candidates)
-    del counts, candidates
-    ids = {word: word_id for word_id, word in enumerate(words)}
-    size = RESERVOIR * min_sentences
-    kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
-    seen = [0] * num_words
-    for index, sentence in enumerate(passes()):
-        if repeats is not None and repeats[index]:
-            continue
-        first = set()
-        for match in word_matches(sentence, specials):
-            word = fold(match.group())
-            word_id = ids.get(word)
-            if word_id is None or word_id in first:
+        counts.subtract(word_counts(((sentence, None) for index, sentence in enumerate(passes()) if repeats[index]),
+                                    specials, fold))
+    words = WordSample(num_words, min_sentences, seed, pool_option, lowercase, total, repeats, passes, specials, [])
+    words.candidates = words.qualifying(counts)
+    return words
+
+
+def word_counts(sentences: Iterable[tuple[str, int | None]], specials: re.Pattern | None, fold: Callable) -> Counter:
+    """How many of `sentences` ((text, the characters of it read: None for all)) each word occurs in, where read."""
+    counts: Counter[str] = Counter()
+    for sentence, limit in sentences:
+        counts.update({fold(match.group()) for match in word_matches(sentence, specials)
+                       if limit is None or match.end() <= limit})
+    return counts
+
+
+@dataclass
+class WordSample:
+    """The words `sample_words` found (`candidates`: those in at least `min_sentences` sentences, sorted), before
+    their contexts, which `contexts` draws where the encoder reads the sentences."""
+
+    num_words: int
+    min_sentences: int
+    seed: int
+    pool_option: str | None
+    lowercase: bool
+    pool: int  # sentences searched
+    repeats: np.ndarray | None  # [pool] bool: a sentence that repeats an earlier one
+    passes: Callable[[], Iterable[str]]
+    specials: re.Pattern | None
+    candidates: list[str]
+
+    @property
+    def words(self) -> list[str]:
+        """The `num_words` words drawn (seeded) among the candidates."""
+        return random.Random(self.seed).sample(self.candidates, self.num_words)
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self.candidates)
+
+    @property
+    def duplicates(self) -> int:
+        return 0 if self.repeats is None else int(self.repeats.sum())
+
+    def qualifying(self, counts: Counter, truncated: int = 0) -> list[str]:
+        """The words of `counts` in at least `min_sentences` sentences, sorted; too few is one line (`truncated`: the
+        sentences truncation cut, whose words past the cut were not counted)."""
+        candidates = sorted(word for word, count in counts.items() if count >= self.min_sentences)
+        if len(candidates) < self.num_words:
+            more = "a larger source" if self.pool_option is None else \
+                f"a larger source, or {self.pool_option} 0 to search all of it"
+            distinct = f"{self.pool - self.duplicates} distinct sentences ({self.duplicates} more repeat them)" \
+                if self.duplicates else plural(self.pool, "sentence")
+            where = (f" where the encoder reads them ({plural(truncated, 'sentence was', 'sentences were')} truncated "
+                     "at --max_length, and the words past the cut have no vector)") if truncated else ""
+            longer = ", a larger --max_length" if truncated else ""
+            raise UserError(f"only {plural(len(candidates), 'word')} occur in at least {self.min_sentences} of the "
+                            f"{distinct}{where}; self-similarity needs {self.num_words} (fewer words: --num_words, "
+                            f"fewer contexts per word: --min_sentences{longer}, or more sentences: {more})")
+        return candidates
+
+    def contexts(self, visible: Visible | None = None, progress: bool = False) -> WordContexts:
+        """`min_sentences` contexts of each word where the encoder reads it: `visible`, given a list of sentences,
+        says how many leading characters of each its tokens cover (where truncation to the encoder's --max_length
+        cuts a long one; None: every sentence whole). An occurrence past the cut has no vector: drawn, it was lost,
+        and a long sentence, holding many words, was the one the draw preferred. When truncation cuts sentences, the
+        words are counted again where they are read (a pass more) and drawn among those that still qualify.
+        `progress`: a bar over the sentences `visible` reads."""
+        fold = str.lower if self.lowercase else str
+        cut = {} if visible is None else truncated(self.passes(), visible, progress)  # {sentence: characters read}
+        sample = self
+        if cut:
+            sample = replace(self, candidates=self.qualifying(word_counts(
+                ((sentence, cut.get(index)) for index, sentence in enumerate(self.passes())
+                 if self.repeats is None or not self.repeats[index]), self.specials, fold), len(cut)))
+        return sample.draw(cut)
+
+    def draw(self, cut: dict[int, int]) -> WordContexts:
+        """Each word's contexts among its occurrences before the `cut` ({sentence index: characters read})."""
+        rng = random.Random(self.seed)
+        words, min_sentences, fold = rng.sample(self.candidates, self.num_words), self.min_sentences, \
+            str.lower if self.lowercase else str
+        ids = {word: word_id for word_id, word in enumerate(words)}
+        size = RESERVOIR * min_sentences
+        kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
+        seen = [0] * len(words)
+        for index, sentence in enumerate(self.passes()):
+            if self.repeats is not None and self.repeats[index]:
                 continue
-            first.add(word_id)
-            place, seen[word_id] = (index, match.start(), match.end()), seen[word_id] + 1
-            if seen[word_id] <= size:
-                kept[word_id].append(place)
-            elif (slot := rng.randrange(seen[word_id])) < size:  # Algorithm R
-                kept[word_id][slot] = place
-    chosen: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for word_id in sorted(range(num_words), key=lambda w: (seen[w], words[w])):
-        places = kept[word_id]
-        drawn = [p for p in places if p[0] in chosen]
-        rng.shuffle(drawn)
-        if len(drawn) < min_sentences:
-            fresh = [p for p in places if p[0] not in chosen]
-            drawn += rng.sample(fresh, min_sentences - len(drawn))
-        for index, start, end in drawn[:min_sentences]:
-            chosen[index].append((word_id, start, end))
-    order = sorted(chosen)
-    texts = [sentence for index, sentence in enumerate(passes()) if index in chosen]
-    if len(texts) != len(order) or any(fold(texts[i][s:e]) != words[w] for i, index in enumerate(order)
-                                       for w, s, e in chosen[index]):
-        raise UserError("the self-similarity source changed while it was read (its passes differ)")
-    return WordContexts(words, texts, [chosen[i] for i in order], num_candidates, total,
-                        min_sentences, lowercase, duplicates)
+            first, limit = set(), cut.get(index, len(sentence))
+            for match in word_matches(sentence, self.specials):
+                word = fold(match.group())
+                word_id = ids.get(word)
+                if word_id is None or word_id in first:
+                    continue
+                first.add(word_id)  # its first occurrence is the context: past the cut, the sentence has none
+                if match.end() > limit:
+                    continue
+                place, seen[word_id] = (index, match.start(), match.end()), seen[word_id] + 1
+                if seen[word_id] <= size:
+                    kept[word_id].append(place)
+                elif (slot := rng.randrange(seen[word_id])) < size:  # Algorithm R
+                    kept[word_id][slot] = place
+        chosen: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for word_id in sorted(range(len(words)), key=lambda w: (seen[w], words[w])):
+            places = kept[word_id]
+            drawn = [p for p in places if p[0] in chosen]
+            rng.shuffle(drawn)
+            if len(drawn) < min_sentences:
+                fresh = [p for p in places if p[0] not in chosen]
+                drawn += rng.sample(fresh, min_sentences - len(drawn))
+            for index, start, end in drawn[:min_sentences]:
+                chosen[index].append((word_id, start, end))
+        order = sorted(chosen)
+        texts = [sentence for index, sentence in enumerate(self.passes()) if index in chosen]
+        if len(texts) != len(order) or any(fold(texts[i][s:e]) != words[w] for i, index in enumerate(order)
+                                           for w, s, e in chosen[index]):
+            raise UserError("the self-similarity source changed while it was read (its passes differ)")
+        return WordContexts(words, texts, [chosen[i] for i in order], self.num_candidates, self.pool,
+                            min_sentences, self.lowercase, self.duplicates)
+
+
+LIMIT_CHUNK = 256  # sentences `visible` is asked about at once
+
+
+def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False) -> dict[int, int]:
+    """{index: the characters of it the encoder reads} of each sentence it does not read whole, `visible` asked a
+    chunk at a time (`progress`: a bar, the sentences counted: a whole source is tokenised)."""
+    from tqdm.auto import tqdm
+
+    cut, start, iterator = {}, 0, iter(sentences)
+    with tqdm(unit="sent", desc="sentences the encoder reads", disable=not progress, leave=False) as bar:
+        while chunk := list(itertools.islice(iterator, LIMIT_CHUNK)):
+            for index, (sentence, limit) in enumerate(zip(chunk, visible(chunk), strict=True), start):
+                if limit < len(sentence):
+                    cut[index] = limit
+            start += len(chunk)
+            bar.update(len(chunk))
+    return cut
 
 
 def repeated(hashes: array) -> np.ndarray | None:
@@ -177,18 +283,26 @@ def repeated(hashes: array) -> np.ndarray | None:
 
 
 def source_contexts(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
-                    pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True
-                    ) -> WordContexts:
-    """`word_contexts` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
+                    pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True,
+                    visible: Visible | None = None) -> WordContexts:
+    """`source_words(...).contexts(visible)`: the words of `source` and their contexts at once."""
+    return source_words(source, column, pool, num_words, min_sentences, seed, pool_option, special_tokens,
+                        lowercase).contexts(visible)
+
+
+def source_words(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
+                 pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True
+                 ) -> WordSample:
+    """`sample_words` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
     `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them
     (`pool_option`: the entry point's option for `pool`, named when the sample is too small; `special_tokens`,
-    `lowercase`: the tokenizer's, as in `word_contexts`)."""
+    `lowercase`: the tokenizer's, as in `sample_words`)."""
     if pool:
         sentences = sample_texts(iter_texts(source, column), pool, seed)
-        return word_contexts(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None,
-                             special_tokens, lowercase)
-    return word_contexts(lambda: iter_texts(source, column), num_words, min_sentences, seed,
-                         special_tokens=special_tokens, lowercase=lowercase)
+        return sample_words(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None,
+                            special_tokens, lowercase)
+    return sample_words(lambda: iter_texts(source, column), num_words, min_sentences, seed,
+                        special_tokens=special_tokens, lowercase=lowercase)
 
 
 # ---------------------------------------------------------------- static vectors

@@ -475,27 +475,129 @@ def bad_inputs(tmp_path: Path, sentences: Path) -> dict[str, tuple[list, str]]:
     }
 
 
-def test_self_similarity_with_every_context_truncated_says_why_its_table_is_empty(tmp_path, bert_tok, capfd):
-    # "house" is the one word in 2 sentences, 6 words in: --max_length 4 cuts it from both, 32 keeps it
+def test_word_contexts_are_drawn_where_the_encoder_reads_them():
+    """A word's contexts are drawn among its occurrences that `visible` says the encoder reads (truncation cuts a long
+    sentence): 'lamp' is in 3 short sentences and, past a cut at 12 characters, in 20 long ones (which the draw
+    preferred, as they hold 'house' too); a word qualifies by the sentences where it is read."""
+    short = ["lamp house a", "lamp house b", "lamp house c"]
+    long = [f"{chr(97 + n) * 2} house 12 34 56 78 lamp" for n in range(20)]  # house read, lamp (at 21) not
+    cut = 12
+
+    def visible(chunk):
+        return [min(len(text), cut) for text in chunk]
+
+    before = word_contexts(short + long, num_words=2, min_sentences=3, seed=0)  # every occurrence readable
+    after = word_contexts(short + long, num_words=2, min_sentences=3, seed=0, visible=visible)
+    assert sorted(before.words) == sorted(after.words) == ["house", "lamp"]
+    for contexts in (before, after):
+        assert all(text[start:end] == contexts.words[word] for text, spans in zip(contexts.sentences, contexts.spans)
+                   for word, start, end in spans)
+        assert sorted(len([1 for spans in contexts.spans for word, _, _ in spans if word == w])
+                      for w in range(2)) == [3, 3]  # 3 contexts of each word
+    assert any(start >= cut for spans in before.spans for _, start, _ in spans)  # some drawn past the cut
+    assert all(end <= cut for spans in after.spans for _, _, end in spans)
+    lamp = after.words.index("lamp")
+    assert sorted(text for text, spans in zip(after.sentences, after.spans) if lamp in {w for w, _, _ in spans}) == short
+    assert word_contexts(short[:1] + long, num_words=2, min_sentences=3, seed=0).words  # lamp in 21 sentences...
+    with pytest.raises(UserError, match=r"^only 1 word occur in at least 3 of the 21 sentences where the encoder reads "
+                                        r"them \(20 sentences were truncated at --max_length"):  # ... read in 1
+        word_contexts(short[:1] + long, num_words=2, min_sentences=3, seed=0, visible=visible)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_readable_tokenises_only_what_may_be_cut_and_equals_the_encoders_reading(kind, tmp_path, bert_tok,
+                                                                                  roberta_tok):
+    """analyses.session.readable (the characters of each sentence the encoder reads) leaves a sentence of fewer bytes
+    than the tokens left beside the special tokens untokenised: equal to FrozenEncoder.tokenize's own `covered` on
+    every prefix of a text of several scripts, emoji and combining marks, at lengths where some are cut."""
+    from analyses.session import readable
+    from lightning_modules.encoder import load_encoder
+
+    tokenizer = bert_tok if kind == "bert" else roberta_tok
+    encoder = load_encoder(save_tiny_encoder(tmp_path / kind, kind, tokenizer), device="cpu")
+    text = "a 😀 é́ 中文 word, שלום 👨‍👩‍👧 the ﬃ end of it all ok"
+    texts = [text[:n].strip() or "x" for n in range(1, len(text) + 1)]
+    for max_length in (4, 8, 16, 32):
+        expected = encoder.tokenize(texts, max_length, offsets=True)[0]["covered"]
+        assert any(c < len(t) for c, t in zip(expected, texts)) or max_length == 32
+        assert readable(encoder, max_length)(texts) == expected
+
+
+def test_self_similarity_draws_no_context_past_the_truncation(tmp_path, bert_tok):
+    """analyze.py self-similarity draws each word's contexts among the occurrences its encoder reads at --max_length:
+    'house' is in 2 short lines and 12 long ones, past the 16 tokens of the cut in each. Expected from the tokenizer
+    (which lines' house its truncated tokens cover) and the model (the cosine of house's two vectors per layer)."""
+    numbers = " ".join(str(n) for n in range(30))  # no words: digits; each line distinct
+    lines = ["house 1", "2 house"] + [f"{n} {numbers} house" for n in range(100, 112)]
+    data = tmp_path / "long.txt"
+    data.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    readable = []
+    for line in lines:
+        encoded = bert_tok(line, truncation=True, max_length=16, return_offsets_mapping=True)
+        if line.rindex("house") + len("house") <= max(end for _, end in encoded["offset_mapping"]):
+            readable.append(line)
+    assert readable == lines[:2]
+    out = tmp_path / "out"
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "1",
+                         "--min_sentences", "2", "--max_length", "16", "--num_pairs", "2", "--no_progress",
+                         "--output_dir", str(out)]) == 0
+    report = json.loads((out / "self_similarity.json").read_text())
+    assert report["words"] == ["house"] and report["num_words"] == 1
+    assert report["contexts_lost_to_truncation"] == 0 and report["num_sentences"] == len(readable)
+    model = AutoModel.from_pretrained(encoder).eval()
+    vectors = []
+    for line in readable:
+        encoded = bert_tok(line, return_tensors="pt")
+        index = encoded["input_ids"][0].tolist().index(bert_tok.convert_tokens_to_ids("house"))
+        with torch.no_grad():
+            vectors.append(torch.stack(model(**encoded, output_hidden_states=True).hidden_states)[:, 0, index])
+    expected = torch.cosine_similarity(vectors[0], vectors[1], dim=-1)
+    np.testing.assert_allclose([row["raw"]["self_similarity"] for row in report["layers"]], expected.numpy(), atol=1e-5)
+
+
+def test_self_similarity_of_contexts_drawn_past_the_truncation_says_why_its_table_is_empty(tmp_path, bert_tok, capfd):
+    """Contexts drawn without the encoder's reading (word_contexts without `visible`, as a library user may) and all
+    cut at --max_length 4 leave no word with 2 contexts: the table is '-', and the warning says why."""
+    from analyses.geometry import Baseline, self_similarity
+    from analyses.reference import Setting
+    from lightning_modules.encoder import load_encoder
+    from metrics.transforms import RAW
+
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "bert", "bert", bert_tok), device="cpu")
+    contexts = word_contexts(["one two three four five house", "six seven eight nine ten house"], 1, 2)
+    layers = [{"layer": layer, RAW.key: 0.0} for layer in range(encoder.num_hidden_states)]
+    report = self_similarity(Setting(encoder, max_length=4, progress=False), contexts, [RAW],
+                             Baseline({"num_pairs": 1, "num_sentences": 2, "layers": layers}, "none"))
+    assert report["words"] == ["house"] and report["num_words"] == 0 and report["contexts_lost_to_truncation"] == 2
+    assert all(row[RAW.key]["self_similarity"] is None for row in report["layers"])
+    assert report["self_similarity_warning"] == ("self-similarity not computed ('-'): no word of the 1 sampled kept 2 "
+                                                 "of its contexts (2 contexts lost to truncation: a larger --max_length "
+                                                 "keeps them)")
+
+
+def test_self_similarity_refuses_words_that_truncation_cuts_from_every_context(tmp_path, bert_tok, capfd):
+    # "house" is the one word in 2 sentences, 6 words in: --max_length 4 cuts it from both (so it is in none where the
+    # encoder reads it: one line, exit 2, nothing written), 32 keeps it
     data = tmp_path / "late.txt"
     data.write_text("one two three four five house\nsix seven eight nine ten house\n", encoding="utf-8")
     encoder = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
-    reports = {}
-    for length in (4, 32):
-        out = tmp_path / f"out{length}"
-        assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "1",
-                             "--min_sentences", "2", "--max_length", str(length), "--no_progress",
-                             "--output_dir", str(out)]) == 0
-        reports[length] = json.loads((out / "self_similarity.json").read_text())
-    kept, cut = reports[32], reports[4]
-    assert kept["words"] == cut["words"] == ["house"] and kept["num_words"] == 1 and "self_similarity_warning" not in kept
+    out = tmp_path / "out32"
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "1",
+                         "--min_sentences", "2", "--max_length", "32", "--no_progress", "--output_dir", str(out)]) == 0
+    kept = json.loads((out / "self_similarity.json").read_text())
+    assert kept["words"] == ["house"] and kept["num_words"] == 1 and "self_similarity_warning" not in kept
     assert all(row["raw"]["self_similarity"] is not None for row in kept["layers"])
-    assert cut["num_words"] == 0 and cut["contexts_lost_to_truncation"] == 2
-    assert all(row["raw"]["self_similarity"] is None for row in cut["layers"])
-    assert cut["self_similarity_warning"] == ("self-similarity not computed ('-'): no word of the 1 sampled kept 2 of "
-                                              "its contexts (2 contexts lost to truncation: a larger --max_length "
-                                              "keeps them)")
-    assert cut["self_similarity_warning"] in capfd.readouterr().err
+    capfd.readouterr()
+    assert analyze.main(["self-similarity", "--encoder", str(encoder), "--data", str(data), "--num_words", "1",
+                         "--min_sentences", "2", "--max_length", "4", "--no_progress",
+                         "--output_dir", str(tmp_path / "out4")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["analyze.py self-similarity: error: only 0 words occur in at least 2 of the 2 sentences where the "
+                   "encoder reads them (2 sentences were truncated at --max_length, and the words past the cut have "
+                   "no vector); self-similarity needs 1 (fewer words: --num_words, fewer contexts per word: "
+                   "--min_sentences, a larger --max_length, or more sentences: a larger source)"]
+    assert not (tmp_path / "out4").exists()
 
 
 def test_isotropy_counts_its_truncated_sentences_as_anisotropy_does(tmp_path, bert_tok, capfd):

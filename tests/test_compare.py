@@ -196,3 +196,24 @@ def test_columns_stay_aligned_when_a_layer_has_many_outlier_dims(tmp_path, capsy
                 found[4] == "-" and not row["outlier_dims"])
             assert more == (f"(+{len(row['outlier_dims']) - 4})" if len(row["outlier_dims"]) > 4 else "")
     assert cells["wide #1"][2].endswith(",…(+4)")  # 8 dims: the first four shown, and how many more
+
+
+def test_reports_of_different_rules_are_compared_with_a_warning_that_names_each_rule(reports, tmp_path, capsys):
+    """Outlier dims found with --min_share 0.08 beside dims found with 0.2 (or with special tokens excluded) differ by
+    the rule as well as the model: one warning line names each report's rule; reports of one rule get none."""
+    made, paths = reports
+    rules = {"a": ({"min_share": 0.2, "sigma": None}, "included"), "b": ({"min_share": 0.08, "sigma": None}, "included"),
+             "c": ({"min_share": 0.2, "sigma": None}, "included"), "d": ({"min_share": 0.2, "sigma": 3.0}, "excluded")}
+    for name, (rule, special) in rules.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({**made["tiny-pe"], "rule": rule, "special_tokens": special}))
+    assert analyze.main(["compare", f"a={paths['a']}", f"c={paths['c']}"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert analyze.main(["compare", f"a={paths['a']}", f"b={paths['b']}", f"d={paths['d']}",
+                         str(paths["nope"])]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "warning: the reports' outlier dims come from different rules (a: --min_share 0.2, special tokens included; "
+        "b: --min_share 0.08, special tokens included; d: --min_share 0.2, --sigma 3.0, special tokens excluded; "
+        "tiny-nope: not recorded): they differ by the rule, not only the model"]
+    assert "warning" not in captured.out

@@ -1393,6 +1393,7 @@ ERROR_ROW_TESTS = {
         "test_analyze_eval_inputs.py::test_bad_inputs_give_one_line_and_write_nothing",
         "test_analyze_eval_inputs.py::test_too_few_words_are_refused_before_the_encoders_weights_are_read",
         "test_analyze_eval_inputs.py::test_a_repeated_sentence_is_one_context_of_its_words",
+        "test_analyze_eval_inputs.py::test_self_similarity_refuses_words_that_truncation_cuts_from_every_context",
     ],
     ("analyze.py", "self-similarity: a source that changes between its streamed passes (`--max_sentences 0` / "
                    "`--pool_sentences 0`)"): [
