@@ -117,11 +117,17 @@ def not_found(source: str | os.PathLike, what: str) -> UserError:
 def short_name(source: str) -> str:
     """A readable name for a model path: its last component that is not a generic folder name; for a snapshot of the
     hub's cache (`.../models--org--name/snapshots/<commit>`), the repository's name; for a hub id at a revision,
-    `name@revision` (a commit hash shortened to its first 7 characters)."""
+    `name@revision` (a commit hash shortened to its first 7 characters); for a checkpoint file, its run's name and the
+    file's ("tiny/last.ckpt"); for "." or "..", that folder's name."""
     name, revision = split_revision(source)
     if revision is not None:
         return f"{short_name(name)}@{revision[:7] if re.fullmatch('[0-9a-f]{40}', revision) else revision}"
-    parts = Path(str(source)).parts
+    path = Path(str(source))
+    if path.name in ("", ".", ".."):  # "." or "..": the folder's own name
+        path = path.resolve()
+    if path.suffix == ".ckpt":  # a run's checkpoint: the run's name and the file's ("tiny/last.ckpt")
+        return f"{short_name(str(path.parent))}/{path.name}"
+    parts = path.parts
     for index in range(len(parts) - 2, 0, -1):
         if parts[index] == "snapshots" and parts[index - 1].startswith("models--"):
             return parts[index - 1].split("--")[-1]

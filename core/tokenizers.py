@@ -169,7 +169,7 @@ def unknown_line(unknown: int, tokens: int | None = None, where: str = "the repo
     """What a report's num_unknown means, in one line (of `tokens` when known): every entry point says it so."""
     share = f"{unknown} of the {plural(tokens, 'token')} ({100 * unknown / tokens:.2g}%)" if tokens else \
         plural(unknown, "token")
-    return (f"{share} are the tokenizer's unknown token: text its vocabulary lacks (emoji, another script, ...), each "
+    return (f"{share} {'is' if unknown == 1 else 'are'} the tokenizer's unknown token: text its vocabulary lacks (emoji, another script, ...), each "
             f"read as the one unknown token's vector, not as what was written (counted in {where} as num_unknown)")
 
 

@@ -235,3 +235,13 @@ def test_train_fit_with_a_hub_tokenizer_and_a_datasets_corpus(offline, tmp_path)
     assert config["vocab_size"] == len(source) and config["pad_token_id"] == source.pad_token_id
     recorded = yaml.safe_load(next((tmp_path / "run").rglob("config.yaml")).read_text())["data"]  # the logger's copy
     assert (recorded["tokenizer"], recorded["corpus"]) == ("someorg/tiny-roberta", "tiny-wikitext:tiny-raw-v1:train")
+
+
+def test_a_checkpoint_is_named_by_its_run_and_a_dot_by_its_folder(tmp_path, monkeypatch):
+    """Figure titles and compare's columns: two runs' last.ckpt are told apart, and `--encoder .` is its folder."""
+    assert short_name("runs/tiny/checkpoints/last.ckpt") == "tiny/last.ckpt"
+    assert short_name(str(tmp_path / "run-a" / "checkpoints" / "epoch=0-step=5.ckpt")) == "run-a/epoch=0-step=5.ckpt"
+    assert short_name("runs/tiny/export") == "tiny"
+    (tmp_path / "my-model" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my-model")
+    assert short_name(".") == "my-model" and short_name("sub/..") == "my-model"

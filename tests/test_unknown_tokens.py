@@ -15,7 +15,7 @@ import re
 import torch
 
 import analyze
-from core.tokenizers import unknown_count, unknown_id
+from core.tokenizers import unknown_count, unknown_id, unknown_line
 from datamodules.probing import PositionDataModule
 from tests.tiny import save_tiny_encoder
 
@@ -85,3 +85,10 @@ def test_the_probes_report_counts_the_unknown_tokens_of_all_splits(bert_tok, tmp
     assert unknown == 6 * 4 and module.spec.data["num_unknown"] == unknown
     said = [str(w.message) for w in recwarn if "unknown token" in str(w.message)]
     assert len(said) == 1 and re.match(rf"{unknown} of the {tokens} tokens \(", said[0])
+
+
+def test_the_unknown_line_agrees_in_number_with_its_count():
+    assert unknown_line(1, 400).startswith("1 of the 400 tokens (0.25%) is the tokenizer's unknown token:")
+    assert unknown_line(1).startswith("1 token is the tokenizer's unknown token:")
+    assert unknown_line(3, 400).startswith("3 of the 400 tokens (0.75%) are the tokenizer's unknown token:")
+    assert unknown_line(2).startswith("2 tokens are the ")
