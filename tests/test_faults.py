@@ -1140,6 +1140,9 @@ ERROR_ROW_TESTS = {
     ("train.py", "fine-tuning: a training split smaller than the global batch"): [
         "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
     ],
+    ("train.py", "fine-tuning under DDP: fewer validation examples than processes"): [
+        "test_finetune.py::test_validation_examples_dealt_to_the_ranks_give_each_rank_one",
+    ],
     ("train.py", "fine-tuning: missing encoder"): [
         "test_finetune.py::test_fine_tuning_bad_input_is_one_line_exit_2_and_writes_nothing",
     ],
