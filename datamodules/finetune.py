@@ -11,9 +11,11 @@ is one line. Batches: {"input_ids", "attention_mask" (, "token_type_ids"), "labe
 batches are drawn as the MLM blocks are (datamodules/sampling.py: one seeded permutation per epoch, rank r taking
 every world-th example, the tail that makes no whole global batch dropped), so a global batch holds the same examples
 on any number of devices, and the data position is saved in checkpoints and restored exactly
-(datamodules/position.py). Validation and test batches are the one-process batches of --data.eval_batch_size
-consecutive examples, each read whole by one rank (rank r of w taking batches r, r + w, ...: DealtBatches), so a
-statistic of each batch is the same on any number of devices.
+(datamodules/position.py). Test batches are the one-process batches of --data.eval_batch_size consecutive examples,
+each read whole by one rank (rank r of w taking batches r, r + w, ...: DealtBatches), so a statistic of each batch is
+the same on any number of devices. Validation (Lightning's loop, whose sums over examples no batching changes) gives
+rank r every w-th example, so every rank validates: Lightning skips a rank without a batch, and the others' synced
+val/loss then waits on it (fewer validation examples than ranks are refused).
 """
 
 from __future__ import annotations
@@ -255,11 +257,16 @@ class FineTuneDataModule(pl.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def check_examples(self, world_size: int) -> None:
-        """One line when the training split makes no full global batch (the sampler drops partial ones)."""
+        """One line when the training split makes no full global batch (the sampler drops partial ones), or when the
+        validation split leaves a rank without an example (Lightning skips its validation; the others wait on it)."""
         examples = len(self.splits.texts["train"])
         if examples < self.position.global_batch(world_size):
             raise UserError(f"{examples} training examples make no full global batch of "
                             f"{self.position.global_batch(world_size)}")
+        validation = len(self.splits.texts["val"])
+        if 0 < validation < world_size:
+            raise UserError(f"{validation} validation examples for {world_size} processes: each process validates at "
+                            "least one")
 
     def train_dataloader(self) -> ResumableLoader:
         h = self.hparams
@@ -272,15 +279,16 @@ class FineTuneDataModule(pl.LightningDataModule):
         return self._loader(self.sets["train"], sampler)
 
     def val_dataloader(self) -> ResumableLoader:
-        return self._eval_loader("val")
+        """Every w-th example: each rank has a batch (whole batches dealt out would leave some ranks none)."""
+        rank, world = self._rank_world()
+        sampler = BlockSampler(len(self.sets["val"]), self.hparams.eval_batch_size, rank, world, shuffle=False)
+        return self._loader(self.sets["val"], sampler)
 
     def test_dataloader(self) -> ResumableLoader:
-        return self._eval_loader("test")
-
-    def _eval_loader(self, split: str) -> ResumableLoader:
+        """The one-process batches, dealt whole to the ranks (read by FineTuneModule.evaluate, not Lightning)."""
         rank, world = self._rank_world()
-        sampler = DealtBatches(len(self.sets[split]), self.hparams.eval_batch_size, rank, world)  # whole batches
-        return self._loader(self.sets[split], sampler)
+        sampler = DealtBatches(len(self.sets["test"]), self.hparams.eval_batch_size, rank, world)
+        return self._loader(self.sets["test"], sampler)
 
     def _loader(self, dataset, sampler) -> ResumableLoader:
         workers = self.hparams.num_workers

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 import train
+from core.errors import UserError
 from datamodules.finetune import FineTuneDataModule
 from datamodules.sampling import DealtBatches
 from lightning_modules.encoder import load_encoder
@@ -85,17 +86,17 @@ def checkpoint(root: Path) -> dict:
     return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
-def direct_test_statistics(export: Path, inputs: dict) -> tuple[float, list[float]]:
+def direct_test_statistics(export: Path, inputs: dict, size: int = 5) -> tuple[float, list[float]]:
     """(test accuracy, per-layer IsoScore*) of an export on the test split, computed here: the one-process test
-    batches (5 consecutive examples), every test token's covariance C0 (metrics.geometry.Covariance) and the mean over
-    batches of metrics.isotropy.isoscore_star of each batch's tokens shrunk with zeta 0.2 towards C0."""
+    batches (`size` consecutive examples), every test token's covariance C0 (metrics.geometry.Covariance) and the mean
+    over batches of metrics.isotropy.isoscore_star of each batch's tokens shrunk with zeta 0.2 towards C0."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     exported = AutoModelForSequenceClassification.from_pretrained(export).eval()
-    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, eval_batch_size=5)
+    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, eval_batch_size=size)
     data.attach(AutoTokenizer.from_pretrained(export))
     test = data.sets["test"]
-    batches = [test[list(range(i, min(i + 5, len(test))))] for i in range(0, len(test), 5)]
+    batches = [test[list(range(i, min(i + size, len(test))))] for i in range(0, len(test), size)]
     correct, states = 0, []
     with torch.no_grad():
         for batch in batches:
@@ -222,6 +223,51 @@ def test_two_process_ddp_gives_the_regularised_loss_of_one_process(inputs, tmp_p
         assert [row["isoscore_star"] for row in report["layers"]] == pytest.approx(stars, abs=1e-6), root.name
     assert [row["isoscore_star"] for row in reports[1]["layers"]] == \
         pytest.approx([row["isoscore_star"] for row in reports[0]["layers"]], abs=1e-5)
+
+
+def test_validation_examples_dealt_to_the_ranks_give_each_rank_one(inputs):
+    """Lightning skips the validation of a rank whose loader has no batch, and the other ranks' synced val/loss then
+    waits on it (gloo: a crash at the next step): the 8 validation examples in one batch of 8 go to 2 ranks 4 and 4,
+    every example once (their labels are the split's), and fewer validation examples than processes are refused."""
+    data = FineTuneDataModule(source=str(inputs["data"]), max_length=32, batch_size=1, eval_batch_size=8)
+    from transformers import AutoTokenizer
+
+    data.attach(AutoTokenizer.from_pretrained(inputs["encoder"]))
+    labels = data.labels["val"].tolist()
+    assert len(labels) == 8
+    read = []
+    for rank in range(2):
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        batches = list(data.val_dataloader())
+        assert [len(batch["labels"]) for batch in batches] == [4]
+        read += batches[0]["labels"].tolist()
+        assert sum(len(batch["labels"]) for batch in data.test_dataloader()) == [8, 0][rank]  # one whole test batch
+    assert sorted(read) == sorted(labels)
+    data.trainer = None
+    data.check_examples(8)
+    with pytest.raises(UserError, match=r"^8 validation examples for 9 processes: each process validates at least "
+                                        r"one$"):
+        data.check_examples(9)
+
+
+@pytest.mark.slow
+def test_two_processes_with_one_validation_and_one_test_batch_give_the_one_process_statistics(inputs, tmp_path):
+    """2 processes, --data.eval_batch_size 8: one validation batch (8 examples) and one test batch between them. The
+    run validates on both ranks (a rank left without a validation batch crashed the run at the next step), and
+    finetune.json's test accuracy and IsoScore* are the direct computation on its export (rank 1 reads no test
+    batch)."""
+    root = tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"),
+                             *ft_args(root, inputs, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+                                      "--data.batch_size", "4", "--data.eval_batch_size", "8", "--trainer.devices",
+                                      "2", "--trainer.strategy", "ddp")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((root / "finetune.json").read_text())
+    accuracy, stars = direct_test_statistics(root / "export", inputs, size=8)
+    assert report["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert [row["isoscore_star"] for row in report["layers"]] == pytest.approx(stars, abs=1e-6)
 
 
 @pytest.mark.parametrize("items, size", [(8, 5), (23, 4), (3, 5), (0, 5)])

@@ -755,17 +755,21 @@ def test_each_layer_is_tested_with_its_weights_of_the_best_validation_epoch(tmp_
     assert [row["best_epoch"] for row in report["layers"]] == best[:LAYERS + 1].tolist()  # the encoder's layers
 
 
+class Massive(Planted):
+    """Planted with every hidden state's dim 0 at 1e5, past float16's largest value (a large model's massive
+    activation)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        for hidden in out.hidden_states:
+            hidden[..., 0] = 1e5
+        return out
+
+
 def test_features_past_float16s_range_are_refused_not_cached_as_inf(tmp_path, bert_tok):
     """A hidden state past 65504 (a large model's massive activation) held in float16 would be inf in the cache, and
     every probe reading it nan (accuracy at chance, nan contributions), silently: one line naming the budget that
     keeps float32; within float32's budget the same features train as usual."""
-    class Massive(Planted):
-        def forward(self, *args, **kwargs):
-            out = super().forward(*args, **kwargs)
-            for hidden in out.hidden_states:
-                hidden[..., 0] = 1e5  # past float16's largest value
-            return out
-
     data = write_lines(tmp_path / "s.txt", corpus_sentences(30, start=500))
     encoder = FrozenEncoder(Massive(len(bert_tok), "position"), bert_tok, name="massive")
     common = dict(source=str(data), encoder=encoder, max_length=8, max_positions=8, batch_size=8,
