@@ -112,14 +112,19 @@ def open_encoder(args, masked_lm: bool = False, tokenizer=None) -> FrozenEncoder
 def readable(encoder: FrozenEncoder, max_length: int | None) -> Callable[[list[str]], list[int]]:
     """Given sentences, the leading characters of each that `encoder` reads: all of a sentence, or where its tokens
     end once truncated to `max_length` (FrozenEncoder.tokenize's `covered`). The self-similarity draws a word's
-    contexts there (datamodules.words.WordSample.contexts): an occurrence past the cut has no vector. A sentence of
-    fewer UTF-8 bytes than the tokens left beside the special tokens is read whole untokenised: a token holds a byte at
-    least (a character of WordPiece, a byte of a byte-level BPE), and a SentencePiece adds one '▁' before the text."""
+    contexts there (datamodules.words.WordSample.contexts): an occurrence past the cut has no vector. A sentence whose
+    text, as the tokenizer's normalizer writes it, has fewer UTF-8 bytes than the tokens left beside the special
+    tokens is read whole untokenised: a token holds a byte of that text at least (a character of WordPiece, a byte of
+    a byte-level BPE), and a SentencePiece adds one '▁' before it. The normalized text, not the sentence: NFKC (XLM-R's,
+    ALBERT's) writes '½' (2 bytes) as '1⁄2', three tokens."""
     room = encoder.check_max_length(max_length) - encoder.tokenizer.num_special_tokens_to_add(pair=False) - 1
+    normalizer = getattr(getattr(encoder.tokenizer, "backend_tokenizer", None), "normalizer", None)
+    normalized = normalizer.normalize_str if normalizer is not None else str
 
     def visible(sentences: list[str]) -> list[int]:
         covered = [len(sentence) for sentence in sentences]
-        long = [i for i, sentence in enumerate(sentences) if len(sentence.encode("utf-8")) > room]
+        long = [i for i, sentence in enumerate(sentences)
+                if len(sentence.encode("utf-8")) > room or len(normalized(sentence).encode("utf-8")) > room]
         if long:
             cut = encoder.tokenize([sentences[i] for i in long], max_length, offsets=True)[0]["covered"]
             for i, characters in zip(long, cut, strict=True):

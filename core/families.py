@@ -188,13 +188,14 @@ def check_position_type(config, name: str) -> None:
     """One line for a config whose `position_embedding_type` the installed transformers' model of its type never reads:
     a BERT-family checkpoint trained with transformers 4's relative positions ("relative_key", "relative_key_query";
     transformers 5 removed them from BERT, RoBERTa, ELECTRA, ...) loads without complaint, drops its trained distance
-    embeddings and adds its absolute table, which transformers 4 built and never used (untrained). ESM's "rotary" is
-    read by its model and passes, and so does "absolute" anywhere."""
+    embeddings and adds its absolute table, which transformers 4 built and never used (untrained). A model that reads
+    the key passes with whatever value it gives it (ESM's "rotary"; Granite 4.0-H's "nope", which its model reads as
+    "not rope": the value need not be written in its source), and so does "absolute" anywhere."""
     kind = getattr(config, "position_embedding_type", None)
     if not isinstance(kind, str) or kind == "absolute":
         return
     source = _modeling_source(config.model_type)
-    if source is None or f'"{kind}"' in source or f"'{kind}'" in source:
+    if source is None or "position_embedding_type" in source:
         return
     import transformers
 

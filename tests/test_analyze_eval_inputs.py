@@ -523,6 +523,38 @@ def test_readable_tokenises_only_what_may_be_cut_and_equals_the_encoders_reading
         assert readable(encoder, max_length)(texts) == expected
 
 
+def test_readable_measures_the_text_a_normalizing_tokenizer_reads(tmp_path):
+    """A SentencePiece Unigram with NFKC (as XLM-R's and ALBERT's) writes '½' (2 bytes) as '1⁄2', three tokens: "½½½ a"
+    (8 bytes) is 12 tokens with [CLS] and [SEP], cut at 11 before 'a'. analyses.session.readable measures the text as
+    normalized, so it equals FrozenEncoder.tokenize's own `covered` (the raw bytes said the 11 tokens read it whole)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from analyses.session import readable
+    from lightning_modules.encoder import load_encoder
+
+    pieces = [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,⁄"]
+    vocab = [(token, 0.0) for token in ("<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]")] + [("\u2581", -1.0)]
+    vocab += [(piece, -2.0) for piece in pieces] + [("\u2581" + piece, -2.0) for piece in pieces]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=1, byte_fallback=False))
+    backend.normalizer, backend.pre_tokenizer = normalizers.NFKC(), pre_tokenizers.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                           special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", model_max_length=64)
+    encoder = load_encoder(save_tiny_encoder(tmp_path / "unigram", "bert", tokenizer), device="cpu")
+    ids = tokenizer("½½½ a")["input_ids"]
+    assert len(ids) == 12 and len("½½½ a".encode()) == 8  # 3 x (▁1 ⁄ 2) ▁a, beside [CLS] [SEP]
+    assert max(end for _, end in tokenizer("½½½ a", truncation=True, max_length=11,
+                                           return_offsets_mapping=True)["offset_mapping"]) == 3  # 'a' is cut
+    text = "½½½ a ﷽ b ½ c ﬃ d"
+    texts = [text[:n].strip() or "x" for n in range(1, len(text) + 1)]
+    for max_length in (8, 11, 16, 24):
+        expected = encoder.tokenize(texts, max_length, offsets=True)[0]["covered"]
+        assert readable(encoder, max_length)(texts) == expected
+    assert readable(encoder, 11)(["½½½ a"]) == [3]
+
+
 def test_self_similarity_draws_no_context_past_the_truncation(tmp_path, bert_tok):
     """analyze.py self-similarity draws each word's contexts among the occurrences its encoder reads at --max_length:
     'house' is in 2 short lines and 12 long ones, past the 16 tokens of the cut in each. Expected from the tokenizer

@@ -434,3 +434,27 @@ def test_a_bert_with_transformers_4_relative_key_positions_is_one_line(roberta_t
     error = capsys.readouterr().err
     assert "its config asks for position_embedding_type 'relative_key'" in error and len(error.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_position_type_its_model_reads_passes_whatever_its_value():
+    """Granite 4.0-H checkpoints (granitemoehybrid) ship position_embedding_type "nope": their model reads the key
+    ("rope" builds the rotary embedding, anything else none), though "nope" is written nowhere in its source. It is
+    no transformers 4 relative type dropped silently and loads: the model it builds is the one of None (no rotary
+    embedding), as transformers' own code decides. BERT's relative_key, a key BertModel never reads, stays refused."""
+    import transformers as tf
+
+    from core.errors import UserError
+    from core.families import check_position_type
+
+    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, layer_types=["attention", "attention"], num_local_experts=0,
+                shared_intermediate_size=16, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1)
+    nope = tf.GraniteMoeHybridConfig(**tiny, position_embedding_type="nope")
+    check_position_type(nope, "granite-4.0-h")
+    built = {kind: tf.GraniteMoeHybridModel(tf.GraniteMoeHybridConfig(**tiny, position_embedding_type=kind)).rotary_emb
+             for kind in ("nope", None, "rope")}
+    assert built["nope"] is None and built[None] is None and built["rope"] is not None
+    with pytest.raises(UserError, match="position_embedding_type 'relative_key_query'"):
+        check_position_type(tf.BertConfig(position_embedding_type="relative_key_query"), "bert")
+    check_position_type(tf.BertConfig(position_embedding_type="absolute"), "bert")
+    check_position_type(tf.EsmConfig(vocab_size=33, position_embedding_type="rotary"), "esm")
