@@ -15,6 +15,7 @@ STS baseline of §4.3).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import re
@@ -96,7 +97,8 @@ def sample_words(sentences: list[str] | Callable[[], Iterable[str]], num_words: 
     streamed passes: count the sentences each word occurs in, here; in `contexts`, find the sentences truncation cuts
     and, when there are some, count again where the words are read; keep a seeded uniform sample of RESERVOIR x
     `min_sentences` occurrences of each sampled word, and fetch the sentences finally drawn). Memory is the
-    vocabulary's counts plus num_words x RESERVOIR x min_sentences occurrences, and 9 bytes a sentence.
+    vocabulary's counts plus num_words x RESERVOIR x min_sentences occurrences, 9 bytes a sentence, and 12 bytes a
+    sentence the encoder truncates (`Cuts`).
 
     A sentence that repeats an earlier one (a boilerplate line, a corpus concatenated twice) is one context, not
     several: its words count once, and only its first copy can be drawn (a pass more, only when there are repeats).
@@ -199,7 +201,7 @@ class WordSample:
         words are counted again where they are read (a pass more) and drawn among those that still qualify.
         `progress`: a bar over the sentences `visible` reads."""
         fold = str.lower if self.lowercase else str
-        cut = {} if visible is None else truncated(self.passes(), visible, progress)  # {sentence: characters read}
+        cut = Cuts() if visible is None else truncated(self.passes(), visible, progress)  # sentence -> characters read
         sample = self
         if cut:
             sample = replace(self, candidates=self.qualifying(word_counts(
@@ -207,8 +209,8 @@ class WordSample:
                  if self.repeats is None or not self.repeats[index]), self.specials, fold), len(cut)))
         return sample.draw(cut)
 
-    def draw(self, cut: dict[int, int]) -> WordContexts:
-        """Each word's contexts among its occurrences before the `cut` ({sentence index: characters read})."""
+    def draw(self, cut: Cuts) -> WordContexts:
+        """Each word's contexts among its occurrences before the `cut` (sentence index -> characters read)."""
         rng = random.Random(self.seed)
         words, min_sentences, fold = rng.sample(self.candidates, self.num_words), self.min_sentences, \
             str.lower if self.lowercase else str
@@ -255,17 +257,38 @@ class WordSample:
 LIMIT_CHUNK = 256  # sentences `visible` is asked about at once
 
 
-def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False) -> dict[int, int]:
-    """{index: the characters of it the encoder reads} of each sentence it does not read whole, `visible` asked a
-    chunk at a time (`progress`: a bar, the sentences counted: a whole source is tokenised)."""
+class Cuts:
+    """The characters the encoder reads of each sentence it does not read whole, by sentence index (added in rising
+    order): two arrays, 12 bytes a cut sentence where a dict spends ~100 (a streamed source of long paragraphs)."""
+
+    def __init__(self) -> None:
+        self.index, self.limit = array("q"), array("i")
+
+    def add(self, index: int, limit: int) -> None:
+        if self.index and index <= self.index[-1]:
+            raise ValueError(f"sentence {index} added after sentence {self.index[-1]}")
+        self.index.append(index)
+        self.limit.append(limit)
+
+    def get(self, index: int, default: int | None = None) -> int | None:
+        at = bisect.bisect_left(self.index, index)
+        return self.limit[at] if at < len(self.index) and self.index[at] == index else default
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False) -> Cuts:
+    """The characters the encoder reads of each sentence it does not read whole (`Cuts`), `visible` asked a chunk at
+    a time (`progress`: a bar, the sentences counted: a whole source is tokenised)."""
     from tqdm.auto import tqdm
 
-    cut, start, iterator = {}, 0, iter(sentences)
+    cut, start, iterator = Cuts(), 0, iter(sentences)
     with tqdm(unit="sent", desc="sentences the encoder reads", disable=not progress, leave=False) as bar:
         while chunk := list(itertools.islice(iterator, LIMIT_CHUNK)):
             for index, (sentence, limit) in enumerate(zip(chunk, visible(chunk), strict=True), start):
                 if limit < len(sentence):
-                    cut[index] = limit
+                    cut.add(index, limit)
             start += len(chunk)
             bar.update(len(chunk))
     return cut

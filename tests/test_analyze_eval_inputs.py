@@ -23,7 +23,7 @@ import analyze
 from analyses import semantic
 from core.errors import UserError
 from datamodules.pairs import read_sts, read_wic, target_problem, wic_source
-from datamodules.words import WORD, read_static_vectors, source_contexts, word_contexts
+from datamodules.words import WORD, Cuts, read_static_vectors, source_contexts, truncated, word_contexts
 from tests.test_analyze_eval import STS, WIC, fitted
 from tests.tiny import corpus_sentences, free_port, reports_close, save_tiny_encoder
 
@@ -877,3 +877,19 @@ def test_self_similarity_words_keep_their_case_unless_the_tokenizer_lowercases(k
     texts = sorted(contexts.sentences[i][s:e] for i, row in enumerate(contexts.spans) for w, s, e in row
                    if contexts.words[w] == word)
     assert len(texts) == 2 and (texts == ["The", "The"] if kind == "roberta" else {t.lower() for t in texts} == {"the"})
+
+
+def test_cuts_are_the_truncated_sentences_limits_in_twelve_bytes_each():
+    """`truncated` keeps, for a streamed source, only the sentences the encoder cuts: the same mapping a dict by hand
+    gives, looked up by index, at 12 bytes a cut sentence (not a dict entry's ~100)."""
+    sentences = [f"sentence {i} " + "x" * (i % 7) for i in range(2000)]
+    visible = lambda chunk: [min(len(s), 13) for s in chunk]  # noqa: E731  (the encoder reads 13 characters)
+    cuts = truncated(iter(sentences), visible)
+    by_hand = {i: 13 for i, s in enumerate(sentences) if len(s) > 13}
+    assert len(cuts) == len(by_hand) > 0
+    assert all(cuts.get(i) == by_hand.get(i) for i in range(len(sentences))) and cuts.get(5000, 7) == 7
+    assert cuts.index.itemsize + cuts.limit.itemsize == 12
+    broken = Cuts()
+    broken.add(3, 1)
+    with pytest.raises(ValueError, match="sentence 2 added after sentence 3"):
+        broken.add(2, 1)
