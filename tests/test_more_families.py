@@ -280,7 +280,6 @@ def test_albert_with_inner_layers_is_refused_by_the_hooks_and_the_analyses(rober
     num_hidden_layers) refuse it at load, with nothing written."""
     import transformers as tf
 
-    import analyze
     from core.errors import UserError
 
     torch.manual_seed(0)
@@ -298,12 +297,7 @@ def test_albert_with_inner_layers_is_refused_by_the_hooks_and_the_analyses(rober
     path = save_planted(model, roberta_tok, tmp_path / "albert")
     with pytest.raises(UserError, match="inner_group_num=2"):
         load_encoder(str(path), device="cpu")
-    data = tmp_path / "s.txt"
-    data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
-    capsys.readouterr()
-    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
-                         "--output_dir", str(tmp_path / "out")]) == 2
-    assert "inner_group_num=2" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert "inner_group_num=2" in outliers_refusal(path, tmp_path, capsys)
 
 
 def test_windowed_attention_has_no_sinks_to_read_and_the_report_says_so(roberta_tok, tmp_path):
@@ -402,7 +396,6 @@ def test_a_bert_with_transformers_4_relative_key_positions_is_one_line(roberta_t
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
-    import analyze
     from core.errors import UserError
 
     config = tf.BertConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
@@ -426,14 +419,21 @@ def test_a_bert_with_transformers_4_relative_key_positions_is_one_line(roberta_t
     with pytest.raises(UserError, match="position_embedding_type 'relative_key', which transformers .*'bert' model "
                                         "does not implement"):
         load_encoder(str(path), device="cpu")
+    error = outliers_refusal(path, tmp_path, capsys)
+    assert "its config asks for position_embedding_type 'relative_key'" in error and len(error.splitlines()) == 1
+
+
+def outliers_refusal(encoder, tmp_path, capsys) -> str:
+    """`analyze.py outliers` on `encoder`: exit 2 and nothing written; what it printed to stderr."""
+    import analyze
+
     data = tmp_path / "s.txt"
     data.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     capsys.readouterr()
-    assert analyze.main(["outliers", "--no_progress", "--encoder", str(path), "--data", str(data),
+    assert analyze.main(["outliers", "--no_progress", "--encoder", str(encoder), "--data", str(data),
                          "--output_dir", str(tmp_path / "out")]) == 2
-    error = capsys.readouterr().err
-    assert "its config asks for position_embedding_type 'relative_key'" in error and len(error.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+    return capsys.readouterr().err
 
 
 def test_a_position_type_its_model_reads_passes_whatever_its_value():
