@@ -56,10 +56,11 @@ _answered: dict[str, bool] = {}  # the hub's reachability, asked once per proces
 
 def split_revision(source: str | os.PathLike) -> tuple[str, str | None]:
     """(`org/name`, `REVISION`) of a hub id pinned to a revision, `org/name@REVISION` (a branch, a tag, a commit hash:
-    the first '@' splits, as a hub id holds none); (the text, None) when it holds no '@' or is a path that exists (a
-    local path wins: a directory `runs/x@2` is that directory, never `runs/x` at revision 2)."""
+    the first '@' splits, as a hub id holds none); (the text, None) when it holds no '@', is a path that exists (a
+    local path wins: a directory `runs/x@2` is that directory, never `runs/x` at revision 2) or ends in a file suffix
+    this project reads (`model@v1.ckpt` is a file, found or not, never `model` at revision `v1.ckpt`)."""
     text = os.fspath(source)
-    if "@" not in text or Path(text).expanduser().exists():
+    if "@" not in text or Path(text).expanduser().exists() or Path(text).suffix.lower() in LOCAL_SUFFIXES:
         return text, None
     name, revision = text.split("@", 1)
     return name, revision

@@ -145,7 +145,8 @@ def test_a_revision_on_a_local_path_or_an_empty_one_is_one_line_exit_2_and_nothi
                             "(a directory holds one version): pass it without '@v1'",
              f"{REPO}@": f"encoder '{REPO}@': nothing after '@': a hub id is pinned as org/name@REVISION",
              f"@{first}": f"encoder '@{first}': nothing before '@'",
-             "./missing@v1": "encoder path not found: ./missing@v1"}
+             "./missing@v1": "encoder path not found: ./missing@v1",
+             "missing@v1.ckpt": "encoder path not found: missing@v1.ckpt"}  # a file's name, never a hub id
     for case, (source, message) in enumerate(cases.items()):
         assert analyze.main(["outliers", "--encoder", source, "--output_dir", f"out{case}"]) == 2, source
         lines = capsys.readouterr().err.strip().splitlines()
