@@ -214,7 +214,7 @@ def report(name: str, alternator: Alternator, margin: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
     parser.add_argument("--quick", action="store_true", help="small model and corpus, windows of 20 steps (tests)")
     parser.add_argument("--smoke", action="store_true", help="smallest: windows of 4 steps, 2 rounds (tests)")

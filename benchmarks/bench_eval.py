@@ -114,7 +114,7 @@ def peak(argv: list[str], encoder: str, output: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="anisotropy only, smallest sizes (tests)")
     parser.add_argument("--only", default=None, help="one evaluation (anisotropy, isotropy, self_similarity, wic, sts)")
@@ -123,6 +123,8 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     if args.child:
         return child([a for a in rest if a != "--"])
+    if rest:  # only a child takes the analyze.py arguments after its --child
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from lightning_modules.encoder import default_encoder
 
     encoder = args.encoder or default_encoder()

@@ -44,7 +44,7 @@ def timed(argv: list[str]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="500 sentences")
     parser.add_argument("--smoke", action="store_true", help="20 sentences (tests)")
     parser.add_argument("--sentences", type=int, default=None, help="sentences of the bundled corpus (default 2000)")

@@ -116,7 +116,7 @@ def measure_time(encoder_path: str, num_batches: int, max_length: int, batch_siz
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
     parser.add_argument("--encoder", default=None)

@@ -197,7 +197,7 @@ def base_architecture(tokenizer_source) -> FrozenEncoder:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="200 sentences, the default encoder only")
     parser.add_argument("--smoke", action="store_true", help="40 sentences, the default encoder only (tests)")
     parser.add_argument("--encoder", default=None, help="default: the packaged MiniLM")

@@ -119,7 +119,7 @@ def encoder_pass_seconds(texts: list[str], tokenizer, sample: int) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="70k tokens")
     parser.add_argument("--smoke", action="store_true", help="7k tokens, seconds (tests)")
     parser.add_argument("--tokens", type=int, default=None, help="default 700000 (SST-2's size)")

@@ -188,7 +188,7 @@ def rotated_rounds(arms: tuple[str, ...], extra_args, args) -> tuple[dict, dict,
 def step_timing_options(description: str, rounds: int, steps_help: str, quick_rounds: int):
     """The paired step-time benchmarks' options (this script's and bench_attention's), parsed and applied: quieter
     Lightning, --quick / --smoke sizes, the thread count."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--smoke", action="store_true", help="smallest models, 2 timed steps (tests/test_bench.py)")
     parser.add_argument("--rounds", type=int, default=rounds)

@@ -34,7 +34,7 @@ SIZES = {"full": (16, 512), "quick": (8, 512), "smoke": (4, 64)}  # texts, token
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--quick", action="store_true")
     sizes.add_argument("--smoke", action="store_true")

@@ -76,7 +76,7 @@ def largest_difference(a, b) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--quick", action="store_true")
     sizes.add_argument("--smoke", action="store_true")

@@ -63,7 +63,7 @@ def tokens_per_second(corpus: Path, tokenizer, block_length: int, batch_size: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2, help="N, compared with 1")
     parser.add_argument("--block_length", type=int, default=512)
     parser.add_argument("--batch_size", type=int, default=32)

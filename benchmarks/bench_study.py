@@ -84,7 +84,7 @@ def cpu_seconds(work) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
     args = parser.parse_args()

@@ -185,7 +185,7 @@ def run_hf_trainer(config: dict, cache: Path, root: Path, warmup: int, steps: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "tiny.yaml"))
     parser.add_argument("--quick", action="store_true", help="small model and corpus, one round")
     parser.add_argument("--smoke", action="store_true", help="smallest model and corpus, two timed steps (tests)")

@@ -76,7 +76,7 @@ def peak(encoders: list[Path], data: Path, output: Path, sentences: int) -> floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
     args = parser.parse_args()

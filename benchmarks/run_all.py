@@ -58,7 +58,7 @@ def mode_flags(script: Path, mode: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--quick", action="store_true", help="reduced sizes")
     sizes.add_argument("--smoke", action="store_true", help="smallest sizes, to check the scripts run (tests)")

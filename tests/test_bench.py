@@ -229,3 +229,17 @@ def test_the_gpu_lines_code_path_on_cpu_with_cuda_stubbed(monkeypatch, capsys):
         assert tokens > 0
         assert metrics[f"fast_seq128_{kind}_eager_mfu"] == pytest.approx(tokens * flops / 1e6, rel=1e-3)
     assert metrics["fast_seq128_production_eager_sync_warnings"] == 0
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in (ROOT / "benchmarks").glob("*.py")
+                                          if "\ndef main(" in path.read_text(encoding="utf-8")))
+def test_every_benchmark_refuses_an_abbreviated_option(script, monkeypatch, capsys):
+    """`--hel` is no `--help` (argparse's allow_abbrev): exit 2 naming it, as the entry points refuse `--enc`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [script, "--hel"])
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    assert stopped.value.code == 2 and "unrecognized arguments: --hel" in capsys.readouterr().err
