@@ -4,8 +4,11 @@ step on a GPU (docs/benchmarks.md, benchmarks/gpu_arms.py).
 
     install_sdpa(model)     # every RoFormerSelfAttention of `model` now attends through SDPA (same weights, same math)
 
-The queries and keys are rotated by RoFormer's own `apply_rotary_position_embeddings` (the values too with
-`rotary_value`), then attend through SDPA with the mask RoFormerModel made, and dropout on the attention
+The queries and keys are rotated as RoFormer's `apply_rotary_position_embeddings` rotates them (the values too with
+`rotary_value`), in three kernels a tensor and in the queries' dtype (bf16 under autocast, as Llama's and ModernBERT's
+rotary embeddings are applied): transformers' version builds the interleaved sines and cosines in every layer and,
+under autocast, promotes the rotated [batch, heads, T, d] tensors to float32, some 20 kernels a layer that took a
+quarter of the rotary arms' eager GPU step (docs/benchmarks.md). Then they attend through SDPA with the mask RoFormerModel made, and dropout on the attention
 probabilities in training, as eager does. Eagerly a bidirectional batch without padding has no mask (the flash
 kernel); traced by torch.compile, transformers' mask helpers cannot look at the mask's values and materialise it (an
 all-True mask: the memory-efficient kernel instead). Asked
@@ -16,13 +19,28 @@ transformers loads the export with its eager attention and gives the same hidden
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from transformers.models.roformer.modeling_roformer import RoFormerSelfAttention
 
 
 class SdpaRoFormerSelfAttention(RoFormerSelfAttention):
     """RoFormerSelfAttention whose plain self-attention runs through scaled_dot_product_attention."""
+
+    @staticmethod
+    def apply_rotary_position_embeddings(sinusoidal_pos: Tensor, query_layer: Tensor, key_layer: Tensor,
+                                         value_layer: Tensor | None = None) -> tuple[Tensor, ...]:
+        """RoFormer's rotation (its signature and result): the pair (x_2i, x_2i+1) at position p turned by the angle
+        p 10000^(-2i/d), `sinusoidal_pos` [..., T, d] holding the sines then the cosines; as x cos + swap(x) sin with
+        swap(x) = (x_1, x_0, x_3, x_2, ...) and the sines signed (-s_0, s_0, -s_1, s_1, ...)."""
+        sin, cos = sinusoidal_pos.to(query_layer.dtype).chunk(2, dim=-1)
+        cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+        def turned(x: Tensor) -> Tensor:
+            return torch.addcmul(x * cos, x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin)
+
+        return tuple(turned(x) for x in (query_layer, key_layer, value_layer) if x is not None)
 
     def forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None, cache=None,
                 output_attentions=False, **kwargs):
@@ -34,10 +52,9 @@ class SdpaRoFormerSelfAttention(RoFormerSelfAttention):
         query, key, value = (projection(hidden_states).view(shape).transpose(1, 2)
                              for projection in (self.query, self.key, self.value))
         if sinusoidal_pos is not None:
-            if self.rotary_value:
-                query, key, value = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key, value)
-            else:
-                query, key = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key)
+            query, key, *rest = self.apply_rotary_position_embeddings(sinusoidal_pos, query, key,
+                                                                       value if self.rotary_value else None)
+            value = rest[0] if rest else value
         mask = attention_mask.to(query.dtype) if attention_mask is not None and attention_mask.is_floating_point() \
             else attention_mask
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,

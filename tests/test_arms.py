@@ -300,6 +300,38 @@ def test_the_rotary_arms_sdpa_attention_equals_rope_by_hand_and_roformers_eager_
         torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-5, atol=1e-5)
 
 
+def test_the_rotary_arms_rotation_is_roformers_and_rope_by_hand_with_its_gradients():
+    """lightning_modules/rotary.py's rotation (three kernels a tensor, in the inputs' dtype) against transformers'
+    `apply_rotary_position_embeddings` and RoPE by hand: queries, keys and values, forward and backward; in bfloat16,
+    within bfloat16's rounding of the float32 result."""
+    from transformers.models.roformer.modeling_roformer import (
+        RoFormerSelfAttention,
+        RoFormerSinusoidalPositionalEmbedding,
+    )
+
+    from lightning_modules.rotary import SdpaRoFormerSelfAttention
+
+    table = RoFormerSinusoidalPositionalEmbedding(40, 16)
+    table.weight.data = table.create_weight()
+    sinusoids = table((3, 40))[None, None]  # [1, 1, seq, d]
+    q, k, v = (torch.randn(3, 40, 2, 16).transpose(1, 2).requires_grad_() for _ in range(3))  # [batch, heads, seq, d]
+    ours = SdpaRoFormerSelfAttention.apply_rotary_position_embeddings(sinusoids, q, k, v)
+    theirs = RoFormerSelfAttention.apply_rotary_position_embeddings(sinusoids, q, k, v)
+    for mine, reference, x in zip(ours, theirs, (q, k, v), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine.double(), hand_rope(x.transpose(1, 2)).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    weights = [torch.randn_like(x) for x in ours]
+    mine = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ours, weights)), (q, k, v))
+    reference = torch.autograd.grad(sum((o * w).sum() for o, w in zip(theirs, weights)), (q, k, v))
+    for a, b in zip(mine, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert len(SdpaRoFormerSelfAttention.apply_rotary_position_embeddings(sinusoids, q, k)) == 2
+    low = SdpaRoFormerSelfAttention.apply_rotary_position_embeddings(sinusoids, q.bfloat16(), k.bfloat16())
+    for half, full in zip(low, theirs[:2], strict=True):
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), full, rtol=2e-2, atol=2e-2)
+
+
 def test_the_causal_arms_predict_a_texts_end_but_never_the_blocks_closing_separator():
     from datamodules.blocks import pack_blocks
 
