@@ -30,7 +30,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         unknown = re.search(r"unrecognized arguments: (--[^\s=]+)", message)
         if unknown:
             options = _options(self)
-            close = difflib.get_close_matches(unknown.group(1), sorted(options - {unknown.group(1)}), n=1)
+            longer = sorted(option for option in options if option.startswith(unknown.group(1)))  # an abbreviation's
+            close = difflib.get_close_matches(unknown.group(1), longer or sorted(options - {unknown.group(1)}), n=1,
+                                              cutoff=0 if longer else 0.6)
             if unknown.group(1) in options:  # another subcommand's: "did you mean" itself would be no help
                 message = (f"unknown option {unknown.group(1)} for this subcommand (another subcommand takes it; "
                            f"{self.prog} <subcommand> --help lists each one's options)")

@@ -14,7 +14,6 @@ other symbol is drawn from the corpus's character bigram P(next | current) (rest
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import random
 import sys
@@ -23,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from core.arguments import OneLineArgumentParser  # noqa: E402
 
 
 def symbol_names(count: int) -> list[str]:
@@ -61,7 +62,7 @@ def sequences(kept: list[str], pairs: dict[str, Counter], triggers: int, length:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # no --enc for --encoder
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])  # one line, no --enc for --encoder
     parser.add_argument("--output", required=True, help="the corpus file to write (one sequence a line)")
     parser.add_argument("--source", default=str(ROOT / "core" / "corpus" / "austen.txt"), help="text whose characters give the "
                         "bigram (default: the bundled corpus)")

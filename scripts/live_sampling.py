@@ -19,7 +19,6 @@ layer (0 = embedding output).
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from callbacks.outlier_statistics import pair_positions  # noqa: E402
+from core.arguments import OneLineArgumentParser  # noqa: E402
 from core.models import attention_projections, short_name  # noqa: E402
 from core.sources import pretrained  # noqa: E402
 from metrics.attention import QueryKeyGeometry, project_heads  # noqa: E402
@@ -56,8 +56,8 @@ def blocks_of(path: Path, tokenizer, length: int, count: int, seed: int) -> torc
     return torch.tensor(random.Random(seed).sample(blocks, count))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # no --enc for --encoder
+def build_parser() -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])  # one line, no --enc for --encoder
     parser.add_argument("--encoder", default=None,
                         help="hub id (org/name@REVISION pins one) or local directory (default: packaged MiniLM)")
     parser.add_argument("--data", default=str(ROOT / "core" / "corpus" / "austen.txt"))

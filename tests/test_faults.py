@@ -672,10 +672,10 @@ ABBREVIATED = {
     "study.py": (["--conf", "s.yaml"], "study.py: error: unknown option --conf (did you mean --config?)",
                  ["--config", "s.yaml"], "s.yaml"),
     "scripts/bigram_backcopy.py": (["--output", "bb.txt", "--seq", "3"],
-                                   "bigram_backcopy.py: error: unrecognized arguments: --seq 3",
+                                   "bigram_backcopy.py: error: unknown option --seq (did you mean --sequences?)",
                                    ["--output", "bb.txt", "--sequences", "3"], "3"),
     "scripts/live_sampling.py": (["--enc", "missing-encoder"],
-                                 "live_sampling.py: error: unrecognized arguments: --enc missing-encoder",
+                                 "live_sampling.py: error: unknown option --enc (did you mean --encoder?)",
                                  ["--encoder", "bert-base-uncased"], "bert-base-uncased"),
 }
 
@@ -722,9 +722,7 @@ def test_an_abbreviated_option_is_refused_by_every_entry_point_and_the_full_one_
     refused = subprocess.run([sys.executable, str(script), *abbreviated], cwd=tmp_path, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert refused.returncode == 2
-    assert refused.stderr.splitlines()[-1] == line
-    if not program.startswith("scripts/"):
-        assert refused.stderr.splitlines() == [line]  # the project's parsers: the line alone (the scripts' add usage)
+    assert refused.stderr.splitlines() == [line]  # the line alone: no usage before it
     assert list(tmp_path.iterdir()) == []
     assert parsed_value(program, full, tmp_path) == value
 
