@@ -77,6 +77,16 @@ def pretrained(auto_class, source: str | os.PathLike, **kwargs):
     return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
 
 
+def model_file(source: str | os.PathLike, filename: str) -> Path | None:
+    """The path of one file of a model source, as `pretrained` would read it: a local directory's own file, or a hub
+    id's from the hub (or its cache, offline) at its revision; None when the source has no such file."""
+    from transformers.utils import cached_file
+
+    name, revision = split_revision(source)
+    found = cached_file(name, filename, revision=revision, _raise_exceptions_for_missing_entries=False)
+    return Path(found) if found else None
+
+
 def local_path(source: str | os.PathLike, what: str) -> Path | None:
     """The existing local path `source` names (user directory expanded), None when it is a hub id (pinned to a revision
     or not: `org/name@v1.0`) or a datasets name; a UserError "`what` path not found: `source`" when it looks local but

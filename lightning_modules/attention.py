@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import UserError
-from core.sources import pretrained
+from core.sources import model_file, pretrained
 
 VARIANTS = ("softmax", "clipped_softmax", "gated")
 GAMMA, ZETA = -0.025, 1.0  # their BERT-base recipe: --attn_softmax "clipped(-.025:1)"
@@ -248,12 +248,14 @@ def _quiet():
 
 
 def load_gates(model: nn.Module, source: str) -> None:
-    """The gate weights of a gated export's model.safetensors into `model` (a bare encoder or one with a head)."""
-    from pathlib import Path
-
+    """The gate weights of a gated export's model.safetensors into `model` (a bare encoder or one with a head): a local
+    directory's file, or a hub id's at its revision (`org/name@v1`)."""
     from safetensors import safe_open
 
-    path = Path(source) / "model.safetensors"
+    path = model_file(source, "model.safetensors")
+    if path is None:
+        raise UserError(f"{source}: its config records gated attention but it has no model.safetensors (a gated "
+                        "export's gates are read from that one file)")
     wanted = {name: parameter for name, parameter in model.named_parameters() if ".gate_" in name}
     found = set()
     with safe_open(str(path), framework="pt") as tensors:

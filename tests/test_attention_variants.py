@@ -281,12 +281,51 @@ def test_a_gated_export_without_its_gate_weights_is_one_line(roberta_tok, tmp_pa
 
     export(module_of("gated", roberta_tok), roberta_tok, tmp_path / "export")
     path = tmp_path / "export" / "model.safetensors"
-    save_file({key: value for key, value in load_file(path).items() if ".gate_" not in key}, path,
-              metadata={"format": "pt"})
+    weights = load_file(path)
+    save_file({key: value for key, value in weights.items() if ".gate_" not in key}, path, metadata={"format": "pt"})
     with pytest.raises(UserError) as caught:
         load_encoder(tmp_path / "export", device="cpu")
     assert str(caught.value).startswith(f"{tmp_path / 'export'}: its config records gated attention but "
                                         "model.safetensors lacks gate weights ['encoder.layer.0.attention.self.gate_")
+    path.unlink()  # its weights as pytorch_model.bin only: transformers loads them, the gates have no file to come from
+    torch.save(weights, tmp_path / "export" / "pytorch_model.bin")
+    with pytest.raises(UserError) as caught:
+        load_encoder(tmp_path / "export", device="cpu")
+    assert str(caught.value) == (f"{tmp_path / 'export'}: its config records gated attention but it has no "
+                                 "model.safetensors (a gated export's gates are read from that one file)")
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_gated_export_loads_by_hub_id_at_its_revision_with_its_gates(pinned, roberta_tok, tmp_path, monkeypatch):
+    """A gated export pushed to the hub and read back by its id (offline, from a hand-built hub cache holding it at
+    refs/main, and another gated export at tag v1): the gates come from the snapshot the id resolves to, so the
+    hidden states equal those of the export's own directory."""
+    from tests.hub_cache import cache_model, hub_caches
+
+    exports = []
+    for seed in (1, 2):
+        module = module_of("gated", roberta_tok)
+        torch.manual_seed(seed)
+        for name, parameter in module.model.named_parameters():
+            if ".gate_" in name:  # gates far from their initial value, different in the two exports
+                torch.nn.init.normal_(parameter, std=2.0)
+        export(module, roberta_tok, tmp_path / f"export{seed}")
+        exports.append(tmp_path / f"export{seed}")
+    cache_model(tmp_path / "hub", "someorg/gated", exports[0], ref="v1")
+    cache_model(tmp_path / "hub", "someorg/gated", exports[1], ref="main")
+    monkeypatch.chdir(tmp_path / "hub")  # no local folder shadows the id
+    ids, mask = padded_batch()
+    with hub_caches(monkeypatch, tmp_path):
+        by_id = load_encoder("someorg/gated@v1" if pinned else "someorg/gated", device="cpu")
+    local = load_encoder(exports[0] if pinned else exports[1], device="cpu")
+    other = load_encoder(exports[1] if pinned else exports[0], device="cpu")
+    with torch.no_grad():
+        got, want, wrong = (encoder.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                            for encoder in (by_id, local, other))
+    gates = {name: p for name, p in by_id.model.named_parameters() if ".gate_" in name}
+    assert gates and all(torch.equal(p, dict(local.model.named_parameters())[name]) for name, p in gates.items())
+    torch.testing.assert_close(real(got, mask), real(want, mask), rtol=1e-6, atol=1e-6)
+    assert (real(got, mask) - real(wrong, mask)).abs().max() > 1e-3  # the other revision is another model
 
 
 # ---- tiny runs: the live attention geometry of each variant, and the run's export ----
