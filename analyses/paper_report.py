@@ -84,7 +84,8 @@ def paper_summary(reports: dict, args, clip: str, notes: list[str]) -> dict:
     outliers = reports["outliers"]
     probe = reports.get("position_probe")
     summary = {
-        "encoder": str(args.encoder), "seed": args.seed, "clip": clip,
+        "encoder": str(args.encoder), "encoder_commit": outliers["encoder_commit"],  # the hub commit it was read at
+        "seed": args.seed, "clip": clip,
         "clip_rule": next((r.get("clip_rule") for n, r in reports.items() if n.startswith("anisotropy_")), None),
         "clipped_dims": next((r["clipped_dims"] for n, r in reports.items() if n.startswith("anisotropy_")), []),
         "indexing": "0-indexed dimensions; layer 0 = embedding output",
@@ -130,7 +131,8 @@ def sample_line(used: dict[str, int], asked: int) -> str:
 
 def paper_markdown(summary: dict) -> str:
     found = sample_line(summary["section3_sentences"], summary["section3_sentences_asked"])
-    lines = [f"# Positional artefacts: {summary['encoder']}", "",
+    commit = f" (commit `{summary['encoder_commit']}`)" if summary.get("encoder_commit") else ""  # none: a path
+    lines = [f"# Positional artefacts: {summary['encoder']}{commit}", "",
              f"Dimensions are 0-indexed; layer 0 is the embedding output. Outliers (§3) detected on {found} "
              f"(training sets). Clipping (§4): `{summary['clip']}` (dims {summary['clipped_dims'] or 'none'}; rule: "
              f"{summary['clip_rule']}). Data: " + "; ".join(f"{k}: {v}" for k, v in summary["data"].items()) + ".", ""]

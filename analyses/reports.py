@@ -137,7 +137,8 @@ def summarise(reports: dict, notes: list[str]) -> dict:
     """summary.json: the paper's Tables 1-2 (WiC, STS) and Figure 6 (per layer, before / after clipping)."""
     outliers, anisotropy = reports["outliers"], reports["anisotropy"]
     keys = anisotropy["variants"]
-    summary = {key: anisotropy[key] for key in ("encoder", "data", "clip", "clipped_dims", "normalize", "variants")}
+    summary = {key: anisotropy[key] for key in ("encoder", "encoder_commit", "data", "clip", "clipped_dims", "normalize",
+                                                  "variants")}
     if "softdecay_alpha" in anisotropy:
         summary["softdecay_alpha"] = anisotropy["softdecay_alpha"]
     summary["normalize_fit"] = {name: report.get("normalize_fit") for name, report in reports.items()

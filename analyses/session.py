@@ -164,6 +164,7 @@ def prepare(args, rank: int, read: Callable[..., T], masked_lm: bool = False, to
 def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None) -> dict:
     header = {
         "encoder": str(args.encoder),
+        "encoder_commit": encoder.commit,  # the hub commit it was read at; None for a local path or checkpoint
         "data": str(args.data),
         "max_length": args.max_length or encoder.max_length,
         "dtype": str(next(encoder.model.parameters()).dtype).removeprefix("torch."),  # what it computed in

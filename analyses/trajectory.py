@@ -181,6 +181,7 @@ def analyse(args, point: Point, sentences: list[str], rank: int, world: int, enc
     if shortfall and rank == 0:
         warn_once(shortfall)  # the same sentences at every checkpoint: said once
     result = {"step": point.step, "step_from": point.step_from, "path": point.source,
+              "encoder_commit": encoder.commit,  # the hub commit `path` was read at; None for a checkpoint, a path
               "persistent_dims": persistent_dims(layers), "num_tokens": tokens,
               "chance_warning": chance["chance_warning"],
               **reference.counts(), "num_pairs": pairs, "num_minibatches": batches,

@@ -9,6 +9,8 @@
                                           # the one call that reads a model, config or tokenizer by path or hub id
     local_path("runs/tiny-pe", "encoder") # Path(...) when it exists; UserError "encoder path not found: ..." when it
                                           # looks local but is not there; None for a hub id or datasets name
+    hub_commit("org/name@v1.0")           # "<40 hex digits>": the commit a hub id just loaded was read at (a report
+                                          # records it as encoder_commit); None for a local path or checkpoint
     short_name("runs/x/export")           # "x": a readable name for a model path (".../models--org--x/snapshots/<commit>"
                                           # of the hub's cache: "x")
     check_hub("bert-base-uncased", "encoder")   # before a hub id or datasets name is fetched: offline (no network
@@ -85,6 +87,23 @@ def model_file(source: str | os.PathLike, filename: str) -> Path | None:
     name, revision = split_revision(source)
     found = cached_file(name, filename, revision=revision, _raise_exceptions_for_missing_entries=False)
     return Path(found) if found else None
+def hub_commit(source: str | os.PathLike) -> str | None:
+    """The commit hash at which `source`, a hub id loaded already (`pretrained`), was read: the snapshot directory of
+    the hub's cache, `.../models--org--name/snapshots/<commit>/`, that its config.json resolves to at its revision
+    (`org/name@v1.0`: that branch, tag or hash; none: main), through the cache's refs/<revision>, which the load itself
+    wrote (online) or read (offline). The hub is never asked. None for a local path or checkpoint (a directory, even a
+    snapshot's, records no hash: none is made up) and for an id whose file the cache does not hold."""
+    name, revision = split_revision(source)
+    if looks_local(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:  # not a valid repository id (huggingface_hub's HFValidationError)
+        return None
+    commit = Path(found).parent.name if isinstance(found, str) else ""
+    return commit if re.fullmatch("[0-9a-f]{40}", commit) else None
 
 
 def local_path(source: str | os.PathLike, what: str) -> Path | None:

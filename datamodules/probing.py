@@ -224,7 +224,7 @@ class ProbeDataModule(pl.LightningDataModule):
             outlier_dims, outlier_source = persistent_dims(outlier_layers), "detected"
         self.spec = FeatureSpec(
             encoder=primary.name, layers=layers, hidden_size=primary.hidden_size, num_classes=len(classes),
-            num_hidden_states=primary.num_hidden_states,
+            num_hidden_states=primary.num_hidden_states, encoder_commit=primary.commit,
             classes=classes, slots=[(kind, layer) for kind in [*("encoder", "random")[:len(encoders)],
                                                                *(variant.key for variant in self.variants())]
                                     for layer in layers],

@@ -35,14 +35,8 @@ from tqdm.auto import tqdm
 from core.capture import HiddenStateCapture, check_finite
 from core.errors import UserError
 from core.families import is_causal, output_projection
-from core.models import (
-    hidden_state_sites,
-    model_max_length,
-    position_embedding,
-    quiet_transformers,
-    short_name,
-)
-from core.sources import cannot_load, check_hub, local_path
+from core.models import hidden_state_sites, model_max_length, position_embedding, quiet_transformers
+from core.sources import cannot_load, check_hub, hub_commit, local_path, short_name
 from core.tokenizers import special_ids, truncating_right, unknown_count, unknown_id, vocab_limit
 from core.wording import plural
 from lightning_modules.attention import CLIPPED, install_recorded, load_pretrained
@@ -160,6 +154,7 @@ def load_encoder(source: str | Path, device: str | torch.device | None = None, d
     base = model.base_model if masked_lm else model
     check_loading(source, info, base, allow_random_weights, allow_option)
     encoder = FrozenEncoder(base, tokenizer, name=str(source), exclude_special=exclude_special)
+    encoder.commit = hub_commit(source)  # read once loaded: the snapshot its files came from (None: a local path)
     if masked_lm:
         encoder.attach_head(model if head is None else None, head or "", causal=causal)
     return encoder.to(device=device, dtype=dtype)
@@ -198,6 +193,7 @@ class FrozenEncoder(nn.Module):
         self.tokenizer = tokenizer
         self.name = name
         self.short_name = short_name(name)
+        self.commit: str | None = None  # the hub commit `name` was read at (load_encoder: core.sources.hub_commit)
         self.exclude_special = exclude_special
         config = model.config
         self.hidden_size: int = config.hidden_size

@@ -30,7 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from core.errors import UserError
 from core.models import model_max_length, quiet_transformers
 from core.output import export_weights, staged_output, write_json
-from core.sources import cannot_load, pretrained
+from core.sources import cannot_load, hub_commit, pretrained
 from lightning_modules.attention import install_recorded, load_pretrained
 from lightning_modules.encoder import default_encoder, resolve_model_dir
 from lightning_modules.loading import check_is_encoder, load_failure
@@ -175,6 +175,7 @@ class FineTuneModule(TrainingModule):
         self.softdecay = layer if softdecay else None  # unused: a bad alpha, mode or placement is an error
         self.encoder_name = encoder or default_encoder()
         self.model, self.tokenizer = load_classifier(self.encoder_name, list(classes), run_seed())
+        self.encoder_commit = hub_commit(self.encoder_name)  # the hub commit it was read at (None: a local path)
         self.model.train()  # from_pretrained leaves it in eval mode, which Lightning keeps: dropout would be off
         config = self.model.config
         if dropout is not None:
@@ -292,7 +293,8 @@ class FineTuneModule(TrainingModule):
     def report(self, data) -> dict:
         h, reg, results = self.hparams, self.regularizer, self.results
         return {
-            "encoder": self.encoder_name, "regularizer": h.regularizer, "reg_weight": h.reg_weight, "zeta": h.zeta,
+            "encoder": self.encoder_name, "encoder_commit": self.encoder_commit, "regularizer": h.regularizer,
+            "reg_weight": h.reg_weight, "zeta": h.zeta,
             "reg_layers": reg.layers, "accuracy": results["test"]["accuracy"], "val_accuracy": results["val"]["accuracy"],
             "steps": results["steps"],
             "softdecay": self.softdecay is not None,

@@ -52,6 +52,7 @@ class FeatureSpec:
     batch_size: int = 0  # items per optimizer step; a training batch of the loader holds several (0: one)
     num_hidden_states: int = 0  # the encoder's hidden states (layers 0..L), whichever are cached
     control: dict = field(default_factory=dict)  # the control task the items carry labels of ({}: none)
+    encoder_commit: str | None = None  # the hub commit the encoder was read at (FrozenEncoder.commit); None: a path
 
     @property
     def encoder_slots(self) -> int:

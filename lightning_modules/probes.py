@@ -80,6 +80,7 @@ class PositionProbe(LinearProbes):
                            "outlier_dims": {str(d): v for d, v in ranking["dims"].items()}})
         return {
             "encoder": spec.encoder,
+            "encoder_commit": spec.encoder_commit,
             **spec.data,
             "seed": spec.seed,
             "indexing": INDEXING,
@@ -193,6 +194,7 @@ class SentenceClassifier(LinearProbes):
         detected = self.clip_request.needs_outliers and spec.outlier_source == "detected"  # what the clipping used
         return {
             "encoder": spec.encoder,
+            "encoder_commit": spec.encoder_commit,
             **spec.data,
             "seed": spec.seed,
             "indexing": INDEXING,

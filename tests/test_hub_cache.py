@@ -129,13 +129,16 @@ def test_hub_ids_load_from_the_cache_with_the_source_models_weights(offline):
 
 
 def test_analyze_on_a_hub_id_reports_what_the_local_directory_gives_and_an_uncached_id_is_one_line(offline, capsys):
-    sources, _, _ = offline
+    sources, commits, root = offline
     common = ["outliers", "--no_progress", "--max_sentences", "6"]
     assert analyze.main([*common, "--encoder", "someorg/tiny-bert", "--output_dir", "by-id"]) == 0
     assert analyze.main([*common, "--encoder", str(sources["bert"]), "--output_dir", "by-path"]) == 0
     by_id, by_path = (json.loads(open(f"{name}/outliers.json").read()) for name in ("by-id", "by-path"))
     assert by_id["encoder"] == "someorg/tiny-bert" and by_path["encoder"] == str(sources["bert"])
-    reports_close(by_id, by_path, skip=(".encoder",), rel=0, abs=0)
+    # the commit read: refs/main's, the snapshot's directory name; none for a local directory
+    refs_main = (root / "hub" / "models--someorg--tiny-bert" / "refs" / "main").read_text()
+    assert by_id["encoder_commit"] == refs_main == commits["main"] and by_path["encoder_commit"] is None
+    reports_close(by_id, by_path, skip=(".encoder", ".encoder_commit"), rel=0, abs=0)
     capsys.readouterr()
     assert analyze.main([*common, "--encoder", "someorg/not-cached", "--output_dir", "none"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -201,6 +204,7 @@ def test_datasets_names_read_the_rows_of_the_prepared_cache(offline):
 
 @pytest.mark.slow
 def test_probe_fit_on_a_hub_id_and_a_datasets_name(offline):
+    _, commits, _ = offline
     quiet = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
              "--trainer.enable_model_summary", "false", "--data.progress", "false"]
     config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "probe", "sst2.yaml")
@@ -209,6 +213,7 @@ def test_probe_fit_on_a_hub_id_and_a_datasets_name(offline):
                     "--data.control_task", "false", "--trainer.default_root_dir", "run"])
     report = json.loads(open("run/classifier.json").read())
     assert report["encoder"] == "someorg/tiny-bert" and report["source"] == "tiny-glue/sst2"
+    assert report["encoder_commit"] == commits["main"]  # the snapshot refs/main names, the hash the fixture made
     # GLUE's test labels hidden: its validation split is the test set, validation carved from train (10%)
     assert report["splits"] == {"train": {"sentences": 36}, "val": {"sentences": 4}, "test": {"sentences": 10}}
     train, test = [r["label"] for r in sst2_rows(0, 40)], [r["label"] for r in sst2_rows(40, 50)]

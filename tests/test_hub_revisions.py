@@ -1,7 +1,9 @@
 """Hub ids pinned to a revision, `org/name@REVISION`, loaded offline (HF_HUB_OFFLINE=1) from a hand-built hub cache
 holding two snapshots of one repository: two tiny random BERTs whose weights and tokenizers differ. What each
 revision loads (through load_encoder, encoder_tokenizer, load_tokenizer, load_classifier, and `analyze.py outliers`
-run as a command) equals the model and tokenizer read directly from that snapshot's directory.
+run as a command) equals the model and tokenizer read directly from that snapshot's directory, and the commit the
+reports record (`encoder_commit`) is the name of that snapshot's directory, the hash the test made up; none for a
+local directory.
 
     .venv/bin/pytest tests/test_hub_revisions.py -q
 """
@@ -14,14 +16,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import analyze
+from analyses.paper_report import paper_markdown, paper_summary
 from analyses.trajectory import architecture, encoder_points
 from core.errors import UserError
-from core.sources import short_name, split_revision
+from core.sources import hub_commit, short_name, split_revision
 from core.tokenizers import fingerprint, load_tokenizer
 from lightning_modules.encoder import encoder_tokenizer, load_encoder
 from lightning_modules.finetune import load_classifier
@@ -76,6 +80,7 @@ def same_weights(mine: dict, theirs: dict) -> bool:
 
 def test_each_revision_loads_its_snapshot_and_the_bare_id_follows_refs_main(offline):
     snapshots, (first, second) = offline
+    assert [snapshot.name for snapshot in snapshots] == [first, second]
     models = [direct(snapshot) for snapshot in snapshots]
     # the two snapshots differ in weights and tokenizer, so what loads tells them apart
     assert len(models[0][1]) == 600 != len(models[1][1]) == 500
@@ -87,7 +92,7 @@ def test_each_revision_loads_its_snapshot_and_the_bare_id_follows_refs_main(offl
     for source, which in cases.items():
         model, tokenizer = models[which]
         encoder = load_encoder(source, device="cpu")
-        assert encoder.name == source, source
+        assert encoder.name == source and encoder.commit == snapshots[which].name == (first, second)[which], source
         assert encoder.tokenizer.get_vocab() == tokenizer.get_vocab(), source
         assert same_weights(encoder.model.state_dict(), model.state_dict()), source
         assert torch.equal(hidden(encoder.model, encoder.tokenizer), hidden(model, tokenizer)), source
@@ -101,6 +106,10 @@ def test_each_revision_loads_its_snapshot_and_the_bare_id_follows_refs_main(offl
     classifier, tokenizer = load_classifier(f"{REPO}@{first}", [0, 1])
     assert tokenizer.get_vocab() == models[0][1].get_vocab()
     assert same_weights(classifier.base_model.state_dict(), models[0][0].state_dict())
+    # no commit for a local path, a snapshot's directory included, nor for an id or revision the cache lacks
+    for source in (snapshots[0], f"{snapshots[0]}.ckpt", "someorg/not-cached", f"{REPO}@v9", f"{REPO}@{second[:7]}",
+                   "not a repo id:0"):
+        assert hub_commit(source) is None, source
 
 
 def test_a_revision_the_cache_lacks_offline_is_one_line_naming_the_flag(offline):
@@ -119,7 +128,7 @@ def outliers(source, output: str, *extra: str) -> dict:
 
 
 def test_analyze_outliers_at_a_revision_reports_what_its_snapshot_directory_gives(offline, tmp_path):
-    snapshots, (first, _) = offline
+    snapshots, (first, second) = offline
     # the command as a user runs it, in its own process: the cache and the offline flag from the environment alone
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run([sys.executable, str(ROOT / "analyze.py"), "outliers", "--encoder", f"{REPO}@{first}",
@@ -127,13 +136,26 @@ def test_analyze_outliers_at_a_revision_reports_what_its_snapshot_directory_give
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
     by_revision = json.loads((tmp_path / "by-revision" / "outliers.json").read_text())
-    by_main = outliers(REPO, "by-main")
+    by_tag, by_main = outliers(f"{REPO}@v1", "by-tag"), outliers(REPO, "by-main")
     by_snapshot = [outliers(snapshot, f"by-snapshot-{i}") for i, snapshot in enumerate(snapshots)]
     assert by_revision["encoder"] == f"{REPO}@{first}" and by_main["encoder"] == REPO  # the revision is recorded
-    reports_close(by_revision, by_snapshot[0], skip=(".encoder",))
-    reports_close(by_main, by_snapshot[1], skip=(".encoder",), rel=0, abs=0)
+    # and the commit read: the tag's (refs/v1) and the bare id's (refs/main) are the snapshots' directory names, the
+    # hashes the fixture made; a snapshot's directory given as a path is a local directory: no commit
+    assert [report["encoder_commit"] for report in (by_revision, by_tag, by_main, *by_snapshot)] == \
+        [first, first, second, None, None] == [snapshots[0].name, snapshots[0].name, snapshots[1].name, None, None]
+    # `analyze.py paper`'s summary.json takes it from its outliers.json, and paper.md names it under its title
+    args = SimpleNamespace(encoder=f"{REPO}@v1", seed=0, sst2="sst2", qqp="none", wic="none", sts=[], imdb="none",
+                           sst5="none")
+    summary = paper_summary({"outliers": {**by_tag, "sentences_from": {"sst2": 6}, "sentences_asked": 6}}, args,
+                            "none", [])
+    assert summary["encoder_commit"] == first
+    assert paper_markdown(summary).startswith(f"# Positional artefacts: {REPO}@v1 (commit `{first}`)\n")
+    skip = (".encoder", ".encoder_commit")
+    reports_close(by_revision, by_snapshot[0], skip=skip)
+    reports_close(by_tag, by_snapshot[0], skip=skip, rel=0, abs=0)
+    reports_close(by_main, by_snapshot[1], skip=skip, rel=0, abs=0)
     with pytest.raises(AssertionError):  # the two snapshots' reports differ: the comparison tells them apart
-        reports_close(by_snapshot[0], by_snapshot[1], skip=(".encoder",))
+        reports_close(by_snapshot[0], by_snapshot[1], skip=skip)
 
 
 def test_a_revision_on_a_local_path_or_an_empty_one_is_one_line_exit_2_and_nothing_written(offline, tmp_path,
@@ -173,3 +195,21 @@ def test_trajectory_reads_a_step_from_a_revision_first(offline):
     assert [(point.source, point.step, point.step_from) for point in points] == [
         ("someorg/tiny-step_9k@step300", 300, "name"), (f"{REPO}@step_1k", 1000, "name"),
         (f"{REPO}@step2000", 2000, "name"), ("someorg/tiny-step_5k@main", 5000, "name")]
+
+
+def test_a_trajectory_and_fine_tuning_record_the_commit_each_hub_revision_was_read_at(offline, tmp_path):
+    from lightning_modules.finetune import FineTuneModule
+
+    snapshots, (first, second) = offline
+    # --encoders: a tag, a short hash (refs/<short>, as an online load by it leaves) and the snapshot's directory: the
+    # same weights, the two ids at the fixture's first commit, the directory at none
+    sources = [f"{REPO}@v1", f"{REPO}@{first[:7]}", str(snapshots[0])]
+    assert analyze.main(["trajectory", "--encoders", *sources, "--no_progress", "--max_sentences", "6", "--num_pairs",
+                         "6", "--minibatch", "6", "--minibatches", "1", "--output_dir", "out"]) == 0
+    points = json.loads((tmp_path / "out" / "trajectory.json").read_text())["checkpoints"]
+    assert [(point["path"], point["encoder_commit"]) for point in points] == \
+        [(sources[0], first), (sources[1], first), (sources[2], None)]
+    assert points[0]["layers"] == points[1]["layers"] == points[2]["layers"]  # one snapshot read three ways
+    # fine-tuning (train.py --model.encoder): the classifier's finetune.json records the module's encoder_commit
+    for source, commit in ((REPO, second), (f"{REPO}@v1", first), (snapshots[1], None)):
+        assert FineTuneModule(encoder=str(source), classes=[0, 1]).encoder_commit == commit, source
