@@ -87,6 +87,8 @@ def model_file(source: str | os.PathLike, filename: str) -> Path | None:
     name, revision = split_revision(source)
     found = cached_file(name, filename, revision=revision, _raise_exceptions_for_missing_entries=False)
     return Path(found) if found else None
+
+
 def hub_commit(source: str | os.PathLike) -> str | None:
     """The commit hash at which `source`, a hub id loaded already (`pretrained`), was read: the snapshot directory of
     the hub's cache, `.../models--org--name/snapshots/<commit>/`, that its config.json resolves to at its revision
