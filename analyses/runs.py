@@ -41,13 +41,23 @@ def run_anisotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "anisotropy", reference.with_chance(report), encoder)
 
 
+def spectra_feed(args, setting) -> geometry.SpectraFeed:
+    """The per-sequence spectra the reference pass takes as it goes: those of the variants known before it (raw, a
+    clipping of given dims, SoftDecay), so that isotropy's second pass encodes only for the others (none with --clip
+    none and no fitted --normalize)."""
+    encoder = setting.encoder
+    return geometry.SpectraFeed(setting, geometry.variants_before_pass(
+        args.clip, args.normalize, args.softdecay_alpha, encoder.num_hidden_states, encoder.hidden_size))
+
+
 def run_isotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
+    feed = spectra_feed(args, setting)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True, magnitudes=feed)
     report = {**run_header(args, encoder, reference),
               **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches,
-                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences)}
+                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences, fed=feed)}
     return publish(args, rank, "isotropy", reference.with_chance(report), encoder)
 
 
@@ -111,14 +121,16 @@ def run_all(args, rank: int, world: int) -> dict:
     for note in notes if rank == 0 else []:
         print(f"note: {note}")
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
+    feed = spectra_feed(args, setting)
+    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True,
+                             magnitudes=feed)
     header = run_header(args, encoder, reference)
     anisotropy = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}  # also self-similarity's baseline
     reports = {"outliers": outliers_report(args, encoder, reference),
                "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches, num_pairs=args.num_pairs,
-                                                               max_sentences=args.max_sentences)},
+                                                               max_sentences=args.max_sentences, fed=feed)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants,
                                                                          geometry.Baseline(anisotropy, "anisotropy.json",
                                                                                            args.num_pairs))}}
