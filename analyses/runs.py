@@ -61,14 +61,14 @@ def run_isotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "isotropy", reference.with_chance(report), encoder)
 
 
-def read_words(args, tokenizer, limit: int, option: str = "--pool_sentences"):
+def read_words(args, tokenizer, limit: int, option: str = "--pool_sentences", progress: bool = False):
     """The self-similarity words (their contexts: `.contexts(readable(encoder, args.max_length))`, once the encoder is
     loaded): from the whole of --data, streamed (limit 0), or a sample of `limit` (the value of `option`); drawn with
     the encoder's tokenizer (loaded alone, before its weights: too few words is refused before a hub model downloads),
     as a word written inside one of its special tokens ("unk" of WikiText's "<unk>") does not occur there, and in its
-    case ("The" and "the" one word only when the tokenizer lowercases)."""
+    case ("The" and "the" one word only when the tokenizer lowercases). `progress`: a bar over each pass."""
     return source_words(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
-                           special_strings(tokenizer), lowercases(tokenizer))
+                        special_strings(tokenizer), lowercases(tokenizer), progress)
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
@@ -76,7 +76,8 @@ def run_self_similarity(args, rank: int, world: int) -> dict:
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
     def read(tokenizer):
         sentences = read_sentences(args, limit=2 * args.num_pairs)
-        return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences")
+        return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences",
+                                     not args.no_progress and rank == 0)
 
     (sentences, words), encoder = prepare(args, rank, read, tokenizer=True)
     contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
@@ -112,7 +113,8 @@ def run_all(args, rank: int, world: int) -> dict:
         sentences = read_sentences(args)
         wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
-        return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences)
+        return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences,
+                                                         progress=not args.no_progress and rank == 0)
 
     (sentences, wic_data, sts_data, words), encoder = prepare(args, rank, read, tokenizer=True)
     contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
