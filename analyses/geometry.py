@@ -3,7 +3,9 @@ self-similarity with intra-sentence similarity (Ethayarajh 2019), each per layer
 normalised).
 
     anisotropy(setting, reference)                    # {"layers": [{"layer", "raw", "clipped"}], ...}
-    isotropy(setting, reference)                      # IsoScore, IsoScore*, singular-value spectrum per layer
+    feed = SpectraFeed(setting, variants_before_pass(clip, normalize, alpha, layers, hidden))  # before the pass,
+    reference = reference_pass(setting, sentences, clip, normalize, covariance=True, magnitudes=feed)  # fed by it
+    isotropy(setting, reference, sentences, fed=feed)  # IsoScore, IsoScore*, singular-value spectra per layer
     self_similarity(setting, word_contexts(pool), reference.variants, Baseline(anisotropy_report, name))
 
 Each returns the JSON-ready body of its report; analyses/runs.py adds the header, writes and prints it.
@@ -24,7 +26,7 @@ from lightning_modules.pooling import lost_spans, span_vectors
 from metrics.geometry import MeanCosine, SelfSimilarity, sample_pairs
 from metrics.intra_sentence import IntraSentenceSimilarity, sentence_tokens
 from metrics.isotropy import IsoScoreStar, SequenceSpectrum, isoscore, spectrum_of_moments
-from metrics.transforms import RAW, Clipping, Variant
+from metrics.transforms import RAW, Clipping, ClipRequest, SoftDecay, Variant
 
 
 def pair_anisotropy(sample: tuple[Tensor, Tensor], variants: list[Variant], seed: int,
@@ -117,13 +119,14 @@ def minibatch_shortfall(batches: int, minibatch: int, minibatches: int, sentence
 
 
 def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta: float = 0.2, minibatch: int = 250,
-             minibatches: int = 4, *, num_pairs: int, max_sentences: int) -> dict:
+             minibatches: int = 4, *, num_pairs: int, max_sentences: int, fed: SpectraFeed | None = None) -> dict:
     """IsoScore of all tokens; IsoScore* (and plain IsoScore) of up to `minibatches` mini-batches of `minibatch`
     tokens drawn from the sample (one random token per sentence), shrunk towards the covariance of all tokens; the
     singular-value spectrum of each layer's corpus-wide token matrix (all sentences' tokens together: `corpus_*`,
     moments transformed exactly); and tokenUni's per-sequence spectrum (`sequence_*`: each sentence's own token
-    matrix, one more pass over `sentences`); per variant. `num_pairs`, `max_sentences`: the caps of the sample, named
-    in the warning when it is too small for the mini-batches."""
+    matrix; `fed`, a SpectraFeed the reference pass updated, gives the variants it holds, and only the others take one
+    more pass over `sentences`: sequence_spectra); per variant. `num_pairs`, `max_sentences`: the caps of the sample,
+    named in the warning when it is too small for the mini-batches."""
     stats = reference.covariance
     layers = setting.encoder.num_hidden_states
     values, spectra = {}, {}
@@ -138,7 +141,7 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
             "isoscore_minibatch": plain,
             **{f"corpus_{key}": spec[key] for key in ("energy_top1", "energy_top10", "cdf_auc")},
         }
-    sequences = sequence_spectra(setting, sentences, reference.variants)
+    sequences = sequence_spectra(setting, sentences, reference.variants, fed)
     for key, result in sequences.items():
         values[key].update(sequence_energy_top1=result["energy_top1"], sequence_cdf_auc=result["cdf_auc"])
     rows = [{"layer": layer, **{key: {name: number(v[layer]) for name, v in value.items()}
@@ -158,21 +161,58 @@ def isotropy(setting: Setting, reference: Reference, sentences: list[str], zeta:
                             "is the mean k-th normalised singular value over the sentences that have one"}
 
 
-def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Variant]) -> dict[str, dict]:
-    """{variant key: SequenceSpectrum result} over `sentences` (this rank's shard; synced). A clipping that zeroes no
-    dimension (`--clip auto` on a model without outliers) has the raw states' spectra: its SVDs, the pass's largest
-    cost beside the forward on long sentences, are not taken twice."""
-    encoder = setting.encoder
-    max_rank = min(setting.max_length or encoder.max_length, encoder.hidden_size)
-    as_raw = {v.key for v in variants if isinstance(v, Clipping) and not v.spec} if RAW in variants else set()
-    metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device) for v in variants
-               if v.key not in as_raw}
-    for batch in setting.batches(sentences, desc="per-sequence spectra"):
-        for _, view, group in views(batch, variants):
+def variants_before_pass(clip: ClipRequest, normalize: str, softdecay_alpha: float, layers: int, hidden: int
+                         ) -> list[Variant]:
+    """The variants of a reference pass (analyses.reference.reference_pass) known before it runs: raw, a clipping of
+    given dims (--clip dims / layers:dims; not --clip auto / per-layer, which clip the outliers the pass detects) and
+    SoftDecay (fit on nothing); never a fitted --normalize (whiten, standardize: estimated by the pass)."""
+    known = [RAW]
+    if clip.mode != "none" and not clip.needs_outliers:
+        known.append(Clipping(clip.resolve(None, layers, hidden), layers))
+    return known + ([SoftDecay(softdecay_alpha)] if normalize == "softdecay" else [])
+
+
+class SpectraFeed:
+    """tokenUni's per-sequence spectra (SequenceSpectrum) of `variants`, updated with each batch of a pass over the
+    sentences (`update(batch)`: reference_pass's `magnitudes` hook), so that the variants known before the reference
+    pass (variants_before_pass) take theirs from its forward instead of a second one (sequence_spectra)."""
+
+    def __init__(self, setting: Setting, variants: list[Variant]) -> None:
+        encoder = setting.encoder
+        max_rank = min(setting.max_length or encoder.max_length, encoder.hidden_size)
+        self.variants = variants
+        self.metrics = {v.key: SequenceSpectrum(encoder.num_hidden_states, max_rank).to(encoder.device)
+                        for v in variants}
+
+    def update(self, batch) -> None:
+        for _, view, group in views(batch, self.variants):
             for variant in group:
-                if variant.key not in as_raw:
-                    metrics[variant.key].update(variant.apply(view.hidden_states), view.mask)
-    results = {key: metric.compute() for key, metric in metrics.items()}
+                self.metrics[variant.key].update(variant.apply(view.hidden_states), view.mask)
+
+    def holds(self, variant: Variant) -> bool:
+        """Whether this feed's spectra are `variant`'s: the same kind of variant, with the same dims or alpha."""
+        return any(type(own) is type(variant) and vars(own) == vars(variant) for own in self.variants
+                   if own.key == variant.key)
+
+    def compute(self) -> dict[str, dict]:
+        return {key: metric.compute() for key, metric in self.metrics.items()}
+
+
+def sequence_spectra(setting: Setting, sentences: list[str], variants: list[Variant], fed: SpectraFeed | None = None
+                     ) -> dict[str, dict]:
+    """{variant key: SequenceSpectrum result} over `sentences` (this rank's shard; synced). The variants `fed` holds
+    (a SpectraFeed the reference pass over the same `sentences` updated) are taken from it; the others, if any, from
+    one more pass. A clipping that zeroes no dimension (`--clip auto` on a model without outliers) has the raw states'
+    spectra: its SVDs, the pass's largest cost beside the forward on long sentences, are not taken twice."""
+    as_raw = {v.key for v in variants if isinstance(v, Clipping) and not v.spec} if RAW in variants else set()
+    done = {v.key for v in variants if fed is not None and fed.holds(v)}
+    results = fed.compute() if done else {}
+    rest = [v for v in variants if v.key not in as_raw and v.key not in done]
+    if rest:
+        feed = SpectraFeed(setting, rest)
+        for batch in setting.batches(sentences, desc="per-sequence spectra"):
+            feed.update(batch)
+        results.update(feed.compute())
     return {v.key: results[RAW.key if v.key in as_raw else v.key] for v in variants}
 
 

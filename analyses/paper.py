@@ -117,7 +117,7 @@ def read_contexts(args, inputs: Inputs, tokenizer) -> None:
     for name, (source, column) in inputs.sources.items():
         inputs.contexts[name] = source_words(source, column, args.pool_sentences, args.num_words,
                                              args.min_sentences, args.seed, special_tokens=specials,
-                                             lowercase=lowercase)
+                                             lowercase=lowercase, progress=not args.no_progress)
 
 
 def explicit_clip(clipped: dict[int, list[int]] | None) -> str:

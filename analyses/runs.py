@@ -41,24 +41,34 @@ def run_anisotropy(args, rank: int, world: int) -> dict:
     return publish(args, rank, "anisotropy", reference.with_chance(report), encoder)
 
 
+def spectra_feed(args, setting) -> geometry.SpectraFeed:
+    """The per-sequence spectra the reference pass takes as it goes: those of the variants known before it (raw, a
+    clipping of given dims, SoftDecay), so that isotropy's second pass encodes only for the others (none with --clip
+    none and no fitted --normalize)."""
+    encoder = setting.encoder
+    return geometry.SpectraFeed(setting, geometry.variants_before_pass(
+        args.clip, args.normalize, args.softdecay_alpha, encoder.num_hidden_states, encoder.hidden_size))
+
+
 def run_isotropy(args, rank: int, world: int) -> dict:
     sentences, encoder = prepare(args, rank, lambda: read_sentences(args))
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True)
+    feed = spectra_feed(args, setting)
+    reference = reference_of(args, setting, sentences, sample=2 * args.num_pairs, covariance=True, magnitudes=feed)
     report = {**run_header(args, encoder, reference),
               **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch, args.minibatches,
-                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences)}
+                                  num_pairs=args.num_pairs, max_sentences=args.max_sentences, fed=feed)}
     return publish(args, rank, "isotropy", reference.with_chance(report), encoder)
 
 
-def read_words(args, tokenizer, limit: int, option: str = "--pool_sentences"):
+def read_words(args, tokenizer, limit: int, option: str = "--pool_sentences", progress: bool = False):
     """The self-similarity words (their contexts: `.contexts(readable(encoder, args.max_length))`, once the encoder is
     loaded): from the whole of --data, streamed (limit 0), or a sample of `limit` (the value of `option`); drawn with
     the encoder's tokenizer (loaded alone, before its weights: too few words is refused before a hub model downloads),
     as a word written inside one of its special tokens ("unk" of WikiText's "<unk>") does not occur there, and in its
-    case ("The" and "the" one word only when the tokenizer lowercases)."""
+    case ("The" and "the" one word only when the tokenizer lowercases). `progress`: a bar over each pass."""
     return source_words(args.data, args.text_column, limit, args.num_words, args.min_sentences, args.seed, option,
-                           special_strings(tokenizer), lowercases(tokenizer))
+                        special_strings(tokenizer), lowercases(tokenizer), progress)
 
 
 def run_self_similarity(args, rank: int, world: int) -> dict:
@@ -66,7 +76,8 @@ def run_self_similarity(args, rank: int, world: int) -> dict:
     --num_pairs random sentences of --data (2,000), one random token each, paired (1,000 pairs)."""
     def read(tokenizer):
         sentences = read_sentences(args, limit=2 * args.num_pairs)
-        return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences")
+        return sentences, read_words(args, tokenizer(), args.max_sentences, "--max_sentences",
+                                     not args.no_progress and rank == 0)
 
     (sentences, words), encoder = prepare(args, rank, read, tokenizer=True)
     contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
@@ -102,7 +113,8 @@ def run_all(args, rank: int, world: int) -> dict:
         sentences = read_sentences(args)
         wic_data = scorable_wic(args.wic, None) if args.wic else None
         sts_data = {name: read_sts(name, None, args.score_range) for name in args.sts or []}
-        return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences)
+        return sentences, wic_data, sts_data, read_words(args, tokenizer(), args.pool_sentences,
+                                                         progress=not args.no_progress and rank == 0)
 
     (sentences, wic_data, sts_data, words), encoder = prepare(args, rank, read, tokenizer=True)
     contexts = words.contexts(readable(encoder, args.max_length), not args.no_progress and rank == 0)
@@ -111,14 +123,16 @@ def run_all(args, rank: int, world: int) -> dict:
     for note in notes if rank == 0 else []:
         print(f"note: {note}")
     setting = setting_of(args, encoder, rank, world)
-    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True)
+    feed = spectra_feed(args, setting)
+    reference = reference_of(args, setting, sentences, statistics=True, sample=2 * args.num_pairs, covariance=True,
+                             magnitudes=feed)
     header = run_header(args, encoder, reference)
     anisotropy = {**header, **geometry.anisotropy(setting, reference, args.num_pairs)}  # also self-similarity's baseline
     reports = {"outliers": outliers_report(args, encoder, reference),
                "anisotropy": anisotropy,
                "isotropy": {**header, **geometry.isotropy(setting, reference, sentences, args.zeta, args.minibatch,
                                                                args.minibatches, num_pairs=args.num_pairs,
-                                                               max_sentences=args.max_sentences)},
+                                                               max_sentences=args.max_sentences, fed=feed)},
                "self_similarity": {**header, **geometry.self_similarity(setting, contexts, reference.variants,
                                                                          geometry.Baseline(anisotropy, "anisotropy.json",
                                                                                            args.num_pairs))}}

@@ -4,8 +4,9 @@
     python benchmarks/bench_sequence_spectra.py --quick    # 8 texts
     python benchmarks/bench_sequence_spectra.py --smoke    # 4 texts of 64 tokens, seconds (the test suite runs this)
 
-`analyze.py isotropy` (and `all`) takes tokenUni's per-sequence spectrum of every variant in one more pass: an SVD of
-every sentence's token matrix in every layer, which on long sentences costs about as much as the forward itself.
+`analyze.py isotropy` (and `all`) takes tokenUni's per-sequence spectrum of every variant: an SVD of every sentence's
+token matrix in every layer, which on long sentences costs about as much as the forward itself (in the reference pass
+for the variants known before it; in one more pass for a clipping of detected outliers and a fitted --normalize).
 `--clip auto` on a model without outlier dimensions (a randomly initialised or an outlier-free one) clips nothing, and
 analyses/geometry.py's sequence_spectra then reuses the raw spectra instead of a second SVD of the same matrices.
 Both sides run the same pass over the same texts, interleaved (reuse off: the "clipped" variant taken as any other,

@@ -70,16 +70,44 @@ def plain_log_axis(ax, axis: str = "y") -> None:
     (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
     target = ax.yaxis if axis == "y" else ax.xaxis
     low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    target.set_major_formatter(mticker.FuncFormatter(plain_number))
+    target.set_major_formatter(PlainLogFormatter())
     within_decade = low > 0 and high / low < 10
     few_decades = low > 0 and high / low < 10 ** 2.5  # 3 to 60: 5, 10, 20, 50 rather than a lone 10
-    target.set_minor_formatter(mticker.FuncFormatter(plain_number) if within_decade
+    target.set_minor_formatter(PlainLogFormatter(minor=True) if within_decade
                                else mticker.FuncFormatter(two_and_five) if few_decades else mticker.NullFormatter())
 
 
-def plain_number(value: float, _=None) -> str:
-    """A tick label of (at most) two significant digits written out: 300, 0.35, 0.00001 (not 3e+02, 1e-05)."""
-    return np.format_float_positional(value, precision=2, fractional=False, trim="-")
+class PlainLogFormatter(mticker.Formatter):
+    """plain_number labels for a log axis' ticks, with as many significant digits (2 at least) as the ticks shown
+    need to read apart: on a narrow axis (a kurtosis of 2.871 to 2.881 in every layer) matplotlib's minor ticks fall
+    back to linear ones, 2.872, 2.874, ..., which two digits all wrote "2.9". `minor`: a minor formatter, whose
+    labels read apart from the major ones too (10.004 beside 10)."""
+
+    def __init__(self, minor: bool = False) -> None:
+        self.minor = minor
+
+    def format_ticks(self, values) -> list[str]:
+        low, high = sorted(self.axis.get_view_interval()) if self.axis is not None else (-np.inf, np.inf)
+        shown = [v for v in [*values, *(self.axis.get_majorticklocs() if self.minor and self.axis is not None
+                                        else [])] if low <= v <= high]
+        digits = distinct_digits(shown)
+        return [plain_number(value, digits=digits) for value in values]
+
+    def __call__(self, value: float, pos=None) -> str:
+        return plain_number(value)
+
+
+def distinct_digits(values: Sequence[float], least: int = 2, most: int = 12) -> int:
+    """The fewest significant digits, `least` at the fewest, that write `values` apart as plain_number does (values
+    equal to `most` digits count as one)."""
+    wanted = len({plain_number(value, digits=most) for value in values})
+    return next((digits for digits in range(least, most) if len({plain_number(value, digits=digits)
+                                                                   for value in values}) == wanted), most)
+
+
+def plain_number(value: float, _=None, digits: int = 2) -> str:
+    """A tick label of (at most) `digits` significant digits written out: 300, 0.35, 0.00001 (not 3e+02, 1e-05)."""
+    return np.format_float_positional(value, precision=digits, fractional=False, trim="-")
 
 
 def two_and_five(value: float, _=None) -> str:

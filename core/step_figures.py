@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D
 
 from core.figure_style import (
     SERIES,
+    PlainLogFormatter,
     fill,
     finite,
     fit_title,
@@ -26,7 +27,6 @@ from core.figure_style import (
     line_colors,
     margins,
     plain_log_axis,
-    plain_number,
     say_empty,
     subplots,
     suptitle,
@@ -110,10 +110,9 @@ def layer_step_figure(panels: Sequence[Mapping], steps: Sequence[int], layers: S
         bar.set_label(fill(panel["colorbar"], 28), fontsize=7)
         bar.ax.tick_params(labelsize=6, which="both")
         if norm is not None:
-            bar.ax.yaxis.set_major_formatter(mticker.FuncFormatter(plain_number))
+            bar.ax.yaxis.set_major_formatter(PlainLogFormatter())
             few = norm.vmax / norm.vmin < 30  # label the 2, 3, 5... ticks too, or a bar may show one number
-            bar.ax.yaxis.set_minor_formatter(mticker.FuncFormatter(plain_number) if few
-                                             else mticker.NullFormatter())
+            bar.ax.yaxis.set_minor_formatter(PlainLogFormatter(minor=True) if few else mticker.NullFormatter())
         ticks = np.arange(len(steps)) if len(steps) <= 8 else \
             np.unique(np.linspace(0, len(steps) - 1, 6).round().astype(int))
         ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])

@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class WordContexts:
     duplicates: int = 0  # sentences of the pool that repeat an earlier one (no other context: left out)
 
 
+T = TypeVar("T")
 Visible = Callable[[list[str]], list[int]]  # sentences -> the leading characters of each the encoder reads
 RESERVOIR = 10  # occurrences kept per sampled word, in units of min_sentences (a uniform sample of them)
 
@@ -89,7 +91,7 @@ def word_contexts(sentences: list[str] | Callable[[], Iterable[str]], num_words:
 
 def sample_words(sentences: list[str] | Callable[[], Iterable[str]], num_words: int = 1000, min_sentences: int = 10,
                  seed: int = 0, pool_option: str | None = None, special_tokens: Iterable[str] = (),
-                 lowercase: bool = True) -> WordSample:
+                 lowercase: bool = True, progress: bool = False) -> WordSample:
     """Sample `num_words` words occurring in at least `min_sentences` sentences; their contexts come from
     `WordSample.contexts`, once the encoder that reads them is known.
 
@@ -116,7 +118,7 @@ def sample_words(sentences: list[str] | Callable[[], Iterable[str]], num_words: 
     `special_tokens`: the encoder's tokenizer's special-token strings (core.tokenizers.special_strings: its
     `all_special_tokens` and its added tokens marked special); a word written inside one of them in a sentence ("unk"
     in WikiText's "<unk>") does not occur there (`word_matches`): it would have no token of its own (or the special
-    token's). Without them (the default), every WORD match counts.
+    token's). Without them (the default), every WORD match counts. `progress`: a bar over each pass (`passed`).
     """
     specials = special_pattern(special_tokens)
     fold = str.lower if lowercase else str
@@ -128,14 +130,26 @@ def sample_words(sentences: list[str] | Callable[[], Iterable[str]], num_words: 
             hashes.append(hash(sentence))
             yield sentence, None
 
-    counts = word_counts(hashed(), specials, fold)
+    counts = word_counts(passed(hashed(), progress, "counting words", None if callable(sentences) else len(sentences)),
+                         specials, fold)
     total, repeats = len(hashes), repeated(hashes)
     if repeats is not None:  # a repeated sentence is no other context: its words count once, in its first copy
-        counts.subtract(word_counts(((sentence, None) for index, sentence in enumerate(passes()) if repeats[index]),
-                                    specials, fold))
+        counts.subtract(word_counts(((sentence, None) for index, sentence in enumerate(passed(
+            passes(), progress, "counting repeated sentences", total)) if repeats[index]), specials, fold))
     words = WordSample(num_words, min_sentences, seed, pool_option, lowercase, total, repeats, passes, specials, [])
     words.candidates = words.qualifying(counts)
     return words
+
+
+def passed(items: Iterable[T], progress: bool, desc: str, total: int | None = None) -> Iterator[T]:
+    """`items`, one pass over a source's sentences, with a progress bar as the encoder's (tqdm on stderr, unit
+    sentences, cleared when done; none unless `progress`: analyze.py's --no_progress and rank 0); `total`: the
+    sentences when known (a list, or a source after its first pass)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(items, total=total, unit="sent", desc=desc, disable=not progress, dynamic_ncols=True,
+              leave=False) as bar:
+        yield from bar
 
 
 def word_counts(sentences: Iterable[tuple[str, int | None]], specials: re.Pattern | None, fold: Callable) -> Counter:
@@ -199,17 +213,22 @@ class WordSample:
         cuts a long one; None: every sentence whole). An occurrence past the cut has no vector: drawn, it was lost,
         and a long sentence, holding many words, was the one the draw preferred. When truncation cuts sentences, the
         words are counted again where they are read (a pass more) and drawn among those that still qualify.
-        `progress`: a bar over the sentences `visible` reads."""
+        `progress`: a bar over each pass (the sentences `visible` reads, the counts, the draw)."""
         fold = str.lower if self.lowercase else str
-        cut = Cuts() if visible is None else truncated(self.passes(), visible, progress)  # sentence -> characters read
+        # sentence -> characters read
+        cut = Cuts() if visible is None else truncated(self.passes(), visible, progress, self.pool)
         sample = self
         if cut:
             sample = replace(self, candidates=self.qualifying(word_counts(
-                ((sentence, cut.get(index)) for index, sentence in enumerate(self.passes())
+                ((sentence, cut.get(index)) for index, sentence in enumerate(self.read(progress, "counting words read"))
                  if self.repeats is None or not self.repeats[index]), self.specials, fold), len(cut)))
-        return sample.draw(cut)
+        return sample.draw(cut, progress)
 
-    def draw(self, cut: Cuts) -> WordContexts:
+    def read(self, progress: bool = False, desc: str = "reading sentences") -> Iterator[str]:
+        """One pass over the sentences, with a bar (`progress`; `passed`)."""
+        return passed(self.passes(), progress, desc, self.pool)
+
+    def draw(self, cut: Cuts, progress: bool = False) -> WordContexts:
         """Each word's contexts among its occurrences before the `cut` (sentence index -> characters read)."""
         rng = random.Random(self.seed)
         words, min_sentences, fold = rng.sample(self.candidates, self.num_words), self.min_sentences, \
@@ -218,7 +237,7 @@ class WordSample:
         size = RESERVOIR * min_sentences
         kept: list[list[tuple[int, int, int]]] = [[] for _ in words]
         seen = [0] * len(words)
-        for index, sentence in enumerate(self.passes()):
+        for index, sentence in enumerate(self.read(progress, "drawing contexts")):
             if self.repeats is not None and self.repeats[index]:
                 continue
             first, limit = set(), cut.get(index, len(sentence))
@@ -246,7 +265,8 @@ class WordSample:
             for index, start, end in drawn[:min_sentences]:
                 chosen[index].append((word_id, start, end))
         order = sorted(chosen)
-        texts = [sentence for index, sentence in enumerate(self.passes()) if index in chosen]
+        texts = [sentence for index, sentence in enumerate(self.read(progress, "reading the contexts drawn"))
+                 if index in chosen]
         if len(texts) != len(order) or any(fold(texts[i][s:e]) != words[w] for i, index in enumerate(order)
                                            for w, s, e in chosen[index]):
             raise UserError("the self-similarity source changed while it was read (its passes differ)")
@@ -278,13 +298,13 @@ class Cuts:
         return len(self.index)
 
 
-def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False) -> Cuts:
+def truncated(sentences: Iterable[str], visible: Visible, progress: bool = False, total: int | None = None) -> Cuts:
     """The characters the encoder reads of each sentence it does not read whole (`Cuts`), `visible` asked a chunk at
-    a time (`progress`: a bar, the sentences counted: a whole source is tokenised)."""
+    a time (`progress`: a bar, the sentences counted, of `total` when known: a whole source is tokenised)."""
     from tqdm.auto import tqdm
 
     cut, start, iterator = Cuts(), 0, iter(sentences)
-    with tqdm(unit="sent", desc="sentences the encoder reads", disable=not progress, leave=False) as bar:
+    with tqdm(total=total, unit="sent", desc="sentences the encoder reads", disable=not progress, leave=False) as bar:
         while chunk := list(itertools.islice(iterator, LIMIT_CHUNK)):
             for index, (sentence, limit) in enumerate(zip(chunk, visible(chunk), strict=True), start):
                 if limit < len(sentence):
@@ -314,18 +334,18 @@ def source_contexts(source: str, column: str | None, pool: int, num_words: int, 
 
 
 def source_words(source: str, column: str | None, pool: int, num_words: int, min_sentences: int, seed: int,
-                 pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True
-                 ) -> WordSample:
+                 pool_option: str = "--pool_sentences", special_tokens: Iterable[str] = (), lowercase: bool = True,
+                 progress: bool = False) -> WordSample:
     """`sample_words` of the sentences of `source` (a file, directory or datasets name): all of them, streamed, when
     `pool` is 0 (the default: the paper's words of a whole training set), else a seeded sample of `pool` of them
     (`pool_option`: the entry point's option for `pool`, named when the sample is too small; `special_tokens`,
-    `lowercase`: the tokenizer's, as in `sample_words`)."""
+    `lowercase`, `progress`: as in `sample_words`)."""
     if pool:
         sentences = sample_texts(iter_texts(source, column), pool, seed)
         return sample_words(sentences, num_words, min_sentences, seed, pool_option if len(sentences) == pool else None,
-                            special_tokens, lowercase)
+                            special_tokens, lowercase, progress)
     return sample_words(lambda: iter_texts(source, column), num_words, min_sentences, seed,
-                        special_tokens=special_tokens, lowercase=lowercase)
+                        special_tokens=special_tokens, lowercase=lowercase, progress=progress)
 
 
 # ---------------------------------------------------------------- static vectors

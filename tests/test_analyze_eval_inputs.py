@@ -152,6 +152,45 @@ def test_word_pool_streams_the_whole_source_and_counts_the_qualifying_words(tmp_
         word_contexts(changing, 40, 10, seed=3)
 
 
+def test_word_counting_over_a_streamed_source_shows_a_bar_over_each_pass_and_counts_as_without(tmp_path, capsys):
+    """Self-similarity's words of a whole streamed source (--pool_sentences 0 / --max_sentences 0: each pass reads the
+    file again) with `progress`: a tqdm bar on stderr over each pass, as the encoder's, those after the first over all
+    the source's sentences; the candidates, words and contexts equal those drawn without a bar (nothing on stderr),
+    and the candidates those of a count by hand (each distinct sentence once, each word once a sentence, before and
+    after a cut at 16 characters)."""
+    from datamodules.words import source_words
+
+    planted, _ = planted_pool()
+    sentences = planted + planted[:40]  # repeats: a pass more, to take their words out again
+    path = tmp_path / "pool.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+
+    def visible(chunk):
+        return [min(len(text), 16) for text in chunk]  # truncation cuts the long sentences: a recount where read
+
+    def by_hand(limit: int | None) -> list[str]:
+        counts = Counter(word for sentence in dict.fromkeys(sentences) for word in {
+            match.group().lower() for match in WORD.finditer(sentence) if limit is None or match.end() <= limit})
+        return sorted(word for word, count in counts.items() if count >= 10)
+
+    drawn = {}
+    for progress in (False, True):
+        words = source_words(str(path), None, 0, 40, 10, seed=3, progress=progress)
+        contexts = words.contexts(visible, progress)
+        drawn[progress] = (words.candidates, contexts.words, contexts.sentences, contexts.spans,
+                           contexts.num_candidates)
+        err = capsys.readouterr().err
+        if not progress:
+            assert err == ""
+    assert drawn[True] == drawn[False]
+    assert drawn[True][0] == by_hand(None) and drawn[True][4] == len(by_hand(16)) < len(by_hand(None))
+    assert set(drawn[True][1]) <= set(by_hand(16))
+    assert re.search(r"counting words: 0 ?sent ", err), err  # the first pass: the source's size not yet known
+    for desc in ("counting repeated sentences", "sentences the encoder reads", "counting words read",
+                 "drawing contexts", "reading the contexts drawn"):
+        assert re.search(rf"{desc}: +0%\|[^|]*\| 0/{len(sentences)} ", err), (desc, err)
+
+
 def test_a_repeated_sentence_is_one_context_of_its_words(tmp_path):
     """A corpus with a line repeated (boilerplate, a file concatenated twice) gave the words of that line as many
     contexts as copies: they qualified on one sentence, drew identical vectors, and their self-similarity was 1. Now a

@@ -322,3 +322,49 @@ def test_every_summary_panel_says_what_its_y_axis_is():
     labels = {ax.get_title(): ax.get_ylabel() for ax in fig.axes if ax.axison}
     assert labels == {"anisotropy (random token pairs)": "mean cosine", "self-similarity": "mean cosine",
                       "IsoScore": "IsoScore", "STS (stsb): Spearman x 100": "Spearman x 100"}
+
+
+def shown_log_labels(axis) -> list[tuple[float, str]]:
+    """(location, label) of each tick a drawn axis labels inside its view, major and minor, in order of location."""
+    low, high = sorted(axis.get_view_interval())
+    ticks = [*axis.get_major_ticks(len(axis.get_majorticklocs())), *axis.get_minor_ticks(len(axis.get_minorticklocs()))]
+    return sorted((tick.get_loc(), tick.label1.get_text()) for tick in ticks
+                  if low <= tick.get_loc() <= high and tick.label1.get_text())
+
+
+def check_log_labels(axis) -> list[str]:
+    """Each label reads apart from the others, and read as a number is its tick's location (two significant digits at
+    least: within 5%), so the labels rise with the ticks."""
+    labels = shown_log_labels(axis)
+    texts = [text for _, text in labels]
+    assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
+    assert all(float(text) == pytest.approx(location, rel=0.05) for location, text in labels), labels
+    assert all(float(a) < float(b) for a, b in zip(texts, texts[1:])), texts
+    return texts
+
+
+@pytest.mark.parametrize("per_token, per_sequence, expected", [
+    # a tiny random BERT's (tests/tiny.py, 80 sentences of data/austen.txt): within 0.01 of 2.87 in every layer
+    ([2.870911, 2.874724, 2.870658, 2.872872], [2.876765, 2.880579, 2.876413, 2.87861], "2.872"),
+    ([9.996, 10.001, 9.998, 10.003], [9.997, 10.004, 10.0, 10.002], "10"),  # around a decade's major tick
+    ([22.1, 22.3, 22.0, 61.0], [11.2, 10.9, 27.9, 9.3], "20"),  # packaged MiniLM's: unchanged, two digits
+])
+def test_the_kurtosis_panel_of_magnitudes_png_labels_each_tick_once(per_token, per_sequence, expected):
+    """magnitudes.png's kurtosis panel (a log axis): a kurtosis within 0.01 of 2.87 in every layer got matplotlib's
+    linear fallback ticks 2.872, 2.874, ... on it, and two significant digits wrote each "2.9"; now each label reads
+    apart from the others and is its tick's value. The live layer x step image's log colour bar, the same."""
+    from analyses.outliers import magnitudes_png
+
+    rows = [{"layer": layer, "kurtosis_mean": k, "kurtosis_sequence": s,
+             "massive_activations": {"top": [{"value": 3.7}, {"value": 3.6}, {"value": 3.4}], "median_abs": 0.68}}
+            for layer, (k, s) in enumerate(zip(per_token, per_sequence))]
+    fig = magnitudes_png({"layers": rows, "massive_rule": {"rule": "ratio", "ratio": 20.0}}, SimpleNamespace(
+        short_name="tiny"))
+    drawn(fig)
+    kurtosis = next(ax for ax in fig.axes if ax.get_title().startswith("kurtosis"))
+    assert kurtosis.get_yscale() == "log" and expected in check_log_labels(kurtosis.yaxis)
+    image = step_figures.layer_step_figure([{"title": "kurtosis", "colorbar": "kurtosis", "log": True,
+                                             "values": [per_token, per_sequence]}], [0, 100, 200, 300], [0, 1])
+    drawn(image)
+    (bar,) = [ax for ax in image.axes if hasattr(ax, "_colorbar")]
+    check_log_labels(bar.yaxis)

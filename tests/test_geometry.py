@@ -526,3 +526,53 @@ def test_sequence_spectra_of_a_clipping_that_zeroes_nothing_are_the_raw_ones_wit
         assert spectra["clipped"]["num_sentences"] == expected["num_sentences"] == len(texts)
         if clip.spec:
             assert not torch.allclose(spectra["clipped"]["spectrum"], spectra["raw"]["spectrum"])
+
+
+@pytest.mark.parametrize("clip, normalize, passes", [("none", "none", 1), ("1,5", "softdecay", 1),
+                                                     ("none", "whiten", 2)])
+def test_isotropy_encodes_the_sentences_once_unless_a_variant_is_fitted_by_the_first_pass(
+        tmp_path, bert_tok, monkeypatch, clip, normalize, passes):
+    """`analyze.py isotropy` takes the per-sequence spectra of the variants known before its reference pass (raw, a
+    clipping of given dims, SoftDecay) from that pass's forward: one encoder pass over the sentences (the encoder's
+    forwards counted), two only when a variant is estimated by the first (whiten). isotropy.json equals the one of
+    the two-pass path (every variant's spectra from a second pass, as before), and its raw sequence spectra those of
+    a SequenceSpectrum fed the encoder's batches directly."""
+    import json
+
+    import analyze
+    from analyses import geometry
+    from lightning_modules.encoder import FrozenEncoder, load_encoder
+    from metrics.isotropy import SequenceSpectrum
+    from tests.tiny import corpus_sentences, save_tiny_encoder
+
+    model = save_tiny_encoder(tmp_path / "bert", "bert", bert_tok)
+    texts = [text for text in corpus_sentences(60, start=300) if text][:30]
+    (tmp_path / "s.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    forwards, forward = [], FrozenEncoder.forward
+    monkeypatch.setattr(FrozenEncoder, "forward", lambda self, *a, **k: (forwards.append(1), forward(self, *a, **k))[1])
+
+    def isotropy(out: str) -> dict:
+        forwards.clear()
+        assert analyze.main(["isotropy", "--encoder", str(model), "--data", str(tmp_path / "s.txt"), "--max_sentences",
+                             "0", "--max_length", "32", "--batch_size", "8", "--no_progress", "--clip", clip,
+                             "--normalize", normalize, "--output_dir", str(tmp_path / out)]) == 0
+        return json.loads((tmp_path / out / "isotropy.json").read_text())
+
+    batches = math.ceil(len(texts) / 8)
+    report = isotropy("one")
+    assert len(forwards) == passes * batches
+    with monkeypatch.context() as old:
+        old.setattr(geometry.SpectraFeed, "holds", lambda self, variant: False)  # every variant from a second pass
+        before = isotropy("two")
+    assert len(forwards) == 2 * batches
+    assert report == before
+
+    encoder = load_encoder(model, device="cpu")
+    direct = SequenceSpectrum(encoder.num_hidden_states, min(32, encoder.hidden_size))
+    for batch in encoder.batches(texts, batch_size=8, max_length=32, progress=False):
+        direct.update(batch.hidden_states, batch.mask)
+    expected = direct.compute()
+    torch.testing.assert_close(torch.tensor(report["sequence_spectra"]["raw"], dtype=torch.float64),
+                               expected["spectrum"], rtol=0, atol=2e-6)
+    assert [row["raw"]["sequence_energy_top1"] for row in report["layers"]] == pytest.approx(
+        expected["energy_top1"].tolist(), abs=2e-6)
