@@ -157,7 +157,7 @@ def test_the_paper_samples_its_words_outside_its_tokenizers_special_tokens(rober
     counts = words_by_hand(lines, roberta_tok.all_special_tokens)
     qualifying = sorted(w for w, n in counts.items() if n >= 4)
     inputs = Inputs(None, None, sources={"sst2": (str(data), None)})
-    args = Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0)
+    args = Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0, no_progress=True)
     read_contexts(args, inputs, roberta_tok)
     contexts = inputs.contexts["sst2"]
     assert contexts.num_candidates == len(qualifying) == 5 and sorted(contexts.words) == qualifying
@@ -261,7 +261,7 @@ def test_added_tokens_marked_special_are_special_tokens_for_the_words_too(minilm
     counts = Counter(word for line in lines for word in {m.group().lower() for m in WORD.finditer(line)})
     qualifying = sorted(word for word, n in counts.items() if n >= 4 and word not in inside)
     inputs = Inputs(None, None, sources={"sst2": (str(data), None)})
-    read_contexts(Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0), inputs, tokenizer)
+    read_contexts(Namespace(pool_sentences=0, num_words=len(qualifying), min_sentences=4, seed=0, no_progress=True), inputs, tokenizer)
     assert inputs.contexts["sst2"].num_candidates == len(qualifying) == 3  # the, met, today
     assert sorted(inputs.contexts["sst2"].words) == qualifying
 
