@@ -161,7 +161,8 @@ def evaluations(args, setting: Setting, inputs: Inputs) -> tuple[dict, dict, str
         reports[f"sts_{dataset_name(name, reports)}"] = {**run_header(args, encoder, reference), "unscored": unscored,
                                                          **semantic.sts(setting, pairs, reference.variants, args.static,
                                                                         args.static_lowercase)}
-    return reports, found.statistics, clip
+    reports = {name: report if name == "outliers" else found.with_chance(report) for name, report in reports.items()}
+    return reports, found.statistics, clip  # each evaluation with the chance of the detection that chose its clipping
 
 
 def fit_probe(model: pl.LightningModule, data: pl.LightningDataModule, epochs: int, progress: bool, root) -> None:

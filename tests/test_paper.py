@@ -124,6 +124,10 @@ def test_paper_writes_tables_1_to_3_and_equals_the_single_commands(stand_ins, tm
         100 * spearmanr(static, [score for _, _, score in STS]).statistic, abs=1e-4)
     for name, report in reports.items():
         assert report["clip"] == expected_clip and report["clipped_dims"] == outliers["persistent_dims"], name
+        # the chance of the §3 detection that chose the clipping, as outliers.json has it (apart: the comparisons
+        # below with single commands given that clipping as dims, which no detection chose)
+        assert [row.pop("chance_bound") for row in report["layers"]] == [outliers["layers"][0]["chance_bound"]] * (
+            LAYERS + 1) and report.pop("chance_warning") == outliers["chance_warning"], name
         assert report["clip_rule"] == summary["clip_rule"], name  # the rule that gave it, not "given dims"
     assert summary["clip_rule"].startswith(f"auto: persistent outlier dims (outliers in at least half of layers "
                                            f"1..{LAYERS}, a number of ours") and "sentences of" in summary["clip_rule"]
