@@ -11,6 +11,8 @@
                                           # looks local but is not there; None for a hub id or datasets name
     hub_commit("org/name@v1.0")           # "<40 hex digits>": the commit a hub id just loaded was read at (a report
                                           # records it as encoder_commit); None for a local path or checkpoint
+    read_at("org/name")                   # ("org/name", "<commit>") once a read of it in this process resolved main to
+                                          # that commit (every later read asks for it); before: split_revision's
     short_name("runs/x/export")           # "x": a readable name for a model path (".../models--org--x/snapshots/<commit>"
                                           # of the hub's cache: "x")
     check_hub("bert-base-uncased", "encoder")   # before a hub id or datasets name is fetched: offline (no network
@@ -72,32 +74,67 @@ def pretrained(auto_class, source: str | os.PathLike, **kwargs):
     """`auto_class.from_pretrained` (AutoConfig, AutoTokenizer, AutoModel...) of a model source that `local_path` has
     passed: a local path as it is, a hub id at its revision (`org/name@v1.0`: config, weights and tokenizer files all
     read at that revision; none: the repository's main branch). The one call through which every loader reads a model,
-    a config or a tokenizer; remote code never runs."""
-    name, revision = split_revision(source)
+    a config or a tokenizer; remote code never runs. A hub id read before in this process is read at the commit that
+    first read resolved to (`read_at`), so a model's config, tokenizer and weights come from one snapshot even when its
+    branch moves between their loads."""
+    name, revision = read_at(source)
     if revision is not None:
         kwargs["revision"] = revision
-    return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
+    loaded = auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
+    key = _pin_key(source)
+    if key is not None and key not in _first_read:
+        commit = _cached_commit(*split_revision(source))
+        if commit is not None:
+            _first_read[key] = commit
+    return loaded
+
+
+# (hub cache, hub id, revision asked) -> the commit its first read in this process resolved to
+_first_read: dict[tuple[str, str, str], str] = {}
+
+
+def _pin_key(source: str | os.PathLike) -> tuple[str, str, str] | None:
+    name, revision = split_revision(source)
+    if looks_local(name):
+        return None
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE), name, revision or "main"
+
+
+def read_at(source: str | os.PathLike) -> tuple[str, str | None]:
+    """(name, revision) that `source` is read at: a hub id at the commit its first read in this process resolved to,
+    if any; else `split_revision`'s."""
+    name, revision = split_revision(source)
+    key = _pin_key(source)
+    return name, _first_read.get(key, revision) if key is not None else revision
 
 
 def model_file(source: str | os.PathLike, filename: str) -> Path | None:
     """The path of one file of a model source, as `pretrained` would read it: a local directory's own file, or a hub
-    id's from the hub (or its cache, offline) at its revision; None when the source has no such file."""
+    id's from the hub (or its cache, offline) at its revision (`read_at`); None when the source has no such file."""
     from transformers.utils import cached_file
 
-    name, revision = split_revision(source)
+    name, revision = read_at(source)
     found = cached_file(name, filename, revision=revision, _raise_exceptions_for_missing_entries=False)
     return Path(found) if found else None
 
 
 def hub_commit(source: str | os.PathLike) -> str | None:
-    """The commit hash at which `source`, a hub id loaded already (`pretrained`), was read: the snapshot directory of
-    the hub's cache, `.../models--org--name/snapshots/<commit>/`, that its config.json resolves to at its revision
-    (`org/name@v1.0`: that branch, tag or hash; none: main), through the cache's refs/<revision>, which the load itself
-    wrote (online) or read (offline). The hub is never asked. None for a local path or checkpoint (a directory, even a
-    snapshot's, records no hash: none is made up) and for an id whose file the cache does not hold."""
-    name, revision = split_revision(source)
-    if looks_local(name):
+    """The commit hash at which `source`, a hub id loaded already (`pretrained`), was read: the commit its first read in
+    this process resolved to, i.e. the snapshot directory of the hub's cache, `.../models--org--name/snapshots/<commit>/`,
+    that its config.json resolved to at its revision (`org/name@v1.0`: that branch, tag or hash; none: main), through
+    the cache's refs/<revision>, which the load itself wrote (online) or read (offline). The hub is never asked. None
+    for a local path or checkpoint (a directory, even a snapshot's, records no hash: none is made up) and for an id
+    whose file the cache does not hold."""
+    key = _pin_key(source)
+    if key is None:
         return None
+    return _first_read.get(key) or _cached_commit(*split_revision(source))
+
+
+def _cached_commit(name: str, revision: str | None) -> str | None:
+    """The snapshot of the hub cache that `name`'s config.json resolves to at `revision` (None: not cached, not an id)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:

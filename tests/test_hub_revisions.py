@@ -213,3 +213,31 @@ def test_a_trajectory_and_fine_tuning_record_the_commit_each_hub_revision_was_re
     # fine-tuning (train.py --model.encoder): the classifier's finetune.json records the module's encoder_commit
     for source, commit in ((REPO, second), (f"{REPO}@v1", first), (snapshots[1], None)):
         assert FineTuneModule(encoder=str(source), classes=[0, 1]).encoder_commit == commit, source
+
+
+def test_a_branch_that_moves_between_loads_does_not_mix_two_commits_in_one_model(revisions, bert_tok, tmp_path,
+                                                                                 monkeypatch):
+    """The tokenizer read first, then refs/main moved to another commit (a push while the run starts), then the
+    weights: both come from the commit the first read resolved to, and that is the commit recorded. A new process
+    (the memory cleared) follows refs/main to the new commit."""
+    from core import sources
+
+    root, snapshots, commits = revisions
+    cache = tmp_path / "moving"
+    repo = "someorg/tiny-bert-moving"
+    for snapshot, commit in zip(snapshots, commits, strict=True):
+        cache_model(cache / "hub", repo, snapshot, commit=commit)  # refs/main: the second, written last
+    refs = cache / "hub" / "models--someorg--tiny-bert-moving" / "refs" / "main"
+    refs.write_text(commits[0])
+    monkeypatch.chdir(tmp_path)
+    models = [direct(snapshot) for snapshot in snapshots]
+    with hub_caches(monkeypatch, cache):
+        tokenizer = encoder_tokenizer(repo)  # at refs/main: the first commit
+        refs.write_text(commits[1])  # the branch moves
+        encoder = load_encoder(repo, device="cpu")
+        assert encoder.commit == sources.hub_commit(repo) == commits[0]
+        assert same_weights(encoder.model.state_dict(), models[0][0].state_dict())
+        assert fingerprint(tokenizer) == fingerprint(encoder.tokenizer) == fingerprint(models[0][1])
+        monkeypatch.setattr(sources, "_first_read", {})  # a new process
+        moved = load_encoder(repo, device="cpu")
+        assert moved.commit == commits[1] and same_weights(moved.model.state_dict(), models[1][0].state_dict())
