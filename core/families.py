@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor, nn
 
-from core.errors import UserError
+from core.errors import UserError, warn_once
 from core.norms import feeding_norms, norm_affine
 
 BLOCK_LISTS = ("h", "layers", "layer", "blocks")  # GPT-2 / Llama, NeoX, OPT, ModernBERT / BERT's encoder.layer / MPT
@@ -184,13 +184,15 @@ def is_sinusoidal(model: nn.Module) -> bool:
     return not is_rotary(model) and any("Sinusoidal" in type(m).__name__ for m in model.modules())
 
 
-def check_position_type(config, name: str) -> None:
+def check_position_type(config, name: str, weights_of: str | None = None) -> None:
     """One line for a config whose `position_embedding_type` the installed transformers' model of its type never reads:
     a BERT-family checkpoint trained with transformers 4's relative positions ("relative_key", "relative_key_query";
     transformers 5 removed them from BERT, RoBERTa, ELECTRA, ...) loads without complaint, drops its trained distance
     embeddings and adds its absolute table, which transformers 4 built and never used (untrained). A model that reads
     the key passes with whatever value it gives it (ESM's "rotary"; Granite 4.0-H's "nope", which its model reads as
-    "not rope": the value need not be written in its source), and so does "absolute" anywhere."""
+    "not rope": the value need not be written in its source), and so does "absolute" anywhere. With `weights_of` (the
+    model's directory or hub id): a checkpoint whose safetensors hold no distance embedding at all passes with a
+    warning, the key stale (saved by transformers 5, whose model trained the absolute table it then saved)."""
     kind = getattr(config, "position_embedding_type", None)
     if not isinstance(kind, str) or kind == "absolute":
         return
@@ -199,11 +201,36 @@ def check_position_type(config, name: str) -> None:
         return
     import transformers
 
-    raise UserError(f"cannot read {name}: its config asks for position_embedding_type {kind!r}, which transformers "
-                    f"{transformers.__version__}'s {config.model_type!r} model does not implement: it would drop the "
-                    "checkpoint's relative-position weights and add its absolute position table instead (untrained "
-                    "where the checkpoint used relative positions), so its hidden states would not be the trained "
-                    "model's")
+    unread = (f"its config asks for position_embedding_type {kind!r}, which transformers {transformers.__version__}'s "
+              f"{config.model_type!r} model does not implement")
+    names = _weight_names(weights_of) if weights_of is not None else None
+    if names is not None and not any("distance_embedding" in key for key in names):
+        warn_once(f"{name}: {unread}, but its weights hold no relative-position (distance_embedding) weights: the key "
+                  "is stale (a checkpoint transformers 5 saved, whose model trained its absolute position table), so "
+                  "it is read with that table")
+        return
+    raise UserError(f"cannot read {name}: {unread}: it would drop the checkpoint's relative-position weights and add "
+                    "its absolute position table instead (untrained where the checkpoint used relative positions), so "
+                    "its hidden states would not be the trained model's")
+
+
+def _weight_names(source: str) -> list[str] | None:
+    """The tensor names of a model's safetensors (one file or an index of shards), read from their headers only; None
+    when it has none (pytorch_model.bin alone, or not downloaded while offline)."""
+    import json
+
+    from safetensors import safe_open
+
+    from core.sources import model_file
+
+    index = model_file(source, "model.safetensors.index.json")
+    if index is not None:
+        return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    single = model_file(source, "model.safetensors")
+    if single is None:
+        return None
+    with safe_open(str(single), framework="pt") as tensors:
+        return list(tensors.keys())  # noqa: SIM118 (safe_open is not a mapping)
 
 
 def _modeling_source(model_type: str) -> str | None:

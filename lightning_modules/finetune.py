@@ -67,7 +67,7 @@ def load_classifier(encoder: str, classes: list, seed: int = 0):
         config = pretrained(AutoConfig, source)
     except (OSError, ValueError) as error:
         raise cannot_load("encoder", encoder, load_failure(error, 'its config')) from None
-    check_is_encoder(config, encoder)
+    check_is_encoder(config, encoder, weights_of=source)
     try:
         tokenizer = pretrained(AutoTokenizer, source)
     except Exception as error:

@@ -88,9 +88,10 @@ def has_masked_lm(config) -> bool:
     return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
 
 
-def check_is_encoder(config, source, decoders: bool = False) -> None:
+def check_is_encoder(config, source, decoders: bool = False, weights_of: str | None = None) -> None:
     """A masked-LM encoder (or, with `decoders`, also a decoder-only causal LM), else one line; an encoder-decoder
-    (T5, BART) never."""
+    (T5, BART) never. `weights_of`: the model's directory or hub id, whose weights' names tell a stale
+    position_embedding_type from a trained one (core.families.check_position_type)."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -112,7 +113,7 @@ def check_is_encoder(config, source, decoders: bool = False) -> None:
         raise UserError(f"{source} is a {config.model_type!r} model, neither a masked-LM encoder nor a decoder-only "
                         "causal LM")
     check_layer_groups(config, str(source))
-    check_position_type(config, str(source))
+    check_position_type(config, str(source), weights_of)
 
 
 def checked_config(model_dir: str, source):
@@ -124,7 +125,7 @@ def checked_config(model_dir: str, source):
         config = pretrained(AutoConfig, model_dir)
     except (OSError, ValueError) as error:
         raise cannot_load("encoder", source, library_line(error)) from None
-    check_is_encoder(config, source, decoders=True)
+    check_is_encoder(config, source, decoders=True, weights_of=model_dir)
     if Path(model_dir).is_dir():
         check_tokenizer_files(Path(model_dir), f"encoder {str(source)!r}")
     return config

@@ -423,6 +423,42 @@ def test_a_bert_with_transformers_4_relative_key_positions_is_one_line(roberta_t
     assert "its config asks for position_embedding_type 'relative_key'" in error and len(error.splitlines()) == 1
 
 
+def test_a_bert_saved_by_transformers_5_with_a_stale_relative_key_is_read_with_its_trained_table(roberta_tok, tmp_path):
+    """The same config key in a checkpoint transformers 5 saved (its weights hold no distance embedding: the model it
+    trained added the absolute table it then saved): read with a one-line warning, as plain transformers reads it (the
+    hidden states of AutoModel, and the embeddings by hand with the saved table); the same key beside distance
+    embeddings stays refused (above)."""
+    import warnings
+
+    import transformers as tf
+    from safetensors import safe_open
+
+    config = tf.BertConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
+                           num_attention_heads=2, intermediate_size=32, max_position_embeddings=POSITIONS,
+                           position_embedding_type="relative_key")
+    torch.manual_seed(0)
+    path = save_planted(tf.BertModel(config), roberta_tok, tmp_path / "bert")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as saved:
+        assert not any("distance" in key for key in saved.keys())  # noqa: SIM118
+        table = saved.get_tensor("embeddings.position_embeddings.weight")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        encoder = load_encoder(str(path), device="cpu")
+    stale = [str(w.message) for w in caught if "stale" in str(w.message)]
+    assert len(stale) == 1 and "its weights hold no relative-position (distance_embedding) weights" in stale[0]
+    ids = torch.tensor([[0, 9, 14, 30, 2]])
+    plain = AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        ours = encoder.model(input_ids=ids, output_hidden_states=True).hidden_states
+        theirs = plain(input_ids=ids, output_hidden_states=True).hidden_states
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+    embeddings = plain.embeddings
+    by_hand = embeddings.LayerNorm(embeddings.word_embeddings.weight[ids[0]] + table[:5]
+                                   + embeddings.token_type_embeddings.weight[0])
+    torch.testing.assert_close(ours[0][0], by_hand)
+
+
 def outliers_refusal(encoder, tmp_path, capsys) -> str:
     """`analyze.py outliers` on `encoder`: exit 2 and nothing written; what it printed to stderr."""
     import analyze
