@@ -191,8 +191,8 @@ def check_position_type(config, name: str, weights_of: str | None = None) -> Non
     embeddings and adds its absolute table, which transformers 4 built and never used (untrained). A model that reads
     the key passes with whatever value it gives it (ESM's "rotary"; Granite 4.0-H's "nope", which its model reads as
     "not rope": the value need not be written in its source), and so does "absolute" anywhere. With `weights_of` (the
-    model's directory or hub id): a checkpoint whose safetensors hold no distance embedding at all passes with a
-    warning, the key stale (saved by transformers 5, whose model trained the absolute table it then saved)."""
+    model's directory or hub id): a checkpoint whose safetensors hold no distance embedding and whose absolute table is
+    trained (`_stale_table`) passes with a warning, the key stale (trained and saved by transformers 5)."""
     kind = getattr(config, "position_embedding_type", None)
     if not isinstance(kind, str) or kind == "absolute":
         return
@@ -203,10 +203,11 @@ def check_position_type(config, name: str, weights_of: str | None = None) -> Non
 
     unread = (f"its config asks for position_embedding_type {kind!r}, which transformers {transformers.__version__}'s "
               f"{config.model_type!r} model does not implement")
-    names = _weight_names(weights_of) if weights_of is not None else None
-    if names is not None and not any("distance_embedding" in key for key in names):
-        warn_once(f"{name}: {unread}, but its weights hold no relative-position (distance_embedding) weights: the key "
-                  "is stale (a checkpoint transformers 5 saved, whose model trained its absolute position table), so "
+    trained = _stale_table(weights_of) if weights_of is not None else None
+    if trained is not None and trained >= TRAINED_TABLE:
+        warn_once(f"{name}: {unread}, but its weights hold no relative-position (distance_embedding) weights and its "
+                  f"absolute position table is trained (adjacent positions' rows: mean cosine {trained:.2f}; an "
+                  "untrained table's is near 0): the key is stale (a checkpoint transformers 5 trained and saved), so "
                   "it is read with that table")
         return
     raise UserError(f"cannot read {name}: {unread}: it would drop the checkpoint's relative-position weights and add "
@@ -214,23 +215,35 @@ def check_position_type(config, name: str, weights_of: str | None = None) -> Non
                     "its hidden states would not be the trained model's")
 
 
-def _weight_names(source: str) -> list[str] | None:
-    """The tensor names of a model's safetensors (one file or an index of shards), read from their headers only; None
-    when it has none (pytorch_model.bin alone, or not downloaded while offline)."""
-    import json
+TRAINED_TABLE = 0.2  # the least mean cosine of adjacent rows of a trained table (ours; an untrained one's is ~0)
 
+
+def _stale_table(source: str) -> float | None:
+    """For a checkpoint whose safetensors hold no distance embedding (no relative positions: transformers 4 saved them
+    as parameters), the mean cosine of adjacent rows of its absolute position table: near 0 where the table is the
+    untrained one transformers 4 left (a relative checkpoint that transformers 5 only loaded and saved again, dropping
+    its distance embeddings), high where a model trained it; None otherwise, or when the weights cannot be read (the
+    refusal then stands)."""
     from safetensors import safe_open
 
-    from core.sources import model_file
+    from core.sources import safetensors_of
 
-    index = model_file(source, "model.safetensors.index.json")
-    if index is not None:
-        return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-    single = model_file(source, "model.safetensors")
-    if single is None:
+    try:
+        files, table = safetensors_of(source), None
+        for path in files or ():
+            with safe_open(str(path), framework="pt") as tensors:
+                keys = list(tensors.keys())  # noqa: SIM118 (safe_open is not a mapping)
+                if any("distance_embedding" in key for key in keys):
+                    return None
+                for key in keys:
+                    if key.endswith("embeddings.position_embeddings.weight"):
+                        table = tensors.get_tensor(key).double()
+    except Exception:  # noqa: BLE001 (any failure to read the weights: the refusal, as without this check)
         return None
-    with safe_open(str(single), framework="pt") as tensors:
-        return list(tensors.keys())  # noqa: SIM118 (safe_open is not a mapping)
+    if table is None or len(table) < 2:
+        return None
+    rows = table / table.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return float((rows[1:] * rows[:-1]).sum(1).mean())
 
 
 def _modeling_source(model_type: str) -> str | None:

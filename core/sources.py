@@ -120,6 +120,21 @@ def model_file(source: str | os.PathLike, filename: str) -> Path | None:
     return Path(found) if found else None
 
 
+def safetensors_of(source: str | os.PathLike) -> list[Path] | None:
+    """The safetensors files of a model source, each found as `model_file` finds it: the shards its
+    model.safetensors.index.json lists, else its one model.safetensors; None when it has neither (pytorch_model.bin
+    alone, or not in the cache offline)."""
+    import json
+
+    index = model_file(source, "model.safetensors.index.json")
+    if index is None:
+        single = model_file(source, "model.safetensors")
+        return None if single is None else [single]
+    shards = dict.fromkeys(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    files = [model_file(source, shard) for shard in shards]
+    return None if None in files else files
+
+
 def hub_commit(source: str | os.PathLike) -> str | None:
     """The commit hash at which `source`, a hub id loaded already (`pretrained`), was read: the commit its first read in
     this process resolved to, i.e. the snapshot directory of the hub's cache, `.../models--org--name/snapshots/<commit>/`,

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import UserError
-from core.sources import model_file, pretrained
+from core.sources import pretrained, safetensors_of
 
 VARIANTS = ("softmax", "clipped_softmax", "gated")
 GAMMA, ZETA = -0.025, 1.0  # their BERT-base recipe: --attn_softmax "clipped(-.025:1)"
@@ -248,26 +248,27 @@ def _quiet():
 
 
 def load_gates(model: nn.Module, source: str) -> None:
-    """The gate weights of a gated export's model.safetensors into `model` (a bare encoder or one with a head): a local
-    directory's file, or a hub id's at its revision (`org/name@v1`)."""
+    """The gate weights of a gated export's safetensors (model.safetensors, or the shards of its index) into `model` (a
+    bare encoder or one with a head): a local directory's files, or a hub id's at its revision (`org/name@v1`)."""
     from safetensors import safe_open
 
-    path = model_file(source, "model.safetensors")
-    if path is None:
-        raise UserError(f"{source}: its config records gated attention but it has no model.safetensors (a gated "
-                        "export's gates are read from that one file)")
+    files = safetensors_of(source)
+    if files is None:
+        raise UserError(f"{source}: its config records gated attention but it has no model.safetensors (nor shards "
+                        "listed in a model.safetensors.index.json): a gated export's gates are read from those")
     wanted = {name: parameter for name, parameter in model.named_parameters() if ".gate_" in name}
     found = set()
-    with safe_open(str(path), framework="pt") as tensors:
-        for key in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            if ".gate_" not in key:
-                continue
-            for name in (key, key.split(".", 1)[1] if "." in key else key, f"{model.base_model_prefix}.{key}"):
-                if name in wanted:
-                    with torch.no_grad():
-                        wanted[name].copy_(tensors.get_tensor(key))
-                    found.add(name)
-                    break
+    for path in files:
+        with safe_open(str(path), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if ".gate_" not in key:
+                    continue
+                for name in (key, key.split(".", 1)[1] if "." in key else key, f"{model.base_model_prefix}.{key}"):
+                    if name in wanted:
+                        with torch.no_grad():
+                            wanted[name].copy_(tensors.get_tensor(key))
+                        found.add(name)
+                        break
     if found != set(wanted):
         raise UserError(f"{source}: its config records gated attention but model.safetensors lacks gate weights "
                         f"{sorted(set(wanted) - found)[:2]}")

@@ -66,3 +66,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_hub_pins(monkeypatch):
+    """Every test starts as a new process would: no hub id pinned to the commit an earlier test's first read resolved
+    (core.sources.read_at)."""
+    from core import sources
+
+    monkeypatch.setattr(sources, "_first_read", {})

@@ -8,6 +8,7 @@ geometry on tiny runs of each variant.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -292,7 +293,8 @@ def test_a_gated_export_without_its_gate_weights_is_one_line(roberta_tok, tmp_pa
     with pytest.raises(UserError) as caught:
         load_encoder(tmp_path / "export", device="cpu")
     assert str(caught.value) == (f"{tmp_path / 'export'}: its config records gated attention but it has no "
-                                 "model.safetensors (a gated export's gates are read from that one file)")
+                                 "model.safetensors (nor shards listed in a model.safetensors.index.json): a gated "
+                                 "export's gates are read from those")
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -428,3 +430,27 @@ def test_two_process_ddp_trains_each_variant_as_one_process_does(attention, corp
     assert any(".gate_" in name for name in trained) == (attention == "gated")
     for name, value in trained.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_gated_export_in_shards_loads_its_gates_from_every_shard(roberta_tok, tmp_path):
+    """A gated export saved as shards (model.safetensors.index.json and its files, as a large export pushed to the hub
+    is): the gates are read from the shards that hold them, the hidden states those of the single-file export."""
+    import shutil
+
+    module = module_of("gated", roberta_tok)
+    for name, parameter in module.model.named_parameters():
+        if ".gate_" in name:
+            torch.nn.init.normal_(parameter, std=2.0)
+    export(module, roberta_tok, tmp_path / "export")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tmp_path / "export", sharded)
+    (sharded / "model.safetensors").unlink()
+    module.model.save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    holding = {file for key, file in index["weight_map"].items() if ".gate_" in key}
+    assert len(holding) > 1 and not (sharded / "model.safetensors").exists()  # the gates spread over several shards
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        got, want = (load_encoder(source, device="cpu").model(input_ids=ids, attention_mask=mask).last_hidden_state
+                     for source in (sharded, tmp_path / "export"))
+    torch.testing.assert_close(real(got, mask), real(want, mask), rtol=1e-6, atol=1e-6)

@@ -1307,8 +1307,9 @@ ERROR_ROW_TESTS = {
     ("analyze.py, probe.py, train.py",
      "a BERT-family checkpoint trained with transformers 4's relative positions (`position_embedding_type` "
      "`relative_key` / `relative_key_query` in its config: transformers 5 ignores the key, drops the distance "
-     "embeddings and adds the untrained absolute table; a checkpoint whose safetensors hold no `distance_embedding`, "
-     "saved by transformers 5 with the key stale, is read with a warning instead)"): [
+     "embeddings and adds the untrained absolute table; a checkpoint whose safetensors hold no `distance_embedding` "
+     "and whose absolute table is trained, saved by transformers 5 with the key stale, is read with a warning "
+     "instead)"): [
         "test_more_families.py::test_a_bert_with_transformers_4_relative_key_positions_is_one_line",
         "test_more_families.py::test_a_bert_saved_by_transformers_5_with_a_stale_relative_key_is_read_with_its_trained_"
         "table",

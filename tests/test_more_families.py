@@ -433,11 +433,22 @@ def test_a_bert_saved_by_transformers_5_with_a_stale_relative_key_is_read_with_i
     import transformers as tf
     from safetensors import safe_open
 
+    from core.errors import UserError
+
     config = tf.BertConfig(vocab_size=len(roberta_tok), hidden_size=WIDTH, num_hidden_layers=DEPTH,
                            num_attention_heads=2, intermediate_size=32, max_position_embeddings=POSITIONS,
                            position_embedding_type="relative_key")
     torch.manual_seed(0)
-    path = save_planted(tf.BertModel(config), roberta_tok, tmp_path / "bert")
+    model = tf.BertModel(config)
+    # a transformers 4 relative checkpoint loaded and saved again by transformers 5: no distance embedding either, but
+    # the absolute table is the untrained one (adjacent rows uncorrelated): still refused
+    resaved = save_planted(model, roberta_tok, tmp_path / "resaved")
+    with pytest.raises(UserError, match="position_embedding_type 'relative_key', which transformers"):
+        load_encoder(str(resaved), device="cpu")
+    with torch.no_grad():  # a trained table: smooth in the position, as a learned one becomes
+        angles = torch.arange(POSITIONS)[:, None] * torch.linspace(0.01, 0.2, WIDTH)[None] + torch.rand(WIDTH) * 6.28
+        model.embeddings.position_embeddings.weight.copy_(0.05 * torch.sin(angles))
+    path = save_planted(model, roberta_tok, tmp_path / "bert")
     with safe_open(str(path / "model.safetensors"), framework="pt") as saved:
         assert not any("distance" in key for key in saved.keys())  # noqa: SIM118
         table = saved.get_tensor("embeddings.position_embeddings.weight")
@@ -446,6 +457,8 @@ def test_a_bert_saved_by_transformers_5_with_a_stale_relative_key_is_read_with_i
         encoder = load_encoder(str(path), device="cpu")
     stale = [str(w.message) for w in caught if "stale" in str(w.message)]
     assert len(stale) == 1 and "its weights hold no relative-position (distance_embedding) weights" in stale[0]
+    rows = torch.nn.functional.normalize(table.double(), dim=1)  # the cosine the warning names, computed directly
+    assert f"mean cosine {(rows[1:] * rows[:-1]).sum(1).mean():.2f}" in stale[0]
     ids = torch.tensor([[0, 9, 14, 30, 2]])
     plain = AutoModel.from_pretrained(path).eval()
     with torch.no_grad():
