@@ -158,7 +158,22 @@ def prepare(args, rank: int, read: Callable[..., T], masked_lm: bool = False, to
             check_writable(args.output_dir)
         return data, open_encoder(args, masked_lm, loaded[0] if loaded else None)
 
-    return collectively(step)
+    data, encoder = collectively(step)
+    same_commit(encoder.name, encoder.commit)
+    return data, encoder
+
+
+def same_commit(name: str, commit: str | None) -> None:
+    """Under DDP, one line on every rank when the ranks read a hub id at different commits (its branch moved while they
+    loaded: each process pins the commit its own first read resolved to), so that no report mixes two models."""
+    if not dist.is_initialized():
+        return
+    commits: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(commits, commit)
+    if len(set(commits)) > 1:
+        shown = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(commits))
+        raise UserError(f"the processes read {name} at different commits ({shown}): its branch moved while they "
+                        f"loaded; run again, or pin one: --encoder {name.split('@')[0]}@{commits[0]}")
 
 
 def run_header(args, encoder: FrozenEncoder, reference: Reference | None = None) -> dict:

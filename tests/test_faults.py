@@ -823,6 +823,10 @@ ERROR_ROW_TESTS = {
     ('analyze.py', 'trajectory: two runs with one label (`--run a=X --run a=Y`, or two directories of one name unlabelled)'): [
         'test_trajectory.py::test_several_runs_refuse_bad_input_in_one_line_and_write_nothing',
     ],
+    ('analyze.py', 'under torchrun, a hub id whose branch moved while the processes loaded it (each reads the commit '
+                   'its own first read resolved to)'): [
+        'test_hub_revisions.py::test_processes_that_read_a_hub_id_at_different_commits_are_refused_on_every_rank',
+    ],
     ('analyze.py, probe.py, train.py', 'a gated export whose model.safetensors lacks the gates'): [
         'test_attention_variants.py::test_a_gated_export_without_its_gate_weights_is_one_line',
     ],

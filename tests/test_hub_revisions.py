@@ -241,3 +241,37 @@ def test_a_branch_that_moves_between_loads_does_not_mix_two_commits_in_one_model
         sources._first_read.clear()  # a new process
         moved = load_encoder(repo, device="cpu")
         assert moved.commit == commits[1] and same_weights(moved.model.state_dict(), models[1][0].state_dict())
+
+
+def _commit_worker(rank: int, world: int, port: int, commits: list, out: str) -> None:
+    import torch.distributed as dist
+
+    from analyses.session import same_commit
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        same_commit("someorg/x", commits[rank])
+        said = "passed"
+    except UserError as error:
+        said = str(error)
+    finally:
+        dist.destroy_process_group()
+    Path(f"{out}.{rank}").write_text(said)
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_processes_that_read_a_hub_id_at_different_commits_are_refused_on_every_rank(moved, tmp_path):
+    """Two gloo processes: the same commit (or a local path's None on both) passes; a branch that moved between the
+    two ranks' loads is one line on each rank, naming both commits and the pin that would make them agree."""
+    import torch.multiprocessing as mp
+
+    from tests.tiny import free_port
+
+    commits = ["a" * 40, "b" * 40] if moved else ["a" * 40, "a" * 40]
+    out = str(tmp_path / "said")
+    mp.start_processes(_commit_worker, args=(2, free_port(), commits, out), nprocs=2, start_method="spawn", join=True)
+    said = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
+    expected = (f"the processes read someorg/x at different commits (rank 0: {'a' * 40}, rank 1: {'b' * 40}): its "
+                f"branch moved while they loaded; run again, or pin one: --encoder someorg/x@{'a' * 40}")
+    assert said == ([expected] * 2 if moved else ["passed"] * 2)
