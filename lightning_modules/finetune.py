@@ -327,8 +327,14 @@ class FineTuneModule(TrainingModule):
             raise UserError(f"{what} was fine-tuned on the classes {list(saved)} but the data give "
                             f"{list(self.hparams.classes)}; resume with the same data")
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["encoder_commit"] = self.encoder_commit  # the commit the run started from, whatever `main` is later
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.check_checkpoint(checkpoint.get("hyper_parameters", {}))
+        if "encoder_commit" in checkpoint:  # a resume: its weights come from the checkpoint, fine-tuned from this one
+            self.encoder_commit = checkpoint["encoder_commit"]
         super().on_load_checkpoint(checkpoint)
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "adapt_checkpoint"):  # before Lightning restores its loops from the same dict

@@ -241,6 +241,21 @@ def test_a_branch_that_moves_between_loads_does_not_mix_two_commits_in_one_model
         sources._first_read.clear()  # a new process
         moved = load_encoder(repo, device="cpu")
         assert moved.commit == commits[1] and same_weights(moved.model.state_dict(), models[1][0].state_dict())
+        # fine-tuning resumed after the branch moved: finetune.json names the commit the run started from (kept in
+        # its checkpoint), not the one `main` gives the resuming process
+        from lightning_modules.finetune import FineTuneModule
+
+        refs.write_text(commits[0])
+        sources._first_read.clear()
+        started = FineTuneModule(encoder=repo, classes=[0, 1])
+        checkpoint = {"hyper_parameters": dict(started.hparams)}
+        started.on_save_checkpoint(checkpoint)
+        refs.write_text(commits[1])
+        sources._first_read.clear()  # days later, another process
+        resumed = FineTuneModule(encoder=repo, classes=[0, 1])
+        assert (started.encoder_commit, resumed.encoder_commit) == (commits[0], commits[1])
+        resumed.on_load_checkpoint(checkpoint)
+        assert resumed.encoder_commit == commits[0]
 
 
 def _commit_worker(rank: int, world: int, port: int, commits: list, out: str) -> None:
