@@ -82,10 +82,8 @@ def pretrained(auto_class, source: str | os.PathLike, **kwargs):
         kwargs["revision"] = revision
     loaded = auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
     key = _pin_key(source)
-    if key is not None and key not in _first_read:
-        commit = _cached_commit(*split_revision(source))
-        if commit is not None:
-            _first_read[key] = commit
+    if key is not None and key not in _first_read and (commit := _cached_commit(*key[1:])) is not None:
+        _first_read[key] = commit
     return loaded
 
 
@@ -106,8 +104,7 @@ def read_at(source: str | os.PathLike) -> tuple[str, str | None]:
     """(name, revision) that `source` is read at: a hub id at the commit its first read in this process resolved to,
     if any; else `split_revision`'s."""
     name, revision = split_revision(source)
-    key = _pin_key(source)
-    return name, _first_read.get(key, revision) if key is not None else revision
+    return name, _first_read.get(_pin_key(source), revision)
 
 
 def model_file(source: str | os.PathLike, filename: str) -> Path | None:
